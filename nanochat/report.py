@@ -1,0 +1,654 @@
+"""
+The report card of a training run.
+
+Every stage writes its own section into `<base_dir>/report/` as it finishes (a markdown
+file for people, a JSON file with the raw numbers for us), and the training loops
+append metric curves to `report/curves/<stage>.jsonl`. At the end,
+`python -m nanochat.report generate` assembles `report.md`: the machine and git state
+recorded by `reset`, how much code the repo holds, each stage's section in pipeline
+order, a summary table of the eval metrics, wall-clock time, a cost estimate and PNG
+plots of the curves. Only rank 0 writes; other ranks get a DummyReport that does nothing.
+
+    python -m nanochat.report reset      # at the start of a run
+    python -m nanochat.report generate   # at the end
+"""
+
+import argparse
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import time
+
+from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir, get_dist_info, run_main
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Sections in the order the pipeline produces them; anything else goes after, oldest first.
+PIPELINE_SECTIONS = [
+    "Tokenizer training",
+    "Tokenizer evaluation",
+    "Base model training",
+    "Base model loss",
+    "Base model evaluation",
+    "Midtraining",
+    "Chat SFT",
+    "Chat RL",
+    "Chat evaluation mid",
+    "Chat evaluation sft",
+    "Chat evaluation rl",
+]
+
+# Summary table: which sections feed each column, and which metrics make the rows.
+SUMMARY_COLUMNS = [
+    ("BASE", ["Base model evaluation"]),
+    ("MID", ["Chat evaluation mid"]),
+    ("SFT", ["Chat evaluation sft"]),
+    ("RL", ["Chat evaluation rl"]),
+]
+SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "ChatCORE"]
+
+# Rough on-demand cloud price per GPU-hour in USD (a ballpark, not a quote): 8×H100 ≈ $24/h.
+GPU_HOURLY_USD = [("H200", 3.50), ("H100", 3.00), ("A100", 1.80)]
+
+BLOAT_EXTENSIONS = (".py", ".sh", ".md", ".html", ".toml")
+CHARS_PER_TOKEN = 4  # the usual rule of thumb for English text and code
+
+HEADER_NAME = "header"
+REPORT_NAME = "report.md"
+CURVES_DIR = "curves"
+
+
+def slugify(name):
+    """'Base model training' -> 'base-model-training': the file name of a section."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if not slug:
+        raise UserError(f"report section name {name!r} has no letters or digits; give it a readable name")
+    return slug
+
+
+def format_value(value):
+    """Numbers as a person wants to read them in a report; everything else as str()."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if value == 0.0:
+            return "0"
+        if abs(value) >= 1e4:
+            return f"{value:,.0f}"
+        if abs(value) < 1e-3:
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+def format_duration(seconds):
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def _json_default(obj):
+    # Tensors, numpy scalars and friends become plain numbers; anything else its text.
+    if hasattr(obj, "item"):
+        try:
+            return obj.item()
+        except (ValueError, RuntimeError):
+            pass
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def to_json(obj):
+    return json.dumps(obj, default=_json_default)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _now_iso(epoch=None):
+    return datetime.datetime.fromtimestamp(time.time() if epoch is None else epoch).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# -----------------------------------------------------------------------------
+# What the machine and the code look like
+
+
+def _git(args):
+    """stdout of a git command run in the repo, or None when git or the repo is not there."""
+    try:
+        result = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def git_info():
+    if _git(["rev-parse", "--is-inside-work-tree"]) != "true":
+        return {"in_repo": False}
+    status = _git(["status", "--porcelain"])
+    return {
+        "in_repo": True,
+        # symbolic-ref and rev-parse fail on a detached HEAD and on a repo with no commits, respectively.
+        "branch": _git(["symbolic-ref", "--short", "HEAD"]) or "(detached)",
+        "commit": _git(["rev-parse", "--short", "HEAD"]) or "(no commits yet)",
+        "dirty": bool(status),
+    }
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def gpu_info():
+    """[{name, memory_gib}] for each visible CUDA device; empty on CPU-only machines."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append({"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)})
+    return gpus
+
+
+def system_info():
+    import psutil
+    import torch
+
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_model": cpu_model(),
+        "cpu_logical": os.cpu_count(),
+        "cpu_physical": psutil.cpu_count(logical=False),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": gpu_info(),
+        "git": git_info(),
+    }
+
+
+def describe_gpus(gpus):
+    if not gpus:
+        return "none (CPU only)"
+    counts = {}
+    for gpu in gpus:
+        key = (gpu["name"], gpu["memory_gib"])
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} × {name} ({mem} GiB each)" for (name, mem), n in counts.items())
+
+
+def render_header(info, start_time):
+    git = info["git"]
+    if git["in_repo"]:
+        git_line = f"{git['commit']} on {git['branch']}" + (" (dirty: uncommitted changes)" if git["dirty"] else " (clean)")
+    else:
+        git_line = "not a git repository"
+    lines = [
+        "## Environment",
+        "",
+        f"- Run started: {_now_iso(start_time)}",
+        f"- Git: {git_line}",
+        f"- Hostname: {info['hostname']}",
+        f"- Platform: {info['platform']}",
+        f"- Python: {info['python']}",
+        f"- PyTorch: {info['torch']}",
+        f"- CPU: {info['cpu_model']} ({info['cpu_logical']} logical, {info['cpu_physical']} physical cores)",
+        f"- RAM: {info['ram_gib']} GiB",
+        f"- GPUs: {describe_gpus(info['gpus'])}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def bloat_files():
+    """The repo's code and docs: what git tracks or would track (not ignored), else a walk skipping hidden and venv dirs."""
+    listing = _git(["ls-files", "--cached", "--others", "--exclude-standard"])
+    if listing is not None:
+        paths = [os.path.join(REPO_ROOT, p) for p in listing.splitlines()]
+    else:
+        paths = []
+        for root, dirs, files in os.walk(REPO_ROOT):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "node_modules", "venv"))
+            paths.extend(os.path.join(root, f) for f in sorted(files))
+    # A file deleted from disk but still in git's index is not part of the code any more.
+    return sorted(p for p in set(paths) if p.endswith(BLOAT_EXTENSIONS) and os.path.isfile(p))
+
+
+def bloat_stats():
+    stats = {"files": 0, "lines": 0, "chars": 0}
+    for path in bloat_files():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        stats["files"] += 1
+        stats["lines"] += text.count("\n") + (0 if text.endswith("\n") or not text else 1)
+        stats["chars"] += len(text)
+    stats["tokens"] = stats["chars"] // CHARS_PER_TOKEN
+    return stats
+
+
+def hourly_price(gpus):
+    """(USD per hour for this node, how we got it) from the GPU table; (None, reason) when we cannot say."""
+    if not gpus:
+        return None, "CPU-only run: no GPU rental cost"
+    total = 0.0
+    for gpu in gpus:
+        price = next((p for key, p in GPU_HOURLY_USD if key in gpu["name"]), None)
+        if price is None:
+            return None, f"no price known for {gpu['name']}; pass --hourly-price"
+        total += price
+    per_gpu = ", ".join(f"{key} ${p:.2f}" for key, p in GPU_HOURLY_USD)
+    return total, f"assumed on-demand cloud prices per GPU-hour ({per_gpu}) for {describe_gpus(gpus)}"
+
+
+# -----------------------------------------------------------------------------
+# Plots
+
+
+def _new_figure(width, height):
+    # The Agg canvas directly, without pyplot: no display, no global figure state.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save_png(fig, path):
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def plot_curve(stage, records, path):
+    """One panel per numeric field of the stage's records against step; returns False when there is nothing to plot."""
+    fields = []
+    for record in records:
+        for key, value in record.items():
+            if key != "step" and _is_number(value) and key not in fields:
+                fields.append(key)
+    if not fields:
+        return False
+    steps = [r["step"] if _is_number(r.get("step")) else i for i, r in enumerate(records)]
+    ncols = 1 if len(fields) == 1 else 2
+    nrows = math.ceil(len(fields) / ncols)
+    fig = _new_figure(6 * ncols, 3.2 * nrows)
+    for i, field in enumerate(fields):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        points = [(step, r[field]) for step, r in zip(steps, records) if _is_number(r.get(field))]
+        xs, ys = zip(*points)
+        # Sparse curves (val_bpb every few hundred steps) read better with their points marked.
+        ax.plot(xs, ys, marker="o" if len(points) <= 50 else None, markersize=3, linewidth=1.2)
+        ax.set_title(field)
+        ax.set_xlabel("step")
+        if min(steps) < max(steps):
+            ax.set_xlim(min(steps), max(steps))  # every panel on the same step axis, for comparing
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(stage)
+    fig.tight_layout()
+    _save_png(fig, path)
+    return True
+
+
+def plot_summary(table, path):
+    """Grouped bars: each metric that has a value, one bar per stage."""
+    metrics = [m for m in SUMMARY_METRICS if any(_is_number(v) for v in table[m].values())]
+    columns = [col for col, _ in SUMMARY_COLUMNS if any(_is_number(table[m][col]) for m in metrics)]
+    if not metrics:
+        return False
+    fig = _new_figure(max(6, 1.4 * len(metrics)), 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / len(columns)
+    for j, col in enumerate(columns):
+        values = [table[m][col] if _is_number(table[m][col]) else 0.0 for m in metrics]
+        ax.bar([i + (j - (len(columns) - 1) / 2) * width for i in range(len(metrics))], values, width, label=col)
+    ax.set_xticks(range(len(metrics)))
+    ax.set_xticklabels(metrics)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.legend()
+    ax.set_title("eval metrics per stage")
+    fig.tight_layout()
+    _save_png(fig, path)
+    return True
+
+
+# -----------------------------------------------------------------------------
+# The report
+
+
+def _metric_key(name):
+    """'CORE metric', 'core', 'ChatCORE metric', 'arc_easy' -> canonical row names of the summary table."""
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    key = re.sub(r"metric$", "", key)
+    for metric in SUMMARY_METRICS:
+        if key == re.sub(r"[^a-z0-9]", "", metric.lower()):
+            return metric
+    return None
+
+
+def read_json(path):
+    """A JSON object from a file, or None when it is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_jsonl(path):
+    """Records of a JSON-lines file; lines that do not parse (a write cut short by a kill) are skipped."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+class Report:
+    def __init__(self, report_dir):
+        self.report_dir = report_dir
+        os.makedirs(report_dir, exist_ok=True)
+
+    # --- sections ---
+
+    def log(self, section, data):
+        """Write a section: dicts become '- key: value' bullets, strings go in as-is. Re-logging replaces it."""
+        if isinstance(data, (dict, str)):
+            data = [data]
+        if not isinstance(data, (list, tuple)):
+            raise TypeError(f"report.log({section!r}, data): data must be a list of dicts and strings, got {type(data).__name__}")
+        slug = slugify(section)
+        now = time.time()
+        blocks = [f"## {section}\ntimestamp: {_now_iso(now)}"]
+        for item in data:
+            # Blank lines between items, or markdown would fold a string into the bullet list above it.
+            if isinstance(item, dict):
+                blocks.append("\n".join(f"- {key}: {format_value(value)}" for key, value in item.items()))
+            elif item is not None:
+                blocks.append(str(item).rstrip("\n"))
+        markdown = "\n\n".join(b for b in blocks if b) + "\n"
+        record = {"section": section, "time": now, "timestamp": _now_iso(now), "data": list(data)}
+        os.makedirs(self.report_dir, exist_ok=True)
+        # JSON first: a section whose markdown exists always has its numbers beside it.
+        atomic_write_text(os.path.join(self.report_dir, f"{slug}.json"), to_json(record) + "\n")
+        atomic_write_text(os.path.join(self.report_dir, f"{slug}.md"), markdown)
+        return os.path.join(self.report_dir, f"{slug}.md")
+
+    # --- curves ---
+
+    def curve_path(self, stage):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", stage):
+            raise UserError(f"curve stage name {stage!r} must be letters, digits, '_', '-' or '.' (e.g. 'base_train')")
+        return os.path.join(self.report_dir, CURVES_DIR, f"{stage}.jsonl")
+
+    def log_curve(self, stage, record):
+        """Append one record (e.g. {"step": 10, "train_loss": 3.2}) to curves/<stage>.jsonl."""
+        path = self.curve_path(stage)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        line = to_json(record) + "\n"
+        # If a kill cut the previous line short, start on a fresh line so only that one record is lost.
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+        # One write of one whole line: a kill can only leave a partial last line, which readers skip.
+        with open(path, "ab") as f:
+            f.write(line.encode("utf-8"))
+
+    def read_curve(self, stage):
+        return read_jsonl(self.curve_path(stage))
+
+    def reset_curve(self, stage):
+        """Forget a stage's curve: a fresh (not resumed) training run starts from step 0."""
+        path = self.curve_path(stage)
+        if os.path.exists(path):
+            os.remove(path)
+
+    def truncate_curve(self, stage, after_step):
+        """Drop records with step > after_step: a run resumed from after_step will log those steps again."""
+        path = self.curve_path(stage)
+        if not os.path.exists(path):
+            return
+        kept = [r for r in read_jsonl(path) if not (_is_number(r.get("step")) and r["step"] > after_step)]
+        atomic_write_text(path, "".join(to_json(r) + "\n" for r in kept))
+
+    # --- start and end of a run ---
+
+    def reset(self):
+        """Clear the report dir and record the machine, the code and the start time."""
+        if os.path.isdir(self.report_dir):
+            shutil.rmtree(self.report_dir)
+        os.makedirs(self.report_dir)
+        start_time = time.time()
+        info = system_info()
+        header = {"start_time": start_time, "timestamp": _now_iso(start_time), "system": info}
+        atomic_write_text(os.path.join(self.report_dir, f"{HEADER_NAME}.json"), to_json(header) + "\n")
+        atomic_write_text(os.path.join(self.report_dir, f"{HEADER_NAME}.md"), render_header(info, start_time))
+        return header
+
+    def sections(self):
+        """[(slug, name, record)] of the logged sections: pipeline order first, then the rest oldest first."""
+        known = {slugify(name): i for i, name in enumerate(PIPELINE_SECTIONS)}
+        found = []
+        for filename in os.listdir(self.report_dir):
+            slug, ext = os.path.splitext(filename)
+            if ext != ".md" or slug == HEADER_NAME or filename == REPORT_NAME:
+                continue
+            record = read_json(os.path.join(self.report_dir, f"{slug}.json"))
+            if record is None:
+                record = {"section": slug, "time": os.path.getmtime(os.path.join(self.report_dir, filename)), "data": []}
+            found.append((slug, record.get("section", slug), record))
+        found.sort(key=lambda s: (known.get(s[0], len(known)), s[2].get("time", 0.0), s[0]))
+        return found
+
+    def summary_table(self, sections):
+        """{metric: {column: value or None}} from the numbers stored by the eval sections."""
+        by_slug = {slug: record for slug, _, record in sections}
+        table = {m: {col: None for col, _ in SUMMARY_COLUMNS} for m in SUMMARY_METRICS}
+        for col, names in SUMMARY_COLUMNS:
+            for name in names:
+                record = by_slug.get(slugify(name))
+                if record is None:
+                    continue
+                for item in record.get("data", []):
+                    if not isinstance(item, dict):
+                        continue
+                    for key, value in item.items():
+                        metric = _metric_key(str(key))
+                        if metric and _is_number(value):
+                            table[metric][col] = value
+        return table
+
+    def generate(self, hourly_price_usd=None, copy_to=None):
+        """Assemble report.md in the report dir, plus a copy in copy_to (default: the current directory)."""
+        end_time = time.time()
+        header = read_json(os.path.join(self.report_dir, f"{HEADER_NAME}.json"))
+        sections = self.sections()
+
+        parts = ["# nanochat training report", "", f"Generated: {_now_iso(end_time)}", ""]
+
+        header_md = os.path.join(self.report_dir, f"{HEADER_NAME}.md")
+        if os.path.exists(header_md):
+            with open(header_md, encoding="utf-8") as f:
+                parts.append(f.read())
+        else:
+            parts.append("_No environment header: run `python -m nanochat.report reset` at the start of a run._\n")
+
+        bloat = bloat_stats()
+        parts += [
+            "## Bloat",
+            "",
+            f"Code and docs in the repo ({', '.join(BLOAT_EXTENSIONS)}; files git tracks or would track):",
+            "",
+            f"- Files: {bloat['files']:,}",
+            f"- Lines: {bloat['lines']:,}",
+            f"- Characters: {bloat['chars']:,}",
+            f"- Tokens (approx., characters / {CHARS_PER_TOKEN}): {bloat['tokens']:,}",
+            "",
+        ]
+
+        for slug, _, _ in sections:
+            with open(os.path.join(self.report_dir, f"{slug}.md"), encoding="utf-8") as f:
+                parts.append(f.read())
+
+        table = self.summary_table(sections)
+        columns = [col for col, _ in SUMMARY_COLUMNS]
+        parts += ["## Summary", "", "| Metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for metric in SUMMARY_METRICS:
+            cells = [f"{table[metric][c]:.4f}" if _is_number(table[metric][c]) else "-" for c in columns]
+            parts.append(f"| {metric} | " + " | ".join(cells) + " |")
+        parts.append("")
+
+        # Wall clock from reset; without a header, from the first section we have.
+        if header is not None:
+            start, since = header["start_time"], "`report reset`"
+        elif sections:
+            start, since = min(r.get("time", end_time) for _, _, r in sections), "the first logged section (no header)"
+        else:
+            start, since = None, None
+        gpus = header["system"]["gpus"] if header is not None else gpu_info()
+        if hourly_price_usd is not None:
+            price, assumption = hourly_price_usd, "price per hour given with --hourly-price"
+        else:
+            price, assumption = hourly_price(gpus)
+        if start is not None:
+            wall = end_time - start
+            parts.append(f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to `report generate`)")
+            parts.append("")
+            if price is not None:
+                parts.append(f"Estimated cost: ${wall / 3600 * price:,.2f} at ${price:,.2f}/h ({assumption})")
+            else:
+                parts.append(f"Estimated cost: none ({assumption})")
+        else:
+            parts.append("Total wall clock time: unknown (nothing logged and no header)")
+        parts.append("")
+
+        plots = []
+        curves_dir = os.path.join(self.report_dir, CURVES_DIR)
+        stages = sorted(f[:-len(".jsonl")] for f in os.listdir(curves_dir) if f.endswith(".jsonl")) if os.path.isdir(curves_dir) else []
+        try:
+            import matplotlib  # noqa: F401
+
+            have_matplotlib = True
+        except ImportError:
+            have_matplotlib = False
+        if have_matplotlib:
+            if plot_summary(table, os.path.join(self.report_dir, "summary.png")):
+                plots.append(("eval metrics", "summary.png"))
+            for stage in stages:
+                name = f"curve-{stage}.png"
+                if plot_curve(stage, self.read_curve(stage), os.path.join(self.report_dir, name)):
+                    plots.append((stage, name))
+
+        copy_dir = os.path.abspath(copy_to if copy_to is not None else os.getcwd())
+        same_dir = os.path.realpath(copy_dir) == os.path.realpath(self.report_dir)
+
+        def render(link_prefix):
+            plot_lines = ["## Plots", ""]
+            if not have_matplotlib:
+                plot_lines.append("_matplotlib is not installed: no plots._")
+            elif not plots:
+                plot_lines.append("_No curves were logged._")
+            for title, filename in plots:
+                plot_lines += [f"### {title}", "", f"![{title}]({link_prefix}{filename})", ""]
+            return "\n".join(parts + plot_lines).rstrip("\n") + "\n"
+
+        report_path = os.path.join(self.report_dir, REPORT_NAME)
+        atomic_write_text(report_path, render(""))
+        if not same_dir:
+            # The copy points at the plots in the report dir, relative to where it lives.
+            prefix = os.path.relpath(self.report_dir, copy_dir).replace(os.sep, "/") + "/"
+            atomic_write_text(os.path.join(copy_dir, REPORT_NAME), render(prefix))
+        return report_path
+
+
+class DummyReport:
+    """What ranks other than 0 get: every call does nothing, so scripts never need to check their rank."""
+
+    def log(self, section, data):
+        pass
+
+    def log_curve(self, stage, record):
+        pass
+
+    def read_curve(self, stage):
+        return []
+
+    def reset_curve(self, stage):
+        pass
+
+    def truncate_curve(self, stage, after_step):
+        pass
+
+    def reset(self):
+        pass
+
+    def generate(self, hourly_price_usd=None, copy_to=None):
+        pass
+
+
+def get_report():
+    """The Report writing to <base_dir>/report/ on rank 0, a DummyReport everywhere else."""
+    _, rank, _, _ = get_dist_info()
+    if rank != 0:
+        return DummyReport()
+    return Report(os.path.join(get_base_dir(), "report"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Start (reset) or assemble (generate) the training report.")
+    parser.add_argument("command", choices=["reset", "generate"])
+    parser.add_argument("--hourly-price", type=float, default=None,
+                        help="USD per hour for this node, for the cost estimate (default: guessed from the GPUs)")
+    args = parser.parse_args()
+    if args.hourly_price is not None and not (args.hourly_price >= 0 and math.isfinite(args.hourly_price)):
+        raise UserError(f"--hourly-price must be a non-negative number of USD per hour (got {args.hourly_price})")
+    report = get_report()
+    if args.command == "reset":
+        report.reset()
+        if isinstance(report, Report):
+            print(f"report reset: {report.report_dir}")
+    else:
+        path = report.generate(hourly_price_usd=args.hourly_price)
+        if path:
+            print(f"report written: {path} (copy: {os.path.join(os.getcwd(), REPORT_NAME)})")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,40 @@
+"""Shared fixtures: a tiny built-in corpus and tokenizer, built once per test session."""
+
+import os
+
+import pytest
+
+# Subprocesses (scripts, torchrun workers) import nanochat from the repository root, like `python -m scripts.X` does.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory):
+    """A NANOCHAT_BASE_DIR holding a small built-in corpus and a 1024-token tokenizer. Treat it as read-only."""
+    base = str(tmp_path_factory.mktemp("nanochat_base"))
+    old = os.environ.get("NANOCHAT_BASE_DIR")
+    os.environ["NANOCHAT_BASE_DIR"] = base
+    try:
+        from nanochat.corpus import write_corpus
+        from nanochat.dataset import get_data_dir, parquets_iter_batched
+        from nanochat.tokenizer import RustBPETokenizer
+
+        write_corpus(get_data_dir("builtin"), seed=7, size_mb=0.6, verbose=False)
+        texts = (t for batch in parquets_iter_batched("train", source="builtin") for t in batch)
+        RustBPETokenizer.train_from_iterator(texts, 1024).save(os.path.join(base, "tokenizer"))
+    finally:
+        if old is None:
+            os.environ.pop("NANOCHAT_BASE_DIR", None)
+        else:
+            os.environ["NANOCHAT_BASE_DIR"] = old
+    return base
+
+
+@pytest.fixture
+def tiny_env(tiny_base_dir, monkeypatch):
+    """Point this test (and the subprocesses it starts) at the tiny base dir, built-in data source."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", tiny_base_dir)
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return tiny_base_dir
