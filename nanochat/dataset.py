@@ -1,0 +1,413 @@
+"""
+The pretraining corpus: parquet shards with one `text` column (one document per row),
+stored per source under <base_dir>/base_data/<source>/ and read row group by row group.
+
+Sources are the two hub datasets (fineweb-edu, climbmix) and the offline built-in corpus
+that `python -m nanochat.corpus` writes. Each source names a fixed validation shard; every
+other shard on disk is training data.
+
+Run as a script to fetch hub shards:
+    python -m nanochat.dataset -n 8 --source fineweb-edu
+downloads train shards 0..7 plus the val shard, in parallel, with retries. Each file is
+streamed to a temp file, checked (size, sha256 when the hub gives one, readable parquet)
+and only then renamed into place, so a killed run never leaves a truncated shard and a
+re-run skips what is already there.
+"""
+
+import argparse
+import hashlib
+import os
+import random
+import re
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import pyarrow.parquet as pq
+import requests
+from tqdm import tqdm
+
+from nanochat.common import UserError, get_base_dir, run_main
+
+# -----------------------------------------------------------------------------
+# Sources
+
+
+@dataclass(frozen=True)
+class DataSource:
+    name: str
+    hf_repo: str | None  # "owner/name" of a Hugging Face dataset repo; None if built locally
+    num_shards: int | None  # shards 0..num_shards-1 exist upstream; None when the builder decides
+    val_index: int  # the one shard kept for validation
+    build_command: str  # what to tell the user when the shards are missing
+
+
+SOURCES = {
+    "fineweb-edu": DataSource("fineweb-edu", "karpathy/fineweb-edu-100b-shuffle", 1823, 1822,
+                              "python -m nanochat.dataset -n 8 --source fineweb-edu"),
+    "climbmix": DataSource("climbmix", "karpathy/climbmix-400b-shuffle", 6543, 6542,
+                           "python -m nanochat.dataset -n 8 --source climbmix"),
+    "builtin": DataSource("builtin", None, None, 0, "python -m nanochat.corpus"),
+}
+
+SHARD_RE = re.compile(r"^shard_(\d{5,})\.parquet$")
+
+
+def get_default_source():
+    """$NANOCHAT_DATA_SOURCE, else the offline built-in corpus."""
+    name = os.environ.get("NANOCHAT_DATA_SOURCE", "builtin")
+    if name not in SOURCES:
+        raise UserError(f"NANOCHAT_DATA_SOURCE={name!r} is not a data source; use one of {', '.join(SOURCES)}")
+    return name
+
+
+def get_source(source=None):
+    """The DataSource for a name (None means the default source)."""
+    name = source or get_default_source()
+    if name not in SOURCES:
+        raise UserError(f"unknown data source {name!r}; use one of {', '.join(SOURCES)}")
+    return SOURCES[name]
+
+
+def _data_dir_path(source=None):
+    return os.path.join(get_base_dir(), "base_data", get_source(source).name)
+
+
+def get_data_dir(source=None):
+    """Directory holding a source's shards (created if missing)."""
+    path = _data_dir_path(source)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def shard_filename(i):
+    return f"shard_{i:05d}.parquet"
+
+
+def shard_url(source, index):
+    """Where a hub shard lives; $HF_ENDPOINT points at a mirror (or a test server) instead of the hub."""
+    src = get_source(source)
+    if src.hf_repo is None:
+        raise UserError(f"source {src.name!r} has no URL: it is generated locally by `{src.build_command}`")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    return f"{endpoint}/datasets/{src.hf_repo}/resolve/main/{shard_filename(index)}"
+
+
+# -----------------------------------------------------------------------------
+# Reading
+
+
+def list_parquet_files(split="train", source=None):
+    """Sorted shard paths of one split: "val" is the source's fixed val shard, "train" is every other shard."""
+    if split not in ("train", "val"):
+        raise UserError(f"split must be 'train' or 'val' (got {split!r})")
+    src = get_source(source)
+    data_dir = _data_dir_path(src.name)
+    shards = {}
+    if os.path.isdir(data_dir):
+        for name in os.listdir(data_dir):
+            m = SHARD_RE.match(name)
+            if m:
+                shards[int(m.group(1))] = os.path.join(data_dir, name)
+    if not shards:
+        raise UserError(f"no parquet shards in {data_dir}; create them with `{src.build_command}`")
+    if split == "val":
+        if src.val_index not in shards:
+            raise UserError(f"validation shard {shard_filename(src.val_index)} is missing from {data_dir}; "
+                            f"get it with `{src.build_command}`")
+        return [shards[src.val_index]]
+    train = [shards[i] for i in sorted(shards) if i != src.val_index]
+    if not train:
+        raise UserError(f"{data_dir} holds only the validation shard, no training shards; "
+                        f"get some with `{src.build_command}`")
+    return train
+
+
+def _rebuild_hint(path):
+    # Shards live in base_data/<source>/, so the directory name tells us how the file was made.
+    src = SOURCES.get(os.path.basename(os.path.dirname(os.path.abspath(path))))
+    return f"delete it and re-run `{src.build_command}`" if src else "delete it and download or build it again"
+
+
+def open_parquet(path):
+    """Open a shard for reading, turning a missing, corrupt or wrong-schema file into a UserError."""
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises OSError/ArrowInvalid/... depending on how the file is broken
+        raise UserError(f"cannot read parquet file {path} ({type(e).__name__}: {e}); {_rebuild_hint(path)}") from e
+    if "text" not in pf.schema_arrow.names:
+        raise UserError(f"parquet file {path} has no 'text' column (columns: {pf.schema_arrow.names}); "
+                        f"{_rebuild_hint(path)}")
+    return pf
+
+
+def parquets_iter_batched(split="train", start=0, step=1, source=None):
+    """
+    Yield the texts of one row group at a time, for every global row group index g
+    (counted across the split's files in order) with g % step == start. Ranks shard the
+    data with start=rank, step=world_size.
+    """
+    if step < 1 or not 0 <= start < step:
+        raise ValueError(f"need step >= 1 and 0 <= start < step (got start={start}, step={step})")
+    g = 0
+    for path in list_parquet_files(split, source):
+        with open_parquet(path) as pf:
+            for rg in range(pf.num_row_groups):
+                if g % step == start:
+                    try:
+                        table = pf.read_row_group(rg, columns=["text"])
+                    except Exception as e:  # a damaged data page only shows up when it is read
+                        raise UserError(f"cannot read row group {rg} of {path} ({type(e).__name__}: {e}); "
+                                        f"{_rebuild_hint(path)}") from e
+                    yield table.column("text").to_pylist()
+                g += 1
+
+
+def shard_is_complete(path):
+    """True if path is a readable parquet shard with a text column (a truncated file has no footer and fails)."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        open_parquet(path).close()
+        return True
+    except UserError:
+        return False
+
+
+# -----------------------------------------------------------------------------
+# Downloading
+
+HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+HTTP_TIMEOUT = (10, 60)  # seconds to connect, and to wait for the next bytes before calling the attempt failed
+
+
+class DownloadError(UserError):
+    """A shard could not be fetched and verified after every attempt."""
+
+
+class _AttemptFailed(Exception):
+    """One attempt went wrong in a way worth retrying."""
+
+
+def sha256_from_etag(value):
+    """The hub sends an LFS file's sha256 as its (X-Linked-)ETag; anything else (md5, git sha1) is not usable."""
+    if not value:
+        return None
+    value = value.strip().removeprefix("W/").strip('"')
+    return value.lower() if HEX64.match(value) else None
+
+
+def _expected_from_headers(response):
+    """(size, sha256) the server vouches for, looking at the final response and any redirects before it."""
+    chain = [response] + list(reversed(response.history))
+    sha = None
+    for r in chain:
+        for key in ("X-Linked-Etag", "ETag"):
+            sha = sha or sha256_from_etag(r.headers.get(key))
+    size = response.headers.get("Content-Length")
+    linked_size = next((r.headers["X-Linked-Size"] for r in chain if "X-Linked-Size" in r.headers), None)
+    size = int(size) if size is not None else None
+    if linked_size is not None:
+        if size is not None and int(linked_size) != size:
+            raise _AttemptFailed(f"Content-Length {size} disagrees with X-Linked-Size {linked_size}")
+        size = int(linked_size)
+    return size, sha
+
+
+def _fetch_once(url, path, tmp_path, timeout, on_bytes, stop):
+    """Stream url into tmp_path, verify it, rename it to path. Raises _AttemptFailed or DownloadError."""
+    # identity encoding: Content-Length and the hash must describe exactly the bytes we store
+    try:
+        response = requests.get(url, stream=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
+    except requests.RequestException as e:
+        raise _AttemptFailed(f"request failed ({type(e).__name__}: {e})") from e
+    with response:
+        status = response.status_code
+        if status >= 400:
+            message = f"HTTP {status} {response.reason}"
+            if 400 <= status < 500 and status not in (408, 425, 429):
+                raise DownloadError(f"cannot download {url}: {message} (not retrying a client error)")
+            raise _AttemptFailed(message)
+        size, sha = _expected_from_headers(response)
+        hasher = hashlib.sha256()
+        received = 0
+        try:
+            with open(tmp_path, "wb") as f:
+                for chunk in response.iter_content(chunk_size=1 << 16):
+                    if stop.is_set():
+                        raise KeyboardInterrupt
+                    f.write(chunk)
+                    hasher.update(chunk)
+                    received += len(chunk)
+                    on_bytes(len(chunk))
+                f.flush()
+                os.fsync(f.fileno())
+        except requests.RequestException as e:  # urllib3 wraps socket errors and short reads into these
+            expected = f" (expected {size} bytes)" if size is not None else ""
+            raise _AttemptFailed(f"connection broken mid-file{expected}: {type(e).__name__}: {e}") from e
+    if size is not None and received != size:
+        raise _AttemptFailed(f"size mismatch: got {received} bytes, server said {size}")
+    if sha is not None and hasher.hexdigest() != sha:
+        raise _AttemptFailed(f"sha256 mismatch: got {hasher.hexdigest()}, server said {sha}")
+    try:
+        open_parquet(tmp_path).close()
+    except UserError as e:
+        raise _AttemptFailed(f"not a usable parquet shard: {e}") from e
+    os.replace(tmp_path, path)
+
+
+def download_shard(source, index, data_dir=None, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT,
+                   on_bytes=None, stop=None):
+    """
+    Fetch one hub shard into data_dir (default: the source's data dir) and return its path.
+    A shard already on disk and readable is left alone. Each failed attempt (network error,
+    5xx, size/hash/parquet check) is retried after backoff * 2**k seconds; after the last
+    one a DownloadError names the URL and the last problem. Nothing is ever left at the
+    final path unless it passed every check.
+    """
+    path, _ = _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop)
+    return path
+
+
+def _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop):
+    """download_shard, also saying whether it fetched anything: (path, fetched)."""
+    src = get_source(source)
+    if src.num_shards is not None and not 0 <= index < src.num_shards:
+        raise UserError(f"shard index {index} out of range for {src.name} (0..{src.num_shards - 1})")
+    url = shard_url(src.name, index)
+    data_dir = data_dir or get_data_dir(src.name)
+    os.makedirs(data_dir, exist_ok=True)
+    path = os.path.join(data_dir, shard_filename(index))
+    # A fixed temp name: whatever a killed run left there is stale, so clear it first.
+    tmp_path = path + ".tmp"
+    if os.path.exists(tmp_path):
+        os.remove(tmp_path)
+    if shard_is_complete(path):
+        return path, False
+    on_bytes = on_bytes or (lambda n: None)
+    stop = stop or threading.Event()
+    problem = None
+    for attempt in range(1, max_attempts + 1):
+        try:
+            _fetch_once(url, path, tmp_path, timeout, on_bytes, stop)
+            return path, True
+        except _AttemptFailed as e:
+            problem = str(e)
+        finally:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+        if attempt < max_attempts:
+            # jitter keeps parallel workers from retrying in lockstep against a rate limit
+            delay = backoff * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
+            if stop.wait(min(delay, 120.0)):
+                raise KeyboardInterrupt
+    raise DownloadError(f"failed to download {url} after {max_attempts} attempts: {problem}")
+
+
+@dataclass
+class DownloadSummary:
+    downloaded: int = 0
+    skipped: int = 0
+    failed: dict = field(default_factory=dict)  # shard index -> error message
+    bytes: int = 0  # size of the shards downloaded in this run
+    seconds: float = 0.0
+
+
+def download_shards(source, indices, workers=8, data_dir=None, max_attempts=5, backoff=2.0, progress=True):
+    """Download several shards in a thread pool; a failure is recorded and the others carry on."""
+    src = get_source(source)
+    data_dir = data_dir or get_data_dir(src.name)
+    indices = sorted(set(indices))
+    summary = DownloadSummary()
+    t0 = time.time()
+    stop = threading.Event()
+    lock = threading.Lock()
+    bar = tqdm(total=None, unit="B", unit_scale=True, desc=f"shards 0/{len(indices)}",
+               disable=not progress, dynamic_ncols=True)
+
+    def on_bytes(n):
+        with lock:
+            bar.update(n)
+
+    def work(index):
+        path, fetched = _download_shard(src.name, index, data_dir, max_attempts, backoff, HTTP_TIMEOUT, on_bytes, stop)
+        return fetched, os.path.getsize(path)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
+        futures = {pool.submit(work, i): i for i in indices}
+        for done, future in enumerate(as_completed(futures), start=1):
+            index = futures[future]
+            try:
+                fetched, nbytes = future.result()
+                if fetched:
+                    summary.downloaded += 1
+                    summary.bytes += nbytes
+                else:
+                    summary.skipped += 1
+            except UserError as e:
+                summary.failed[index] = str(e)
+            except Exception as e:  # noqa: BLE001 -- a bug or a full disk: report it with the shard, keep going
+                summary.failed[index] = f"{shard_filename(index)}: {type(e).__name__}: {e}"
+            with lock:
+                bar.set_description_str(f"shards {done}/{len(indices)}")
+    except KeyboardInterrupt:
+        # tell workers to drop their temp files and quit, rather than waiting for whole shards to finish
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        bar.close()
+    summary.seconds = time.time() - t0
+    return summary
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Download pretraining shards (first N train shards + the val shard).")
+    parser.add_argument("-n", "--num-files", type=int, default=-1, help="train shards to fetch (-1 = all)")
+    parser.add_argument("-w", "--num-workers", type=int, default=8, help="parallel downloads")
+    parser.add_argument("--source", default=None, help=f"one of {', '.join(SOURCES)} (default: $NANOCHAT_DATA_SOURCE or builtin)")
+    parser.add_argument("--max-attempts", type=int, default=5, help="tries per shard before giving up")
+    args = parser.parse_args(argv)
+
+    src = get_source(args.source)
+    if src.hf_repo is None:
+        raise UserError(f"source {src.name!r} has no URL to download from; build it with `{src.build_command}`")
+    num_train = src.num_shards - 1  # every shard except the val shard
+    if args.num_files < -1 or args.num_files > num_train:
+        raise UserError(f"-n must be between 0 and {num_train} for {src.name}, or -1 for all (got {args.num_files})")
+    if args.num_workers < 1:
+        raise UserError(f"-w must be at least 1 (got {args.num_workers})")
+    if args.max_attempts < 1:
+        raise UserError(f"--max-attempts must be at least 1 (got {args.max_attempts})")
+    n = num_train if args.num_files == -1 else args.num_files
+    train_indices = [i for i in range(src.num_shards) if i != src.val_index][:n]
+    data_dir = get_data_dir(src.name)
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    print(f"{src.name}: {n} train shards + val shard {src.val_index} from {endpoint}/datasets/{src.hf_repo} "
+          f"-> {data_dir} ({args.num_workers} workers, {args.max_attempts} attempts each)", flush=True)
+
+    try:
+        summary = download_shards(src.name, train_indices + [src.val_index], args.num_workers,
+                                  data_dir=data_dir, max_attempts=args.max_attempts)
+    except KeyboardInterrupt:
+        print("\ninterrupted: finished shards are kept; re-run the same command to resume", flush=True)
+        sys.exit(130)
+    print(f"done: {summary.downloaded} downloaded, {summary.skipped} already present, {len(summary.failed)} failed, "
+          f"{summary.bytes / 1e6:.1f} MB in {summary.seconds:.1f} s", flush=True)
+    if summary.failed:
+        for index in sorted(summary.failed):
+            print(f"  shard {index}: {summary.failed[index]}", flush=True)
+        raise UserError(f"{len(summary.failed)} shard(s) failed; re-run the same command to retry them "
+                        f"(finished shards are kept)")
+
+
+if __name__ == "__main__":
+    run_main(main)
