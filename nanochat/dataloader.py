@@ -19,15 +19,27 @@ and the counters. Rebuilding from that state re-reads and re-tokenizes just thos
 so the batches that follow are bitwise identical to an uninterrupted run's.
 """
 
+import atexit
 import bisect
 import queue
 import threading
+import weakref
 from collections import defaultdict
 
 import torch
 
 from nanochat.common import UserError
 from nanochat.dataset import list_parquet_files, open_parquet
+
+
+_live_loaders = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loaders():
+    # A producer thread still inside the tokenizer's native threads at interpreter exit aborts the process.
+    for loader in list(_live_loaders):
+        loader.close()
 
 
 def list_row_groups(split, source=None):
@@ -116,6 +128,7 @@ class DataLoader:
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, daemon=True)
             self._thread.start()
+            _live_loaders.add(self)
         item = self._queue.get()
         if isinstance(item, BaseException):
             self.close()
@@ -242,3 +255,19 @@ class DataLoader:
             snapshot = {"epoch": epoch, "pos": pos, "buffer": [docs[j][0] for j in arrival], **counters}
             if not self._put((batch, snapshot, placed)):
                 return
+
+
+def rank_slices(loader, rank, world_size):
+    """
+    Give each rank its slice of a global batch that every rank packs identically: evaluation then sees
+    the same tokens whatever the number of ranks, so val_bpb does not move when you add GPUs.
+    """
+    for x, y in loader:
+        b = x.size(0) // world_size
+        yield x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+
+
+def eval_batches(tokenizer, B, T, split, device, rank, world_size, source=None):
+    """(loader, batches): a world-size-invariant stream of per-rank (B, T) batches for evaluation."""
+    loader = DataLoader(tokenizer, B * world_size, T, split=split, device=device, source=source)
+    return loader, rank_slices(loader, rank, world_size)

@@ -1,8 +1,14 @@
 """Shared fixtures: a tiny built-in corpus and tokenizer, built once per test session."""
 
 import os
+import sys
 
 import pytest
+
+# The suite starts many Python subprocesses (scripts, torchrun ranks); with bytecode caching off, each one
+# re-compiles torch's modules and starts twice as slowly.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # Subprocesses (scripts, torchrun workers) import nanochat from the repository root, like `python -m scripts.X` does.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,292 @@
+"""
+The GPT model: a decoder-only transformer that trains fast on one dial (depth) and runs
+everywhere scaled_dot_product_attention does (CUDA, MPS, CPU).
+
+    tokens -> wte -> RMSNorm -> n_layer x Block -> RMSNorm -> lm_head -> softcap -> fp32 logits
+    Block:  x + attn(norm(x)),  then  x + mlp(norm(x))       (pre-norm, no biases anywhere)
+    attn:   rotary on split halves -> QK-norm -> grouped-query attention (n_kv_head <= n_head)
+    mlp:    4x expansion with relu(x)**2
+
+Every norm is parameter-free, so the only parameters are the embedding, the lm_head and the
+2-D matrices inside the blocks. The math is written to equal, for the same weights, the
+NanoChat model built into Hugging Face transformers (NanoChatForCausalLM), and the state-dict
+names follow the original nanochat checkpoint layout that its converter understands:
+
+    transformer.wte.weight               -> model.embed_tokens.weight
+    transformer.h.{i}.attn.c_q/c_k/c_v   -> model.layers.{i}.self_attn.q_proj/k_proj/v_proj
+    transformer.h.{i}.attn.c_proj        -> model.layers.{i}.self_attn.o_proj
+    transformer.h.{i}.mlp.c_fc/c_proj    -> model.layers.{i}.mlp.fc1/fc2
+    lm_head.weight                       -> lm_head.weight
+
+An exporter must write rms_norm_eps=NORM_EPS, rope_theta=ROPE_THETA,
+final_logit_softcapping=LOGIT_SOFTCAP, intermediate_size=4*n_embd, hidden_act="relu2",
+tie_word_embeddings=False and attention_bias=False.
+
+The model is built on the meta device and then materialised and initialised explicitly:
+
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat.common import get_compute_dtype
+
+NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
+ROPE_THETA = 10000.0
+LOGIT_SOFTCAP = 15.0
+ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past the training length
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6
+    n_kv_head: int = 6
+    n_embd: int = 768
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Raise ValueError for shapes the model cannot be built with, before anything is allocated."""
+        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer (got {value!r})")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"GPTConfig: n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        head_dim = self.n_embd // self.n_head
+        if head_dim % 2 != 0:
+            raise ValueError(f"GPTConfig: head_dim = n_embd/n_head = {head_dim} must be even for rotary embeddings")
+
+
+def norm(x):
+    """Parameter-free RMSNorm over the last dimension."""
+    return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+
+
+def apply_rotary(x, cos, sin):
+    """
+    Rotate (B, T, H, D) by position. The first and second halves of D form the pairs
+    (not interleaved), and the sign convention is the one transformers' NanoChat uses:
+    first half gets +x2*sin, second half gets -x1*sin.
+    """
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        # Separate q/k/v (not one fused matrix) so each maps 1:1 onto transformers' q_proj/k_proj/v_proj.
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # rotary first, then QK-norm
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
+
+        mask, is_causal = None, True
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # all keys/values so far, (B, H_kv, T_cache, D)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            prefix = k.size(2) - T
+            if prefix > 0:
+                is_causal = False
+                if T > 1:
+                    # New query i sits at position prefix+i: it sees the whole prefix and new keys up to itself.
+                    # (is_causal would align the mask top-left, which is wrong when there are fewer queries than keys.)
+                    key_pos = torch.arange(k.size(2), device=q.device)
+                    query_pos = torch.arange(prefix, prefix + T, device=q.device)
+                    mask = key_pos[None, :] <= query_pos[:, None]
+        # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
+        # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache):
+        x = x + self.attn(norm(x), cos, sin, kv_cache)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        config.validate()
+        self.config = config
+        # Passing _weight skips nn.Embedding's own random init: init_weights() sets it anyway, and a
+        # normal_() on the meta device makes torch import torch._dynamo, seconds of startup for nothing.
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd)),
+            "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Rotary tables are derived, not learned: non-persistent, filled by init_rotary().
+        head_dim = config.n_embd // config.n_head
+        rotary_len = ROTARY_LENGTH_FACTOR * config.sequence_len
+        self.register_buffer("cos", torch.empty(1, rotary_len, 1, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(1, rotary_len, 1, head_dim // 2), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """
+        Fill every parameter and the rotary tables (call after to_empty). The init:
+          wte         normal, std 1 (it is RMS-normalised right away, so only direction matters)
+          lm_head     normal, std 0.001 (start near uniform predictions)
+          c_q, c_k, c_v, c_fc   uniform with std n_embd^-0.5 (bound sqrt(3) * n_embd^-0.5)
+          attn.c_proj, mlp.c_proj   zero, so every block starts as the identity on the residual stream
+        """
+        nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        bound = math.sqrt(3.0) * self.config.n_embd ** -0.5
+        for block in self.transformer.h:
+            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(linear.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        self.init_rotary()
+
+    @torch.no_grad()
+    def init_rotary(self):
+        """(Re)compute the rotary cos/sin tables on the model's device, stored in the compute dtype."""
+        device = self.get_device()
+        head_dim = self.config.n_embd // self.config.n_head
+        rotary_len = self.cos.size(1)
+        # Same arithmetic as transformers: inv_freq = theta^-(2i/d), angles = position * inv_freq in fp32.
+        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        positions = torch.arange(rotary_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        dtype = get_compute_dtype(device)
+        self.cos = angles.cos().to(dtype)[None, :, None, :]
+        self.sin = angles.sin().to(dtype)[None, :, None, :]
+
+    def get_device(self):
+        return self.transformer.wte.weight.device
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self):
+        """
+        Training FLOPs per token (forward + backward):
+
+            6 * (num_params - wte params)  +  12 * n_layer * n_head * head_dim * sequence_len
+
+        A matmul weight costs 2 FLOPs per token forward and 4 backward, hence 6 per parameter;
+        the embedding is a lookup, not a matmul, so it is left out (lm_head is a matmul and counts).
+        Attention adds two matmuls per layer that have no parameters, QK^T and AV, each
+        2 * n_head * head_dim * T FLOPs per token forward (counted over the full T, not the
+        causal half), times 3 for forward + backward: 12 * n_head * head_dim * T per layer.
+        """
+        c = self.config
+        head_dim = c.n_embd // c.n_head
+        matmul_params = self.num_params() - self.transformer.wte.weight.numel()
+        return 6 * matmul_params + 12 * c.n_layer * c.n_head * head_dim * c.sequence_len
+
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
+                         adam_betas=(0.8, 0.95)):
+        """
+        Parameter groups for the two optimizers (this module may not import them):
+        returns (adamw_groups, muon_groups). AdamW gets lm_head and wte, each with its own lr scaled
+        by (n_embd/768)^-0.5; Muon gets the 2-D block matrices, one group per distinct shape.
+        Every group also records initial_lr so lr schedules can scale from it.
+        """
+        adamw_scale = (self.config.n_embd / 768) ** -0.5
+        adamw_groups = [
+            {"params": [self.lm_head.weight], "lr": unembedding_lr * adamw_scale},
+            {"params": [self.transformer.wte.weight], "lr": embedding_lr * adamw_scale},
+        ]
+        for group in adamw_groups:
+            group.update(betas=adam_betas, eps=1e-10, weight_decay=0.0)
+        by_shape = {}  # insertion order = model definition order, so groups are deterministic
+        for p in self.transformer.h.parameters():
+            assert p.ndim == 2, "Muon only handles matrices; every block parameter should be 2-D"
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        muon_groups = [{"params": params, "lr": matrix_lr, "weight_decay": weight_decay} for params in by_shape.values()]
+        for group in adamw_groups + muon_groups:
+            group["initial_lr"] = group["lr"]
+        grouped = [id(p) for group in adamw_groups + muon_groups for p in group["params"]]
+        assert len(grouped) == len(set(grouped)) == len(list(self.parameters())), "each parameter must be in exactly one group"
+        assert set(grouped) == {id(p) for p in self.parameters()}
+        return adamw_groups, muon_groups
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """
+        idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size). With targets (B, T):
+        cross-entropy ignoring -1, reduced by "mean" (over valid targets; 0 if there are none),
+        "sum", or "none" (a (B, T) tensor, 0 where ignored).
+        With a kv_cache, positions start at kv_cache.get_pos(), the new tokens attend to everything
+        cached plus causally among themselves, and the cache advances by T.
+        """
+        B, T = idx.shape
+        start = kv_cache.get_pos() if kv_cache is not None else 0
+        if start + T > self.cos.size(1):
+            raise ValueError(f"position {start + T} is beyond the rotary table ({self.cos.size(1)} positions)")
+        cos, sin = self.cos[:, start:start + T], self.sin[:, start:start + T]
+
+        x = norm(self.transformer.wte(idx))
+        for block in self.transformer.h:
+            x = block(x, cos, sin, kv_cache)
+        x = norm(x)
+        logits = self.lm_head(x).float()
+        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        if targets is None:
+            return logits
+
+        if loss_reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
+        flat_targets = targets.reshape(-1)
+        losses = F.cross_entropy(logits.view(-1, logits.size(-1)), flat_targets, ignore_index=-1, reduction="none")
+        if loss_reduction == "none":
+            return losses.view(B, T)
+        total = losses.sum()
+        if loss_reduction == "sum":
+            return total
+        # Divide by the valid count ourselves so a batch with no valid target gives 0, not NaN.
+        return total / (flat_targets != -1).sum().clamp(min=1)

@@ -1,0 +1,223 @@
+"""
+Muon: the optimizer for the 2-D weight matrices of the transformer blocks.
+
+Each step keeps a momentum buffer per matrix, takes a Nesterov look-ahead, replaces the
+resulting direction by its nearest semi-orthogonal matrix (all singular values pushed to ~1,
+computed with a quintic Newton-Schulz iteration) and moves the weights along it. The step is
+scaled by sqrt(max(1, rows/cols)) so tall and wide matrices move by a comparable amount per
+element, and weight decay is decoupled (p <- p * (1 - lr * weight_decay), the same convention
+as torch.optim.AdamW, so decay already follows the lr schedule).
+
+`Muon` is the single-process version. `DistMuon` splits every group of same-shape matrices
+across ranks: gradients are reduce-scattered (averaged), each rank updates only the matrices
+it owns and keeps momentum only for those, then the updated matrices are all-gathered. With
+no process group (or one rank) it does exactly what `Muon` does.
+
+Gradient convention for the distributed step: each rank computes the mean loss over its own
+equal share of the global batch, and gradients are averaged across ranks, which equals the
+gradient of the mean loss over the whole global batch.
+
+Param groups: {"params": [...], "lr", "weight_decay", optional "momentum", "nesterov",
+"ns_steps", "initial_lr"}; the training loop may rewrite "lr" and "momentum" every step.
+A parameter may carry attributes `lr_mul` / `wd_mul` (default 1.0) that scale its lr / decay.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import UserError, has_fast_bf16
+
+# Quintic iteration X <- a*X + b*(X X^T) X + c*(X X^T)^2 X. These coefficients trade exact
+# convergence for speed: the slope at 0 is large (a), so small singular values grow fast, and
+# after ~5 steps every singular value sits in roughly [0.7, 1.2] rather than exactly at 1,
+# which is all the optimizer needs.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(G, steps=5, dtype=None):
+    """
+    Approximate the orthogonal polar factor U V^T of G (shape (..., rows, cols)) by Newton-Schulz.
+    Runs in bf16 where the hardware has fast bf16 (CUDA SM80+) and in fp32 elsewhere, because on
+    a CPU a bf16 matmul is many times slower than an fp32 one. Returns a tensor of G's dtype.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"orthogonalize needs a matrix (got shape {tuple(G.shape)})")
+    if dtype is None:
+        dtype = torch.bfloat16 if has_fast_bf16(G.device) else torch.float32
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    # Work on the wide orientation so the Gram matrix X X^T is the small one.
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    # The Frobenius norm bounds the spectral norm from above, so after this every singular
+    # value is <= 1, inside the region where the iteration converges.
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def _update_matrices(params, grads, state, group):
+    """
+    Muon update for a list of same-shape matrices, in place. `grads` is a list (or a stacked
+    tensor) of their gradients; `state` is the optimizer's per-parameter state dict.
+    The orthogonalisation of the whole list runs as one batched call.
+    """
+    momentum = group["momentum"]
+    directions = []
+    for p, g in zip(params, grads):
+        st = state[p]
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros_like(p)
+        buf = st["momentum_buffer"]
+        buf.lerp_(g, 1 - momentum)
+        # Nesterov: step from where the momentum is about to take us, not from where it is.
+        directions.append(g.lerp(buf, momentum) if group["nesterov"] else buf)
+    updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"])
+    rows, cols = params[0].shape[-2:]
+    shape_scale = max(1.0, rows / cols) ** 0.5
+    for p, u in zip(params, updates):
+        lr = group["lr"] * getattr(p, "lr_mul", 1.0)
+        wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.add_(u.to(p.dtype), alpha=-lr * shape_scale)
+
+
+def _check_matrices(param_groups, name):
+    for group in param_groups:
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ValueError(f"{name} only takes 2-D matrices (got a parameter of shape {tuple(p.shape)}); "
+                                 "give vectors, scalars and embeddings to AdamW")
+
+
+class Muon(torch.optim.Optimizer):
+    """Single-process Muon. Matrices of any shapes may share a group; same-shape ones are batched."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        _check_matrices(self.param_groups, "Muon")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_shape = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape.setdefault(p.shape, []).append(p)
+            for params in by_shape.values():
+                _update_matrices(params, [p.grad for p in params], self.state, group)
+        return loss
+
+
+def _rank_and_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class DistMuon(torch.optim.Optimizer):
+    """
+    Muon with work and state sharded across ranks. Every group must hold matrices of one shape.
+    A group of n matrices is padded to a multiple of the world size W; rank r owns the
+    contiguous block of ceil(n / W) matrices starting at r * ceil(n / W) and keeps momentum
+    (and saves state) only for those. A parameter whose grad is None counts as a zero gradient,
+    so every rank always takes part in every collective.
+    """
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        _check_matrices(self.param_groups, "DistMuon")
+        for group in self.param_groups:
+            shapes = sorted({tuple(p.shape) for p in group["params"]})
+            if len(shapes) > 1:
+                raise ValueError(f"DistMuon needs one shape per param group (got {shapes}); split the group by shape")
+
+    def owned_indices(self, group, rank=None, world=None):
+        """Indices into group["params"] that this rank updates."""
+        if rank is None:
+            rank, world = _rank_and_world()
+        per_rank = math.ceil(len(group["params"]) / world)
+        return range(rank * per_rank, min((rank + 1) * per_rank, len(group["params"])))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rank, world = _rank_and_world()
+        if world == 1:
+            for group in self.param_groups:
+                params = group["params"]
+                if params:
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                    _update_matrices(params, grads, self.state, group)
+            return loss
+
+        # 1) Start every group's reduce-scatter at once, so later groups communicate while
+        #    earlier ones compute.
+        jobs = []
+        for group in self.param_groups:
+            params = group["params"]
+            if not params:
+                continue
+            per_rank = math.ceil(len(params) / world)
+            padding = per_rank * world - len(params)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            stacked = torch.stack(grads + [torch.zeros_like(params[0])] * padding)
+            my_grads = torch.empty_like(stacked[:per_rank])
+            work = dist.reduce_scatter_tensor(my_grads, stacked, op=dist.ReduceOp.AVG, async_op=True)
+            jobs.append((group, per_rank, stacked, my_grads, work))
+
+        # 2) As each group's gradients arrive: update the matrices this rank owns, then start
+        #    gathering everyone's updated matrices (into the stacked-gradient buffer, now free).
+        gathers = []
+        for group, per_rank, stacked, my_grads, work in jobs:
+            work.wait()
+            params = group["params"]
+            owned = list(self.owned_indices(group, rank, world))
+            if owned:
+                _update_matrices([params[i] for i in owned], my_grads[: len(owned)], self.state, group)
+            mine = my_grads  # reuse this buffer too: it now carries this rank's updated matrices
+            for k in range(per_rank):
+                if k < len(owned):
+                    mine[k].copy_(params[owned[k]])
+                else:
+                    mine[k].zero_()
+            gathers.append((params, stacked, dist.all_gather_into_tensor(stacked, mine, async_op=True)))
+
+        # 3) Write the gathered matrices back (bitwise identical on every rank).
+        for params, gathered, work in gathers:
+            work.wait()
+            torch._foreach_copy_(list(params), list(gathered[: len(params)].unbind(0)))
+        return loss
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        rank, world = _rank_and_world()
+        for group in self.param_groups:
+            owned = set(self.owned_indices(group, rank, world))
+            for i, p in enumerate(group["params"]):
+                if i not in owned and self.state.get(p):
+                    raise UserError(f"Muon optimizer state holds matrices that rank {rank} of {world} does not own: "
+                                    "it was saved with a different number of ranks; resume with the same world size")
+
+
+def build_muon(muon_groups, momentum=0.95, ns_steps=5):
+    """Muon for the model's matrix groups (one group per shape); correct with or without torchrun."""
+    return DistMuon(muon_groups, momentum=momentum, ns_steps=ns_steps)

@@ -1,0 +1,312 @@
+"""Tests for the GPT model (nanochat/gpt.py) and the KV cache it decodes with (nanochat/engine.py)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.engine import KVCache
+from nanochat.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    # These models are tiny: a second OpenMP thread only adds sync overhead, and on a busy
+    # shared CPU spinning threads can make a 1 s test take 30 s.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_config(**overrides):
+    fields = dict(sequence_len=32, vocab_size=97, n_layer=2, n_head=4, n_kv_head=4, n_embd=32)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def build(config, seed=0, randomize=True):
+    """Meta-device build + init, then (by default) random weights everywhere, so that the
+    zero-initialised output projections don't make every block the identity."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    if randomize:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, p.shape[1] ** -0.5 if p is not model.transformer.wte.weight else 1.0)
+    model.eval()
+    return model
+
+
+def make_cache(model, batch_size, seq_len):
+    c = model.config
+    return KVCache(batch_size=batch_size, num_heads=c.n_kv_head, seq_len=seq_len, head_dim=c.n_embd // c.n_head,
+                   num_layers=c.n_layer, device="cpu", dtype=torch.float32)
+
+
+def reference_forward(model, idx):
+    """
+    The architecture written out by hand, the way transformers' NanoChat model computes it:
+    RMSNorm x*rsqrt(mean(x^2)+1e-6), rotary as x*cos + rotate_half(x)*sin with
+    rotate_half(x) = cat(x2, -x1) and cos/sin over cat(freqs, freqs), rotary before QK-norm,
+    kv heads repeated explicitly, attention as softmax(QK^T/sqrt(d) + causal mask) V,
+    relu(x)^2 MLP, softcap 15.
+    """
+    c = model.config
+    B, T = idx.shape
+    D = c.n_embd // c.n_head
+
+    def rms(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def rotate_half(x):
+        return torch.cat((x[..., D // 2:], -x[..., :D // 2]), dim=-1)
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.arange(T).float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+
+    x = rms(model.transformer.wte.weight[idx])
+    for block in model.transformer.h:
+        a = rms(x)
+        q = (a @ block.attn.c_q.weight.T).view(B, T, c.n_head, D).transpose(1, 2)
+        k = (a @ block.attn.c_k.weight.T).view(B, T, c.n_kv_head, D).transpose(1, 2)
+        v = (a @ block.attn.c_v.weight.T).view(B, T, c.n_kv_head, D).transpose(1, 2)
+        q, k = rms(q * cos + rotate_half(q) * sin), rms(k * cos + rotate_half(k) * sin)
+        k = k.repeat_interleave(c.n_head // c.n_kv_head, dim=1)
+        v = v.repeat_interleave(c.n_head // c.n_kv_head, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        scores = scores.masked_fill(future, float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        x = x + y.transpose(1, 2).reshape(B, T, c.n_embd) @ block.attn.c_proj.weight.T
+        m = rms(x)
+        x = x + torch.relu(m @ block.mlp.c_fc.weight.T).pow(2) @ block.mlp.c_proj.weight.T
+    logits = rms(x) @ model.lm_head.weight.T
+    return 15.0 * torch.tanh(logits / 15.0)
+
+
+@torch.no_grad()
+def test_causal_future_tokens_never_change_earlier_logits():
+    model = build(tiny_config())
+    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 97
+    a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], atol=0, rtol=0)
+    assert (a[:, 12:] - b[:, 12:]).abs().amax() > 1e-3  # and the change does reach later positions
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+@torch.no_grad()
+def test_forward_matches_hand_written_reference(n_kv_head):
+    model = build(tiny_config(n_kv_head=n_kv_head))
+    idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(2))
+    logits = model(idx)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 17, 97)
+    torch.testing.assert_close(logits, reference_forward(model, idx), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+@torch.no_grad()
+def test_kv_cache_token_by_token_matches_full_forward(n_kv_head):
+    model = build(tiny_config(n_kv_head=n_kv_head))
+    idx = torch.randint(0, 97, (2, 15), generator=torch.Generator().manual_seed(3))
+    full = model(idx)
+    cache = make_cache(model, batch_size=2, seq_len=20)
+    steps = [model(idx[:, t:t + 1], kv_cache=cache) for t in range(15)]
+    assert cache.get_pos() == 15
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_kv_cache_chunked_prefill_then_decode_matches_full_forward():
+    model = build(tiny_config(n_kv_head=2))
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    full = model(idx)
+    cache = make_cache(model, batch_size=2, seq_len=16)
+    # a first chunk onto an empty cache, then chunks of several tokens onto a non-empty cache, then decoding
+    pieces = [model(idx[:, :5], kv_cache=cache), model(idx[:, 5:9], kv_cache=cache), model(idx[:, 9:12], kv_cache=cache)]
+    pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(12, 16)]
+    assert cache.get_pos() == 16
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_kv_cache_prefill_from_batch_one_to_many_samples():
+    model = build(tiny_config(n_kv_head=2))
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+    single = make_cache(model, batch_size=1, seq_len=7)
+    model(prompt, kv_cache=single)
+    many = make_cache(model, batch_size=3, seq_len=12)
+    many.prefill(single)
+    assert many.get_pos() == 7
+    next_tokens = torch.tensor([[3], [50], [96]])
+    decoded = model(next_tokens, kv_cache=many)
+    expected = model(torch.cat([prompt.expand(3, -1), next_tokens], dim=1))[:, -1:]
+    torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_runs_under_bf16_autocast_with_fp32_logits():
+    # CPU autocast stands in for the CUDA bf16 path: dtypes must line up, including a bf16 KV cache.
+    model = build(tiny_config(n_kv_head=2))
+    idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(8))
+    reference = model(idx)
+    cache = KVCache(batch_size=2, num_heads=2, seq_len=12, head_dim=8, num_layers=2, device="cpu", dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(idx)
+        pieces = [model(idx[:, :7], kv_cache=cache), model(idx[:, 7:10], kv_cache=cache)]
+        pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in (10, 11)]
+    assert full.dtype == torch.float32
+    torch.testing.assert_close(full, reference, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=0.1, rtol=0.05)
+
+
+def test_kv_cache_bookkeeping_and_errors():
+    cache = KVCache(batch_size=2, num_heads=1, seq_len=4, head_dim=2, num_layers=1, device="cpu", dtype=torch.float32)
+    k_all, v_all = cache.update(0, torch.ones(2, 1, 3, 2), torch.full((2, 1, 3, 2), 2.0))
+    assert k_all.shape == (2, 1, 3, 2) and torch.all(v_all == 2.0)
+    cache.advance(3)
+    assert cache.get_pos() == 3
+    with pytest.raises(ValueError):
+        cache.update(0, torch.ones(2, 1, 2, 2), torch.ones(2, 1, 2, 2))  # 3 + 2 > 4 positions
+    with pytest.raises(ValueError):
+        cache.advance(2)
+    cache.reset()
+    assert cache.get_pos() == 0
+    other = KVCache(batch_size=3, num_heads=1, seq_len=4, head_dim=2, num_layers=1, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError):
+        cache.prefill(other)  # batch 3 can't go into batch 2
+
+
+def test_estimate_flops_and_num_params_match_hand_count():
+    config = tiny_config(sequence_len=24, vocab_size=50, n_layer=3, n_head=4, n_kv_head=2, n_embd=16)
+    with torch.device("meta"):
+        model = GPT(config)
+    C, V, L, H, T = 16, 50, 3, 4, 24
+    D = C // H
+    kv_dim = 2 * D
+    per_layer = C * C + 2 * C * kv_dim + C * C + 2 * 4 * C * C  # q, k+v, attn proj, mlp in+out
+    assert model.num_params() == 2 * V * C + L * per_layer
+    expected = 6 * (V * C + L * per_layer) + 12 * L * H * D * T
+    assert model.estimate_flops() == expected
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    config = tiny_config(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    x = torch.randint(0, 64, (4, 16))
+    y = torch.randint(0, 64, (4, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    first = None
+    for _ in range(150):
+        loss = model(x, y)
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    assert first > 3.5  # ~ln(64) at init
+    assert model(x, y).item() < 0.05
+
+
+@torch.no_grad()
+def test_ignore_index_targets_are_excluded_from_loss():
+    model = build(tiny_config())
+    idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    targets = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(7))
+    targets[0, :4] = -1
+    targets[1, 7:] = -1
+    valid = targets != -1
+    logprobs = F.log_softmax(model(idx), dim=-1)
+    nll = -logprobs[valid, targets[valid]]
+    torch.testing.assert_close(model(idx, targets, loss_reduction="sum"), nll.sum())
+    torch.testing.assert_close(model(idx, targets), nll.sum() / valid.sum())
+    per_token = model(idx, targets, loss_reduction="none")
+    assert per_token.shape == (2, 10) and torch.all(per_token[~valid] == 0)
+    torch.testing.assert_close(per_token[valid], nll)
+    # a batch with nothing to learn gives 0, not NaN
+    assert model(idx, torch.full_like(targets, -1)).item() == 0.0
+    with pytest.raises(ValueError):
+        model(idx, targets, loss_reduction="avg")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(n_embd=30, n_head=4),                 # n_head does not divide n_embd
+    dict(n_head=4, n_kv_head=3),               # n_kv_head does not divide n_head
+    dict(n_head=2, n_kv_head=4),               # more kv heads than heads
+    dict(n_embd=12, n_head=4, n_kv_head=4),    # head_dim 3 is odd
+    dict(n_layer=0),
+    dict(vocab_size=-5),
+])
+def test_invalid_configs_raise_value_error_before_allocating(fields):
+    # Sizes so large that allocating anything would be impossible: the error must come first.
+    huge = dict(sequence_len=10**9, vocab_size=10**12, n_layer=10**4)
+    huge.update(fields)
+    with pytest.raises(ValueError):
+        GPTConfig(**huge)
+    config = tiny_config()
+    for name, value in fields.items():
+        setattr(config, name, value)  # a config edited after construction is still checked by GPT
+    with pytest.raises(ValueError):
+        GPT(config)
+
+
+@torch.no_grad()
+def test_softcap_bounds_logits():
+    model = build(tiny_config())
+    model.lm_head.weight.mul_(1000.0)
+    logits = model(torch.randint(0, 97, (2, 8)))
+    assert logits.abs().max() <= 15.0
+    assert logits.abs().max() > 14.9  # the cap is actually reached, not a tiny lm_head
+
+
+def test_meta_construction_and_init_are_deterministic_under_seed():
+    config = tiny_config(n_kv_head=2)
+    with torch.device("meta"):
+        on_meta = GPT(config)
+    assert all(t.is_meta for t in list(on_meta.parameters()) + list(on_meta.buffers()))
+    a, b, c = build(config, seed=11, randomize=False), build(config, seed=11, randomize=False), build(config, seed=12, randomize=False)
+    for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(pa, pb), name
+        if pa.abs().sum() > 0:  # zero-initialised projections are equal for every seed
+            assert not torch.equal(pa, pc), name
+    assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
+    assert "cos" not in a.state_dict()  # rotary tables are derived, never saved
+    assert a.cos.shape[1] == 10 * config.sequence_len and torch.isfinite(a.cos).all()
+    # init values: output projections start at zero, everything else is non-trivial
+    assert torch.all(a.transformer.h[0].attn.c_proj.weight == 0) and torch.all(a.transformer.h[0].mlp.c_proj.weight == 0)
+    assert a.get_device() == torch.device("cpu")
+
+
+def test_setup_optimizers_param_groups():
+    config = tiny_config(n_embd=48, n_head=4, n_kv_head=2)
+    model = build(config, randomize=False)
+    adamw_groups, muon_groups = model.setup_optimizers(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02,
+                                                       weight_decay=0.1, adam_betas=(0.8, 0.95))
+    scale = (48 / 768) ** -0.5
+    assert adamw_groups[0]["params"] == [model.lm_head.weight]
+    assert adamw_groups[1]["params"] == [model.transformer.wte.weight]
+    assert adamw_groups[0]["lr"] == pytest.approx(0.004 * scale) and adamw_groups[1]["lr"] == pytest.approx(0.2 * scale)
+    for g in adamw_groups:
+        assert g["betas"] == (0.8, 0.95) and g["eps"] == 1e-10 and g["weight_decay"] == 0.0
+    shapes = [{tuple(p.shape) for p in g["params"]} for g in muon_groups]
+    assert all(len(s) == 1 for s in shapes) and len({next(iter(s)) for s in shapes}) == len(muon_groups)
+    for g in muon_groups:
+        assert g["lr"] == 0.02 and g["weight_decay"] == 0.1 and all(p.ndim == 2 for p in g["params"])
+    for g in adamw_groups + muon_groups:
+        assert g["initial_lr"] == g["lr"]
+    grouped = [p for g in adamw_groups + muon_groups for p in g["params"]]
+    assert len(grouped) == len(list(model.parameters()))
+    assert {id(p) for p in grouped} == {id(p) for p in model.parameters()}
+    # deterministic: a second call lists the same parameters in the same order
+    again = model.setup_optimizers()[1]
+    assert [[id(p) for p in g["params"]] for g in again] == [[id(p) for p in g["params"]] for g in muon_groups]

@@ -1,0 +1,262 @@
+"""Tests for nanochat.adamw and nanochat.muon: AdamW math, orthogonalisation, resume, and a real 2-rank run."""
+
+import copy
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from nanochat.adamw import DistAdamW, build_adamw  # noqa: E402
+from nanochat.common import UserError  # noqa: E402
+from nanochat.muon import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
+
+WORKER_PATH = os.path.join(REPO, "tests", "dist_optim_worker.py")
+
+
+def load_worker():
+    spec = importlib.util.spec_from_file_location("dist_optim_worker", WORKER_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -----------------------------------------------------------------------------
+# AdamW
+
+
+def test_adamw_matches_torch_adamw():
+    torch.manual_seed(0)
+    shapes = [(7, 5), (12,), ()]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    hyper = [dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
+             dict(lr=0.003, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)]
+    opt = build_adamw([dict(params=ours[:2], initial_lr=0.01, **hyper[0]), dict(params=ours[2:], **hyper[1])])
+    ref_opt = torch.optim.AdamW([dict(params=ref[:2], **hyper[0]), dict(params=ref[2:], **hyper[1])], foreach=False)
+    assert isinstance(opt, DistAdamW)
+    for step in range(6):
+        grads = [torch.randn(s) for s in shapes]
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 3:  # the training loop rescales lr mid-run; both must follow
+            opt.param_groups[0]["lr"] = ref_opt.param_groups[0]["lr"] = 0.005
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert opt.param_groups[0]["initial_lr"] == 0.01  # extra keys ride along untouched
+
+
+def test_adamw_honours_lr_mul_and_wd_mul():
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(4, 3))
+    b = nn.Parameter(a.detach().clone())
+    b.lr_mul, b.wd_mul = 2.0, 0.5
+    ref = nn.Parameter(a.detach().clone())
+    opt = DistAdamW([dict(params=[a, b], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.2)])
+    # b, with lr x2 and weight decay x0.5, steps like a plain AdamW with lr 0.02 and weight decay 0.1.
+    ref_opt = torch.optim.AdamW([ref], lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(3):
+        g = torch.randn(4, 3)
+        a.grad, b.grad, ref.grad = g.clone(), g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(b, ref, rtol=1e-6, atol=1e-6)
+    assert (a - b).abs().max() > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# Muon
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (96, 32), (32, 96)])
+def test_orthogonalize_pushes_singular_values_to_one(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape) * 3.0
+    X = orthogonalize(G, steps=5)
+    assert X.shape == G.shape and X.dtype == G.dtype
+    s = torch.linalg.svdvals(X)
+    # The quintic iteration trades exactness for speed: singular values land in ~[0.7, 1.2].
+    # A random square matrix has a few near-zero singular values that 5 steps cannot lift,
+    # so require the bulk, not all of them, to be near 1.
+    assert s.max() < 1.25
+    assert (s > 0.6).float().mean() >= 0.9
+    # And X points along the exact polar factor U V^T.
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    polar = U @ Vh
+    cosine = (X * polar).sum() / (X.norm() * polar.norm())
+    assert cosine > 0.95
+
+
+@pytest.mark.parametrize("shape", [(48, 48), (80, 20), (20, 80)])
+def test_orthogonalize_well_conditioned_input_all_singular_values_near_one(shape):
+    torch.manual_seed(1)
+    rows, cols = shape
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, k))
+    V, _ = torch.linalg.qr(torch.randn(cols, k))
+    s_in = torch.logspace(-1, 1, k)  # condition number 100
+    G = U @ torch.diag(s_in) @ V.T
+    s = torch.linalg.svdvals(orthogonalize(G, steps=5))
+    assert s.min() > 0.6 and s.max() < 1.25, s
+
+
+def test_orthogonalize_bf16_and_batched():
+    torch.manual_seed(0)
+    G = torch.randn(3, 16, 24)
+    X = orthogonalize(G, steps=5, dtype=torch.bfloat16)
+    assert X.dtype == torch.float32 and X.shape == G.shape
+    for i in range(3):
+        s = torch.linalg.svdvals(X[i])
+        assert s.min() > 0.5 and s.max() < 1.3
+        torch.testing.assert_close(X[i], orthogonalize(G[i], steps=5, dtype=torch.bfloat16), rtol=0, atol=0.05)
+
+
+def _tiny_classifier():
+    torch.manual_seed(0)
+    X = torch.randn(256, 20)
+    teacher = torch.randn(20, 4)
+    y = (X @ teacher).argmax(dim=1)
+    model = nn.Sequential(nn.Linear(20, 64, bias=False), nn.ReLU(), nn.Linear(64, 4, bias=False))
+    return model, X, y
+
+
+@pytest.mark.parametrize("optimizer_cls", [Muon, DistMuon])
+def test_muon_reduces_classification_loss(optimizer_cls):
+    model, X, y = _tiny_classifier()
+    groups = [dict(params=[model[0].weight]), dict(params=[model[2].weight])]
+    opt = optimizer_cls(groups, lr=0.02, momentum=0.9)
+    with torch.no_grad():
+        initial = F.cross_entropy(model(X), y).item()
+    for _ in range(40):
+        loss = F.cross_entropy(model(X), y)
+        loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        final = F.cross_entropy(model(X), y).item()
+    assert final < 0.5 * initial, (initial, final)
+
+
+def test_muon_single_and_distributed_agree_and_honour_group_momentum():
+    params_a = [nn.Parameter(torch.randn(8, 12)) for _ in range(3)] + [nn.Parameter(torch.randn(12, 8))]
+    params_b = [nn.Parameter(p.detach().clone()) for p in params_a]
+    # lr_mul 0 freezes a matrix entirely: decay is lr * weight_decay, so it stops too.
+    params_a[1].lr_mul = params_b[1].lr_mul = 0.0
+    frozen_start = params_a[1].detach().clone()
+    moving_start = params_a[0].detach().clone()
+    single = Muon([dict(params=params_a, lr=0.03, weight_decay=0.1)])
+    distributed = build_muon([dict(params=params_b[:3], lr=0.03, weight_decay=0.1),
+                              dict(params=params_b[3:], lr=0.03, weight_decay=0.1)], momentum=0.95)
+    torch.manual_seed(2)
+    for step in range(3):
+        for group in (*single.param_groups, *distributed.param_groups):
+            group["momentum"] = 0.85 + 0.05 * step  # momentum warmup, as the training loop does
+        for p, q in zip(params_a, params_b):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        single.step()
+        distributed.step()
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert torch.equal(params_a[1], frozen_start) and torch.equal(params_b[1], frozen_start)
+    assert (params_a[0] - moving_start).abs().max() > 1e-2
+    assert single.state[params_a[1]]["momentum_buffer"].abs().sum() > 0
+
+
+def test_muon_rejects_mixed_shapes_and_vectors():
+    with pytest.raises(ValueError, match="one shape"):
+        DistMuon([dict(params=[nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))])])
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([nn.Parameter(torch.randn(4))])
+
+
+# -----------------------------------------------------------------------------
+# State dict round trip and the real 2-rank run
+
+
+def _reference_run(worker, steps, resume_at=None):
+    """Single-process run of the worker's model on the full global batch; optionally through a
+    state_dict save/load (of model and optimizers) after resume_at steps."""
+    model = worker.build_model()
+    optimizers = worker.build_optimizers(model)
+    for step in range(steps):
+        if step == resume_at:
+            saved_model = copy.deepcopy(model.state_dict())
+            saved_opts = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+            model = worker.build_model()
+            model.load_state_dict(saved_model)
+            optimizers = worker.build_optimizers(model)
+            for opt, state in zip(optimizers, saved_opts):
+                opt.load_state_dict(state)
+        worker.train_step(model, optimizers, step)
+    return model
+
+
+def test_state_dict_round_trip_single_process():
+    worker = load_worker()
+    straight = _reference_run(worker, steps=4)
+    resumed = _reference_run(worker, steps=4, resume_at=2)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.timeout(240)
+def test_two_rank_gloo_step_equals_single_process(tmp_path):
+    worker = load_worker()
+    out = tmp_path / "final_params.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # --standalone runs a local rendezvous on localhost:0, i.e. a free port chosen by the OS.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           WORKER_PATH, str(out)]
+    # A session of its own, so a hung run can be killed along with both ranks.
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        # The single-process reference on the full batch, computed while the two ranks start up:
+        # plain Muon and torch's own AdamW.
+        model = worker.build_model()
+        adamw_groups, muon_groups = worker.param_groups(model)
+        torch_groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in adamw_groups]
+        optimizers = [torch.optim.AdamW(torch_groups, foreach=False), Muon(muon_groups, momentum=0.9)]
+        start = {name: p.detach().clone() for name, p in model.named_parameters()}
+        for step in range(worker.NUM_STEPS):
+            worker.train_step(model, optimizers, step)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-5000:]
+    result = torch.load(out, weights_only=True)
+    assert result["world"] == 2
+    assert not result["ranks_disagree"]
+    assert not result["state_not_sharded"]
+    assert result["muon_states_rank0"] == 4  # 2 of the 3 square matrices + the lone tall + the lone wide
+    assert result["resume_diff"] == 0.0
+    for name, p in model.named_parameters():
+        dist_p = result["params"][name]
+        assert (dist_p - p.detach()).abs().max().item() < 1e-5, name
+        assert (p.detach() - start[name]).abs().max().item() > 1e-3, name  # it really trained
+
+
+def test_loading_state_from_another_world_size_is_a_clear_error():
+    p = nn.Parameter(torch.randn(6, 4))
+    p.grad = torch.randn(6, 4)
+    opt = DistAdamW([p], lr=0.01)
+    opt.step()
+    state = opt.state_dict()
+    # What rank 0 of a 2-rank run would have saved: a slice of 3 rows.
+    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"][:3].clone()
+    state["state"][0]["exp_avg_sq"] = state["state"][0]["exp_avg_sq"][:3].clone()
+    with pytest.raises(UserError, match="different number of ranks"):
+        DistAdamW([p], lr=0.01).load_state_dict(state)
