@@ -1,0 +1,281 @@
+"""
+Checkpoints: save, rotate, resume and load models for every stage.
+
+A checkpoint is a directory `<base_dir>/<stage>_checkpoints/<tag>/step_XXXXXX/` holding
+  model.safetensors           the weights (rank 0 writes them)
+  optim_rank{R}.safetensors   each rank's optimizer-state tensors (sharded optimizers own different state)
+  optim_rank{R}.json          ...and the non-tensor rest of that rank's optimizer state
+  meta.json                   step, model config, user flags, dataloader and loop state, metrics,
+                              tokenizer fingerprint, and the sha256 of every file above
+Everything is written into a temp directory that is renamed into place only when complete, so a
+kill at any instant leaves the previous checkpoint loadable. Nothing is unpickled on load.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from nanochat.common import UserError, get_base_dir, print0
+
+STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
+STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def _fault_point(name, step):
+    """Tests set NANOCHAT_CKPT_FAULT=<name>@<step> to kill the process at this point of that step's save."""
+    if os.environ.get("NANOCHAT_CKPT_FAULT") == f"{name}@{step}":
+        os._exit(137)
+
+
+def checkpoints_root(stage):
+    if stage not in STAGE_DIRS:
+        raise UserError(f"unknown checkpoint source {stage!r}; expected one of {sorted(STAGE_DIRS)}")
+    return os.path.join(get_base_dir(), STAGE_DIRS[stage])
+
+
+def checkpoint_dir(stage, tag):
+    return os.path.join(checkpoints_root(stage), tag)
+
+
+def list_steps(ckpt_dir):
+    """Steps of the complete checkpoints in ckpt_dir, ascending (temp dirs of interrupted saves are ignored)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    steps = []
+    for name in os.listdir(ckpt_dir):
+        m = STEP_DIR_RE.match(name)
+        if m and os.path.isfile(os.path.join(ckpt_dir, name, "meta.json")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer_dir=None):
+    """A hash of the tokenizer's files, so a checkpoint is never resumed or served with another tokenizer."""
+    tokenizer_dir = tokenizer_dir or os.path.join(get_base_dir(), "tokenizer")
+    if not os.path.isdir(tokenizer_dir):
+        return None
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(tokenizer_dir)):
+        path = os.path.join(tokenizer_dir, name)
+        if name.startswith("token_bytes") or name.startswith(".") or not os.path.isfile(path):
+            continue  # token_bytes is derived from the ranks; temp files are not part of it
+        h.update(name.encode())
+        h.update(_sha256(path).encode())
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# Optimizer state <-> (tensors, json) without pickle
+
+
+def _flatten_optimizer_state(optimizers):
+    tensors, rest = {}, []
+    for i, opt in enumerate(optimizers):
+        sd = opt.state_dict()
+        state_json = {}
+        for pid, pstate in sd["state"].items():
+            entry = {}
+            for name, value in pstate.items():
+                if torch.is_tensor(value):
+                    tensors[f"{i}/{pid}/{name}"] = value.detach().contiguous().cpu()
+                else:
+                    entry[name] = value
+            state_json[str(pid)] = entry
+        rest.append({"state": state_json, "param_groups": sd["param_groups"]})
+    return tensors, rest
+
+
+def _unflatten_optimizer_state(tensors, rest):
+    state_dicts = []
+    for i, entry in enumerate(rest):
+        state = {int(pid): dict(values) for pid, values in entry["state"].items()}
+        for key, value in tensors.items():
+            opt_i, pid, name = key.split("/", 2)
+            if int(opt_i) == i:
+                state.setdefault(int(pid), {})[name] = value
+        state_dicts.append({"state": state, "param_groups": entry["param_groups"]})
+    return state_dicts
+
+
+# -----------------------------------------------------------------------------
+# Saving
+
+
+def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
+    """
+    Collective: every rank calls it. Rank 0 writes weights and meta, every rank writes its optimizer
+    shard, then rank 0 renames the finished temp dir into place and prunes old checkpoints.
+    """
+    is_dist = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if is_dist else 0
+    world_size = dist.get_world_size() if is_dist else 1
+    final_dir = os.path.join(ckpt_dir, f"step_{step:06d}")
+    tmp_dir = os.path.join(ckpt_dir, f".tmp_step_{step:06d}")
+    t0 = time.time()
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a save that was killed
+        os.makedirs(tmp_dir)
+    if is_dist:
+        dist.barrier()
+
+    if optimizers:
+        tensors, rest = _flatten_optimizer_state(optimizers)
+        save_file(tensors, os.path.join(tmp_dir, f"optim_rank{rank}.safetensors"))
+        with open(os.path.join(tmp_dir, f"optim_rank{rank}.json"), "w") as f:
+            json.dump(rest, f)
+    _fault_point("after_optimizer", step)
+    if is_dist:
+        dist.barrier()
+
+    if rank == 0:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, os.path.join(tmp_dir, "model.safetensors"))
+        _fault_point("after_model", step)
+        meta = dict(meta, step=step, world_size=world_size, saved_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+        meta["files"] = {name: _sha256(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+        for name in os.listdir(tmp_dir):  # make the bytes durable before the rename makes them visible
+            with open(os.path.join(tmp_dir, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fault_point("before_rename", step)
+        if os.path.exists(final_dir):  # re-saving the same step (e.g. after a resume): swap it out
+            shutil.rmtree(final_dir)
+        os.replace(tmp_dir, final_dir)
+        _prune(ckpt_dir, keep_last)
+    if is_dist:
+        dist.barrier()
+    print0(f"saved checkpoint step {step} to {final_dir} ({time.time() - t0:.1f}s)")
+    return final_dir
+
+
+def _prune(ckpt_dir, keep_last):
+    if not keep_last or keep_last <= 0:
+        return
+    steps = list_steps(ckpt_dir)
+    for old in steps[:-keep_last]:  # the newest is always among the kept
+        shutil.rmtree(os.path.join(ckpt_dir, f"step_{old:06d}"), ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# Loading
+
+
+def resolve_step(ckpt_dir, step=None):
+    steps = list_steps(ckpt_dir)
+    if not steps:
+        raise UserError(f"no checkpoint found in {ckpt_dir}; train one first, or drop --resume")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise UserError(f"no checkpoint for step {step} in {ckpt_dir}; available steps: {steps}")
+    return step
+
+
+def load_meta(ckpt_dir, step):
+    path = os.path.join(ckpt_dir, f"step_{step:06d}", "meta.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint metadata {path} is unreadable ({e}); delete that step directory and use an older one") from e
+
+
+def _verified_path(step_dir, name, meta):
+    path = os.path.join(step_dir, name)
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint file {path} is missing; delete {step_dir} and resume from an older step")
+    expected = meta.get("files", {}).get(name)
+    if expected is not None and _sha256(path) != expected:
+        raise UserError(f"checkpoint file {path} is corrupt (sha256 mismatch); delete {step_dir} and resume from an older step")
+    return path
+
+
+def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
+    """Returns (model_state, optimizer_state_dicts or None, meta), every file verified against meta's hashes."""
+    meta = load_meta(ckpt_dir, step)
+    step_dir = os.path.join(ckpt_dir, f"step_{step:06d}")
+    try:
+        model_state = load_file(_verified_path(step_dir, "model.safetensors", meta), device=str(device))
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"cannot read {step_dir}/model.safetensors ({e}); delete {step_dir} and use an older step") from e
+    optim_states = None
+    if load_optimizer:
+        tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
+        json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
+        with open(json_path) as f:
+            rest = json.load(f)
+        optim_states = _unflatten_optimizer_state(load_file(tensors_path, device=str(device)), rest)
+    return model_state, optim_states, meta
+
+
+def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
+    """A checkpoint of another shape or tokenizer cannot be resumed: say so before any compute."""
+    saved = meta.get("model_config", {})
+    if saved != model_config:
+        diff = {k: (saved.get(k), model_config.get(k)) for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k)}
+        raise UserError(f"checkpoint in {ckpt_dir} is for a different model (saved vs requested: {diff}); "
+                        "use the same --depth/--max-seq-len, or another --model-tag")
+    saved_tok = meta.get("tokenizer_hash")
+    if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
+        raise UserError(f"checkpoint in {ckpt_dir} was trained with a different tokenizer; "
+                        "restore that tokenizer or train from scratch with another --model-tag")
+
+
+def find_latest_tag(stage):
+    root = checkpoints_root(stage)
+    tags = [t for t in os.listdir(root) if list_steps(os.path.join(root, t))] if os.path.isdir(root) else []
+    if not tags:
+        raise UserError(f"no {stage} checkpoints under {root}; train that stage first")
+    return max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
+
+
+def build_model(model_config, device):
+    from nanochat.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**model_config))
+    model.to_empty(device=device)
+    model.init_weights()  # also builds the non-persistent rotary buffers
+    return model
+
+
+def load_model(source, device, phase="eval", model_tag=None, step=None):
+    """Build a trained model for inference or further training: returns (model, tokenizer, meta)."""
+    from nanochat.tokenizer import get_tokenizer
+
+    device = torch.device(device)
+    model_tag = model_tag or find_latest_tag(source)
+    ckpt_dir = checkpoint_dir(source, model_tag)
+    step = resolve_step(ckpt_dir, step)
+    model_state, _, meta = load_checkpoint(ckpt_dir, step, device, load_optimizer=False)
+    model = build_model(meta["model_config"], device)
+    try:
+        model.load_state_dict(model_state, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"checkpoint {ckpt_dir} step {step} does not match the model code ({e})") from e
+    model.train(phase == "train")
+    meta["model_tag"] = model_tag
+    tokenizer = get_tokenizer()
+    saved_tok = meta.get("tokenizer_hash")
+    if saved_tok and saved_tok != tokenizer_fingerprint():
+        raise UserError(f"the tokenizer in {get_base_dir()}/tokenizer is not the one checkpoint {ckpt_dir} was trained with")
+    return model, tokenizer, meta

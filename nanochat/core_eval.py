@@ -1,0 +1,355 @@
+"""
+The DCLM CORE metric (https://arxiv.org/abs/2406.11794): a base model's in-context-learning
+score over a bundle of tasks, each accuracy centred against its random-guess baseline and
+the centred accuracies averaged into one number.
+
+Three kinds of task, all scored from one forward pass per example:
+- multiple_choice: one query, several candidate continuations; the model picks the choice
+  whose tokens it finds least surprising (lowest mean loss).
+- schema: several candidate contexts, one shared continuation; the model picks the context
+  that makes the continuation least surprising.
+- language_modeling: one context and continuation; correct only if greedy decoding would
+  reproduce every continuation token.
+
+The bundle is a zip with core.yaml (the task list), eval_meta_data.csv (random baselines in
+percent) and eval_data/**.jsonl (the examples); ensure_eval_bundle() fetches and caches it.
+"""
+
+import csv
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import zipfile
+import zlib
+
+import requests
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from filelock import FileLock
+from tqdm import tqdm
+
+from nanochat.common import UserError, get_base_dir, print0
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+
+# Fixed seeds so every run (and every rank) sees the same task order and the same few-shot examples.
+TASK_SHUFFLE_SEED = 2406
+FEWSHOT_SEED = 11794
+
+# -----------------------------------------------------------------------------
+# The eval bundle: download, verify, extract, cache
+
+
+def eval_bundle_url():
+    return os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
+
+
+def _download(url, path):
+    """Stream url into path with a progress bar; any failure becomes a UserError naming the URL."""
+    try:
+        with requests.get(url, stream=True, timeout=60) as response:
+            response.raise_for_status()
+            expected = int(response.headers.get("content-length") or 0)
+            received = 0
+            with open(path, "wb") as f, tqdm(total=expected or None, unit="B", unit_scale=True,
+                                             desc="eval_bundle.zip") as bar:
+                for chunk in response.iter_content(chunk_size=1 << 20):
+                    f.write(chunk)
+                    received += len(chunk)
+                    bar.update(len(chunk))
+    except requests.RequestException as e:
+        raise UserError(f"could not download the CORE eval bundle from {url}: {e} "
+                        "(check the network, or point NANOCHAT_EVAL_BUNDLE_URL at a mirror)") from e
+    if expected and received != expected:
+        raise UserError(f"download of the CORE eval bundle from {url} was cut short "
+                        f"({received} of {expected} bytes); run again to retry")
+
+
+def _extract(url, zip_path, extract_dir):
+    """Check the zip end to end (CRC of every member), unpack it, return the folder holding core.yaml."""
+    not_a_bundle = f"the file downloaded from {url} is not a valid eval bundle zip"
+    if not zipfile.is_zipfile(zip_path):
+        raise UserError(f"{not_a_bundle} (not a zip archive); check NANOCHAT_EVAL_BUNDLE_URL or run again")
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            broken = zf.testzip()
+            if broken is not None:
+                raise UserError(f"{not_a_bundle} (member {broken!r} is corrupt); run again to re-download")
+            zf.extractall(extract_dir)  # zipfile drops absolute paths and '..' so nothing lands outside
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
+        raise UserError(f"{not_a_bundle} ({e}); run again to re-download") from e
+    # The published zip holds a top-level eval_bundle/ folder; accept a zip of its contents too.
+    for root in (os.path.join(extract_dir, "eval_bundle"), extract_dir):
+        if os.path.isfile(os.path.join(root, "core.yaml")):
+            return root
+    raise UserError(f"{not_a_bundle} (no core.yaml in it, expected eval_bundle/core.yaml)")
+
+
+def ensure_eval_bundle():
+    """Return <base_dir>/eval_bundle, downloading and unpacking it first if it is not there yet."""
+    base_dir = get_base_dir()
+    bundle_dir = os.path.join(base_dir, "eval_bundle")
+    if os.path.isfile(os.path.join(bundle_dir, "core.yaml")):
+        return bundle_dir
+    # Under torchrun every rank gets here; the lock lets one download while the others wait.
+    with FileLock(os.path.join(base_dir, "eval_bundle.lock")):
+        if os.path.isfile(os.path.join(bundle_dir, "core.yaml")):
+            return bundle_dir
+        if os.path.exists(bundle_dir):
+            raise UserError(f"{bundle_dir} exists but has no core.yaml; move it away and run again to re-download")
+        url = eval_bundle_url()
+        print0(f"Downloading the CORE eval bundle from {url}")
+        fd, zip_path = tempfile.mkstemp(prefix="eval_bundle.", suffix=".zip.tmp", dir=base_dir)
+        os.close(fd)
+        extract_dir = tempfile.mkdtemp(prefix="eval_bundle.", suffix=".tmp", dir=base_dir)
+        try:
+            _download(url, zip_path)
+            root = _extract(url, zip_path, extract_dir)
+            os.rename(root, bundle_dir)  # same filesystem, so readers see all of it or none of it
+        finally:
+            os.remove(zip_path)
+            shutil.rmtree(extract_dir, ignore_errors=True)
+    print0(f"CORE eval bundle ready at {bundle_dir}")
+    return bundle_dir
+
+
+# -----------------------------------------------------------------------------
+# Reading the bundle
+
+
+def load_core_tasks(bundle_dir):
+    """The tasks of core.yaml, each with its data path and random baseline (a fraction) attached."""
+    config_path = os.path.join(bundle_dir, "core.yaml")
+    meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+        with open(meta_path, encoding="utf-8", newline="") as f:
+            baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
+    except (OSError, yaml.YAMLError, KeyError, ValueError) as e:
+        raise UserError(f"broken CORE eval bundle in {bundle_dir} ({e}); delete it to re-download") from e
+    if not isinstance(config, dict) or not isinstance(config.get("icl_tasks"), list):
+        raise UserError(f"{config_path} has no icl_tasks list; delete {bundle_dir} to re-download")
+    tasks = []
+    for entry in config["icl_tasks"]:
+        label = entry.get("label")
+        task_type = entry.get("icl_task_type")
+        if task_type not in TASK_TYPES:
+            raise UserError(f"{config_path}: task {label!r} has icl_task_type {task_type!r}, expected one of {TASK_TYPES}")
+        if label not in baselines:
+            raise UserError(f"{meta_path} has no 'Random baseline' for task {label!r}")
+        if not 0 <= baselines[label] < 100:
+            raise UserError(f"{meta_path}: random baseline of {label!r} must be a percentage in [0, 100)")
+        if not entry.get("dataset_uri"):
+            raise UserError(f"{config_path}: task {label!r} has no dataset_uri")
+        num_fewshot = entry.get("num_fewshot", 0)
+        if isinstance(num_fewshot, list):  # llm-foundry lets a task list several shot counts; CORE uses the first
+            num_fewshot = num_fewshot[0]
+        # dataset_uri is relative to eval_data/ in the published bundle; also accept it relative to the bundle.
+        data_path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
+        if not os.path.isfile(data_path):
+            data_path = os.path.join(bundle_dir, entry["dataset_uri"])
+        tasks.append({
+            "label": label,
+            "task_type": task_type,
+            "num_fewshot": int(num_fewshot),
+            "continuation_delimiter": entry.get("continuation_delimiter", " "),
+            "data_path": data_path,
+            "random_baseline": baselines[label] / 100,
+        })
+    return tasks
+
+
+def load_task_data(path):
+    """One example per non-empty jsonl line."""
+    data = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if line.strip():
+                    data.append(json.loads(line))
+    except OSError as e:
+        raise UserError(f"cannot read CORE task data {path} ({e}); delete the eval bundle to re-download") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{line_number} is not valid JSON ({e.msg})") from e
+    if not data:
+        raise UserError(f"CORE task data {path} has no examples")
+    return data
+
+
+# -----------------------------------------------------------------------------
+# Rendering an example into prompts, and prompts into scored token spans
+
+
+def sample_fewshot(data, idx, num_fewshot):
+    """num_fewshot other examples, the same ones every time this example is scored."""
+    k = min(num_fewshot, len(data) - 1)
+    if k <= 0:
+        return []
+    rng = random.Random(FEWSHOT_SEED + idx)
+    picks = rng.sample(range(len(data) - 1), k)
+    return [data[i + 1 if i >= idx else i] for i in picks]  # indices skip over the example itself
+
+
+def render_prompts(task_type, item, delimiter, shots):
+    """
+    The full text of each candidate: the solved few-shot examples, each followed by a blank line,
+    then the item. language_modeling returns [context only, context + continuation].
+    """
+    if task_type == "multiple_choice":
+        prefix = "".join(f"{s['query']}{delimiter}{s['choices'][s['gold']]}\n\n" for s in shots)
+        return [f"{prefix}{item['query']}{delimiter}{choice}" for choice in item["choices"]]
+    if task_type == "schema":
+        prefix = "".join(f"{s['context_options'][s['gold']]}{delimiter}{s['continuation']}\n\n" for s in shots)
+        return [f"{prefix}{option}{delimiter}{item['continuation']}" for option in item["context_options"]]
+    if task_type == "language_modeling":
+        prefix = "".join(f"{s['context'].strip()}{delimiter}{s['continuation']}\n\n" for s in shots)
+        context = f"{prefix}{item['context'].strip()}{delimiter}"
+        # A trailing space would be a lone token here, while in the full text it merges into the
+        # continuation's first token; dropping it keeps the context a token prefix of the full text.
+        return [context.rstrip(), context + item["continuation"]]
+    raise ValueError(f"unknown CORE task type {task_type!r}")
+
+
+def _common_prefix_len(rows):
+    n = 0
+    for column in zip(*rows):
+        if any(token != column[0] for token in column):
+            break
+        n += 1
+    return n
+
+
+def _common_suffix_len(rows):
+    return _common_prefix_len([row[::-1] for row in rows])
+
+
+def tokenize_prompts(tokenizer, task_type, prompts):
+    """
+    Token rows (each starting with BOS) and for each row the span [start, end) of tokens to score.
+    Every span keeps at least one token and never includes BOS.
+    """
+    rows = tokenizer.encode(prompts, prepend=tokenizer.get_bos_token_id())
+    shortest = min(len(row) for row in rows)
+    if shortest < 2:
+        raise UserError(f"a CORE example renders to no text at all: {prompts!r}")
+    if task_type == "multiple_choice":
+        # The choices differ only at the end: score from where they first diverge.
+        start = min(_common_prefix_len(rows), shortest - 1)
+        return rows, [(start, len(row)) for row in rows]
+    if task_type == "schema":
+        # The contexts differ, the continuation is shared: score the common tail.
+        suffix = max(1, min(_common_suffix_len(rows), shortest - 1))
+        return rows, [(len(row) - suffix, len(row)) for row in rows]
+    if task_type == "language_modeling":
+        context_row, full_row = rows
+        start = min(_common_prefix_len([context_row, full_row]), len(full_row) - 1)
+        return [full_row], [(start, len(full_row))]
+    raise ValueError(f"unknown CORE task type {task_type!r}")
+
+
+def crop_to_window(rows, spans, max_len):
+    """
+    Fit rows longer than the model's context by dropping tokens from the left, just after BOS
+    (the model has only ever seen rows that start with BOS); the scored tail stays.
+    """
+    cropped_rows, cropped_spans = [], []
+    for row, (start, end) in zip(rows, spans):
+        excess = len(row) - max_len
+        if excess > 0:
+            row = row[:1] + row[1 + excess:]
+            start, end = max(start - excess, 1), end - excess
+        cropped_rows.append(row)
+        cropped_spans.append((start, end))
+    return cropped_rows, cropped_spans
+
+
+@torch.no_grad()
+def score_rows(model, rows, spans, pad_id, device):
+    """
+    One forward pass over all rows (right-padded). For each row: the mean loss over its span, and
+    whether greedy argmax predicts every token of the span. Padding is never read: attention is
+    causal and only span positions are scored.
+    """
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    ids = ids.to(device)
+    logits = model(ids)
+    mean_losses, exact = [], []
+    for i, (start, end) in enumerate(spans):
+        predicted = logits[i, start - 1:end - 1].float()  # position t predicts token t+1
+        targets = ids[i, start:end]
+        mean_losses.append(F.cross_entropy(predicted, targets))
+        exact.append((predicted.argmax(dim=-1) == targets).all())
+    return torch.stack(mean_losses).tolist(), torch.stack(exact).tolist()
+
+
+def evaluate_example(model, tokenizer, data, idx, device, task_meta):
+    """True if the model gets data[idx] right."""
+    item = data[idx]
+    task_type = task_meta["task_type"]
+    shots = sample_fewshot(data, idx, task_meta["num_fewshot"])
+    prompts = render_prompts(task_type, item, task_meta["continuation_delimiter"], shots)
+    rows, spans = tokenize_prompts(tokenizer, task_type, prompts)
+    max_len = getattr(getattr(model, "config", None), "sequence_len", None)
+    if max_len:
+        rows, spans = crop_to_window(rows, spans, max_len)
+    mean_losses, exact = score_rows(model, rows, spans, tokenizer.get_bos_token_id(), device)
+    if task_type == "language_modeling":
+        return exact[0]
+    prediction = min(range(len(mean_losses)), key=lambda i: mean_losses[i])  # first one wins ties
+    return prediction == item["gold"]
+
+
+def evaluate_task(model, tokenizer, data, device, task_meta, num_examples=None):
+    """
+    Accuracy on the first num_examples of data (all if None or < 0); few-shot examples may come
+    from all of data. Under torchrun each rank takes every world_size-th example and the counts
+    are summed, so every rank returns the same number.
+    """
+    n = len(data) if num_examples is None or num_examples < 0 else min(num_examples, len(data))
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    correct = sum(bool(evaluate_example(model, tokenizer, data, idx, device, task_meta))
+                  for idx in range(rank, n, world_size))
+    counts = torch.tensor([correct, len(range(rank, n, world_size))], dtype=torch.long, device=device)
+    if distributed and world_size > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    correct, total = counts.tolist()
+    return correct / max(total, 1)
+
+
+def evaluate_core(model, tokenizer, device, max_per_task=-1, bundle_dir=None, verbose=True):
+    """
+    Score every task of the bundle. Returns {"results": {label: accuracy}, "centered_results":
+    {label: centred accuracy}, "core_metric": mean centred accuracy}. max_per_task > 0 evaluates a
+    fixed random subset of each task (a quick look, not comparable with full runs).
+    """
+    bundle_dir = bundle_dir or ensure_eval_bundle()
+    tasks = load_core_tasks(bundle_dir)
+    if not tasks:
+        raise UserError(f"{os.path.join(bundle_dir, 'core.yaml')} lists no tasks")
+    results, centered_results = {}, {}
+    for task in tasks:
+        t0 = time.time()
+        data = load_task_data(task["data_path"])
+        random.Random(TASK_SHUFFLE_SEED).shuffle(data)  # so a max_per_task subset is a fair sample
+        accuracy = evaluate_task(model, tokenizer, data, device, task, num_examples=max_per_task)
+        baseline = task["random_baseline"]
+        centered = (accuracy - baseline) / (1.0 - baseline)
+        results[task["label"]] = accuracy
+        centered_results[task["label"]] = centered
+        if verbose:
+            print0(f"{task['label']:<36} accuracy {accuracy:.4f} | centered {centered:+.4f} | "
+                   f"{task['num_fewshot']}-shot {task['task_type']} | {time.time() - t0:.1f}s")
+    core_metric = sum(centered_results.values()) / len(centered_results)
+    return {"results": results, "centered_results": centered_results, "core_metric": core_metric}

@@ -1,0 +1,97 @@
+"""
+Score a checkpoint on the CORE metric (DCLM's in-context-learning suite), print one line per
+task and the final number, save the per-task results as CSV and log them to the report.
+
+python -m scripts.base_eval --model-tag d12
+python -m scripts.base_eval --max-per-task 100          # a quick look on a subset of each task
+torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --model-tag d12
+"""
+
+import argparse
+import csv
+import io
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+
+from nanochat.checkpoint_manager import find_latest_tag, load_model
+from nanochat.common import (UserError, atomic_write_text, compute_cleanup, compute_init, get_base_dir,
+                             get_compute_dtype, print0, run_main)
+from nanochat.core_eval import evaluate_core
+from nanochat.report import get_report
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Evaluate a checkpoint on the CORE metric")
+    parser.add_argument("--source", type=str, default="base", choices=["base", "mid", "sft", "rl"],
+                        help="which stage's checkpoints to load")
+    parser.add_argument("--model-tag", type=str, default=None, help="checkpoint tag (default: the stage's default)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--max-per-task", type=int, default=-1,
+                        help="examples per task, -1 = all (a smaller number is a quick, noisier look)")
+    parser.add_argument("--device-type", type=str, default="", help="cuda|mps|cpu (default: autodetect)")
+    args = parser.parse_args(argv)
+    if args.max_per_task == 0 or args.max_per_task < -1:
+        raise UserError(f"--max-per-task must be -1 (all) or a positive number (got {args.max_per_task})")
+    return args
+
+
+def results_csv(core):
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["Task", "Accuracy", "Centered"])
+    for label, accuracy in core["results"].items():
+        writer.writerow([label, f"{accuracy:.6f}", f"{core['centered_results'][label]:.6f}"])
+    writer.writerow(["CORE", "", f"{core['core_metric']:.6f}"])
+    return out.getvalue()
+
+
+def results_markdown(core):
+    lines = ["| Task | Accuracy | Centered |", "|---|---:|---:|"]
+    for label, accuracy in core["results"].items():
+        lines.append(f"| {label} | {accuracy:.4f} | {core['centered_results'][label]:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    is_ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
+    try:
+        model_tag = args.model_tag or find_latest_tag(args.source)
+        model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=args.step)
+        step = meta.get("step", args.step)
+        # Same precision as training: bf16 autocast where it is fast, plain fp32 elsewhere.
+        dtype = get_compute_dtype(device)
+        autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        print0(f"CORE evaluation of {args.source} checkpoint {model_tag} step {step} on {world_size} rank(s)")
+
+        t0 = time.time()
+        with autocast:
+            core = evaluate_core(model, tokenizer, device, max_per_task=args.max_per_task)
+        seconds = time.time() - t0
+        print0(f"CORE metric: {core['core_metric']:.4f} ({seconds:.0f}s)")
+
+        if rank == 0:
+            out_dir = os.path.join(get_base_dir(), "base_eval")
+            os.makedirs(out_dir, exist_ok=True)
+            name = f"{model_tag}_{step}.csv" if args.source == "base" else f"{args.source}_{model_tag}_{step}.csv"
+            csv_path = os.path.join(out_dir, name)
+            atomic_write_text(csv_path, results_csv(core))
+            print0(f"Results written to {csv_path}")
+            # Only a base checkpoint feeds the report's BASE column; other stages get a section of their own.
+            section = "Base model evaluation" if args.source == "base" else f"CORE evaluation {args.source}"
+            get_report().log(section=section, data=[
+                {"Source": args.source, "Model tag": model_tag, "Step": step,
+                 "Max per task": args.max_per_task, "Seconds": round(seconds, 1)},
+                {"CORE metric": core["core_metric"]},
+                # A table, not a dict: per-task labels such as arc_easy must not land in the summary's chat-eval rows.
+                results_markdown(core),
+            ])
+    finally:
+        compute_cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

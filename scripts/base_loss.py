@@ -1,0 +1,64 @@
+"""
+Evaluate a base checkpoint's bits per byte on the train and val splits, and show a few greedy samples.
+
+  python -m scripts.base_loss [--model-tag d4] [--step N] [--split-tokens 65536]
+  torchrun --standalone --nproc_per_node=8 -m scripts.base_loss
+"""
+
+import argparse
+import time
+from contextlib import nullcontext
+
+import torch
+
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import compute_cleanup, compute_init, get_compute_dtype, print0, run_main
+from nanochat.dataloader import eval_batches
+from nanochat.loss_eval import evaluate_bpb
+from nanochat.report import get_report
+from nanochat.tokenizer import get_token_bytes
+from nanochat.training import greedy_samples
+
+PROMPTS = ["The capital of", "The river", "12 + 7 =", "The word apple is spelled", "Once upon a time"]
+
+
+def main():
+    p = argparse.ArgumentParser(description="Train/val bits per byte and samples of a base checkpoint.")
+    p.add_argument("--model-tag", default=None)
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--device-type", default="")
+    p.add_argument("--device-batch-size", type=int, default=32)
+    p.add_argument("--split-tokens", type=int, default=20 * 524288, help="tokens evaluated per split")
+    p.add_argument("--data-source", default=None)
+    args = p.parse_args()
+
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
+    T = model.config.sequence_len
+    dtype = get_compute_dtype(device)
+    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    token_bytes = get_token_bytes(device=device)
+    steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
+    print0(f"base_loss | step {meta['step']} | {steps} batches of {args.device_batch_size}x{T}x{world_size} tokens per split")
+
+    results = {}
+    for split in ("train", "val"):
+        t0 = time.time()
+        loader, batches = eval_batches(tokenizer, args.device_batch_size, T, split, device, rank, world_size,
+                                       source=args.data_source)
+        with autocast:
+            results[f"{split} bpb"] = evaluate_bpb(model, batches, steps, token_bytes)
+        loader.close()
+        print0(f"{split} bpb: {results[f'{split} bpb']:.4f} ({time.time() - t0:.1f}s)")
+    samples = []
+    if rank == 0:
+        with autocast:
+            samples = greedy_samples(model, tokenizer, PROMPTS, max_tokens=24)
+        for s in samples:
+            print0(f"  sample: {s!r}")
+    get_report().log(section="Base model loss", data=[{"step": meta["step"], **results}, {"samples": samples}])
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

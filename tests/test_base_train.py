@@ -1,0 +1,223 @@
+"""
+base_train end to end, in real subprocesses: exact resume after SIGKILL (1 and 2 ranks), a kill in the
+middle of a checkpoint save, 1-rank vs 2-rank vs 2-node agreement, learning, and bad input.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# A tiny model: 2 layers, width 64, 2 heads of 32; 4 x 64 tokens per step.
+TINY = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=64", "--device-batch-size=2",
+        "--total-batch-size=256", "--eval-tokens=1024", "--core-metric-every=-1", "--sample-every=-1", "--model-tag=tiny"]
+
+
+def fresh_base(tiny_base_dir, tmp_path, name):
+    """A private copy of the tiny corpus + tokenizer, so runs don't share checkpoints or report curves."""
+    base = tmp_path / name
+    shutil.copytree(tiny_base_dir, base, ignore=shutil.ignore_patterns("base_checkpoints", "report"))
+    return str(base)
+
+
+def env_for(base):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
+    env.pop("NANOCHAT_CKPT_FAULT", None)
+    return env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(nproc=1):
+    if nproc == 1:
+        return [sys.executable, "-m", "scripts.base_train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "scripts.base_train"]
+
+
+def run_train(base, args, nproc=1, env_extra=None, check=True, timeout=300):
+    env = env_for(base)
+    env.update(env_extra or {})
+    if nproc > 1:  # standalone picks a free port itself, but two tests in parallel could collide on the default
+        args = list(args)
+    p = subprocess.run(train_cmd(nproc) + TINY + list(args), env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"base_train failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def curve(base):
+    path = os.path.join(base, "report", "curves", "base_train.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(base):
+    return {r["step"]: r["train_loss"] for r in curve(base) if "train_loss" in r}
+
+
+def val_bpbs(base):
+    return {r["step"]: r["val_bpb"] for r in curve(base) if "val_bpb" in r}
+
+
+def final_weights(base, step, tag="tiny"):
+    return load_file(os.path.join(base, "base_checkpoints", tag, f"step_{step:06d}", "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def start_and_kill_after_save(base, args, kill_after_step, nproc=1):
+    """Start a run, wait until it has saved `kill_after_step`, then SIGKILL the whole process group."""
+    p = subprocess.Popen(train_cmd(nproc) + TINY + list(args), env=env_for(base), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    marker = f"saved checkpoint step {kill_after_step} "
+    seen = []
+    deadline = time.time() + 300
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if marker in line:
+                os.killpg(p.pid, signal.SIGKILL)
+                break
+            assert time.time() < deadline, "run never saved the expected checkpoint"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=60)
+    assert any(marker in line for line in seen), "".join(seen[-40:])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_after_sigkill_is_exact(tiny_base_dir, tmp_path, nproc):
+    n, half = 8, 4
+    common = [f"--num-iterations={n}", "--save-every=2", "--eval-every=4"]
+    straight = fresh_base(tiny_base_dir, tmp_path, "straight")
+    run_train(straight, common, nproc=nproc)
+
+    killed = fresh_base(tiny_base_dir, tmp_path, "killed")
+    start_and_kill_after_save(killed, common, half, nproc=nproc)
+    run_train(killed, common + ["--resume"], nproc=nproc)
+
+    assert_same_weights(final_weights(straight, n), final_weights(killed, n))
+    a, b = train_losses(straight), train_losses(killed)
+    assert [a[s] for s in range(half + 1, n + 1)] == [b[s] for s in range(half + 1, n + 1)]
+    assert val_bpbs(straight)[n] == val_bpbs(killed)[n]
+
+
+def test_kill_during_checkpoint_save_keeps_previous_checkpoint(tiny_base_dir, tmp_path):
+    from nanochat.checkpoint_manager import list_steps
+
+    base = fresh_base(tiny_base_dir, tmp_path, "fault")
+    args = ["--num-iterations=6", "--save-every=2", "--eval-every=-1"]
+    for fault in ("after_optimizer@4", "after_model@4", "before_rename@4"):
+        shutil.rmtree(os.path.join(base, "base_checkpoints"), ignore_errors=True)
+        p = run_train(base, args, env_extra={"NANOCHAT_CKPT_FAULT": fault}, check=False)
+        assert p.returncode != 0
+        ckpt_dir = os.path.join(base, "base_checkpoints", "tiny")
+        assert list_steps(ckpt_dir) == [2], fault
+        # the surviving checkpoint is complete: resuming from it finishes the run
+        p = run_train(base, args + ["--resume"])
+        assert "resuming at step 2" in p.stdout
+        assert list_steps(ckpt_dir)[-1] == 6
+
+
+def test_one_rank_two_ranks_and_two_nodes_agree(tiny_base_dir, tmp_path):
+    args = ["--num-iterations=30", "--eval-every=30", "--eval-tokens=8192"]
+    one = fresh_base(tiny_base_dir, tmp_path, "one")
+    run_train(one, args)
+    two = fresh_base(tiny_base_dir, tmp_path, "two")
+    p = run_train(two, args, nproc=2)
+    assert "x2" in p.stdout  # really two ranks (DistMuon/DistAdamW steps, tested exactly in test_optim)
+    # evaluation packs the same tokens whatever the world size, so step 0 agrees to rounding ...
+    assert abs(val_bpbs(one)[0] - val_bpbs(two)[0]) < 1e-4
+    # ... and after training on the same global batch size (different row groups per rank) within 1 %
+    bpb1, bpb2 = val_bpbs(one)[30], val_bpbs(two)[30]
+    assert abs(bpb1 - bpb2) / bpb1 < 0.01, (bpb1, bpb2)
+
+    # two "machines" (two torchrun launches) rendezvous over c10d on 127.0.0.1
+    nodes = fresh_base(tiny_base_dir, tmp_path, "nodes")
+    port = free_port()
+    procs = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanochat-test",
+               "-m", "scripts.base_train"] + TINY + args
+        procs.append(subprocess.Popen(cmd, env=env_for(nodes), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    # same ranks, same data, same collectives: the same model (allclose in case c10d orders ranks differently)
+    w2, wn = final_weights(two, 30), final_weights(nodes, 30)
+    for k in w2:
+        assert torch.allclose(w2[k], wn[k], atol=1e-5, rtol=0), k
+    assert abs(val_bpbs(two)[30] - val_bpbs(nodes)[30]) < 1e-4
+
+
+def unigram_bpb(base):
+    """Bits per byte of the val split under the train split's smoothed unigram token distribution."""
+    import math
+    from collections import Counter
+
+    from nanochat.dataset import parquets_iter_batched
+    from nanochat.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    counts = Counter()
+    for batch in parquets_iter_batched("train"):
+        for ids in tok.encode(batch):
+            counts.update(ids)
+    total, vocab = sum(counts.values()), tok.get_vocab_size()
+    nats = nbytes = 0
+    for batch in parquets_iter_batched("val"):
+        for text, ids in zip(batch, tok.encode(batch)):
+            nats -= sum(math.log((counts[i] + 1) / (total + vocab)) for i in ids)
+            nbytes += len(text.encode("utf-8"))
+    return nats / math.log(2) / nbytes
+
+
+def test_tiny_model_learns_on_builtin_corpus(tiny_env, tmp_path):
+    base = fresh_base(tiny_env, tmp_path, "learn")
+    run_train(base, ["--num-iterations=150", "--eval-every=150", "--aspect-ratio=64", "--head-dim=64", "--max-seq-len=128",
+                     "--device-batch-size=4", "--total-batch-size=512", "--eval-tokens=4096"])
+    bpb, unigram = val_bpbs(base), unigram_bpb(base)
+    print(f"val_bpb step 0: {bpb[0]:.3f} -> step 150: {bpb[150]:.3f} (unigram level {unigram:.3f})")
+    assert bpb[150] < 0.6 * bpb[0]
+    assert bpb[150] < 0.75 * unigram
+    losses = train_losses(base)
+    assert losses[150] < losses[1] - 2.0
+
+
+def test_bad_input_fails_before_compute(tiny_base_dir, tmp_path):
+    base = fresh_base(tiny_base_dir, tmp_path, "bad")
+    p = run_train(base, ["--num-iterations=2", "--total-batch-size=300"], check=False)
+    assert p.returncode == 1 and "multiple" in p.stderr and "step 0000" not in p.stdout
+    p = run_train(base, ["--num-iterations=2", "--resume"], check=False)
+    assert p.returncode == 1 and "no checkpoint" in p.stderr
+
+    run_train(base, ["--num-iterations=2", "--eval-every=-1"])
+    # a different shape under the same tag
+    p = run_train(base, ["--num-iterations=4", "--resume", "--aspect-ratio=64", "--head-dim=64"], check=False)
+    assert p.returncode == 1 and "different model" in p.stderr
+    # a corrupt weights file
+    path = os.path.join(base, "base_checkpoints", "tiny", "step_000002", "model.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00garbage\x00")
+    p = run_train(base, ["--num-iterations=4", "--resume"], check=False)
+    assert p.returncode == 1 and "corrupt" in p.stderr and "step_000002" in p.stderr

@@ -1,0 +1,468 @@
+"""
+CORE eval: bundle download/extraction from a local HTTP server, and scoring checked against
+hand-worked answers for a model whose every prediction we can do in our heads.
+
+The fake model predicts, at every position, the token whose id is one more than the current
+token's (a -> b, b -> c, ' ' -> '!'), with high confidence. The tokenizer is one token per
+character (id = ASCII code) plus a BOS id. So an answer's mean loss only depends on the fraction
+of its scored tokens that follow the previous token in ASCII order: the higher, the better.
+"""
+
+import functools
+import http.server
+import importlib.util
+import json
+import os
+import sys
+import threading
+import types
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from nanochat import core_eval
+from nanochat.common import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# -----------------------------------------------------------------------------
+# Fakes
+
+
+class CharTokenizer:
+    BOS = 128
+
+    def get_bos_token_id(self):
+        return self.BOS
+
+    def encode(self, text, prepend=None, append=None, num_threads=8):
+        if isinstance(text, list):
+            return [self.encode(t, prepend=prepend, append=append) for t in text]
+        ids = [ord(c) for c in text]
+        assert all(i < 128 for i in ids), "test data must be ASCII"
+        return ([] if prepend is None else [prepend]) + ids + ([] if append is None else [append])
+
+    __call__ = encode
+
+
+class SuccessorModel:
+    """logits favour id+1 after id; records every batch it is given."""
+
+    vocab_size = 129
+
+    def __init__(self, sequence_len=4096):
+        self.config = SimpleNamespace(sequence_len=sequence_len)
+        self.calls = []
+
+    def __call__(self, idx):
+        assert idx.shape[1] <= self.config.sequence_len, "fed a row longer than the context"
+        self.calls.append(idx.clone())
+        logits = torch.zeros(*idx.shape, self.vocab_size)
+        logits.scatter_(2, ((idx + 1) % self.vocab_size).unsqueeze(-1), 12.0)
+        return logits
+
+
+# -----------------------------------------------------------------------------
+# A small bundle in the published format, with hand-worked answers
+
+# multiple_choice, 4 choices -> 25 % random baseline. The query and " " are common to all choices,
+# so the first scored token is predicted from ' ' (which predicts '!'). Per example, the fraction
+# of scored tokens the model predicts (higher wins):
+MC_ROWS = [
+    # bcd 2/3, bdf 0/3, xzz 0/3, bcx 1/3 -> choice 0 = gold: correct
+    {"query": "Q1:", "choices": ["bcd", "bdf", "xzz", "bcx"], "gold": 0},
+    # all choices start with "m", so scoring starts after it: no 2/2, nopqrsx 6/7, p 0/1 -> choice 0:
+    # correct. (Also scoring the shared "m", which ' ' does not predict, would give mno 2/3 <
+    # mnopqrsx 6/8 and pick choice 1.)
+    {"query": "Q2:", "choices": ["mno", "mnopqrsx", "mp"], "gold": 0},
+    # !"# 3/3 (' ' -> '!'), abc 2/3 -> choice 0, gold is 1: wrong
+    {"query": "Q3:", "choices": ["!\"#", "abc"], "gold": 1},
+    # x 0/1, bcdefghz 6/8 -> choice 1 = gold: correct (the mean matters: summed, the long choice's
+    # two misses would lose to the short one's single miss)
+    {"query": "Q4:", "choices": ["x", "bcdefghz"], "gold": 1},
+]
+MC_ACCURACY = 3 / 4
+
+# schema, 2 options -> 50 %. Delimiter "" so the shared tail is scored from each option's last char.
+SCHEMA_ROWS = [
+    # tail "cde": from b 3/3, from y 2/3 -> option 0 = gold: correct
+    {"context_options": ["ab", "xy"], "continuation": "cde", "gold": 0},
+    # tail "pq": from n 1/2, from o 2/2 -> option 1, gold 0: wrong
+    {"context_options": ["lmn", "lmo"], "continuation": "pq", "gold": 0},
+    # tail "xyz": from s 2/3, from w 3/3 -> option 1 = gold: correct
+    {"context_options": ["rs", "uvw"], "continuation": "xyz", "gold": 1},
+    # options share their last char, so the tail is "ijk": from h 3/3, from b 2/3 -> option 0: correct
+    {"context_options": ["ghi", "abi"], "continuation": "jk", "gold": 0},
+]
+SCHEMA_ACCURACY = 3 / 4
+
+# language_modeling, 0 % baseline: correct iff every continuation char follows its predecessor.
+LM_ROWS = [
+    {"context": "abc", "continuation": "def"},  # correct
+    {"context": "abc", "continuation": "dex"},  # wrong at x
+    {"context": "  mno \n", "continuation": "pqr"},  # context is stripped -> "mnopqr": correct
+    {"context": "wxy", "continuation": "z{|"},  # z { | are 0x7a..0x7c: correct
+]
+LM_ACCURACY = 3 / 4
+
+EXPECTED_CENTERED = {
+    "mc_task": (MC_ACCURACY - 0.25) / 0.75,
+    "schema_task": (SCHEMA_ACCURACY - 0.5) / 0.5,
+    "lm_task": LM_ACCURACY,
+}
+EXPECTED_CORE = (2 / 3 + 1 / 2 + 3 / 4) / 3  # = 23/36, worked out by hand from the lines above
+
+CORE_YAML = {
+    "icl_tasks": [
+        {"label": "mc_task", "dataset_uri": "language_understanding/mc_task.jsonl", "num_fewshot": [2],
+         "icl_task_type": "multiple_choice", "continuation_delimiter": " "},
+        {"label": "schema_task", "dataset_uri": "language_understanding/schema_task.jsonl", "num_fewshot": [1],
+         "icl_task_type": "schema", "continuation_delimiter": ""},
+        {"label": "lm_task", "dataset_uri": "symbolic_problem_solving/lm_task.jsonl", "num_fewshot": [0],
+         "icl_task_type": "language_modeling", "continuation_delimiter": ""},
+    ]
+}
+META_CSV = (
+    "Eval Task,Task Category,Task Type,#shots,#datapoints,Random baseline,Centered Metric?,Description\n"
+    "mc_task,language understanding,multiple choice,2,4,25,,\"A made-up task, with a comma\"\n"
+    "schema_task,language understanding,schema,1,4,50,,made up\n"
+    "lm_task,symbolic problem solving,language modeling,0,4,0,,made up\n"
+    "unused_task,world knowledge,multiple choice,0,0,25,,not listed in core.yaml\n"
+)
+
+
+def write_bundle(root):
+    """An eval_bundle/ folder like the published one; returns its path."""
+    bundle = Path(root) / "eval_bundle"
+    (bundle / "eval_data" / "language_understanding").mkdir(parents=True)
+    (bundle / "eval_data" / "symbolic_problem_solving").mkdir(parents=True)
+    (bundle / "core.yaml").write_text(yaml.safe_dump(CORE_YAML))
+    (bundle / "eval_meta_data.csv").write_text(META_CSV)
+    for task, rows in (("mc_task", MC_ROWS), ("schema_task", SCHEMA_ROWS), ("lm_task", LM_ROWS)):
+        uri = next(t["dataset_uri"] for t in CORE_YAML["icl_tasks"] if t["label"] == task)
+        (bundle / "eval_data" / uri).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return bundle
+
+
+def zip_folder(folder, zip_path):
+    folder = Path(folder)
+    with zipfile.ZipFile(zip_path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for path in sorted(folder.parent.rglob("*")):
+            if path.is_relative_to(folder):
+                zf.write(path, path.relative_to(folder.parent).as_posix())
+
+
+@pytest.fixture
+def server(tmp_path):
+    """Serve tmp_path/www over HTTP on 127.0.0.1; yields (www_dir, base_url, request_log)."""
+    www = tmp_path / "www"
+    www.mkdir()
+    requests_seen = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            requests_seen.append(self.path)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(www)))
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield www, f"http://127.0.0.1:{httpd.server_address[1]}", requests_seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def base_dir(tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    base.mkdir()
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    return base
+
+
+def leftovers(base):
+    return sorted(p.name for p in base.iterdir() if p.name != "eval_bundle.lock")
+
+
+# -----------------------------------------------------------------------------
+# Download and extraction
+
+
+def test_ensure_eval_bundle_downloads_extracts_and_caches(tmp_path, base_dir, server, monkeypatch):
+    www, url, requests_seen = server
+    zip_folder(write_bundle(tmp_path / "src"), www / "eval_bundle.zip")
+    monkeypatch.setenv("NANOCHAT_EVAL_BUNDLE_URL", f"{url}/eval_bundle.zip")
+
+    bundle_dir = core_eval.ensure_eval_bundle()
+    assert bundle_dir == str(base_dir / "eval_bundle")
+    assert yaml.safe_load((base_dir / "eval_bundle" / "core.yaml").read_text()) == CORE_YAML
+    assert (base_dir / "eval_bundle" / "eval_data" / "symbolic_problem_solving" / "lm_task.jsonl").is_file()
+    assert leftovers(base_dir) == ["eval_bundle"]  # no temp zip or temp folder left behind
+    assert requests_seen == ["/eval_bundle.zip"]
+
+    # cached: a second call does not download again
+    assert core_eval.ensure_eval_bundle() == bundle_dir
+    assert requests_seen == ["/eval_bundle.zip"]
+
+    # and the downloaded bundle scores as worked out by hand
+    out = core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", verbose=False)
+    assert out["core_metric"] == pytest.approx(EXPECTED_CORE)
+
+
+def test_zip_of_bundle_contents_without_top_folder_is_accepted(tmp_path, base_dir, server, monkeypatch):
+    www, url, _ = server
+    bundle = write_bundle(tmp_path / "src")
+    with zipfile.ZipFile(www / "flat.zip", "w") as zf:
+        for path in sorted(bundle.rglob("*")):
+            zf.write(path, path.relative_to(bundle).as_posix())
+    monkeypatch.setenv("NANOCHAT_EVAL_BUNDLE_URL", f"{url}/flat.zip")
+    bundle_dir = core_eval.ensure_eval_bundle()
+    assert os.path.isfile(os.path.join(bundle_dir, "eval_meta_data.csv"))
+    assert leftovers(base_dir) == ["eval_bundle"]
+
+
+def corrupt_member_zip(tmp_path, www):
+    good = www / "good.zip"
+    zip_folder(write_bundle(tmp_path / "src"), good)
+    data = bytearray(good.read_bytes())
+    # stored (uncompressed) members: flip a byte of core.yaml's contents so its CRC no longer matches
+    at = data.index(b"icl_tasks")
+    data[at] ^= 0xFF
+    return bytes(data)
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "bad_crc", "no_core_yaml", "missing"])
+def test_bad_download_gives_clear_error_and_leaves_nothing(tmp_path, base_dir, server, monkeypatch, kind):
+    www, url, _ = server
+    if kind == "garbage":
+        (www / "bundle.zip").write_bytes(b"<html>this is not a zip</html>" * 100)
+    elif kind == "truncated":
+        zip_folder(write_bundle(tmp_path / "src"), www / "full.zip")
+        full = (www / "full.zip").read_bytes()
+        (www / "bundle.zip").write_bytes(full[: len(full) // 2])
+    elif kind == "bad_crc":
+        (www / "bundle.zip").write_bytes(corrupt_member_zip(tmp_path, www))
+    elif kind == "no_core_yaml":
+        with zipfile.ZipFile(www / "bundle.zip", "w") as zf:
+            zf.writestr("eval_bundle/readme.txt", "nothing here")
+    bundle_url = f"{url}/bundle.zip"
+    monkeypatch.setenv("NANOCHAT_EVAL_BUNDLE_URL", bundle_url)
+
+    with pytest.raises(UserError) as excinfo:
+        core_eval.ensure_eval_bundle()
+    message = str(excinfo.value)
+    assert bundle_url in message
+    assert "\n" not in message
+    assert leftovers(base_dir) == []  # no eval_bundle/, no half-extracted temp folder, no temp zip
+
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+def test_evaluate_core_matches_hand_worked_answers(tmp_path, capsys):
+    bundle = write_bundle(tmp_path)
+    out = core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", bundle_dir=str(bundle))
+    assert out["results"] == {"mc_task": MC_ACCURACY, "schema_task": SCHEMA_ACCURACY, "lm_task": LM_ACCURACY}
+    assert out["centered_results"] == pytest.approx(EXPECTED_CENTERED)
+    assert out["core_metric"] == pytest.approx(EXPECTED_CORE)
+    printed = capsys.readouterr().out
+    assert "mc_task" in printed and "lm_task" in printed
+
+
+@pytest.mark.parametrize("task_type, rows, verdicts", [
+    ("multiple_choice", MC_ROWS, [True, True, False, True]),
+    ("schema", SCHEMA_ROWS, [True, False, True, True]),
+    ("language_modeling", LM_ROWS, [True, False, True, True]),
+])
+def test_each_example_verdict(task_type, rows, verdicts):
+    delimiter = " " if task_type == "multiple_choice" else ""
+    meta = {"task_type": task_type, "num_fewshot": 2, "continuation_delimiter": delimiter}
+    model = SuccessorModel()
+    got = [core_eval.evaluate_example(model, CharTokenizer(), rows, i, "cpu", meta) for i in range(len(rows))]
+    assert got == verdicts
+    # one forward pass per example, all of its choices in one batch, every row starting with BOS
+    assert len(model.calls) == len(rows)
+    for call, row in zip(model.calls, rows):
+        expected_batch = len(row.get("choices", row.get("context_options", [None])))
+        assert call.shape[0] == expected_batch
+        assert (call[:, 0] == CharTokenizer.BOS).all()
+
+
+def test_fewshot_examples_are_rendered_and_deterministic():
+    data = [{"query": f"Q{i}:", "choices": ["x", "y"], "gold": i % 2} for i in range(6)]
+    shots_a = core_eval.sample_fewshot(data, 3, 3)
+    shots_b = core_eval.sample_fewshot(data, 3, 3)
+    assert shots_a == shots_b and len(shots_a) == 3
+    assert data[3] not in shots_a and len({s["query"] for s in shots_a}) == 3
+    prompts = core_eval.render_prompts("multiple_choice", data[3], " ", shots_a)
+    shot_text = "".join(f"{s['query']} {s['choices'][s['gold']]}\n\n" for s in shots_a)
+    assert prompts == [shot_text + "Q3: x", shot_text + "Q3: y"]
+    # asking for more shots than there are other examples uses all of them
+    assert len(core_eval.sample_fewshot(data[:3], 0, 10)) == 2
+
+
+def test_language_modeling_context_is_a_token_prefix():
+    # With a " " delimiter the context drops its trailing space (in BPE it merges into the
+    # continuation); with one token per character the space is then the first scored token.
+    tok = CharTokenizer()
+    shots = [{"context": "hi ", "continuation": "there"}]
+    prompts = core_eval.render_prompts("language_modeling", {"context": " ab ", "continuation": "cd"}, " ", shots)
+    assert prompts == ["hi there\n\nab", "hi there\n\nab cd"]
+    rows, spans = core_eval.tokenize_prompts(tok, "language_modeling", prompts)
+    assert len(rows) == 1 and rows[0] == tok.encode("hi there\n\nab cd", prepend=tok.BOS)
+    start, end = spans[0]
+    assert rows[0][start:end] == tok.encode(" cd")
+
+
+def test_long_contexts_are_cropped_from_the_left():
+    tok = CharTokenizer()
+    meta = {"task_type": "language_modeling", "num_fewshot": 0, "continuation_delimiter": ""}
+    data = [{"context": "abcdefghijklmnop", "continuation": "qrs"}]  # 1 + 19 tokens, window of 8
+    model = SuccessorModel(sequence_len=8)
+    assert core_eval.evaluate_example(model, tok, data, 0, "cpu", meta) is True
+    (call,) = model.calls
+    assert call.tolist() == [[tok.BOS] + tok.encode("mnopqrs")]  # BOS kept, oldest context dropped
+
+    # multiple choice: each row cropped on its own, then padded; the continuation survives
+    meta = {"task_type": "multiple_choice", "num_fewshot": 0, "continuation_delimiter": " "}
+    data = [{"query": "long long long query", "choices": ["!\"#$", "!x"], "gold": 0}]
+    model = SuccessorModel(sequence_len=6)
+    assert core_eval.evaluate_example(model, tok, data, 0, "cpu", meta) is True
+    (call,) = model.calls
+    assert call.shape == (2, 6)
+    assert call[0].tolist() == [tok.BOS] + tok.encode(" !\"#$")
+    assert call[1].tolist() == [tok.BOS] + tok.encode("ry !x")
+
+    rows, spans = core_eval.crop_to_window([[9, 1, 2, 3, 4, 5]], [(3, 6)], 4)
+    assert rows == [[9, 3, 4, 5]] and spans == [(1, 4)]
+
+
+def test_bad_bundle_metadata_is_a_user_error(tmp_path):
+    bundle = write_bundle(tmp_path)
+    (bundle / "eval_meta_data.csv").write_text(META_CSV.replace("lm_task,", "renamed_task,"))
+    with pytest.raises(UserError, match="lm_task"):
+        core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", bundle_dir=str(bundle), verbose=False)
+    (bundle / "eval_meta_data.csv").write_text(META_CSV)
+    (bundle / "eval_data" / "language_understanding" / "mc_task.jsonl").write_text('{"query": "x"\n')
+    with pytest.raises(UserError, match="mc_task.jsonl:1"):
+        core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", bundle_dir=str(bundle), verbose=False)
+
+
+def test_max_per_task_evaluates_a_subset(tmp_path):
+    bundle = write_bundle(tmp_path)
+    model = SuccessorModel()
+    out = core_eval.evaluate_core(model, CharTokenizer(), "cpu", max_per_task=2, bundle_dir=str(bundle), verbose=False)
+    assert len(model.calls) == 2 * 3
+    for accuracy in out["results"].values():
+        assert accuracy in (0.0, 0.5, 1.0)
+
+
+# -----------------------------------------------------------------------------
+# Distributed: two gloo ranks split the examples and agree on the totals
+
+
+def _rank_worker(rank, world_size, port, bundle, results_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = SuccessorModel()
+        out = core_eval.evaluate_core(model, CharTokenizer(), "cpu", bundle_dir=bundle, verbose=False)
+        out["examples_seen"] = len(model.calls)
+        with open(f"{results_path}.{rank}", "w") as f:
+            json.dump(out, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_take_every_world_size_th_example_and_sum_counts(tmp_path, monkeypatch):
+    # In-process stand-in for torch.distributed: run "rank 0" then "rank 1" of 2 and check they
+    # split the examples between them and hand all_reduce their (correct, total) counts.
+    reduced = []
+
+    def fake_dist(rank):
+        return SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                               get_rank=lambda: rank, get_world_size=lambda: 2, ReduceOp=torch.distributed.ReduceOp,
+                               all_reduce=lambda tensor, op: reduced.append(tensor.tolist()))
+
+    meta = {"task_type": "language_modeling", "num_fewshot": 1, "continuation_delimiter": ""}
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setattr(core_eval, "dist", fake_dist(rank))
+        model = SuccessorModel()
+        core_eval.evaluate_task(model, CharTokenizer(), LM_ROWS, "cpu", meta)
+        seen.append([tuple(call[0, -3:].tolist()) for call in model.calls])
+    continuations = [tuple(CharTokenizer().encode(row["continuation"])) for row in LM_ROWS]
+    assert seen == [continuations[0::2], continuations[1::2]]
+    # rank 0 has examples 0 and 2 (both right), rank 1 has 1 (wrong) and 3 (right)
+    assert reduced == [[2, 2], [1, 2]]
+
+
+@pytest.mark.slow
+def test_two_ranks_split_examples_and_all_reduce(tmp_path):
+    # Real gloo process group; slow only because each spawned process imports torch afresh.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    bundle = write_bundle(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, port, str(bundle), str(tmp_path / "out")), nprocs=2, join=True)
+    outs = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    for out in outs:
+        assert out["core_metric"] == pytest.approx(EXPECTED_CORE)
+        assert out["results"] == {"mc_task": MC_ACCURACY, "schema_task": SCHEMA_ACCURACY, "lm_task": LM_ACCURACY}
+    assert outs[0]["examples_seen"] == outs[1]["examples_seen"] == 6  # 12 examples, half each
+
+
+# -----------------------------------------------------------------------------
+# scripts/base_eval.py end to end, with checkpoint loading and the report faked
+
+
+def test_base_eval_script_writes_csv_and_report(tmp_path, base_dir, monkeypatch, capsys):
+    write_bundle(base_dir)  # already cached: no download
+    loaded, logged = [], []
+
+    def fake_load_model(source, device, phase="eval", model_tag=None, step=None):
+        loaded.append((source, phase, model_tag, step))
+        return SuccessorModel(), CharTokenizer(), {"step": 1234}
+
+    fake_checkpoint_manager = types.ModuleType("nanochat.checkpoint_manager")
+    fake_checkpoint_manager.load_model = fake_load_model
+    fake_checkpoint_manager.find_latest_tag = lambda source: "d9"
+    fake_report = types.ModuleType("nanochat.report")
+    fake_report.get_report = lambda: SimpleNamespace(log=lambda section, data: logged.append((section, data)))
+    monkeypatch.setitem(sys.modules, "nanochat.checkpoint_manager", fake_checkpoint_manager)
+    monkeypatch.setitem(sys.modules, "nanochat.report", fake_report)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+
+    spec = importlib.util.spec_from_file_location("base_eval_under_test", REPO_ROOT / "scripts" / "base_eval.py")
+    base_eval = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base_eval)
+    base_eval.main(["--model-tag", "d1", "--device-type", "cpu"])
+
+    assert loaded == [("base", "eval", "d1", None)]
+    csv_text = (base_dir / "base_eval" / "d1_1234.csv").read_text()
+    assert csv_text.splitlines()[0] == "Task,Accuracy,Centered"
+    assert "mc_task,0.750000,0.666667" in csv_text
+    assert csv_text.splitlines()[-1] == f"CORE,,{EXPECTED_CORE:.6f}"
+    (section, data), = logged
+    assert section == "Base model evaluation"
+    assert {"CORE metric": pytest.approx(EXPECTED_CORE)} in data
+    assert "| schema_task | 0.7500 | 0.5000 |" in data[-1]
+    assert f"CORE metric: {EXPECTED_CORE:.4f}" in capsys.readouterr().out
+
+    # no --model-tag: the stage's latest tag names the results file
+    base_eval.main(["--device-type", "cpu", "--max-per-task", "2"])
+    assert loaded[-1] == ("base", "eval", "d9", None)
+    assert (base_dir / "base_eval" / "d9_1234.csv").is_file()
+
+    with pytest.raises(UserError, match="--max-per-task"):
+        base_eval.main(["--max-per-task", "0", "--device-type", "cpu"])
