@@ -103,6 +103,31 @@ def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_deca
     return [build_adamw(adamw_groups), build_muon(muon_groups)]
 
 
+def train_step(train_model, loader, optimizers, grad_accum, autocast, lrm, momentum, grad_clip=0.0):
+    """
+    One optimizer step: grad_accum micro-batches forward+backward, then the scheduled optimizer update.
+    Each micro-batch's mean loss is divided by grad_accum so the gradients sum to the mean over the step's
+    tokens; the sharded optimizers then average across ranks. Returns the step's mean loss over all ranks.
+    """
+    loss_sum = 0.0
+    for _ in range(grad_accum):
+        x, y = next(loader)
+        with autocast:
+            loss = train_model(x, y)
+        (loss / grad_accum).backward()
+        loss_sum += loss.detach().item()
+    device = x.device
+    if grad_clip > 0:
+        params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    apply_schedules(optimizers, lrm, momentum=momentum, weight_decay=True)
+    for opt in optimizers:
+        opt.step()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return all_reduce_mean(loss_sum / grad_accum, device)
+
+
 # -----------------------------------------------------------------------------
 # Stopping cleanly
 

@@ -24,9 +24,9 @@ from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.training import (StepTimer, StopSignal, all_reduce_mean, apply_schedules, batch_lr_scale, build_optimizers,
-                               default_weight_decay, format_duration, grad_accum_steps, greedy_samples, init_wandb,
-                               lr_multiplier, model_config_for_depth, muon_momentum)
+from nanochat.training import (StepTimer, StopSignal, batch_lr_scale, build_optimizers, default_weight_decay, format_duration,
+                               grad_accum_steps, greedy_samples, init_wandb, lr_multiplier, model_config_for_depth,
+                               muon_momentum, train_step)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
@@ -67,6 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-tokens", type=int, default=20 * 524288)
     p.add_argument("--core-metric-every", type=int, default=2000, help="-1 = never")
     p.add_argument("--core-metric-max-per-task", type=int, default=500)
+    p.add_argument("--eval-bundle", default="dclm", help="CORE bundle: dclm (downloaded), builtin (offline), or a path")
     p.add_argument("--sample-every", type=int, default=2000, help="-1 = never")
     p.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end (and on a stop signal)")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (the newest is never deleted)")
@@ -97,11 +98,15 @@ def main(argv=None):
     resume_step = None
     if args.resume or args.resume_from_step >= 0:
         resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
-    if args.core_metric_every > 0:
-        from nanochat.core_eval import ensure_eval_bundle
+    core_bundle_dir = None
+    if args.core_metric_every > 0:  # fail now, not hours in, if the bundle cannot be had
+        from nanochat.core_eval import resolve_eval_bundle
 
         if master:
-            ensure_eval_bundle()  # fail now, not hours in, if the bundle cannot be had
+            core_bundle_dir = resolve_eval_bundle(args.eval_bundle)
+        if is_ddp:
+            torch.distributed.barrier()
+        core_bundle_dir = core_bundle_dir or resolve_eval_bundle(args.eval_bundle)
     seed_everything(args.seed)
 
     # ---- model ----
@@ -196,6 +201,9 @@ def main(argv=None):
     step = start_step
 
     def save(step):
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise UserError(f"weights are not finite at step {step}; not saving over the last good checkpoint in {ckpt_dir}. "
+                            "Lower the learning rates, then --resume")
         meta = {
             "model_config": model_config, "user_config": user_config, "num_iterations": num_iterations,
             "tokenizer_hash": tok_hash, "dataloader_states": gather_loader_states(train_loader.state_dict()),
@@ -221,7 +229,8 @@ def main(argv=None):
 
             model.eval()
             with autocast:
-                core = evaluate_core(model, tokenizer, device, max_per_task=args.core_metric_max_per_task)
+                core = evaluate_core(model, tokenizer, device, max_per_task=args.core_metric_max_per_task,
+                                     bundle_dir=core_bundle_dir)
             model.train()
             core_metric = core["core_metric"]
             print0(f"step {step:05d} | CORE {core_metric:.4f}")
@@ -238,24 +247,12 @@ def main(argv=None):
 
         # -- one optimizer step --
         t0 = time.perf_counter()
-        loss_sum = 0.0
-        for _ in range(grad_accum):
-            x, y = next(train_loader)
-            with autocast:
-                loss = train_model(x, y)
-            loss_sum += loss.detach().item()
-            (loss / grad_accum).backward()
-        train_loss = all_reduce_mean(loss_sum / grad_accum, device)
+        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        train_loss = train_step(train_model, train_loader, optimizers, grad_accum, autocast, lrm, muon_momentum(step),
+                                args.grad_clip)
         if not math.isfinite(train_loss):
             raise UserError(f"loss is {train_loss} at step {step}; stopping without saving. The last good checkpoint is in "
                             f"{ckpt_dir}; lower the learning rates or check the data, then --resume")
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-        apply_schedules(optimizers, lrm, momentum=muon_momentum(step), weight_decay=True)
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -193,8 +193,12 @@ def unigram_bpb(base):
 
 def test_tiny_model_learns_on_builtin_corpus(tiny_env, tmp_path):
     base = fresh_base(tiny_env, tmp_path, "learn")
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
     run_train(base, ["--num-iterations=150", "--eval-every=150", "--aspect-ratio=64", "--head-dim=64", "--max-seq-len=128",
-                     "--device-batch-size=4", "--total-batch-size=512", "--eval-tokens=4096"])
+                     "--device-batch-size=4", "--total-batch-size=512", "--eval-tokens=4096", "--run=learn"],
+              env_extra={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"})
+    assert list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")), "wandb offline run was not written"
     bpb, unigram = val_bpbs(base), unigram_bpb(base)
     print(f"val_bpb step 0: {bpb[0]:.3f} -> step 150: {bpb[150]:.3f} (unigram level {unigram:.3f})")
     assert bpb[150] < 0.6 * bpb[0]
@@ -221,3 +225,34 @@ def test_bad_input_fails_before_compute(tiny_base_dir, tmp_path):
         f.write(b"\x00garbage\x00")
     p = run_train(base, ["--num-iterations=4", "--resume"], check=False)
     assert p.returncode == 1 and "corrupt" in p.stderr and "step_000002" in p.stderr
+
+
+def test_sigterm_saves_and_stops_and_nan_refuses(tiny_base_dir, tmp_path):
+    from nanochat.checkpoint_manager import list_steps
+
+    base = fresh_base(tiny_base_dir, tmp_path, "signals")
+    p = subprocess.Popen(train_cmd() + TINY + ["--num-iterations=100000", "--eval-every=-1"], env=env_for(base),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("step 00003/"):
+            p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0, "".join(lines[-20:])
+    out = "".join(lines)
+    assert "stop requested" in out
+    steps = list_steps(os.path.join(base, "base_checkpoints", "tiny"))
+    assert len(steps) == 1 and steps[0] >= 3 and f"saved checkpoint step {steps[0]}" in out
+
+    # a learning rate that overflows the weights: the run stops at the first non-finite loss and names the step
+    shutil.rmtree(os.path.join(base, "base_checkpoints"))
+    huge = ["--num-iterations=20", "--eval-every=-1", "--embedding-lr=1e30", "--unembedding-lr=1e30"]
+    p = run_train(base, huge, check=False)
+    assert p.returncode == 1 and "loss is nan at step" in p.stderr.lower(), p.stderr[-2000:]
+    assert not list_steps(os.path.join(base, "base_checkpoints", "tiny"))
+    # with a save due while the weights are already non-finite, the save refuses rather than overwrite good state
+    p = run_train(base, huge + ["--save-every=1"], check=False)
+    assert p.returncode == 1 and "weights are not finite at step" in p.stderr, p.stderr[-2000:]
+    steps = list_steps(os.path.join(base, "base_checkpoints", "tiny"))
+    bad_step = int(p.stderr.split("at step ")[1].split(";")[0])
+    assert steps and max(steps) < bad_step

@@ -1,0 +1,88 @@
+"""Training plumbing: the depth dial, batch arithmetic, schedules, and Muon+AdamW on the real GPT."""
+
+import pytest
+import torch
+
+from nanochat.common import UserError
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.training import (apply_schedules, batch_lr_scale, build_optimizers, grad_accum_steps, lr_multiplier,
+                               model_config_for_depth, muon_momentum)
+
+
+def test_depth_dial_shapes():
+    cfg = model_config_for_depth(20, vocab_size=32768, sequence_len=2048)
+    assert (cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["n_kv_head"]) == (20, 1280, 10, 10)
+    cfg = model_config_for_depth(4, vocab_size=4096, sequence_len=256)
+    assert (cfg["n_embd"], cfg["n_head"]) == (256, 2)
+    cfg = model_config_for_depth(3, vocab_size=4096, sequence_len=256)  # 192 rounds up to a multiple of 128
+    assert (cfg["n_embd"], cfg["n_head"]) == (256, 2)
+    with pytest.raises(UserError, match="num-kv-heads"):
+        model_config_for_depth(12, 4096, 256, n_kv_head=4)  # 6 heads, 4 kv heads
+    with pytest.raises(UserError):
+        model_config_for_depth(0, 4096, 256)
+
+
+def test_grad_accum_is_validated_before_compute():
+    assert grad_accum_steps(524288, 32, 2048, 8) == 1
+    assert grad_accum_steps(524288, 16, 2048, 1) == 16
+    with pytest.raises(UserError, match="multiple"):
+        grad_accum_steps(1000, 8, 64, 1)
+    with pytest.raises(UserError, match="multiple"):
+        grad_accum_steps(2048, 8, 256, 2)  # 2 ranks x 8 x 256 = 4096 > 2048
+    with pytest.raises(UserError, match="positive"):
+        grad_accum_steps(2048, 0, 256, 1)
+
+
+def test_schedules():
+    n = 100
+    assert lr_multiplier(0, n) == 1.0 and lr_multiplier(60, n) == 1.0
+    assert lr_multiplier(80, n) == pytest.approx(0.5)
+    assert lr_multiplier(100, n, final_lr_frac=0.1) == pytest.approx(0.1)
+    assert lr_multiplier(0, n, warmup_ratio=0.1) == pytest.approx(0.1)
+    assert muon_momentum(0) == pytest.approx(0.85) and muon_momentum(300) == pytest.approx(0.95)
+    assert muon_momentum(150) == pytest.approx(0.90)
+    # the small-batch rule: unchanged at the reference batch, 4x the square-root rule at 2,048 tokens
+    assert batch_lr_scale(2**19) == 1.0
+    assert batch_lr_scale(2048) / batch_lr_scale(2048, exponent=0.5) == pytest.approx(4.0)
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=32))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def test_muon_adamw_overfit_one_batch():
+    model = tiny_gpt()
+    optimizers = build_optimizers(model, unembedding_lr=0.02, embedding_lr=0.2, matrix_lr=0.05, weight_decay=0.0)
+    kinds = sorted(type(o).__name__ for o in optimizers)
+    assert kinds == ["DistAdamW", "DistMuon"]
+    # every parameter is optimized by exactly one of them
+    owned = [id(p) for o in optimizers for g in o.param_groups for p in g["params"]]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    first = model(x, y).item()
+    for step in range(120):
+        apply_schedules(optimizers, 1.0, momentum=muon_momentum(step), weight_decay=True)
+        model(x, y).backward()
+        for o in optimizers:
+            o.step()
+        model.zero_grad(set_to_none=True)
+    final = model(x, y).item()
+    assert first > 3.5  # ~ln(64) at init
+    assert final < 0.05, final
+
+
+def test_weight_decay_follows_the_lr_schedule():
+    model = tiny_gpt()
+    optimizers = build_optimizers(model, unembedding_lr=0.01, embedding_lr=0.1, matrix_lr=0.02, weight_decay=0.5)
+    muon = optimizers[1]
+    apply_schedules(optimizers, 0.25, momentum=0.9, weight_decay=True)
+    for group in muon.param_groups:
+        assert group["lr"] == pytest.approx(0.02 * 0.25)
+        assert group["weight_decay"] == pytest.approx(0.5 * 0.25)
+        assert group["momentum"] == 0.9
