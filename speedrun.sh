@@ -38,8 +38,9 @@ else
     $PY -m scripts.tok_train --max-chars=20000000 --vocab-size=4096
     $PY -m scripts.tok_eval
     $PY -m scripts.base_train --depth=4 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 \
-        --num-iterations=700 --eval-every=100 --eval-tokens=65536 --core-metric-every=-1 --sample-every=350 \
+        --num-iterations=700 --eval-every=100 --eval-tokens=32768 --core-metric-every=-1 --sample-every=350 \
         --save-every=100 --run="$RUN"
     $PY -m scripts.base_loss --device-batch-size=8 --split-tokens=65536
+    $PY -m scripts.base_eval --eval-bundle=builtin
 fi
 $PY -m nanochat.report generate

@@ -13,6 +13,8 @@ Three kinds of task, all scored from one forward pass per example:
 
 The bundle is a zip with core.yaml (the task list), eval_meta_data.csv (random baselines in
 percent) and eval_data/**.jsonl (the examples); ensure_eval_bundle() fetches and caches it.
+resolve_eval_bundle() picks a bundle by name: "dclm" (the published one), "builtin" (tasks about
+the built-in corpus's world, written offline by `python -m nanochat.corpus`), or a folder.
 """
 
 import csv
@@ -34,6 +36,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.common import UserError, get_base_dir, print0
+from nanochat.corpus import builtin_eval_bundle_dir
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -116,6 +119,24 @@ def ensure_eval_bundle():
             os.remove(zip_path)
             shutil.rmtree(extract_dir, ignore_errors=True)
     print0(f"CORE eval bundle ready at {bundle_dir}")
+    return bundle_dir
+
+
+def resolve_eval_bundle(name_or_path="dclm"):
+    """
+    The folder of the bundle a user named (the --eval-bundle flag): "dclm" -> the published bundle,
+    downloaded on first use; "builtin" -> the bundle about the built-in world; else a folder holding core.yaml.
+    """
+    if name_or_path == "dclm":
+        return ensure_eval_bundle()
+    if name_or_path == "builtin":
+        bundle_dir = builtin_eval_bundle_dir()
+        if not os.path.isfile(os.path.join(bundle_dir, "core.yaml")):
+            raise UserError(f"no built-in CORE eval bundle at {bundle_dir}; write it with `python -m nanochat.corpus`")
+        return bundle_dir
+    bundle_dir = os.path.expanduser(name_or_path or "")
+    if not bundle_dir or not os.path.isfile(os.path.join(bundle_dir, "core.yaml")):
+        raise UserError(f"--eval-bundle={name_or_path!r} must be 'dclm', 'builtin' or a folder holding core.yaml")
     return bundle_dir
 
 

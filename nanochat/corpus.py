@@ -14,6 +14,10 @@ shard_00000.parquet is the validation shard: fresh documents about the same worl
 combinations and orderings of the sentences, none identical to a train document.
 shard_00001.parquet... are the train shards. Same seed -> byte-identical files.
 
+Beside the shards goes a CORE eval bundle about the same world (`write_eval_bundle`, by default in
+<base_dir>/eval_bundle_builtin): multiple-choice, schema and language-modelling tasks in the
+published DCLM format, so `python -m scripts.base_eval --eval-bundle=builtin` needs no network.
+
 Train / eval split of the world, for the chat stages built on top of this module: every fact
 is told in pretraining, but questions-and-answers in conversations (SFT) may only be about
 facts whose subject is in `world.sft_subjects`; held-out evaluation questions ask about
@@ -22,17 +26,21 @@ pretraining when asked, not memorised the Q/A pairs.
 """
 
 import argparse
+import csv
+import io
 import json
 import os
 import random
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
-from nanochat.common import UserError, atomic_write_text, print0, run_main
+from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, run_main
 from nanochat.dataset import SHARD_RE, get_data_dir, shard_filename
 
 CORPUS_VERSION = 1  # bump when the generator changes what a seed produces
@@ -749,6 +757,197 @@ def generate_pretraining_documents(world, rng, target_bytes, full_pass=True, men
 
 
 # -----------------------------------------------------------------------------
+# A CORE eval bundle about the world. Same files as DCLM's published bundle (core.yaml,
+# eval_meta_data.csv, eval_data/**.jsonl), so nanochat.core_eval scores a base model on what this
+# corpus teaches, offline. Facts are asked about the held-out subjects in the corpus's own
+# wordings (every held-out fact is still told in pretraining); arithmetic and spelling use the
+# corpus's own formats. Fact tasks are 0-shot on purpose: each subject appears in several
+# examples, and a randomly drawn few-shot example about the same subject would give the answer away.
+
+EVAL_BUNDLE_NAME = "eval_bundle_builtin"
+EVAL_BUNDLE_CHOICES = 4  # options per multiple-choice / schema example
+EVAL_BUNDLE_SHOTS = 3  # few-shot examples for the arithmetic and spelling tasks
+EVAL_LM_EXAMPLES = 240  # examples of each generated arithmetic / letter-count task
+
+
+def builtin_eval_bundle_dir():
+    """Where `python -m nanochat.corpus` writes the CORE bundle about its world."""
+    return os.path.join(get_base_dir(), EVAL_BUNDLE_NAME)
+
+
+def _object_last_templates(relation):
+    """(text before the object, whether the object takes "a"/"an") of each template that ends on its object."""
+    cuts = []
+    for template in RELATIONS[relation].templates:
+        for slot, article in ((" {o}.", False), (" {a_o}.", True)):
+            if template.endswith(slot):
+                cuts.append((template[:-len(slot)], article))
+    return cuts
+
+
+def _fact_choice_examples(rng, subjects, relation, true_value, pool, per_subject):
+    """A trained statement about each subject, cut before its object; the true object is one of 4 choices."""
+    cuts = _object_last_templates(relation)
+    examples = []
+    for subject in subjects:
+        truth = true_value(subject)
+        for prefix, article in rng.sample(cuts, min(per_subject, len(cuts))):
+            options = [truth] + rng.sample([v for v in pool if v != truth], EVAL_BUNDLE_CHOICES - 1)
+            rng.shuffle(options)
+            examples.append({"query": prefix.format(s=subject.name),
+                             "choices": [(with_article(v) if article else v) + "." for v in options],
+                             "gold": options.index(truth)})
+    return examples
+
+
+def _capital_schema_examples(rng, world, countries, per_subject):
+    """The same capital after 4 countries' statements: only the true country makes it likely."""
+    cuts = _object_last_templates("capital")
+    examples = []
+    for country in countries:
+        for prefix, _ in rng.sample(cuts, min(per_subject, len(cuts))):
+            options = [country] + rng.sample([c for c in world.countries if c is not country], EVAL_BUNDLE_CHOICES - 1)
+            rng.shuffle(options)
+            examples.append({"context_options": [prefix.format(s=c.name) for c in options],
+                             "continuation": f"{country.capital}.", "gold": options.index(country)})
+    return examples
+
+
+def _arithmetic_examples(rng, n):
+    """Distinct "a op b =" -> "c" in the practice-sums format, the four operations in turn, small operands."""
+    examples, seen = [], set()
+    while len(examples) < n:
+        op = "+-*/"[len(examples) % 4]
+        if op == "+":
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            c = a + b
+        elif op == "-":
+            a, b = sorted((rng.randint(0, 99), rng.randint(0, 99)), reverse=True)
+            c = a - b
+        elif op == "*":
+            a, b = rng.randint(2, 20), rng.randint(2, 12)
+            c = a * b
+        else:
+            b, c = rng.randint(2, 12), rng.randint(1, 20)
+            a = b * c
+        context = f"{a} {rng.choice(_OP_SYMBOLS[op])} {b} ="
+        if context not in seen:
+            seen.add(context)
+            examples.append({"context": context, "continuation": str(c)})
+    return examples
+
+
+def _spelling_examples(rng, world):
+    """Every spelling-list word, plus the held-out countries' names and people's first names, spelled out."""
+    names = [c.name for c in world.countries if c.name in world.eval_subjects] + \
+            [p.first for p in world.people if p.name in world.eval_subjects]
+    words = list(dict.fromkeys(SPELLING_WORDS + names))
+    rng.shuffle(words)
+    return [{"context": f"{w} is spelled", "continuation": _spell(w)} for w in words]
+
+
+def _letter_count_examples(rng, n):
+    """'How many x's are in w? w-o-r-d. The word w has' -> 'k letter x', as the spelling documents write it."""
+    words = list(SPELLING_WORDS)
+    rng.shuffle(words)
+    examples, seen, attempt = [], set(), 0
+    while len(examples) < n:
+        word = words[attempt % len(words)]
+        attempt += 1
+        letter = rng.choice(word) if rng.random() < 0.85 else rng.choice("abcdefghijklmnopqrstuvwxyz")
+        if (word, letter) not in seen:
+            seen.add((word, letter))
+            examples.append({"context": f"How many {letter}'s are in {word}? {_spell(word)}. The word {word} has",
+                             "continuation": f"{word.count(letter)} letter {letter}"})
+    return examples
+
+
+def build_eval_tasks(world, seed):
+    """The bundle's tasks, deterministic per (world, seed): dicts of core.yaml fields plus metadata and examples."""
+    rng = random.Random(f"nanochat-eval-bundle-{seed}")
+    countries = [c for c in world.countries if c.name in world.eval_subjects]
+    people = [p for p in world.people if p.name in world.eval_subjects]
+    capitals = [c.capital for c in world.countries]
+
+    def task(label, category, task_type, shots, examples, description):
+        choices = EVAL_BUNDLE_CHOICES if task_type in ("multiple_choice", "schema") else 0
+        return {"label": label, "category": category, "icl_task_type": task_type, "num_fewshot": shots,
+                "continuation_delimiter": " ", "random_baseline": 100 / choices if choices else 0.0,
+                "description": description, "examples": examples}
+
+    return [
+        task("world_capital", "world_knowledge", "multiple_choice", 0,
+             _fact_choice_examples(rng, countries, "capital", lambda c: c.capital, capitals, 5),
+             "capital of a held-out country among 4 capitals"),
+        task("world_continent", "world_knowledge", "multiple_choice", 0,
+             _fact_choice_examples(rng, countries, "continent", lambda c: c.continent, world.continents, 5),
+             "continent of a held-out country among 4 continents"),
+        task("world_language", "world_knowledge", "multiple_choice", 0,
+             _fact_choice_examples(rng, countries, "language", lambda c: c.language, world.languages, 5),
+             "main language of a held-out country among 4 languages"),
+        task("world_occupation", "world_knowledge", "multiple_choice", 0,
+             _fact_choice_examples(rng, people, "occupation", lambda p: p.occupation, OCCUPATIONS, 6),
+             "occupation of a held-out person among 4 occupations"),
+        task("world_capital_schema", "world_knowledge", "schema", 0,
+             _capital_schema_examples(rng, world, countries, 4),
+             "which of 4 countries' statements makes a given capital most likely"),
+        task("arithmetic", "symbolic_problem_solving", "language_modeling", EVAL_BUNDLE_SHOTS,
+             _arithmetic_examples(rng, EVAL_LM_EXAMPLES), "a op b = c with small operands, exact answer"),
+        task("spelling", "language_understanding", "language_modeling", EVAL_BUNDLE_SHOTS,
+             _spelling_examples(rng, world), "spell a word letter by letter, exact answer"),
+        task("letter_count", "symbolic_problem_solving", "language_modeling", EVAL_BUNDLE_SHOTS,
+             _letter_count_examples(rng, EVAL_LM_EXAMPLES), "count a letter in a spelled-out word, exact answer"),
+    ]
+
+
+def write_eval_bundle(out_dir, world, seed=None):
+    """
+    Write the CORE bundle about `world` to out_dir in the published bundle's format; returns the task
+    list. Built in a temp dir then renamed into place, so a reader never sees half a bundle.
+    """
+    seed = world.seed if seed is None else seed
+    tasks = build_eval_tasks(world, seed)
+    out_dir = os.path.abspath(out_dir)
+    tmp_dir = f"{out_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run with our pid
+    try:
+        core = {"icl_tasks": []}
+        meta = io.StringIO()
+        meta_csv = csv.writer(meta, lineterminator="\n")
+        meta_csv.writerow(["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
+                           "Centered Metric?", "Description"])
+        for t in tasks:
+            uri = f"{t['category']}/{t['label']}.jsonl"
+            os.makedirs(os.path.join(tmp_dir, "eval_data", t["category"]), exist_ok=True)
+            with open(os.path.join(tmp_dir, "eval_data", uri), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(example, ensure_ascii=False) + "\n" for example in t["examples"])
+            core["icl_tasks"].append({"label": t["label"], "dataset_uri": uri, "num_fewshot": [t["num_fewshot"]],
+                                      "icl_task_type": t["icl_task_type"],
+                                      "continuation_delimiter": t["continuation_delimiter"]})
+            meta_csv.writerow([t["label"], t["category"].replace("_", " "), t["icl_task_type"].replace("_", " "),
+                               t["num_fewshot"], len(t["examples"]), f"{t['random_baseline']:g}", "",
+                               t["description"]])
+        header = (f"# CORE tasks about the built-in world of nanochat.corpus, seed {seed} (version {CORPUS_VERSION}).\n"
+                  "# Written by `python -m nanochat.corpus`; scored by `python -m scripts.base_eval "
+                  "--eval-bundle=builtin`.\n")
+        with open(os.path.join(tmp_dir, "core.yaml"), "w", encoding="utf-8") as f:
+            f.write(header + yaml.safe_dump(core, sort_keys=False, default_flow_style=None, allow_unicode=True))
+        with open(os.path.join(tmp_dir, "eval_meta_data.csv"), "w", encoding="utf-8", newline="") as f:
+            f.write(meta.getvalue())
+        if os.path.exists(out_dir):  # a directory cannot be renamed onto a non-empty one: move the old aside first
+            old_dir = f"{out_dir}.old{os.getpid()}"
+            os.rename(out_dir, old_dir)
+            os.rename(tmp_dir, out_dir)
+            shutil.rmtree(old_dir)
+        else:
+            os.rename(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return tasks
+
+
+# -----------------------------------------------------------------------------
 # Writing shards
 
 
@@ -759,14 +958,24 @@ def _write_shard(path, docs, rows_per_group):
     os.replace(tmp, path)
 
 
-def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=0.05, verbose=True):
-    """Build the corpus for a seed into out_dir (default: the builtin source's data dir); returns a summary dict."""
+def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=0.05, verbose=True,
+                 eval_bundle_dir=None):
+    """
+    Build the corpus for a seed into out_dir (default: the builtin source's data dir), and the CORE
+    eval bundle about its world into eval_bundle_dir (default: builtin_eval_bundle_dir() when out_dir
+    is the default data dir, else out_dir/eval_bundle_builtin, so a corpus built elsewhere never
+    replaces the default corpus's bundle). Returns a summary dict.
+    """
     if not size_mb > 0:
         raise UserError(f"--size-mb must be positive (got {size_mb})")
     if not shard_mb > 0:
         raise UserError(f"--shard-mb must be positive (got {shard_mb})")
     log = print0 if verbose else (lambda *a, **k: None)
-    out_dir = out_dir or get_data_dir("builtin")
+    default_dir = get_data_dir("builtin")
+    out_dir = out_dir or default_dir
+    if eval_bundle_dir is None:
+        same_dir = os.path.abspath(out_dir) == os.path.abspath(default_dir)
+        eval_bundle_dir = builtin_eval_bundle_dir() if same_dir else os.path.join(out_dir, EVAL_BUNDLE_NAME)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -811,12 +1020,16 @@ def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=
             os.remove(os.path.join(out_dir, name))
             log(f"removed stale {name}")
 
+    eval_tasks = write_eval_bundle(eval_bundle_dir, world, seed)
+    log(f"wrote CORE eval bundle: {len(eval_tasks)} tasks, {sum(len(t['examples']) for t in eval_tasks):,} examples "
+        f"-> {eval_bundle_dir}")
+
     text_bytes = train_bytes + sum(len(d.encode("utf-8")) for d in val)
     summary = {
         "version": CORPUS_VERSION, "seed": seed, "size_mb": size_mb, "train_docs": len(train), "val_docs": len(val),
         "text_mb": round(text_bytes / 1e6, 3), "disk_mb": round(disk_bytes / 1e6, 3), "shards": len(shards),
         "rows_per_group": rows_per_group, "mentions_min": min(counts), "mentions_mean": round(sum(counts) / len(counts), 1),
-        "seconds": round(time.time() - t0, 2),
+        "eval_bundle_dir": os.path.abspath(eval_bundle_dir), "seconds": round(time.time() - t0, 2),
     }
     atomic_write_text(os.path.join(out_dir, "corpus.json"), json.dumps(summary, indent=2) + "\n")
     log(f"done: {len(train) + len(val):,} docs, {summary['text_mb']} MB of text ({summary['disk_mb']} MB on disk), "
@@ -838,7 +1051,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=42, help="world and document seed (same seed -> identical files)")
     parser.add_argument("--size-mb", type=float, default=6.0, help="target text size in MB, train + val")
     parser.add_argument("--shard-mb", type=float, default=2.0, help="target text size of one train shard in MB")
-    parser.add_argument("--out", type=str, default=None, help="output directory (default: <base_dir>/base_data/builtin)")
+    parser.add_argument("--out", type=str, default=None,
+                        help="output directory (default: <base_dir>/base_data/builtin; the CORE eval bundle then goes "
+                             "to <base_dir>/eval_bundle_builtin, else to OUT/eval_bundle_builtin)")
     args = parser.parse_args(argv)
     write_corpus(args.out, seed=args.seed, size_mb=args.size_mb, shard_mb=args.shard_mb)
 

@@ -4,6 +4,7 @@ task and the final number, save the per-task results as CSV and log them to the 
 
 python -m scripts.base_eval --model-tag d12
 python -m scripts.base_eval --max-per-task 100          # a quick look on a subset of each task
+python -m scripts.base_eval --eval-bundle=builtin        # offline: tasks about the built-in corpus's world
 torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --model-tag d12
 """
 
@@ -11,6 +12,7 @@ import argparse
 import csv
 import io
 import os
+import re
 import time
 from contextlib import nullcontext
 
@@ -19,7 +21,7 @@ import torch
 from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import (UserError, atomic_write_text, compute_cleanup, compute_init, get_base_dir,
                              get_compute_dtype, print0, run_main)
-from nanochat.core_eval import evaluate_core
+from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.report import get_report
 
 
@@ -31,11 +33,22 @@ def parse_args(argv=None):
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--max-per-task", type=int, default=-1,
                         help="examples per task, -1 = all (a smaller number is a quick, noisier look)")
+    parser.add_argument("--eval-bundle", type=str, default="dclm",
+                        help="dclm (the published CORE bundle, downloaded once) | builtin (tasks about the built-in "
+                             "corpus's world, written by `python -m nanochat.corpus`) | a folder holding core.yaml")
     parser.add_argument("--device-type", type=str, default="", help="cuda|mps|cpu (default: autodetect)")
     args = parser.parse_args(argv)
     if args.max_per_task == 0 or args.max_per_task < -1:
         raise UserError(f"--max-per-task must be -1 (all) or a positive number (got {args.max_per_task})")
     return args
+
+
+def bundle_suffix(eval_bundle):
+    """'' for the published bundle, so its file names stay as they were; else '_builtin' or '_<folder name>'."""
+    if eval_bundle == "dclm":
+        return ""
+    name = "builtin" if eval_bundle == "builtin" else os.path.basename(os.path.normpath(eval_bundle))
+    return "_" + (re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "bundle")
 
 
 def results_csv(core):
@@ -59,24 +72,27 @@ def main(argv=None):
     args = parse_args(argv)
     is_ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
     try:
+        bundle_dir = resolve_eval_bundle(args.eval_bundle)  # before the model: a missing bundle fails fast
         model_tag = args.model_tag or find_latest_tag(args.source)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=args.step)
         step = meta.get("step", args.step)
         # Same precision as training: bf16 autocast where it is fast, plain fp32 elsewhere.
         dtype = get_compute_dtype(device)
         autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-        print0(f"CORE evaluation of {args.source} checkpoint {model_tag} step {step} on {world_size} rank(s)")
+        print0(f"CORE evaluation of {args.source} checkpoint {model_tag} step {step} on {world_size} rank(s), "
+               f"eval bundle {args.eval_bundle} ({bundle_dir})")
 
         t0 = time.time()
         with autocast:
-            core = evaluate_core(model, tokenizer, device, max_per_task=args.max_per_task)
+            core = evaluate_core(model, tokenizer, device, max_per_task=args.max_per_task, bundle_dir=bundle_dir)
         seconds = time.time() - t0
         print0(f"CORE metric: {core['core_metric']:.4f} ({seconds:.0f}s)")
 
         if rank == 0:
             out_dir = os.path.join(get_base_dir(), "base_eval")
             os.makedirs(out_dir, exist_ok=True)
-            name = f"{model_tag}_{step}.csv" if args.source == "base" else f"{args.source}_{model_tag}_{step}.csv"
+            name = f"{model_tag}_{step}{bundle_suffix(args.eval_bundle)}.csv"
+            name = name if args.source == "base" else f"{args.source}_{name}"
             csv_path = os.path.join(out_dir, name)
             atomic_write_text(csv_path, results_csv(core))
             print0(f"Results written to {csv_path}")
@@ -85,7 +101,7 @@ def main(argv=None):
             get_report().log(section=section, data=[
                 {"Source": args.source, "Model tag": model_tag, "Step": step,
                  "Max per task": args.max_per_task, "Seconds": round(seconds, 1)},
-                {"CORE metric": core["core_metric"]},
+                {"eval bundle": args.eval_bundle, "CORE metric": core["core_metric"]},
                 # A table, not a dict: per-task labels such as arc_easy must not land in the summary's chat-eval rows.
                 results_markdown(core),
             ])

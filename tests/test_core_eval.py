@@ -13,6 +13,7 @@ import http.server
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import threading
 import types
@@ -24,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from nanochat import core_eval
+from nanochat import core_eval, corpus
 from nanochat.common import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -455,7 +456,7 @@ def test_base_eval_script_writes_csv_and_report(tmp_path, base_dir, monkeypatch,
     assert csv_text.splitlines()[-1] == f"CORE,,{EXPECTED_CORE:.6f}"
     (section, data), = logged
     assert section == "Base model evaluation"
-    assert {"CORE metric": pytest.approx(EXPECTED_CORE)} in data
+    assert {"eval bundle": "dclm", "CORE metric": pytest.approx(EXPECTED_CORE)} in data
     assert "| schema_task | 0.7500 | 0.5000 |" in data[-1]
     assert f"CORE metric: {EXPECTED_CORE:.4f}" in capsys.readouterr().out
 
@@ -466,3 +467,144 @@ def test_base_eval_script_writes_csv_and_report(tmp_path, base_dir, monkeypatch,
 
     with pytest.raises(UserError, match="--max-per-task"):
         base_eval.main(["--max-per-task", "0", "--device-type", "cpu"])
+
+    # --eval-bundle: the built-in bundle or a folder; the file name and the report say which
+    with pytest.raises(UserError, match="python -m nanochat.corpus"):
+        base_eval.main(["--model-tag", "d1", "--device-type", "cpu", "--eval-bundle", "builtin"])
+    shutil.copytree(base_dir / "eval_bundle", base_dir / "eval_bundle_builtin")  # stands in for the corpus's bundle
+    shutil.copytree(base_dir / "eval_bundle", tmp_path / "my bundle")
+    for flag, suffix in (("builtin", "_builtin"), (str(tmp_path / "my bundle"), "_my_bundle")):
+        base_eval.main(["--model-tag", "d1", "--device-type", "cpu", "--eval-bundle", flag])
+        assert (base_dir / "base_eval" / f"d1_1234{suffix}.csv").read_text() == csv_text
+        section, data = logged[-1]
+        assert section == "Base model evaluation"
+        assert {"eval bundle": flag, "CORE metric": pytest.approx(EXPECTED_CORE)} in data
+    with pytest.raises(UserError, match="--eval-bundle"):
+        base_eval.main(["--model-tag", "d1", "--device-type", "cpu", "--eval-bundle", str(tmp_path)])
+
+
+
+# -----------------------------------------------------------------------------
+# resolve_eval_bundle, and the built-in bundle that nanochat.corpus writes about its world
+
+
+def test_resolve_eval_bundle(tmp_path, base_dir, monkeypatch):
+    monkeypatch.setattr(core_eval, "ensure_eval_bundle", lambda: "downloaded-bundle")
+    assert core_eval.resolve_eval_bundle() == "downloaded-bundle"
+    assert core_eval.resolve_eval_bundle("dclm") == "downloaded-bundle"
+
+    with pytest.raises(UserError, match=r"no built-in CORE eval bundle at .*python -m nanochat\.corpus"):
+        core_eval.resolve_eval_bundle("builtin")
+    corpus.write_eval_bundle(corpus.builtin_eval_bundle_dir(), corpus.build_world(3), 3)
+    assert core_eval.resolve_eval_bundle("builtin") == str(base_dir / "eval_bundle_builtin")
+
+    folder = write_bundle(tmp_path)
+    assert core_eval.resolve_eval_bundle(str(folder)) == str(folder)
+    for bad in (str(tmp_path), str(tmp_path / "nowhere"), str(folder / "core.yaml"), ""):
+        with pytest.raises(UserError, match="--eval-bundle") as excinfo:
+            core_eval.resolve_eval_bundle(bad)
+        assert "\n" not in str(excinfo.value)
+
+
+@pytest.fixture(scope="module")
+def builtin_bundle(tmp_path_factory):
+    bundle = tmp_path_factory.mktemp("builtin") / "eval_bundle_builtin"
+    corpus.write_eval_bundle(bundle, corpus.build_world(42), 42)
+    return str(bundle)
+
+
+def test_builtin_bundle_parses_with_core_eval_loaders(builtin_bundle):
+    tasks = core_eval.load_core_tasks(builtin_bundle)
+    assert len(tasks) >= 5 and len({t["label"] for t in tasks}) == len(tasks)
+    assert {t["task_type"] for t in tasks} == set(core_eval.TASK_TYPES)
+    for task in tasks:
+        data = core_eval.load_task_data(task["data_path"])
+        assert len(data) >= 200, task["label"]
+        assert 0 <= task["num_fewshot"] <= 5 and task["continuation_delimiter"] == " "
+        if task["task_type"] == "language_modeling":
+            assert task["random_baseline"] == 0
+            assert all(ex["context"].strip() and ex["continuation"].strip() for ex in data)
+            continue
+        options = "choices" if task["task_type"] == "multiple_choice" else "context_options"
+        num_options = len(data[0][options])
+        assert task["random_baseline"] == pytest.approx(1 / num_options)
+        golds = []
+        for ex in data:
+            assert len(ex[options]) == num_options and len(set(ex[options])) == num_options
+            assert all(o.strip() for o in ex[options])
+            assert isinstance(ex["gold"], int) and 0 <= ex["gold"] < num_options
+            golds.append(ex["gold"])
+        # the right answer sits in every position about equally often, so position bias scores at chance
+        assert all(0.15 < golds.count(i) / len(golds) < 0.35 for i in range(num_options)), task["label"]
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (the bundle has × and ÷), BOS = 256."""
+
+    BOS = 256
+
+    def get_bos_token_id(self):
+        return self.BOS
+
+    def encode(self, text, prepend=None, append=None, num_threads=8):
+        if isinstance(text, list):
+            return [self.encode(t, prepend=prepend, append=append) for t in text]
+        return ([] if prepend is None else [prepend]) + list(text.encode("utf-8"))
+
+
+class OracleModel:
+    """
+    Knows every example's right answer: within the current example (the text since the last blank
+    line), it puts its confidence on each byte that continues a right answer's text, else predicts nothing.
+    """
+
+    vocab_size = 257
+
+    def __init__(self, bundle_dir):
+        self.next_bytes = {}
+        for task in core_eval.load_core_tasks(bundle_dir):
+            for ex in core_eval.load_task_data(task["data_path"]):
+                text = core_eval.render_prompts(task["task_type"], ex, task["continuation_delimiter"], [])[-1 if
+                    task["task_type"] == "language_modeling" else ex["gold"]].encode("utf-8")
+                for i in range(len(text)):
+                    self.next_bytes.setdefault(text[:i], set()).add(text[i])
+
+    def __call__(self, idx):
+        hits = []  # (row, position, byte) to make likely
+        for b, row in enumerate(idx.tolist()):
+            start = 1  # the current example's text starts after BOS, or after the last blank line
+            for t in range(len(row)):
+                if t > 0 and row[t] == ByteTokenizer.BOS:
+                    break  # padding
+                if t >= 2 and row[t - 1] == row[t] == ord("\n"):
+                    start = t + 1
+                hits += [(b, t, byte) for byte in self.next_bytes.get(bytes(row[start:t + 1]), ())]
+        logits = torch.zeros(*idx.shape, self.vocab_size)
+        logits[tuple(torch.tensor(hits).T)] = 20.0
+        return logits
+
+
+class RandomModel:
+    vocab_size = 257
+
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, idx):
+        return torch.randn(*idx.shape, self.vocab_size, generator=self.generator)
+
+
+def test_builtin_bundle_scores_oracle_perfect_and_random_at_chance(builtin_bundle):
+    oracle = core_eval.evaluate_core(OracleModel(builtin_bundle), ByteTokenizer(), "cpu", max_per_task=25,
+                                     bundle_dir=builtin_bundle, verbose=False)
+    assert set(oracle["results"].values()) == {1.0} and oracle["core_metric"] == pytest.approx(1.0)
+
+    chance = core_eval.evaluate_core(RandomModel(), ByteTokenizer(), "cpu", max_per_task=150,
+                                     bundle_dir=builtin_bundle, verbose=False)
+    for task in core_eval.load_core_tasks(builtin_bundle):
+        centered = chance["centered_results"][task["label"]]
+        if task["task_type"] == "language_modeling":
+            assert chance["results"][task["label"]] < 0.02, task["label"]  # exact answers are not guessed
+        else:
+            assert abs(centered) < 0.2, (task["label"], centered)  # 4 standard errors at 150 examples
+    assert abs(chance["core_metric"]) < 0.1

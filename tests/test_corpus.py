@@ -110,6 +110,9 @@ def test_layout(built):
     info = corpus.read_corpus_info(built["out"])
     assert info["seed"] == 42 and info["train_docs"] == len(built["train"]) and info["val_docs"] == len(built["val"])
     assert not [n for n in os.listdir(built["out"]) if ".tmp" in n]
+    # an explicit --out gets its own eval bundle beside the shards, never the default corpus's one
+    bundle = os.path.join(built["out"], corpus.EVAL_BUNDLE_NAME)
+    assert os.path.isfile(os.path.join(bundle, "core.yaml")) and info["eval_bundle_dir"] == bundle
 
 
 def test_readable_through_dataset_api(tmp_path, monkeypatch):
@@ -124,6 +127,10 @@ def test_readable_through_dataset_api(tmp_path, monkeypatch):
     assert train and all(os.path.dirname(p) == str(tmp_path / "base_data" / "builtin") for p in train)
     batches = list(dataset.parquets_iter_batched("train", start=1, step=2))
     assert batches and all(isinstance(b, list) and isinstance(b[0], str) for b in batches)
+    # the default build writes the CORE bundle about its world where --eval-bundle=builtin looks
+    assert corpus.builtin_eval_bundle_dir() == str(tmp_path / "eval_bundle_builtin")
+    assert (tmp_path / "eval_bundle_builtin" / "core.yaml").is_file()
+    assert "seed 5" in (tmp_path / "eval_bundle_builtin" / "core.yaml").read_text()
 
 
 def test_deterministic_and_seeded(tmp_path):
@@ -278,3 +285,95 @@ def test_val_is_held_out_documents_about_the_same_world(built):
     told = set(sentences(built["train_text"]))
     val_sentences = [s for d in val for s in sentences(d)]
     assert sum(s in told for s in val_sentences) > 0.3 * len(val_sentences)
+
+
+# -----------------------------------------------------------------------------
+# The CORE eval bundle about the world (its parsing and scoring are tested in test_core_eval.py)
+
+
+def bundle_files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_eval_bundle_is_deterministic_per_seed_and_replaced_whole(tmp_path):
+    world7 = corpus.build_world(7)
+    corpus.write_eval_bundle(tmp_path / "a", world7, 7)
+    corpus.write_eval_bundle(tmp_path / "b", world7, 7)
+    corpus.write_eval_bundle(tmp_path / "c", corpus.build_world(8), 8)
+    a, b, c = (bundle_files(tmp_path / n) for n in "abc")
+    assert a == b and "core.yaml" in a and len(a) == 2 + len(corpus.build_eval_tasks(world7, 7))
+    assert a.keys() == c.keys() and a != c
+    assert all(a[k] != c[k] for k in a if k.endswith(".jsonl"))
+    # rewriting over an existing bundle swaps it whole: new contents, no temp or old folder left behind
+    (tmp_path / "a" / "stray.txt").write_text("from an older build")
+    corpus.write_eval_bundle(tmp_path / "a", corpus.build_world(8), 8)
+    assert bundle_files(tmp_path / "a") == c
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+def true_statements(world, relation, facts=None):
+    """Every trained wording of every fact of a relation: sentence -> fact."""
+    facts = world.facts if facts is None else facts
+    return {corpus.render_statement(f, t): f for f in facts if f.relation == relation
+            for t in corpus.RELATIONS[relation].templates}
+
+
+def test_eval_bundle_asks_true_facts_about_held_out_subjects_in_trained_wordings():
+    world = corpus.build_world(42)
+    tasks = {t["label"]: t for t in corpus.build_eval_tasks(world, 42)}
+    held_out_countries = {c.name for c in world.countries if c.name in world.eval_subjects}
+    for label, relation in (("world_capital", "capital"), ("world_continent", "continent"),
+                            ("world_language", "language"), ("world_occupation", "occupation")):
+        task = tasks[label]
+        assert task["icl_task_type"] == "multiple_choice" and task["random_baseline"] == 25
+        held_out = true_statements(world, relation, world.eval_facts())
+        anywhere = true_statements(world, relation)
+        asked = set()
+        for ex in task["examples"]:
+            sentences = [f"{ex['query']}{task['continuation_delimiter']}{c}" for c in ex["choices"]]
+            gold = sentences[ex["gold"]]
+            assert gold in held_out, gold  # a true fact about a held-out subject, word for word as trained
+            asked.add(held_out[gold].subject)
+            assert not [s for i, s in enumerate(sentences) if i != ex["gold"] and s in anywhere], sentences
+        expected = held_out_countries if relation != "occupation" else \
+            {p.name for p in world.people if p.name in world.eval_subjects}
+        assert asked == expected and len(task["examples"]) >= 200
+
+    schema = tasks["world_capital_schema"]
+    capitals = true_statements(world, "capital")
+    for ex in schema["examples"]:
+        sentences = [f"{option} {ex['continuation']}" for option in ex["context_options"]]
+        assert sentences[ex["gold"]] in capitals and capitals[sentences[ex["gold"]]].subject in held_out_countries
+        assert sum(s in capitals for s in sentences) == 1
+
+
+def test_eval_bundle_arithmetic_and_spelling_are_right_and_in_corpus_format(built):
+    tasks = {t["label"]: t for t in corpus.build_eval_tasks(built["world"], 42)}
+    text = built["train_text"]
+
+    arithmetic = tasks["arithmetic"]["examples"]
+    assert len({ex["context"] for ex in arithmetic}) == len(arithmetic) >= 200
+    for ex in arithmetic:
+        a, op, b = re.fullmatch(r"(\d+) ([-+*×/÷]) (\d+) =", ex["context"]).groups()
+        assert SYMBOLS[op](int(a), int(b)) == int(ex["continuation"]), ex
+    assert {ex["context"].split()[1] for ex in arithmetic} == set(SYMBOLS)
+    assert re.search(r"(?m)^\d+ [-+*×/÷] \d+ = \d+$", text)  # the practice-sums lines they imitate
+
+    spelling = tasks["spelling"]["examples"]
+    words = [ex["context"].removesuffix(" is spelled") for ex in spelling]
+    assert set(corpus.SPELLING_WORDS) <= set(words) and len(set(words)) == len(words)
+    for ex, word in zip(spelling, words):
+        sentence = f"{ex['context']} {ex['continuation']}."
+        assert re.fullmatch(r"(\w+) is spelled ([A-Za-z](?:-[A-Za-z])+)\.", sentence)
+        assert ex["continuation"].replace("-", "") == word
+    assert re.search(r"(?m)^\w+ is spelled [a-z](-[a-z])+\.$", text)
+
+    counts = tasks["letter_count"]["examples"]
+    assert len({ex["context"] for ex in counts}) == len(counts) >= 200
+    for ex in counts:
+        sentence = f"{ex['context']} {ex['continuation']}."
+        letter, word, spelled, n = re.fullmatch(
+            r"How many (\w)'s are in (\w+)\? ([a-z](?:-[a-z])*)\. The word \2 has (\d+) letter \1\.", sentence).groups()
+        assert spelled.replace("-", "") == word and int(n) == word.count(letter)
+    assert any(ex["continuation"].startswith("0 ") for ex in counts)
+    assert re.search(r"How many \w's are in \w+\? [a-z](-[a-z])*\. The word \w+ has \d+ letter \w\.", text)
