@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--unembedding-lr", type=float, default=-1.0)
     p.add_argument("--matrix-lr", type=float, default=-1.0)
     p.add_argument("--weight-decay", type=float, default=-1.0)
-    p.add_argument("--lr-batch-exponent", type=float, default=0.25, help="lrs scale as (total_batch/2^19)^this")
+    p.add_argument("--lr-batch-exponent", type=float, default=0.0, help="lrs scale as (total_batch/2^19)^this")
     p.add_argument("--warmup-ratio", type=float, default=0.0)
     p.add_argument("--warmdown-ratio", type=float, default=0.4)
     p.add_argument("--final-lr-frac", type=float, default=0.0)
@@ -139,7 +139,7 @@ def main(argv=None):
         embedding_lr=args.embedding_lr if args.embedding_lr > 0 else 0.2 * lr_scale,
         unembedding_lr=args.unembedding_lr if args.unembedding_lr > 0 else 0.004 * lr_scale,
         matrix_lr=args.matrix_lr if args.matrix_lr > 0 else 0.02 * lr_scale,
-        weight_decay=args.weight_decay if args.weight_decay >= 0 else default_weight_decay(args.depth),
+        weight_decay=args.weight_decay if args.weight_decay >= 0 else default_weight_decay(args.depth, args.total_batch_size),
     )
     optimizers = build_optimizers(model, **lrs)
 

@@ -5,8 +5,8 @@ import torch
 
 from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.training import (apply_schedules, batch_lr_scale, build_optimizers, grad_accum_steps, lr_multiplier,
-                               model_config_for_depth, muon_momentum)
+from nanochat.training import (apply_schedules, batch_lr_scale, build_optimizers, default_weight_decay, grad_accum_steps,
+                               lr_multiplier, model_config_for_depth, muon_momentum)
 
 
 def test_depth_dial_shapes():
@@ -41,9 +41,12 @@ def test_schedules():
     assert lr_multiplier(0, n, warmup_ratio=0.1) == pytest.approx(0.1)
     assert muon_momentum(0) == pytest.approx(0.85) and muon_momentum(300) == pytest.approx(0.95)
     assert muon_momentum(150) == pytest.approx(0.90)
-    # the small-batch rule: unchanged at the reference batch, 4x the square-root rule at 2,048 tokens
-    assert batch_lr_scale(2**19) == 1.0
-    assert batch_lr_scale(2048) / batch_lr_scale(2048, exponent=0.5) == pytest.approx(4.0)
+    # the small-batch rule: every exponent agrees at the reference batch; the default keeps base lrs at any batch
+    assert batch_lr_scale(2**19) == batch_lr_scale(2**19, exponent=0.5) == 1.0
+    assert batch_lr_scale(2048) == 1.0
+    assert batch_lr_scale(2048, exponent=0.25) / batch_lr_scale(2048, exponent=0.5) == pytest.approx(4.0)
+    assert default_weight_decay(12) == pytest.approx(0.2)
+    assert default_weight_decay(4, 2048) == pytest.approx(1.8 / 16)
 
 
 def tiny_gpt():
