@@ -46,7 +46,6 @@ def orthogonalize(G, steps=5, dtype=None):
         raise ValueError(f"orthogonalize needs a matrix (got shape {tuple(G.shape)})")
     if dtype is None:
         dtype = torch.bfloat16 if has_fast_bf16(G.device) else torch.float32
-    a, b, c = NS_COEFFS
     X = G.to(dtype)
     # Work on the wide orientation so the Gram matrix X X^T is the small one.
     tall = G.size(-2) > G.size(-1)
@@ -55,13 +54,52 @@ def orthogonalize(G, steps=5, dtype=None):
     # The Frobenius norm bounds the spectral norm from above, so after this every singular
     # value is <= 1, inside the region where the iteration converges.
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+    batch_shape, (rows, cols) = X.shape[:-2], X.shape[-2:]
+    X = X.reshape(-1, rows, cols)  # one batch dimension, as bmm wants
+    # Same iteration either way; the Gram form does fewer FLOPs when cols > 1.5 rows, but it lets
+    # rounding errors build up in A, which is fine in fp32 and not trusted in bf16.
+    if dtype == torch.float32 and 2 * cols > 3 * rows:
+        X = _newton_schulz_gram(X, steps)
+    else:
+        X = _newton_schulz(X, steps)
+    X = X.reshape(*batch_shape, rows, cols)
     if tall:
         X = X.mT
     return X.to(G.dtype)
+
+
+def _newton_schulz(X, steps):
+    """X <- P(A) X with P(A) = a I + b A + c A^2 and A = X X^T, for a batch of wide matrices (n, rows, cols).
+    Per step 4 rows^2 cols + 2 rows^3 FLOPs; baddbmm folds the scalings and sums into the matmuls."""
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    return X
+
+
+def _newton_schulz_gram(X0, steps):
+    """
+    The same iteration carried out on rows x rows matrices only. Every X_k equals M_k X0 for a
+    rows x rows M_k, and with P_k = a I + b A_k + c A_k^2:
+
+        X_{k+1} = P_k X_k    =>   M_{k+1} = P_k M_k,    A_{k+1} = X_{k+1} X_{k+1}^T = P_k A_k P_k
+
+    so the wide X0 (rows x cols) is touched only twice, for A_0 = X0 X0^T and for the final M X0:
+    4 rows^2 cols + 34 rows^3 FLOPs for 5 steps, against 20 rows^2 cols + 10 rows^3 (44 % fewer
+    for the MLP's 1:4 matrices).
+    """
+    a, b, c = NS_COEFFS
+    A = torch.bmm(X0, X0.mT)
+    M = None
+    for k in range(steps):
+        P = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        M = P if M is None else torch.bmm(P, M)
+        if k + 1 < steps:
+            A = torch.bmm(torch.bmm(P, A), P)
+    return torch.bmm(M, X0)
 
 
 def _update_matrices(params, grads, state, group):
@@ -71,15 +109,14 @@ def _update_matrices(params, grads, state, group):
     The orthogonalisation of the whole list runs as one batched call.
     """
     momentum = group["momentum"]
-    directions = []
-    for p, g in zip(params, grads):
-        st = state[p]
-        if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros_like(p)
-        buf = st["momentum_buffer"]
-        buf.lerp_(g, 1 - momentum)
-        # Nesterov: step from where the momentum is about to take us, not from where it is.
-        directions.append(g.lerp(buf, momentum) if group["nesterov"] else buf)
+    grads = list(grads)
+    for p in params:
+        if "momentum_buffer" not in state[p]:
+            state[p]["momentum_buffer"] = torch.zeros_like(p)
+    buffers = [state[p]["momentum_buffer"] for p in params]
+    torch._foreach_lerp_(buffers, grads, 1 - momentum)
+    # Nesterov: step from where the momentum is about to take us, not from where it is.
+    directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
     updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"])
     rows, cols = params[0].shape[-2:]
     shape_scale = max(1.0, rows / cols) ** 0.5

@@ -133,6 +133,29 @@ def train_step(train_model, loader, optimizers, grad_accum, autocast, lrm, momen
     return all_reduce_mean(loss_sum / grad_accum, device)
 
 
+def keep_freed_memory_in_process():
+    """
+    Make glibc malloc reuse freed memory instead of returning it to the kernel. By default a tensor of more
+    than a few MB is its own mmap, unmapped when freed, and the top of the heap is trimmed, so every training
+    step page-faults (and zero-fills) its activations anew: 15-75 k faults per CPU step at d4-d6, 5-10 % of
+    the step on a 2-core VM. Peak RSS does not grow, since each step needs that memory again. Linux/glibc only;
+    a no-op elsewhere.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 # -----------------------------------------------------------------------------
 # Stopping cleanly
 

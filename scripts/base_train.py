@@ -25,8 +25,8 @@ from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (StepTimer, StopSignal, batch_lr_scale, build_optimizers, default_weight_decay, format_duration,
-                               grad_accum_steps, greedy_samples, init_wandb, lr_multiplier, model_config_for_depth,
-                               muon_momentum, train_step)
+                               grad_accum_steps, greedy_samples, init_wandb, keep_freed_memory_in_process, lr_multiplier,
+                               model_config_for_depth, muon_momentum, train_step)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
@@ -91,6 +91,7 @@ def main(argv=None):
     except ValueError as e:
         raise UserError(str(e)) from e
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
+    keep_freed_memory_in_process()
     master = rank == 0
     grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
     model_tag = args.model_tag or f"d{args.depth}"

@@ -1,0 +1,541 @@
+"""
+Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, the tokenizer.
+
+    python -m scripts.bench train          # CPU: d4/T=256/B=8 and d6/T=512/B=8, eager and compiled
+    python -m scripts.bench train --depth=20 --seq-len=2048 --device-batch-size=32 --compile=1   # a GPU
+    python -m scripts.bench dataloader     # packing speed, cropped fraction, time a step waits for data
+    python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
+
+Each subcommand prints a table and then, as the last line of stdout, one line of JSON
+({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
+
+`train` times the real base_train step: DataLoader -> training.train_step with the Muon + AdamW
+optimizers from training.build_optimizers (grad_accum = 1). MFU is model FLOPs (estimate_flops)
+per second over a peak: on a GPU in bf16 the data-sheet number (common.get_peak_flops), elsewhere
+an fp32 matmul measured in this same process right before the run. Every (config, compile) run
+goes in a fresh process of its own, so its peak RSS is its own.
+
+Data: the current base dir ($NANOCHAT_BASE_DIR or ~/.cache/nanochat) is used when it holds a
+tokenizer no bigger than --vocab-size and training shards; otherwise a built-in corpus and a
+4096-token tokenizer are built once in <tmp>/nanochat_bench and reused.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+
+import torch
+
+from nanochat.common import UserError, get_compute_dtype, get_peak_flops, resolve_device_type, run_main
+
+BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
+CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
+GPU_CONFIGS = [(12, 2048, 32), (20, 2048, 32)]
+
+
+# -----------------------------------------------------------------------------
+# Output
+
+
+def print_table(title, headers, rows):
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    print(f"\n{title}")
+    for k, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def emit_json(result):
+    print(json.dumps(result), flush=True)
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class OtherLoad:
+    """
+    How many cores' worth of CPU time *other* processes used while this one ran a timed section:
+    (all busy CPU time in /proc/stat - this process's CPU time) / wall time. Near 0 means the
+    numbers were taken on a quiet machine; anything above ~0.05 makes them suspect.
+    """
+
+    def __enter__(self):
+        self.busy0, self.own0, self.wall0 = self._busy_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.wall0
+        other = (self._busy_seconds() - self.busy0) - (time.process_time() - self.own0)
+        self.cores = max(0.0, other / wall) if self.busy0 is not None else float("nan")
+
+    @staticmethod
+    def _busy_seconds():
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:9]]
+        except OSError:
+            return None
+        idle = values[3] + values[4]  # idle + iowait
+        return (sum(values) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_info():
+    info = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                info["cpu_flags"] = sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# -----------------------------------------------------------------------------
+# Data and tokenizer
+
+
+def _has_data(base_dir, max_vocab):
+    """True if base_dir holds a tokenizer with at most max_vocab tokens and training shards of the default source."""
+    from nanochat.dataset import list_parquet_files
+    from nanochat.tokenizer import get_tokenizer
+
+    if not os.path.isdir(os.path.join(base_dir, "tokenizer")):
+        return False
+    old = os.environ.get("NANOCHAT_BASE_DIR")
+    os.environ["NANOCHAT_BASE_DIR"] = base_dir
+    try:
+        list_parquet_files("train")
+        return get_tokenizer().get_vocab_size() <= max_vocab
+    except UserError:
+        return False
+    finally:
+        if old is None:
+            os.environ.pop("NANOCHAT_BASE_DIR")
+        else:
+            os.environ["NANOCHAT_BASE_DIR"] = old
+
+
+def ensure_data(max_vocab):
+    """Point NANOCHAT_BASE_DIR at a base dir with data and a tokenizer (building one in <tmp> if needed)."""
+    current = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    if _has_data(current, max_vocab):
+        os.environ["NANOCHAT_BASE_DIR"] = current
+        return current
+    bench_dir = os.path.join(tempfile.gettempdir(), "nanochat_bench")
+    os.environ["NANOCHAT_BASE_DIR"] = bench_dir
+    os.environ["NANOCHAT_DATA_SOURCE"] = "builtin"
+    if _has_data(bench_dir, max_vocab):
+        return bench_dir
+    from nanochat.corpus import write_corpus
+    from nanochat.dataset import get_data_dir, parquets_iter_batched
+    from nanochat.tokenizer import RustBPETokenizer
+
+    log(f"no usable data in {current}: building the built-in corpus and a {BENCH_TOKENIZER_VOCAB}-token tokenizer in {bench_dir}")
+    write_corpus(get_data_dir("builtin"), seed=42, size_mb=6.0, verbose=False)
+    texts = (t for batch in parquets_iter_batched("train", source="builtin") for t in batch)
+    RustBPETokenizer.train_from_iterator(texts, BENCH_TOKENIZER_VOCAB).save(os.path.join(bench_dir, "tokenizer"))
+    return bench_dir
+
+
+# -----------------------------------------------------------------------------
+# Peak FLOP/s
+
+
+def measure_peak_flops(device, dtype=torch.float32, n=2048, seconds=1.0, rounds=3):
+    """Best of `rounds` timings of back-to-back n x n matmuls, each ~`seconds` long: what this device really does."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b, out=out)
+    sync()
+    best = 0.0
+    for _ in range(rounds):
+        iters, t0 = 0, time.perf_counter()
+        while True:
+            torch.matmul(a, b, out=out)
+            iters += 1
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                break
+        best = max(best, 2 * n**3 * iters / elapsed)
+    return best
+
+
+def peak_flops_for(device, dtype, seconds):
+    """(peak FLOP/s, how it was obtained): the device table for bf16 GPUs, else a measured matmul."""
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        peak = get_peak_flops(device, dtype)
+        return peak, "data sheet bf16"
+    return measure_peak_flops(device, dtype, seconds=seconds), f"measured {str(dtype).replace('torch.', '')} matmul"
+
+
+# -----------------------------------------------------------------------------
+# Training step
+
+
+class Run:
+    """Everything one base_train step needs, built exactly as base_train builds it."""
+
+    def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile):
+        from nanochat.checkpoint_manager import build_model
+        from nanochat.dataloader import DataLoader
+        from nanochat.tokenizer import get_tokenizer
+        from nanochat.training import (batch_lr_scale, build_optimizers, default_weight_decay, keep_freed_memory_in_process,
+                                       model_config_for_depth)
+
+        tokenizer = get_tokenizer()
+        if tokenizer.get_vocab_size() > vocab_size:
+            raise UserError(f"--vocab-size={vocab_size} is smaller than the tokenizer's {tokenizer.get_vocab_size()} tokens")
+        keep_freed_memory_in_process()  # as base_train does
+        torch.manual_seed(42)
+        self.device = device
+        self.config = model_config_for_depth(depth, vocab_size, seq_len)
+        self.model = build_model(self.config, device)
+        self.flops_per_token = self.model.estimate_flops()
+        self.tokens_per_step = batch * seq_len
+        dtype = get_compute_dtype(device)
+        self.dtype = dtype
+        self.autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        self.train_model = torch.compile(self.model, dynamic=False) if use_compile else self.model
+        # base_train's default lrs for this batch (grad_accum = 1, so total batch = B * T)
+        scale = batch_lr_scale(self.tokens_per_step)
+        self.optimizers = build_optimizers(self.model, unembedding_lr=0.004 * scale, embedding_lr=0.2 * scale,
+                                           matrix_lr=0.02 * scale,
+                                           weight_decay=default_weight_decay(depth, self.tokens_per_step))
+        self.loader = DataLoader(tokenizer, batch, seq_len, split="train", device=device)
+        self.step = 0
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def train_step(self):
+        """One real optimizer step (what base_train runs), timed to completion."""
+        from nanochat.training import muon_momentum, train_step
+
+        t0 = time.perf_counter()
+        loss = train_step(self.train_model, self.loader, self.optimizers, 1, self.autocast, 1.0, muon_momentum(self.step))
+        self.sync()
+        self.step += 1
+        return time.perf_counter() - t0, loss
+
+    def instrumented_step(self):
+        """The same step taken apart, with a sync between phases: seconds spent in each."""
+        from nanochat.training import apply_schedules, muon_momentum
+
+        times = {}
+        t0 = time.perf_counter()
+        x, y = next(self.loader)
+        self.sync()
+        t1 = time.perf_counter()
+        with self.autocast:
+            loss = self.train_model(x, y)
+        loss.item()
+        t2 = time.perf_counter()
+        loss.backward()
+        self.sync()
+        t3 = time.perf_counter()
+        apply_schedules(self.optimizers, 1.0, momentum=muon_momentum(self.step), weight_decay=True)
+        for opt in self.optimizers:
+            opt.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.sync()
+        t4 = time.perf_counter()
+        self.step += 1
+        times.update(data=t1 - t0, forward=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
+        return times
+
+    def close(self):
+        self.loader.close()
+
+
+def bench_train_one(args, depth, seq_len, batch, use_compile):
+    """Time one (config, compile) run in this process; returns its result dict."""
+    device = torch.device(resolve_device_type(args.device_type))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
+    ensure_data(vocab_size)
+    run = Run(depth, seq_len, batch, vocab_size, device, use_compile)
+    # The peak is measured before and after the timed steps and the higher value kept: on a shared VM the
+    # speed of the same matmul drifts by 10-20 % over seconds, and the higher value gives the lower, honest MFU.
+    with OtherLoad() as peak_other:
+        peak_before, peak_source = peak_flops_for(device, run.dtype, args.peak_seconds)
+
+    t0 = time.perf_counter()
+    first_step, _ = run.train_step()  # includes compilation when compiling
+    for _ in range(args.warmup - 1):
+        run.train_step()
+    warmup_s = time.perf_counter() - t0
+    step_times, losses = [], []
+    with OtherLoad() as other:
+        for _ in range(args.steps):
+            dt, loss = run.train_step()
+            step_times.append(dt)
+            losses.append(loss)
+    parts = [run.instrumented_step() for _ in range(args.breakdown_steps)]
+    run.close()
+    peak_after, _ = peak_flops_for(device, run.dtype, args.peak_seconds)
+    peak = max(peak_before, peak_after)
+
+    step_s = statistics.median(step_times)
+    tok_per_s = run.tokens_per_step / step_s
+    model_flops = run.flops_per_token * tok_per_s
+    breakdown = {k: statistics.median(p[k] for p in parts) * 1000 for k in parts[0]} if parts else {}
+    if device.type == "cuda":
+        peak_mem_mib = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_mem_mib = peak_rss_mib()
+    return {
+        "depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
+        "compile": bool(use_compile), "device": device.type, "dtype": str(run.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(), "params": run.model.num_params(), "flops_per_token": run.flops_per_token,
+        "steps": args.steps, "ms_per_step": step_s * 1000, "ms_per_step_min": min(step_times) * 1000,
+        "ms_per_step_max": max(step_times) * 1000, "first_step_s": first_step, "warmup_s": warmup_s,
+        "tok_per_s": tok_per_s, "model_flops_per_s": model_flops, "peak_flops": peak, "peak_flops_before": peak_before,
+        "peak_flops_after": peak_after, "peak_source": peak_source,
+        "mfu": model_flops / peak, "peak_mem_mib": peak_mem_mib,
+        "peak_mem_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
+        "breakdown_ms": breakdown, "final_loss": losses[-1] if losses else None, "other_load_cores": other.cores,
+        "peak_other_load_cores": peak_other.cores,
+    }
+
+
+def train_table(runs):
+    rows = []
+    for r in runs:
+        b = r["breakdown_ms"]
+        total = sum(b.values()) or 1.0
+        rows.append([
+            f"d{r['depth']}", r["seq_len"], r["device_batch_size"], "yes" if r["compile"] else "no",
+            f"{r['ms_per_step']:.1f}", f"{r['tok_per_s']:,.0f}", f"{r['model_flops_per_s'] / 1e9:.1f}",
+            f"{r['peak_flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_mib']:.0f}",
+            f"{r['first_step_s']:.1f}", f"{r['other_load_cores']:.2f}",
+            " / ".join(f"{b.get(k, 0):.0f}" for k in ("data", "forward", "backward", "optimizer"))
+            + f" ({100 * b.get('data', 0) / total:.1f}% data)",
+        ])
+    print_table("train: median of the timed steps (real base_train step, grad_accum=1)",
+                ["model", "T", "B", "compile", "ms/step", "tok/s", "GFLOP/s", "peak GFLOP/s", "MFU", "peak MiB",
+                 "1st step s", "other load", "data/fwd/bwd/opt ms"], rows)
+
+
+def compile_modes(value):
+    return {"0": [False], "1": [True], "both": [False, True]}[value]
+
+
+def cmd_train(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device_type = resolve_device_type(args.device_type)
+    if args.depth or args.seq_len or args.device_batch_size:
+        default = CPU_CONFIGS[0] if device_type != "cuda" else GPU_CONFIGS[0]
+        configs = [(args.depth or default[0], args.seq_len or default[1], args.device_batch_size or default[2])]
+    else:
+        configs = GPU_CONFIGS if device_type == "cuda" else CPU_CONFIGS
+    jobs = [(d, t, b, c) for d, t, b in configs for c in compile_modes(args.compile)]
+
+    if len(jobs) == 1:
+        runs = [bench_train_one(args, *jobs[0])]
+    else:
+        # One fresh process per run: its peak memory is its own, and one run's caches do not help the next.
+        ensure_data(args.vocab_size or (32768 if device_type == "cuda" else BENCH_TOKENIZER_VOCAB))
+        runs = []
+        for d, t, b, c in jobs:
+            log(f"bench train: d{d} T={t} B={b} compile={int(c)} ...")
+            cmd = [sys.executable, "-m", "scripts.bench", "train", f"--depth={d}", f"--seq-len={t}",
+                   f"--device-batch-size={b}", f"--compile={int(c)}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+                   f"--breakdown-steps={args.breakdown_steps}", f"--peak-seconds={args.peak_seconds}",
+                   f"--vocab-size={args.vocab_size}", f"--threads={args.threads}"]
+            if args.device_type:
+                cmd.append(f"--device-type={args.device_type}")
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise UserError(f"bench run d{d} T={t} B={b} compile={int(c)} failed (exit {proc.returncode}); "
+                                f"rerun it alone: {' '.join(cmd[1:])}")
+            runs.extend(json.loads(proc.stdout.strip().splitlines()[-1])["runs"])
+    train_table(runs)
+    emit_json({"bench": "train", "machine": machine_info(), "runs": runs})
+
+
+# -----------------------------------------------------------------------------
+# Dataloader
+
+
+def cmd_dataloader(args):
+    from nanochat.dataloader import DataLoader
+    from nanochat.tokenizer import get_tokenizer
+
+    ensure_data(args.vocab_size or BENCH_TOKENIZER_VOCAB)
+    tokenizer = get_tokenizer()
+
+    # 1) Packing throughput with everything (reading, tokenizing, packing) held to one core.
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(affinity)})
+    try:
+        T, B = 1024, 8
+        loader = DataLoader(tokenizer, B, T, split="train", tokenizer_threads=1)
+        t0, tokens = time.perf_counter(), 0
+        while tokens < args.tokens:
+            next(loader)
+            tokens += B * T
+        one_core_tok_s = tokens / (time.perf_counter() - t0)
+        loader.close()
+    finally:
+        os.sched_setaffinity(0, affinity)
+
+    # 2) Cropped fraction at several row lengths, over the same number of tokens each.
+    crops = {}
+    for T in (256, 1024, 2048):
+        B = max(1, 16384 // T)
+        loader = DataLoader(tokenizer, B, T, split="train")
+        tokens, epoch_ended = 0, False
+        while tokens < args.tokens:
+            next(loader)
+            tokens += B * T
+            if loader.epoch > 0:
+                epoch_ended = True
+                break
+        crops[T] = {"crop_fraction": loader.crop_fraction(), "tokens": tokens, "full_epoch": epoch_ended}
+        loader.close()
+
+    # 3) How long a real training step waits for its batch.
+    device = torch.device(resolve_device_type(args.device_type))
+    depth, seq_len, batch = args.depth, args.seq_len, args.device_batch_size
+    vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
+    run = Run(depth, seq_len, batch, vocab_size, device, use_compile=False)
+    for _ in range(args.warmup):
+        run.train_step()
+    parts = [run.instrumented_step() for _ in range(args.steps)]
+    run.close()
+    wait_ms = statistics.mean(p["data"] for p in parts) * 1000
+    step_ms = statistics.mean(sum(p.values()) for p in parts) * 1000
+
+    print_table("dataloader: packing throughput (read + tokenize + pack, one core)",
+                ["T", "B", "tokens", "packed tok/s"], [[1024, 8, f"{tokens:,}", f"{one_core_tok_s:,.0f}"]])
+    print_table("dataloader: tokens cropped by BOS-aligned best-fit packing",
+                ["T", "tokens", "cropped"], [[T, f"{c['tokens']:,}", f"{100 * c['crop_fraction']:.2f}%"] for T, c in crops.items()])
+    print_table("dataloader: data wait inside a training step",
+                ["model", "T", "B", "steps", "wait ms", "step ms", "wait share"],
+                [[f"d{depth}", seq_len, batch, args.steps, f"{wait_ms:.2f}", f"{step_ms:.1f}", f"{100 * wait_ms / step_ms:.2f}%"]])
+    emit_json({"bench": "dataloader", "machine": machine_info(), "one_core_tok_per_s": one_core_tok_s,
+               "crop": {str(T): c for T, c in crops.items()},
+               "wait": {"depth": depth, "seq_len": seq_len, "device_batch_size": batch, "steps": args.steps,
+                        "wait_ms": wait_ms, "step_ms": step_ms, "wait_share": wait_ms / step_ms}})
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+
+def cmd_tokenizer(args):
+    from nanochat.dataset import parquets_iter_batched
+    from nanochat.tokenizer import RustBPETokenizer
+
+    ensure_data(max(args.vocab_size, BENCH_TOKENIZER_VOCAB))
+    texts, chars = [], 0
+    for batch in parquets_iter_batched("train"):
+        for text in batch:
+            texts.append(text)
+            chars += len(text)
+            if chars >= args.max_chars:
+                break
+        if chars >= args.max_chars:
+            break
+    num_bytes = sum(len(t.encode("utf-8")) for t in texts)
+
+    t0 = time.perf_counter()
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), args.vocab_size)
+    train_s = time.perf_counter() - t0
+
+    encode = {}
+    for threads in sorted({1, os.cpu_count() or 1}):
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            ids = tokenizer.encode(texts, num_threads=threads)
+            best = min(best, time.perf_counter() - t0)
+        encode[threads] = {"mb_per_s": num_bytes / best / 1e6, "tokens": sum(len(r) for r in ids)}
+
+    print_table("tokenizer: training (rustbpe) on the corpus text",
+                ["chars", "vocab", "seconds", "chars/s"],
+                [[f"{chars:,}", tokenizer.get_vocab_size(), f"{train_s:.2f}", f"{chars / train_s:,.0f}"]])
+    print_table("tokenizer: encode (tiktoken, batch of documents, best of repeats)",
+                ["threads", "MB", "tokens", "MB/s"],
+                [[t, f"{num_bytes / 1e6:.2f}", f"{e['tokens']:,}", f"{e['mb_per_s']:.2f}"] for t, e in encode.items()])
+    emit_json({"bench": "tokenizer", "machine": machine_info(), "train_chars": chars, "vocab_size": tokenizer.get_vocab_size(),
+               "train_s": train_s, "train_chars_per_s": chars / train_s, "encode_bytes": num_bytes,
+               "encode_mb_per_s": {str(t): e["mb_per_s"] for t, e in encode.items()}})
+
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Benchmarks: training step / MFU, dataloader, tokenizer.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="time the real base_train step")
+    t.add_argument("--depth", type=int, default=0, help="model depth (default: the two standard configs)")
+    t.add_argument("--seq-len", type=int, default=0)
+    t.add_argument("--device-batch-size", type=int, default=0)
+    t.add_argument("--compile", default="both", choices=["0", "1", "both"], help="torch.compile the model")
+    t.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
+    t.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
+    t.add_argument("--breakdown-steps", type=int, default=5, help="extra instrumented steps for the phase breakdown")
+    t.add_argument("--peak-seconds", type=float, default=1.0, help="length of each of the 3 peak-matmul timings")
+    t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
+
+    d = sub.add_parser("dataloader", help="packing throughput, cropped fraction, data wait")
+    d.add_argument("--tokens", type=int, default=1_000_000, help="tokens per throughput / crop measurement")
+    d.add_argument("--depth", type=int, default=4, help="model for the data-wait measurement")
+    d.add_argument("--seq-len", type=int, default=256)
+    d.add_argument("--device-batch-size", type=int, default=8)
+    d.add_argument("--steps", type=int, default=20, help="instrumented training steps for the data wait")
+    d.add_argument("--warmup", type=int, default=3)
+
+    k = sub.add_parser("tokenizer", help="tok_train and encode speed")
+    k.add_argument("--max-chars", type=int, default=10_000_000, help="text to train and encode on")
+    k.add_argument("--repeats", type=int, default=3)
+
+    for s in (t, d, k):
+        s.add_argument("--vocab-size", type=int, default=0 if s is not k else BENCH_TOKENIZER_VOCAB,
+                       help="model / tokenizer vocabulary (default 4096 on CPU, 32768 on CUDA)")
+    for s in (t, d):
+        s.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    {"train": cmd_train, "dataloader": cmd_dataloader, "tokenizer": cmd_tokenizer}[args.command](args)
+
+
+if __name__ == "__main__":
+    run_main(main)

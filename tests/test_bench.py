@@ -1,0 +1,71 @@
+"""Smoke tests for scripts/bench.py: every subcommand runs on tiny settings and ends with its table and JSON line.
+They never check a speed: the numbers belong in BENCHMARKS.md, not in assertions."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scripts import bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def last_json_line(stdout):
+    lines = [line for line in stdout.strip().splitlines() if line.strip()]
+    return json.loads(lines[-1])
+
+
+def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
+    cmd = [sys.executable, "-m", "scripts.bench", "train", "--depth=1", "--seq-len=32", "--device-batch-size=2",
+           "--compile=0", "--steps=2", "--warmup=1", "--breakdown-steps=1", "--peak-seconds=0.05", "--vocab-size=1024",
+           "--threads=1", "--device-type=cpu"]
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ms/step" in proc.stdout and "MFU" in proc.stdout
+    result = last_json_line(proc.stdout)
+    assert result["bench"] == "train"
+    (run,) = result["runs"]
+    assert (run["depth"], run["seq_len"], run["device_batch_size"], run["compile"]) == (1, 32, 2, False)
+    for key in ("ms_per_step", "tok_per_s", "model_flops_per_s", "peak_flops", "mfu", "peak_mem_mib", "first_step_s"):
+        assert run[key] > 0, key
+    assert set(run["breakdown_ms"]) == {"data", "forward", "backward", "optimizer"}
+    assert run["tok_per_s"] == pytest.approx(2 * 32 / (run["ms_per_step"] / 1000))
+    assert run["mfu"] == pytest.approx(run["model_flops_per_s"] / run["peak_flops"])
+    assert run["final_loss"] > 0
+
+
+def test_dataloader_reports_throughput_crop_and_wait(tiny_env, capsys):
+    bench.main(["dataloader", "--tokens=4000", "--depth=1", "--seq-len=32", "--device-batch-size=2", "--steps=2",
+                "--warmup=1", "--vocab-size=1024", "--device-type=cpu"])
+    out = capsys.readouterr().out
+    assert "packed tok/s" in out and "cropped" in out and "wait share" in out
+    result = last_json_line(out)
+    assert result["bench"] == "dataloader"
+    assert result["one_core_tok_per_s"] > 0
+    assert set(result["crop"]) == {"256", "1024", "2048"}
+    for crop in result["crop"].values():
+        assert 0.0 <= crop["crop_fraction"] < 1.0 and crop["tokens"] >= 4000
+    assert 0.0 <= result["wait"]["wait_share"] < 1.0 and result["wait"]["step_ms"] > 0
+
+
+def test_tokenizer_reports_train_and_encode_speed(tiny_env, capsys):
+    bench.main(["tokenizer", "--max-chars=30000", "--vocab-size=300", "--repeats=1"])
+    out = capsys.readouterr().out
+    assert "chars/s" in out and "MB/s" in out
+    result = last_json_line(out)
+    assert result["bench"] == "tokenizer"
+    assert result["train_chars"] >= 30000 and result["train_chars_per_s"] > 0
+    assert result["vocab_size"] == 300
+    assert "1" in result["encode_mb_per_s"] and all(v > 0 for v in result["encode_mb_per_s"].values())
