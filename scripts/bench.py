@@ -33,7 +33,7 @@ from contextlib import nullcontext
 
 import torch
 
-from nanochat.common import UserError, get_compute_dtype, get_peak_flops, resolve_device_type, run_main
+from nanochat.common import UserError, compute_init, get_compute_dtype, get_peak_flops, resolve_device_type, run_main
 
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
 CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
@@ -277,10 +277,7 @@ class Run:
 
 def bench_train_one(args, depth, seq_len, batch, use_compile):
     """Time one (config, compile) run in this process; returns its result dict."""
-    device = torch.device(resolve_device_type(args.device_type))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
+    _, _, _, _, device = compute_init(args.device_type)  # as base_train: picks the device, tf32 on CUDA
     vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
     ensure_data(vocab_size)
     run = Run(depth, seq_len, batch, vocab_size, device, use_compile)
@@ -395,9 +392,11 @@ def cmd_dataloader(args):
     ensure_data(args.vocab_size or BENCH_TOKENIZER_VOCAB)
     tokenizer = get_tokenizer()
 
-    # 1) Packing throughput with everything (reading, tokenizing, packing) held to one core.
-    affinity = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(affinity)})
+    # 1) Packing throughput with everything (reading, tokenizing, packing) held to one core (where the OS lets us pin).
+    pin = hasattr(os, "sched_setaffinity")
+    if pin:
+        affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(affinity)})
     try:
         T, B = 1024, 8
         loader = DataLoader(tokenizer, B, T, split="train", tokenizer_threads=1)
@@ -408,7 +407,8 @@ def cmd_dataloader(args):
         one_core_tok_s = tokens / (time.perf_counter() - t0)
         loader.close()
     finally:
-        os.sched_setaffinity(0, affinity)
+        if pin:
+            os.sched_setaffinity(0, affinity)
 
     # 2) Cropped fraction at several row lengths, over the same number of tokens each.
     crops = {}
@@ -426,7 +426,7 @@ def cmd_dataloader(args):
         loader.close()
 
     # 3) How long a real training step waits for its batch.
-    device = torch.device(resolve_device_type(args.device_type))
+    _, _, _, _, device = compute_init(args.device_type)
     depth, seq_len, batch = args.depth, args.seq_len, args.device_batch_size
     vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
     run = Run(depth, seq_len, batch, vocab_size, device, use_compile=False)
