@@ -239,6 +239,37 @@ def test_ignore_index_targets_are_excluded_from_loss():
         model(idx, targets, loss_reduction="avg")
 
 
+@pytest.mark.parametrize("chunk_rows, n_kv_head", [(7, 4), (512, 4), (7, 2)])
+def test_cpu_fast_paths_give_the_reference_loss_and_gradients(monkeypatch, chunk_rows, n_kv_head):
+    # On the CPU in fp32 training runs hand-written autograd Functions (chunked softcap cross-entropy,
+    # RMSNorm, rotary, the relu^2 MLP, block-causal attention); their gradients must be those of the
+    # plain math, autograd'ed. 7-row chunks / 5-query blocks: several of each, the last one short.
+    import nanochat.gpt as gpt
+
+    monkeypatch.setattr(gpt, "LOSS_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(gpt, "ATTENTION_BLOCK", 5 if chunk_rows == 7 else 128)
+    model = build(tiny_config(n_kv_head=n_kv_head))
+    model.train()
+    idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(8))
+    targets = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(9))
+    targets[0, :9] = -1  # a whole chunk of ignored rows when chunk_rows == 7
+    targets[2, 5] = -1
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # push logits into the softcap's curved region
+    loss = model(idx, targets)
+    loss.backward()
+    fast = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    logits = reference_forward(model, idx)
+    assert logits.abs().max() > 10.0
+    reference = F.cross_entropy(logits.view(-1, 97), targets.view(-1), ignore_index=-1)
+    reference.backward()
+    torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fast[name], p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert p.grad.abs().max() > 0
+
+
 @pytest.mark.parametrize("fields", [
     dict(n_embd=30, n_head=4),                 # n_head does not divide n_embd
     dict(n_head=4, n_kv_head=3),               # n_kv_head does not divide n_head
