@@ -94,19 +94,28 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
 
 
-def apply_rotary(x, cos, sin):
+def rotary_norm(x, cos, sin):
     """
-    Rotate (B, T, H, D) by position. The first and second halves of D form the pairs
-    (not interleaved), and the sign convention is the one transformers' NanoChat uses:
-    first half gets +x2*sin, second half gets -x1*sin.
+    Rotary embedding, then RMSNorm (the QK-norm), of (B, T, H, D) queries or keys. The first and second
+    halves of D form the pairs (not interleaved), and the sign convention is the one transformers'
+    NanoChat uses: first half gets +x2*sin, second half gets -x1*sin. On the CPU in fp32 the result is a
+    (B, T, H, D) view of a contiguous (B, H, T, D) tensor, the layout attention wants.
     """
     if _cpu_fp32(x):
-        return _Rotary.apply(x, cos, sin)
+        return _RotaryNorm.apply(x, cos, sin)
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
 
 
+def _rotate(x, cos, sin, out):
+    """out = x rotated by the angles whose cos/sin are given (pass -sin for the inverse rotation)."""
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    out1, out2 = out[..., :d], out[..., d:]
+    torch.mul(x1, cos, out=out1).addcmul_(x2, sin)  # x1 cos + x2 sin
+    torch.mul(x2, cos, out=out2).addcmul_(x1, sin, value=-1.0)  # x2 cos - x1 sin
+    return out
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -127,28 +136,29 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x.addcmul_(x, inv_rms.pow(3).mul_(mean_gx), value=-1.0)
 
 
-class _Rotary(torch.autograd.Function):
-    """A rotation by angle theta per (position, pair); its backward is the rotation by -theta."""
+class _RotaryNorm(torch.autograd.Function):
+    """
+    y = R(x) * r: rotation R by position, then RMSNorm. A rotation keeps every pair's length, so
+    r = (mean(x^2) + eps)^-1/2 comes from x itself, and the output is written straight into a
+    (B, H, T, D) buffer, which saves attention a transposing copy. With m = mean(g * y) per row,
+
+        dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m          (R^T: the rotation by -theta)
+    """
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _Rotary.rotate(x, cos, sin)
+        B, T, H, D = x.shape
+        inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(D).add_(NORM_EPS).rsqrt_()
+        y = _rotate(x, cos, sin, out=x.new_empty(B, H, T, D).transpose(1, 2)).mul_(inv_rms)
+        ctx.save_for_backward(x, cos, sin, inv_rms, y)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _Rotary.rotate(grad, cos, -sin), None, None
-
-    @staticmethod
-    def rotate(x, cos, sin):
-        d = x.size(-1) // 2
-        x1, x2 = x[..., :d], x[..., d:]
-        out = torch.empty_like(x)
-        out1, out2 = out[..., :d], out[..., d:]
-        torch.mul(x1, cos, out=out1).addcmul_(x2, sin)  # x1 cos + x2 sin
-        torch.mul(x2, cos, out=out2).addcmul_(x1, sin, value=-1.0)  # x2 cos - x1 sin
-        return out
+        x, cos, sin, inv_rms, y = ctx.saved_tensors
+        mean_gy = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1).div_(x.size(-1))
+        grad_x = _rotate(grad, cos, -sin, out=torch.empty_like(x)).mul_(inv_rms)
+        return grad_x.addcmul_(x, inv_rms.square().mul_(mean_gy), value=-1.0), None, None
 
 
 class _ReluSquaredMLP(torch.autograd.Function):
@@ -217,15 +227,22 @@ class _BlockCausalAttention(torch.autograd.Function):
         B, H, T, D = grad.shape
         scale = D ** -0.5
         grad3 = grad.reshape(B * H, T, D)
-        grad_q, grad_k, grad_v = torch.empty_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
+        grad_q = torch.empty_like(q3)
         row_dot = torch.linalg.vecdot(grad3, out).unsqueeze(-1)  # rowsum(dP * P) = rowsum(dO * O)
-        for p, start in zip(probs, range(0, T, ATTENTION_BLOCK)):
+        # Last block first: it reaches every key, so it creates grad_k / grad_v whole; the earlier blocks add
+        # into a prefix. (baddbmm_ into a prefix slice would fall back to one small matmul per batch entry.)
+        for i in reversed(range(len(probs))):
+            start = i * ATTENTION_BLOCK
             end = min(start + ATTENTION_BLOCK, T)
-            grad_out = grad3[:, start:end]
-            grad_v[:, :end].baddbmm_(p.mT, grad_out)
+            p, grad_out = probs[i], grad3[:, start:end]
             grad_scores = torch.bmm(grad_out, v3[:, :end].mT).sub_(row_dot[:, start:end]).mul_(p)
             torch.bmm(grad_scores, k3[:, :end], out=grad_q[:, start:end]).mul_(scale)
-            grad_k[:, :end].baddbmm_(grad_scores.mT, q3[:, start:end], alpha=scale)
+            if end == T:
+                grad_v = torch.bmm(p.mT, grad_out)
+                grad_k = torch.bmm(grad_scores.mT, q3[:, start:end]).mul_(scale)
+            else:
+                grad_v[:, :end] += torch.bmm(p.mT, grad_out)
+                grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q3[:, start:end]), alpha=scale)
         return grad_q.view(B, H, T, D), grad_k.view(B, H, T, D), grad_v.view(B, H, T, D)
 
 
@@ -248,7 +265,7 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
-        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # rotary first, then QK-norm
+        q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)  # rotary first, then QK-norm
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
 
         mask, is_causal = None, True
