@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import rustbpe
@@ -210,11 +211,27 @@ class RustBPETokenizer:
         if isinstance(text, str):
             return head + self.enc.encode_ordinary(text) + tail
         if isinstance(text, (list, tuple)):
-            rows = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
+            rows = self._encode_batch(list(text), num_threads)
             if head or tail:
                 rows = [head + row + tail for row in rows]
             return rows
         raise TypeError(f"encode takes a str or a list of str, got {type(text).__name__}")
+
+    def _encode_batch(self, texts, num_threads):
+        """
+        One contiguous slice of the documents per thread, each a plain loop of encode_ordinary (which releases
+        the GIL). tiktoken's own encode_ordinary_batch submits one future per document, and on the built-in
+        corpus that bookkeeping made it slower than a single-threaded loop: 2.8 MB/s on 1 thread and 3.9 on 2,
+        against 6.8 for the loop and 9.4 for 2 sliced threads (scripts/bench.py tokenizer, 2-core EPYC).
+        """
+        workers = max(1, min(num_threads, len(texts)))
+        if workers == 1:
+            return [self.enc.encode_ordinary(t) for t in texts]
+        bounds = [len(texts) * i // workers for i in range(workers + 1)]
+        slices = [texts[bounds[i]:bounds[i + 1]] for i in range(workers)]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            parts = pool.map(lambda part: [self.enc.encode_ordinary(t) for t in part], slices)
+            return [row for part in parts for row in part]
 
     def __call__(self, *args, **kwargs):
         return self.encode(*args, **kwargs)
