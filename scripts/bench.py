@@ -12,8 +12,11 @@ Each subcommand prints a table and then, as the last line of stdout, one line of
 `train` times the real base_train step: DataLoader -> training.train_step with the Muon + AdamW
 optimizers from training.build_optimizers (grad_accum = 1). MFU is model FLOPs (estimate_flops)
 per second over a peak: on a GPU in bf16 the data-sheet number (common.get_peak_flops), elsewhere
-an fp32 matmul measured in this same process right before the run. Every (config, compile) run
-goes in a fresh process of its own, so its peak RSS is its own.
+an fp32 matmul measured in this same process before and after the run (the higher kept). Where
+the peak is measured, a short probe of it also follows every timed step, and "MFU interleaved"
+divides by the median probe: on a shared VM both speeds swing by 20-30 % from minute to minute,
+and this ratio swings far less. Every (config, compile) run goes in a fresh process of its own,
+so its peak RSS is its own.
 
 Data: the current base dir ($NANOCHAT_BASE_DIR or ~/.cache/nanochat) is used when it holds a
 tokenizer no bigger than --vocab-size and training shards; otherwise a built-in corpus and a
@@ -291,12 +294,18 @@ def bench_train_one(args, depth, seq_len, batch, use_compile):
     for _ in range(args.warmup - 1):
         run.train_step()
     warmup_s = time.perf_counter() - t0
-    step_times, losses = [], []
+    # Where the peak is measured, a short probe of it also follows every timed step, and the interleaved MFU
+    # divides by the median probe: a step and its neighbouring probes see the same share of a shared host, so
+    # this ratio holds still while both absolute speeds swing (a probe costs the next step its warm caches).
+    interleave = args.probe_seconds > 0 and peak_source.startswith("measured")
+    step_times, losses, probes = [], [], []
     with OtherLoad() as other:
         for _ in range(args.steps):
             dt, loss = run.train_step()
             step_times.append(dt)
             losses.append(loss)
+            if interleave:
+                probes.append(measure_peak_flops(device, run.dtype, seconds=args.probe_seconds, rounds=1))
     parts = [run.instrumented_step() for _ in range(args.breakdown_steps)]
     run.close()
     peak_after, _ = peak_flops_for(device, run.dtype, args.peak_seconds)
@@ -305,6 +314,7 @@ def bench_train_one(args, depth, seq_len, batch, use_compile):
     step_s = statistics.median(step_times)
     tok_per_s = run.tokens_per_step / step_s
     model_flops = run.flops_per_token * tok_per_s
+    peak_interleaved = statistics.median(probes) if probes else None
     breakdown = {k: statistics.median(p[k] for p in parts) * 1000 for k in parts[0]} if parts else {}
     if device.type == "cuda":
         peak_mem_mib = torch.cuda.max_memory_allocated(device) / 2**20
@@ -318,7 +328,8 @@ def bench_train_one(args, depth, seq_len, batch, use_compile):
         "ms_per_step_max": max(step_times) * 1000, "first_step_s": first_step, "warmup_s": warmup_s,
         "tok_per_s": tok_per_s, "model_flops_per_s": model_flops, "peak_flops": peak, "peak_flops_before": peak_before,
         "peak_flops_after": peak_after, "peak_source": peak_source,
-        "mfu": model_flops / peak, "peak_mem_mib": peak_mem_mib,
+        "mfu": model_flops / peak, "peak_flops_interleaved": peak_interleaved,
+        "mfu_interleaved": model_flops / peak_interleaved if probes else None, "peak_mem_mib": peak_mem_mib,
         "peak_mem_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
         "breakdown_ms": breakdown, "final_loss": losses[-1] if losses else None, "other_load_cores": other.cores,
         "peak_other_load_cores": peak_other.cores,
@@ -333,13 +344,14 @@ def train_table(runs):
         rows.append([
             f"d{r['depth']}", r["seq_len"], r["device_batch_size"], "yes" if r["compile"] else "no",
             f"{r['ms_per_step']:.1f}", f"{r['tok_per_s']:,.0f}", f"{r['model_flops_per_s'] / 1e9:.1f}",
-            f"{r['peak_flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_mib']:.0f}",
+            f"{r['peak_flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}%",
+            f"{100 * r['mfu_interleaved']:.1f}%" if r.get("mfu_interleaved") else "-", f"{r['peak_mem_mib']:.0f}",
             f"{r['first_step_s']:.1f}", f"{r['other_load_cores']:.2f}",
             " / ".join(f"{b.get(k, 0):.0f}" for k in ("data", "forward", "backward", "optimizer"))
             + f" ({100 * b.get('data', 0) / total:.1f}% data)",
         ])
     print_table("train: median of the timed steps (real base_train step, grad_accum=1)",
-                ["model", "T", "B", "compile", "ms/step", "tok/s", "GFLOP/s", "peak GFLOP/s", "MFU", "peak MiB",
+                ["model", "T", "B", "compile", "ms/step", "tok/s", "GFLOP/s", "peak GFLOP/s", "MFU", "MFU interleaved", "peak MiB",
                  "1st step s", "other load", "data/fwd/bwd/opt ms"], rows)
 
 
@@ -369,6 +381,7 @@ def cmd_train(args):
             cmd = [sys.executable, "-m", "scripts.bench", "train", f"--depth={d}", f"--seq-len={t}",
                    f"--device-batch-size={b}", f"--compile={int(c)}", f"--steps={args.steps}", f"--warmup={args.warmup}",
                    f"--breakdown-steps={args.breakdown_steps}", f"--peak-seconds={args.peak_seconds}",
+                   f"--probe-seconds={args.probe_seconds}",
                    f"--vocab-size={args.vocab_size}", f"--threads={args.threads}"]
             if args.device_type:
                 cmd.append(f"--device-type={args.device_type}")
@@ -510,6 +523,8 @@ def parse_args(argv=None):
     t.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     t.add_argument("--breakdown-steps", type=int, default=5, help="extra instrumented steps for the phase breakdown")
     t.add_argument("--peak-seconds", type=float, default=1.0, help="length of each of the 3 peak-matmul timings")
+    t.add_argument("--probe-seconds", type=float, default=0.2,
+                   help="peak-matmul probe after every timed step, for the interleaved MFU (0: none)")
     t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
 
     d = sub.add_parser("dataloader", help="packing throughput, cropped fraction, data wait")

@@ -29,8 +29,8 @@ def last_json_line(stdout):
 
 def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
     cmd = [sys.executable, "-m", "scripts.bench", "train", "--depth=1", "--seq-len=32", "--device-batch-size=2",
-           "--compile=0", "--steps=2", "--warmup=1", "--breakdown-steps=1", "--peak-seconds=0.05", "--vocab-size=1024",
-           "--threads=1", "--device-type=cpu"]
+           "--compile=0", "--steps=2", "--warmup=1", "--breakdown-steps=1", "--peak-seconds=0.05", "--probe-seconds=0.02",
+           "--vocab-size=1024", "--threads=1", "--device-type=cpu"]
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ms/step" in proc.stdout and "MFU" in proc.stdout
@@ -43,6 +43,8 @@ def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
     assert set(run["breakdown_ms"]) == {"data", "forward", "backward", "optimizer"}
     assert run["tok_per_s"] == pytest.approx(2 * 32 / (run["ms_per_step"] / 1000))
     assert run["mfu"] == pytest.approx(run["model_flops_per_s"] / run["peak_flops"])
+    assert run["peak_flops_interleaved"] > 0
+    assert run["mfu_interleaved"] == pytest.approx(run["model_flops_per_s"] / run["peak_flops_interleaved"])
     assert run["final_loss"] > 0
 
 
