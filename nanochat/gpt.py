@@ -87,6 +87,12 @@ def _cpu_fp32(x):
     return x.device.type == "cpu" and x.dtype == torch.float32
 
 
+def _cpu_fp32_training(*tensors):
+    """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
+    return (all(_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not torch.is_autocast_enabled("cpu"))
+
+
 def norm(x):
     """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + NORM_EPS)."""
     if _cpu_fp32(x):
@@ -281,9 +287,8 @@ class CausalSelfAttention(nn.Module):
                     key_pos = torch.arange(k.size(2), device=q.device)
                     query_pos = torch.arange(prefix, prefix + T, device=q.device)
                     mask = key_pos[None, :] <= query_pos[:, None]
-        if (kv_cache is None and _cpu_fp32(q) and self.n_kv_head == self.n_head and torch.is_grad_enabled()
-                and q.requires_grad):
-            y = _BlockCausalAttention.apply(q, k, v)  # CPU training
+        if kv_cache is None and self.n_kv_head == self.n_head and _cpu_fp32_training(q, k, v):
+            y = _BlockCausalAttention.apply(q, k, v)
         else:
             # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
             # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
@@ -326,8 +331,7 @@ def use_chunked_loss(x, weight):
     Anywhere else (CUDA, autocast, no gradient wanted) the plain path runs: on a GPU torch.compile
     already fuses the elementwise ops, and inference needs the logits themselves.
     """
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad) and not torch.is_autocast_enabled("cpu"))
+    return _cpu_fp32_training(x, weight)
 
 
 class ChunkedSoftcapCrossEntropy(torch.autograd.Function):

@@ -360,6 +360,8 @@ def compile_modes(value):
 
 
 def cmd_train(args):
+    if args.probe_seconds < 0 or args.peak_seconds <= 0:
+        raise UserError(f"--peak-seconds must be > 0 and --probe-seconds >= 0 (got {args.peak_seconds}, {args.probe_seconds})")
     if args.threads:
         torch.set_num_threads(args.threads)
     device_type = resolve_device_type(args.device_type)

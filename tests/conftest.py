@@ -15,6 +15,18 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
+@pytest.fixture
+def single_torch_thread():
+    """One torch thread for tests of tiny models: a second OpenMP thread only adds sync overhead, and on a busy
+    shared CPU spinning threads can make a 1 s test take 30 s."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory):
     """A NANOCHAT_BASE_DIR holding a small built-in corpus and a 1024-token tokenizer. Treat it as read-only."""

@@ -7,19 +7,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from scripts import bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def last_json_line(stdout):
@@ -71,3 +65,9 @@ def test_tokenizer_reports_train_and_encode_speed(tiny_env, capsys):
     assert result["train_chars"] >= 30000 and result["train_chars_per_s"] > 0
     assert result["vocab_size"] == 300
     assert "1" in result["encode_mb_per_s"] and all(v > 0 for v in result["encode_mb_per_s"].values())
+
+
+@pytest.mark.parametrize("flag", ["--probe-seconds=-1", "--peak-seconds=0"])
+def test_train_refuses_bad_timing_flags_before_any_work(flag):
+    with pytest.raises(bench.UserError, match="probe-seconds"):
+        bench.main(["train", flag, "--device-type=cpu"])

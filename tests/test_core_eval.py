@@ -43,9 +43,12 @@ class CharTokenizer:
     def encode(self, text, prepend=None, append=None, num_threads=8):
         if isinstance(text, list):
             return [self.encode(t, prepend=prepend, append=append) for t in text]
+        return ([] if prepend is None else [prepend]) + self.ids(text) + ([] if append is None else [append])
+
+    def ids(self, text):
         ids = [ord(c) for c in text]
         assert all(i < 128 for i in ids), "test data must be ASCII"
-        return ([] if prepend is None else [prepend]) + ids + ([] if append is None else [append])
+        return ids
 
     __call__ = encode
 
@@ -538,18 +541,13 @@ def test_builtin_bundle_parses_with_core_eval_loaders(builtin_bundle):
         assert all(0.15 < golds.count(i) / len(golds) < 0.35 for i in range(num_options)), task["label"]
 
 
-class ByteTokenizer:
+class ByteTokenizer(CharTokenizer):
     """One token per UTF-8 byte (the bundle has × and ÷), BOS = 256."""
 
     BOS = 256
 
-    def get_bos_token_id(self):
-        return self.BOS
-
-    def encode(self, text, prepend=None, append=None, num_threads=8):
-        if isinstance(text, list):
-            return [self.encode(t, prepend=prepend, append=append) for t in text]
-        return ([] if prepend is None else [prepend]) + list(text.encode("utf-8"))
+    def ids(self, text):
+        return list(text.encode("utf-8"))
 
 
 class OracleModel:

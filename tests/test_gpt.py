@@ -10,14 +10,7 @@ from nanochat.engine import KVCache
 from nanochat.gpt import GPT, GPTConfig
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    # These models are tiny: a second OpenMP thread only adds sync overhead, and on a busy
-    # shared CPU spinning threads can make a 1 s test take 30 s.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def tiny_config(**overrides):
