@@ -22,13 +22,8 @@ are this rank's slice; a checkpoint holds one optimizer file per rank.
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError
+from nanochat.common import UserError, dist_rank_world
 
-
-def _rank_and_world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _is_sharded(p, world):
@@ -71,7 +66,7 @@ class DistAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rank, world = _rank_and_world()
+        rank, world = dist_rank_world()
 
         # 1) Start every gradient's reduction at once so communication overlaps the updates below.
         jobs = []
@@ -114,7 +109,7 @@ class DistAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        rank, world = _rank_and_world()
+        rank, world = dist_rank_world()
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)

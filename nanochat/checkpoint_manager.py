@@ -22,16 +22,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.common import UserError, dist_rank_world, get_base_dir, print0
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
-
-
-def _fault_point(name, step):
-    """Tests set NANOCHAT_CKPT_FAULT=<name>@<step> to kill the process at this point of that step's save."""
-    if os.environ.get("NANOCHAT_CKPT_FAULT") == f"{name}@{step}":
-        os._exit(137)
 
 
 def checkpoints_root(stage):
@@ -61,21 +55,6 @@ def _sha256(path):
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()
-
-
-def tokenizer_fingerprint(tokenizer_dir=None):
-    """A hash of the tokenizer's files, so a checkpoint is never resumed or served with another tokenizer."""
-    tokenizer_dir = tokenizer_dir or os.path.join(get_base_dir(), "tokenizer")
-    if not os.path.isdir(tokenizer_dir):
-        return None
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(tokenizer_dir)):
-        path = os.path.join(tokenizer_dir, name)
-        if name.startswith("token_bytes") or name.startswith(".") or not os.path.isfile(path):
-            continue  # token_bytes is derived from the ranks; temp files are not part of it
-        h.update(name.encode())
-        h.update(_sha256(path).encode())
     return h.hexdigest()
 
 
@@ -121,9 +100,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
     Collective: every rank calls it. Rank 0 writes weights and meta, every rank writes its optimizer
     shard, then rank 0 renames the finished temp dir into place and prunes old checkpoints.
     """
-    is_dist = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if is_dist else 0
-    world_size = dist.get_world_size() if is_dist else 1
+    rank, world_size = dist_rank_world()
+    is_dist = world_size > 1
     final_dir = os.path.join(ckpt_dir, f"step_{step:06d}")
     tmp_dir = os.path.join(ckpt_dir, f".tmp_step_{step:06d}")
     t0 = time.time()
@@ -139,14 +117,12 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
         save_file(tensors, os.path.join(tmp_dir, f"optim_rank{rank}.safetensors"))
         with open(os.path.join(tmp_dir, f"optim_rank{rank}.json"), "w") as f:
             json.dump(rest, f)
-    _fault_point("after_optimizer", step)
     if is_dist:
         dist.barrier()
 
     if rank == 0:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, os.path.join(tmp_dir, "model.safetensors"))
-        _fault_point("after_model", step)
         meta = dict(meta, step=step, world_size=world_size, saved_at=time.strftime("%Y-%m-%d %H:%M:%S"))
         meta["files"] = {name: _sha256(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
@@ -154,7 +130,6 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
         for name in os.listdir(tmp_dir):  # make the bytes durable before the rename makes them visible
             with open(os.path.join(tmp_dir, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fault_point("before_rename", step)
         if os.path.exists(final_dir):  # re-saving the same step (e.g. after a resume): swap it out
             shutil.rmtree(final_dir)
         os.replace(tmp_dir, final_dir)
@@ -248,18 +223,9 @@ def find_latest_tag(stage):
     return max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
 
 
-def build_model(model_config, device):
-    from nanochat.gpt import GPT, GPTConfig
-
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**model_config))
-    model.to_empty(device=device)
-    model.init_weights()  # also builds the non-persistent rotary buffers
-    return model
-
-
 def load_model(source, device, phase="eval", model_tag=None, step=None):
     """Build a trained model for inference or further training: returns (model, tokenizer, meta)."""
+    from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
 
     device = torch.device(device)
@@ -276,6 +242,6 @@ def load_model(source, device, phase="eval", model_tag=None, step=None):
     meta["model_tag"] = model_tag
     tokenizer = get_tokenizer()
     saved_tok = meta.get("tokenizer_hash")
-    if saved_tok and saved_tok != tokenizer_fingerprint():
+    if saved_tok and saved_tok != tokenizer.fingerprint():
         raise UserError(f"the tokenizer in {get_base_dir()}/tokenizer is not the one checkpoint {ckpt_dir} was trained with")
     return model, tokenizer, meta

@@ -27,7 +27,6 @@ import time
 import zipfile
 import zlib
 
-import requests
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,8 +34,8 @@ import yaml
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.common import UserError, get_base_dir, print0
-from nanochat.corpus import builtin_eval_bundle_dir
+from nanochat.common import UserError, dist_rank_world, get_base_dir, print0
+from nanochat.download import DownloadError, download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
@@ -49,29 +48,16 @@ FEWSHOT_SEED = 11794
 # The eval bundle: download, verify, extract, cache
 
 
+BUILTIN_BUNDLE_NAME = "eval_bundle_builtin"
+
+
+def builtin_eval_bundle_dir():
+    """Where `python -m nanochat.corpus` writes the CORE bundle about its built-in world."""
+    return os.path.join(get_base_dir(), BUILTIN_BUNDLE_NAME)
+
+
 def eval_bundle_url():
     return os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
-
-
-def _download(url, path):
-    """Stream url into path with a progress bar; any failure becomes a UserError naming the URL."""
-    try:
-        with requests.get(url, stream=True, timeout=60) as response:
-            response.raise_for_status()
-            expected = int(response.headers.get("content-length") or 0)
-            received = 0
-            with open(path, "wb") as f, tqdm(total=expected or None, unit="B", unit_scale=True,
-                                             desc="eval_bundle.zip") as bar:
-                for chunk in response.iter_content(chunk_size=1 << 20):
-                    f.write(chunk)
-                    received += len(chunk)
-                    bar.update(len(chunk))
-    except requests.RequestException as e:
-        raise UserError(f"could not download the CORE eval bundle from {url}: {e} "
-                        "(check the network, or point NANOCHAT_EVAL_BUNDLE_URL at a mirror)") from e
-    if expected and received != expected:
-        raise UserError(f"download of the CORE eval bundle from {url} was cut short "
-                        f"({received} of {expected} bytes); run again to retry")
 
 
 def _extract(url, zip_path, extract_dir):
@@ -112,7 +98,14 @@ def ensure_eval_bundle():
         os.close(fd)
         extract_dir = tempfile.mkdtemp(prefix="eval_bundle.", suffix=".tmp", dir=base_dir)
         try:
-            _download(url, zip_path)
+            bar = tqdm(total=None, unit="B", unit_scale=True, desc="eval_bundle.zip")
+            try:
+                download_file(url, zip_path, max_attempts=3, on_bytes=bar.update)
+            except DownloadError as e:
+                raise UserError(f"could not download the CORE eval bundle: {e} "
+                                "(check the network, or point NANOCHAT_EVAL_BUNDLE_URL at a mirror)") from e
+            finally:
+                bar.close()
             root = _extract(url, zip_path, extract_dir)
             os.rename(root, bundle_dir)  # same filesystem, so readers see all of it or none of it
         finally:
@@ -337,13 +330,11 @@ def evaluate_task(model, tokenizer, data, device, task_meta, num_examples=None):
     are summed, so every rank returns the same number.
     """
     n = len(data) if num_examples is None or num_examples < 0 else min(num_examples, len(data))
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else 1
+    rank, world_size = dist_rank_world()
     correct = sum(bool(evaluate_example(model, tokenizer, data, idx, device, task_meta))
                   for idx in range(rank, n, world_size))
     counts = torch.tensor([correct, len(range(rank, n, world_size))], dtype=torch.long, device=device)
-    if distributed and world_size > 1:
+    if world_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     correct, total = counts.tolist()
     return correct / max(total, 1)

@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 
 from nanochat.common import UserError
-from nanochat.dataset import list_parquet_files, open_parquet
+from nanochat.dataset import list_parquet_files, open_parquet, read_row_group_texts
 
 
 _live_loaders = weakref.WeakSet()
@@ -49,14 +49,6 @@ def list_row_groups(split, source=None):
         pf = open_parquet(path)
         row_groups.extend((path, i) for i in range(pf.num_row_groups))
     return row_groups
-
-
-def read_row_group_texts(path, row_group):
-    pf = open_parquet(path)
-    try:
-        return pf.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
-    except Exception as e:  # a truncated or corrupt file can pass the footer check and fail here
-        raise UserError(f"cannot read row group {row_group} of {path} ({e}); delete the file and download or rebuild it") from e
 
 
 class DataLoader:

@@ -15,9 +15,7 @@ re-run skips what is already there.
 """
 
 import argparse
-import hashlib
 import os
-import random
 import re
 import sys
 import threading
@@ -26,10 +24,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
-import requests
+from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.common import UserError, get_base_dir, run_main
+from nanochat.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file
 
 # -----------------------------------------------------------------------------
 # Sources
@@ -143,6 +142,16 @@ def open_parquet(path):
     return pf
 
 
+def read_row_group_texts(path, row_group, parquet_file=None):
+    """The `text` column of one row group, as a list of str."""
+    pf = parquet_file or open_parquet(path)
+    try:
+        return pf.read_row_group(row_group, columns=["text"]).column("text").to_pylist()
+    except Exception as e:  # a truncated or damaged data page can pass the footer check and fail only here
+        raise UserError(f"cannot read row group {row_group} of {path} ({type(e).__name__}: {e}); "
+                        f"{_rebuild_hint(path)}") from e
+
+
 def parquets_iter_batched(split="train", start=0, step=1, source=None):
     """
     Yield the texts of one row group at a time, for every global row group index g
@@ -156,12 +165,7 @@ def parquets_iter_batched(split="train", start=0, step=1, source=None):
         with open_parquet(path) as pf:
             for rg in range(pf.num_row_groups):
                 if g % step == start:
-                    try:
-                        table = pf.read_row_group(rg, columns=["text"])
-                    except Exception as e:  # a damaged data page only shows up when it is read
-                        raise UserError(f"cannot read row group {rg} of {path} ({type(e).__name__}: {e}); "
-                                        f"{_rebuild_hint(path)}") from e
-                    yield table.column("text").to_pylist()
+                    yield read_row_group_texts(path, rg, pf)
                 g += 1
 
 
@@ -179,83 +183,11 @@ def shard_is_complete(path):
 # -----------------------------------------------------------------------------
 # Downloading
 
-HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
-HTTP_TIMEOUT = (10, 60)  # seconds to connect, and to wait for the next bytes before calling the attempt failed
-
-
-class DownloadError(UserError):
-    """A shard could not be fetched and verified after every attempt."""
-
-
-class _AttemptFailed(Exception):
-    """One attempt went wrong in a way worth retrying."""
-
-
-def sha256_from_etag(value):
-    """The hub sends an LFS file's sha256 as its (X-Linked-)ETag; anything else (md5, git sha1) is not usable."""
-    if not value:
-        return None
-    value = value.strip().removeprefix("W/").strip('"')
-    return value.lower() if HEX64.match(value) else None
-
-
-def _expected_from_headers(response):
-    """(size, sha256) the server vouches for, looking at the final response and any redirects before it."""
-    chain = [response] + list(reversed(response.history))
-    sha = None
-    for r in chain:
-        for key in ("X-Linked-Etag", "ETag"):
-            sha = sha or sha256_from_etag(r.headers.get(key))
-    size = response.headers.get("Content-Length")
-    linked_size = next((r.headers["X-Linked-Size"] for r in chain if "X-Linked-Size" in r.headers), None)
-    size = int(size) if size is not None else None
-    if linked_size is not None:
-        if size is not None and int(linked_size) != size:
-            raise _AttemptFailed(f"Content-Length {size} disagrees with X-Linked-Size {linked_size}")
-        size = int(linked_size)
-    return size, sha
-
-
-def _fetch_once(url, path, tmp_path, timeout, on_bytes, stop):
-    """Stream url into tmp_path, verify it, rename it to path. Raises _AttemptFailed or DownloadError."""
-    # identity encoding: Content-Length and the hash must describe exactly the bytes we store
-    try:
-        response = requests.get(url, stream=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
-    except requests.RequestException as e:
-        raise _AttemptFailed(f"request failed ({type(e).__name__}: {e})") from e
-    with response:
-        status = response.status_code
-        if status >= 400:
-            message = f"HTTP {status} {response.reason}"
-            if 400 <= status < 500 and status not in (408, 425, 429):
-                raise DownloadError(f"cannot download {url}: {message} (not retrying a client error)")
-            raise _AttemptFailed(message)
-        size, sha = _expected_from_headers(response)
-        hasher = hashlib.sha256()
-        received = 0
-        try:
-            with open(tmp_path, "wb") as f:
-                for chunk in response.iter_content(chunk_size=1 << 16):
-                    if stop.is_set():
-                        raise KeyboardInterrupt
-                    f.write(chunk)
-                    hasher.update(chunk)
-                    received += len(chunk)
-                    on_bytes(len(chunk))
-                f.flush()
-                os.fsync(f.fileno())
-        except requests.RequestException as e:  # urllib3 wraps socket errors and short reads into these
-            expected = f" (expected {size} bytes)" if size is not None else ""
-            raise _AttemptFailed(f"connection broken mid-file{expected}: {type(e).__name__}: {e}") from e
-    if size is not None and received != size:
-        raise _AttemptFailed(f"size mismatch: got {received} bytes, server said {size}")
-    if sha is not None and hasher.hexdigest() != sha:
-        raise _AttemptFailed(f"sha256 mismatch: got {hasher.hexdigest()}, server said {sha}")
+def _check_parquet(tmp_path):
     try:
         open_parquet(tmp_path).close()
     except UserError as e:
-        raise _AttemptFailed(f"not a usable parquet shard: {e}") from e
-    os.replace(tmp_path, path)
+        raise AttemptFailed(f"not a usable parquet shard: {e}") from e
 
 
 def download_shard(source, index, data_dir=None, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT,
@@ -280,30 +212,18 @@ def _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_
     data_dir = data_dir or get_data_dir(src.name)
     os.makedirs(data_dir, exist_ok=True)
     path = os.path.join(data_dir, shard_filename(index))
-    # A fixed temp name: whatever a killed run left there is stale, so clear it first.
-    tmp_path = path + ".tmp"
-    if os.path.exists(tmp_path):
-        os.remove(tmp_path)
-    if shard_is_complete(path):
-        return path, False
-    on_bytes = on_bytes or (lambda n: None)
-    stop = stop or threading.Event()
-    problem = None
-    for attempt in range(1, max_attempts + 1):
-        try:
-            _fetch_once(url, path, tmp_path, timeout, on_bytes, stop)
-            return path, True
-        except _AttemptFailed as e:
-            problem = str(e)
-        finally:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-        if attempt < max_attempts:
-            # jitter keeps parallel workers from retrying in lockstep against a rate limit
-            delay = backoff * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
-            if stop.wait(min(delay, 120.0)):
-                raise KeyboardInterrupt
-    raise DownloadError(f"failed to download {url} after {max_attempts} attempts: {problem}")
+    # One process per shard at a time (two `nanochat.dataset` runs, or torchrun ranks): the second
+    # waits, then finds the shard complete. Temp files left by a killed run are cleared under the lock.
+    os.makedirs(os.path.join(data_dir, ".locks"), exist_ok=True)
+    with FileLock(os.path.join(data_dir, ".locks", shard_filename(index) + ".lock")):
+        for name in os.listdir(data_dir):
+            if name.startswith(os.path.basename(path) + ".tmp"):
+                os.remove(os.path.join(data_dir, name))
+        if shard_is_complete(path):
+            return path, False
+        download_file(url, path, max_attempts=max_attempts, backoff=backoff, timeout=timeout,
+                      validate=_check_parquet, on_bytes=on_bytes, stop=stop)
+    return path, True
 
 
 @dataclass

@@ -8,23 +8,20 @@ import torch
 
 class KVCache:
     """
-    Keys and values of every layer for a batch of sequences, written at the current position.
+    Keys and values of every layer for a batch of sequences: `k_cache` and `v_cache` of shape
+    (num_layers, batch_size, seq_len, num_heads, head_dim), where num_heads is the number of kv heads.
 
-    The model calls update(layer_idx, k, v) in each layer with the new tokens' (B, H_kv, T, D)
-    keys/values and gets back views of everything cached so far; after the last layer it calls
-    advance(T) once. num_heads is the number of kv heads (n_kv_head), not query heads.
+    The model's forward(ids, kv_cache=cache) writes each layer's new keys/values into
+    get_layer_cache(i) at get_pos(), reads everything up to there, and calls advance(T) once.
     """
 
     def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device, dtype):
-        self.batch_size = batch_size
-        self.num_heads = num_heads
-        self.seq_len = seq_len
-        self.head_dim = head_dim
-        self.num_layers = num_layers
-        shape = (num_layers, batch_size, num_heads, seq_len, head_dim)
+        self.batch_size, self.num_heads, self.seq_len = batch_size, num_heads, seq_len
+        self.head_dim, self.num_layers = head_dim, num_layers
+        shape = (num_layers, batch_size, seq_len, num_heads, head_dim)
         # empty, not zeros: nothing beyond the current position is ever read
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.k_cache = torch.empty(shape, device=device, dtype=dtype)
+        self.v_cache = torch.empty(shape, device=device, dtype=dtype)
         self.pos = 0
 
     def reset(self):
@@ -33,24 +30,20 @@ class KVCache:
     def get_pos(self):
         return self.pos
 
+    def get_layer_cache(self, layer_idx):
+        """(k, v) of one layer: (batch_size, seq_len, num_heads, head_dim) views into the cache."""
+        return self.k_cache[layer_idx], self.v_cache[layer_idx]
+
     def advance(self, n):
         if self.pos + n > self.seq_len:
             raise ValueError(f"KVCache: advancing to {self.pos + n} overflows its {self.seq_len} positions")
         self.pos += n
 
-    def update(self, layer_idx, k, v):
-        """Store k, v (B, H_kv, T, D) at positions pos..pos+T-1; return all keys and values up to there."""
-        end = self.pos + k.size(2)
-        if end > self.seq_len:
-            raise ValueError(f"KVCache: {end} positions needed but it holds {self.seq_len}; make a longer cache")
-        self.k[layer_idx, :, :, self.pos:end] = k
-        self.v[layer_idx, :, :, self.pos:end] = v
-        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
-
     def prefill(self, other):
         """
         Copy another cache's contents and position into this one: typically a batch-1 prompt
-        prefill broadcast to batch_size samples. Shapes must agree except other's batch may be 1.
+        prefill broadcast to batch_size samples, into a cache with room for their continuations.
+        Shapes must agree except that other's batch may be 1 and its seq_len may be shorter.
         """
         same_shape = (other.num_layers, other.num_heads, other.head_dim) == (self.num_layers, self.num_heads, self.head_dim)
         if not same_shape:
@@ -60,6 +53,6 @@ class KVCache:
         if other.pos > self.seq_len:
             raise ValueError(f"KVCache.prefill: source holds {other.pos} positions, this cache only {self.seq_len}")
         n = other.pos
-        self.k[:, :, :, :n] = other.k[:, :, :, :n]  # broadcasts a batch of 1 over all rows
-        self.v[:, :, :, :n] = other.v[:, :, :, :n]
+        self.k_cache[:, :, :n] = other.k_cache[:, :, :n]  # broadcasts a batch of 1 over all rows
+        self.v_cache[:, :, :n] = other.v_cache[:, :, :n]
         self.pos = n

@@ -22,12 +22,17 @@ An exporter must write rms_norm_eps=NORM_EPS, rope_theta=ROPE_THETA,
 final_logit_softcapping=LOGIT_SOFTCAP, intermediate_size=4*n_embd, hidden_act="relu2",
 tie_word_embeddings=False and attention_bias=False.
 
-The model is built on the meta device and then materialised and initialised explicitly:
+The model is built on the meta device and then materialised and initialised explicitly, which is
+what `build_model(config, device)` at the bottom of this file does:
 
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
     model.init_weights()
+
+Inference goes through `forward(idx, kv_cache=cache)`: the model writes the new keys and values into
+the cache's per-layer (B, seq_len, n_kv_head, head_dim) tensors at `cache.get_pos()`, attends to
+everything cached so far, and advances the position by the number of tokens it consumed.
 """
 
 import math
@@ -37,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat import cpu_ops
 from nanochat.common import get_compute_dtype
 
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
@@ -73,30 +79,14 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# The elementwise pieces of a block. On the CPU in fp32 each runs as an autograd.Function with a
-# hand-written backward: autograd's generic chains (rms_norm is a composite of pow, mean, rsqrt, mul;
-# square() goes through PowBackward; slicing for rotary scatters into zero-filled buffers) pass over
-# memory 2-4x more often, and on a CPU those passes cost as much as a good part of the matmuls
-# (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -> 2.0 ms, relu^2 16.5 -> 7.2 ms
-# as its own Function, less again fused into the MLP below).
-# The math is the same, up to float rounding. Elsewhere (CUDA, bf16 autocast) the plain torch
-# expressions run, and torch.compile fuses them.
-
-
-def _cpu_fp32(x):
-    return x.device.type == "cpu" and x.dtype == torch.float32
-
-
-def _cpu_fp32_training(*tensors):
-    """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
-    return (all(_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            and not torch.is_autocast_enabled("cpu"))
+# The blocks. On a CPU in fp32 the elementwise pieces run as the hand-written autograd Functions of
+# cpu_ops (same math, fewer passes over memory); elsewhere the plain torch expressions below run.
 
 
 def norm(x):
     """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + NORM_EPS)."""
-    if _cpu_fp32(x):
-        return _RMSNorm.apply(x)
+    if cpu_ops.is_cpu_fp32(x):
+        return cpu_ops.rms_norm(x, NORM_EPS)
     return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
 
 
@@ -104,153 +94,13 @@ def rotary_norm(x, cos, sin):
     """
     Rotary embedding, then RMSNorm (the QK-norm), of (B, T, H, D) queries or keys. The first and second
     halves of D form the pairs (not interleaved), and the sign convention is the one transformers'
-    NanoChat uses: first half gets +x2*sin, second half gets -x1*sin. On the CPU in fp32 the result is a
-    (B, T, H, D) view of a contiguous (B, H, T, D) tensor, the layout attention wants.
+    NanoChat uses: first half gets +x2*sin, second half gets -x1*sin.
     """
-    if _cpu_fp32(x):
-        return _RotaryNorm.apply(x, cos, sin)
+    if cpu_ops.is_cpu_fp32(x):
+        return cpu_ops.rotary_norm(x, cos, sin, NORM_EPS)
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
     return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
-
-
-def _rotate(x, cos, sin, out):
-    """out = x rotated by the angles whose cos/sin are given (pass -sin for the inverse rotation)."""
-    d = x.size(-1) // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    out1, out2 = out[..., :d], out[..., d:]
-    torch.mul(x1, cos, out=out1).addcmul_(x2, sin)  # x1 cos + x2 sin
-    torch.mul(x2, cos, out=out2).addcmul_(x1, sin, value=-1.0)  # x2 cos - x1 sin
-    return out
-
-
-class _RMSNorm(torch.autograd.Function):
-    """y = x * r with r = (mean(x^2) + eps)^-1/2 per row;  dx = r * g - x * r^3 * mean(g * x)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.size(-1))
-        inv_rms = mean_square.add_(NORM_EPS).rsqrt_()
-        ctx.save_for_backward(x, inv_rms)
-        return x * inv_rms
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, inv_rms = ctx.saved_tensors
-        mean_gx = torch.linalg.vecdot(grad, x, dim=-1).unsqueeze(-1).div_(x.size(-1))
-        grad_x = grad * inv_rms
-        return grad_x.addcmul_(x, inv_rms.pow(3).mul_(mean_gx), value=-1.0)
-
-
-class _RotaryNorm(torch.autograd.Function):
-    """
-    y = R(x) * r: rotation R by position, then RMSNorm. A rotation keeps every pair's length, so
-    r = (mean(x^2) + eps)^-1/2 comes from x itself, and the output is written straight into a
-    (B, H, T, D) buffer, which saves attention a transposing copy. With m = mean(g * y) per row,
-
-        dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m          (R^T: the rotation by -theta)
-    """
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        B, T, H, D = x.shape
-        inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(D).add_(NORM_EPS).rsqrt_()
-        y = _rotate(x, cos, sin, out=x.new_empty(B, H, T, D).transpose(1, 2)).mul_(inv_rms)
-        ctx.save_for_backward(x, cos, sin, inv_rms, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, cos, sin, inv_rms, y = ctx.saved_tensors
-        mean_gy = torch.linalg.vecdot(grad, y, dim=-1).unsqueeze(-1).div_(x.size(-1))
-        grad_x = _rotate(grad, cos, -sin, out=torch.empty_like(x)).mul_(inv_rms)
-        return grad_x.addcmul_(x, inv_rms.square().mul_(mean_gy), value=-1.0), None, None
-
-
-class _ReluSquaredMLP(torch.autograd.Function):
-    """
-    The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C)
-    hidden activation run in place: relu overwrites the matmul output, and in backward the 2 of
-    d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r.
-    Allocating a fresh (N, 4C) tensor per pass cost 4-5x more than the in-place pass (cold memory).
-    Saves r and r^2, the same two tensors autograd would keep.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w_fc, w_proj):
-        x2d = x.reshape(-1, x.size(-1))
-        r = torch.mm(x2d, w_fc.t()).relu_()
-        hidden = r * r
-        ctx.save_for_backward(x2d, w_fc, w_proj, r, hidden)
-        return torch.mm(hidden, w_proj.t()).view(*x.shape[:-1], w_proj.size(0))
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2d, w_fc, w_proj, r, hidden = ctx.saved_tensors
-        grad2d = grad.reshape(-1, grad.size(-1))
-        grad_w_proj = torch.mm(grad2d.t(), hidden)
-        grad_r = torch.addmm(r, grad2d, w_proj, beta=0, alpha=2.0).mul_(r)  # beta=0: r only lends its shape
-        grad_w_fc = torch.mm(grad_r.t(), x2d)
-        grad_x = torch.mm(grad_r, w_fc).view(grad.shape[:-1] + (w_fc.size(1),))
-        return grad_x, grad_w_fc, grad_w_proj
-
-
-ATTENTION_BLOCK = 128  # query rows per block in the CPU training attention below
-
-
-class _BlockCausalAttention(torch.autograd.Function):
-    """
-    Causal softmax(q k^T / sqrt(D)) v for CPU training in fp32, by blocks of ATTENTION_BLOCK queries:
-    block i attends to keys [0, end_i) only, so the score matrices cover the lower triangle plus the
-    diagonal blocks (5/8 of the full T x T at T=512, 3/4 at T=256), and every product is one large bmm.
-    The probabilities are kept for backward. Measured fwd+bwd against torch's CPU flash attention
-    (B=8, D=128): 19.1 vs 21.9 ms at T=256, H=2; 79 vs 105 ms at T=512, H=3. Needs n_kv_head == n_head.
-
-        dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(D)     dK += dS^T Q / sqrt(D)
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        B, H, T, D = q.shape
-        scale = D ** -0.5
-        q3, k3, v3 = (t.reshape(B * H, T, D) for t in (q, k, v))
-        out = torch.empty_like(q3)
-        future = torch.ones(ATTENTION_BLOCK, ATTENTION_BLOCK, dtype=torch.bool, device=q.device).triu_(1)
-        probs = []
-        for start in range(0, T, ATTENTION_BLOCK):
-            end = min(start + ATTENTION_BLOCK, T)
-            scores = torch.bmm(q3[:, start:end], k3[:, :end].mT).mul_(scale)
-            scores[:, :, start:end].masked_fill_(future[:end - start, :end - start], float("-inf"))
-            p = torch.softmax(scores, dim=-1)
-            torch.bmm(p, v3[:, :end], out=out[:, start:end])
-            probs.append(p)
-        ctx.save_for_backward(q3, k3, v3, out, *probs)
-        return out.view(B, H, T, D)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q3, k3, v3, out, *probs = ctx.saved_tensors
-        B, H, T, D = grad.shape
-        scale = D ** -0.5
-        grad3 = grad.reshape(B * H, T, D)
-        grad_q = torch.empty_like(q3)
-        row_dot = torch.linalg.vecdot(grad3, out).unsqueeze(-1)  # rowsum(dP * P) = rowsum(dO * O)
-        # Last block first: it reaches every key, so it creates grad_k / grad_v whole; the earlier blocks add
-        # into a prefix. (baddbmm_ into a prefix slice would fall back to one small matmul per batch entry.)
-        for i in reversed(range(len(probs))):
-            start = i * ATTENTION_BLOCK
-            end = min(start + ATTENTION_BLOCK, T)
-            p, grad_out = probs[i], grad3[:, start:end]
-            grad_scores = torch.bmm(grad_out, v3[:, :end].mT).sub_(row_dot[:, start:end]).mul_(p)
-            torch.bmm(grad_scores, k3[:, :end], out=grad_q[:, start:end]).mul_(scale)
-            if end == T:
-                grad_v = torch.bmm(p.mT, grad_out)
-                grad_k = torch.bmm(grad_scores.mT, q3[:, start:end]).mul_(scale)
-            else:
-                grad_v[:, :end] += torch.bmm(p.mT, grad_out)
-                grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q3[:, start:end]), alpha=scale)
-        return grad_q.view(B, H, T, D), grad_k.view(B, H, T, D), grad_v.view(B, H, T, D)
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
@@ -276,8 +126,7 @@ class CausalSelfAttention(nn.Module):
 
         mask, is_causal = None, True
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # all keys/values so far, (B, H_kv, T_cache, D)
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = self._cached_keys_values(kv_cache, k, v)  # everything so far, (B, H_kv, T_cache, D) views
             prefix = k.size(2) - T
             if prefix > 0:
                 is_causal = False
@@ -287,8 +136,8 @@ class CausalSelfAttention(nn.Module):
                     key_pos = torch.arange(k.size(2), device=q.device)
                     query_pos = torch.arange(prefix, prefix + T, device=q.device)
                     mask = key_pos[None, :] <= query_pos[:, None]
-        if kv_cache is None and self.n_kv_head == self.n_head and _cpu_fp32_training(q, k, v):
-            y = _BlockCausalAttention.apply(q, k, v)
+        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_fp32_training(q, k, v):
+            y = cpu_ops.block_causal_attention(q, k, v)
         else:
             # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
             # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
@@ -296,6 +145,19 @@ class CausalSelfAttention(nn.Module):
                                                enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
+
+    def _cached_keys_values(self, kv_cache, k, v):
+        """
+        Write the new (B, H_kv, T, D) keys/values at the cache position and return views of all of them so far.
+        The cache stores (B, seq_len, H_kv, D) per layer; its transposed view is what attention reads (no copy).
+        """
+        k_cache, v_cache = kv_cache.get_layer_cache(self.layer_idx)
+        start, end = kv_cache.get_pos(), kv_cache.get_pos() + k.size(2)
+        if end > k_cache.size(1):
+            raise ValueError(f"KVCache holds {k_cache.size(1)} positions but {end} are needed; make a longer cache")
+        k_cache[:, start:end] = k.transpose(1, 2)
+        v_cache[:, start:end] = v.transpose(1, 2)
+        return k_cache[:, :end].transpose(1, 2), v_cache[:, :end].transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -305,8 +167,8 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        if _cpu_fp32(x):
-            return _ReluSquaredMLP.apply(x, self.c_fc.weight, self.c_proj.weight)
+        if cpu_ops.is_cpu_fp32(x):
+            return cpu_ops.relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
@@ -320,81 +182,6 @@ class Block(nn.Module):
         x = x + self.attn(norm(x), cos, sin, kv_cache)
         x = x + self.mlp(norm(x))
         return x
-
-
-LOSS_CHUNK_ROWS = 512  # rows of logits per chunk in the chunked loss: (512, V) fp32, a few MB
-
-
-def use_chunked_loss(x, weight):
-    """
-    The chunked loss serves CPU training in fp32, where the (B*T, V) logits path is memory-bound.
-    Anywhere else (CUDA, autocast, no gradient wanted) the plain path runs: on a GPU torch.compile
-    already fuses the elementwise ops, and inference needs the logits themselves.
-    """
-    return _cpu_fp32_training(x, weight)
-
-
-class ChunkedSoftcapCrossEntropy(torch.autograd.Function):
-    """
-    Summed cross-entropy of softcapped logits, ignoring targets of -1:
-
-        sum_i  CE(s * tanh(x_i @ W^T / s), t_i)        x (N, C), W (V, C), t (N,), s = LOGIT_SOFTCAP
-
-    the same math as lm_head -> softcap -> F.cross_entropy, but the (N, V) logits never exist all
-    at once: LOSS_CHUNK_ROWS rows at a time, the chunk's logits are computed, softcapped and turned
-    into the loss and into d(loss)/d(logits) while they are still in cache, and that gradient goes
-    straight into d/dx (the chunk's rows) and d/dW (accumulated). So the gradients are computed in
-    the forward pass, with the same matmuls autograd would run; backward only scales them by the
-    incoming gradient, a scalar since the output is a sum.
-
-    The softcap goes through a sigmoid, tanh(u) = 2 sigmoid(2u) - 1, because torch's CPU tanh is
-    3-4x slower than its sigmoid (4.8 vs 1.3 ms on a 512 x 4096 chunk). With q = sigmoid(2 l / s)
-    the softcapped logit is c = s (2q - 1), and since a softmax ignores a constant shift, every
-    quantity can use c' = 2 s q = c + s instead:
-
-        loss_i = log(sum_v exp(c'_iv)) - c'_i,t_i      dL/dc = softmax(c') - onehot(t)      dc/dl = 4 q (1 - q)
-
-    0 < c' < 2s = 30, so exp(c') cannot overflow and the softmax needs no max-subtraction. The
-    scalings 2/s and 4 ride along in the matmuls (addmm's alpha), and each chunk reuses the same
-    two buffers, so no pass over the chunk lands on freshly allocated (cold) memory.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, targets):
-        s = LOGIT_SOFTCAP
-        n_rows, vocab = x.size(0), weight.size(0)
-        chunk = min(LOSS_CHUNK_ROWS, n_rows)
-        total = x.new_zeros(())
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.zeros_like(weight)
-        q_buffer, probs_buffer = x.new_empty(chunk, vocab), x.new_empty(chunk, vocab)
-        for start in range(0, n_rows, chunk):
-            rows = slice(start, start + chunk)
-            xc, tc = x[rows], targets[rows]
-            q, probs = q_buffer[:xc.size(0)], probs_buffer[:xc.size(0)]
-            valid = tc != -1
-            safe_targets = tc.clamp(min=0).unsqueeze(1)
-            torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: q's old values are ignored
-            torch.mul(q, 2 * s, out=probs).exp_()
-            sum_exp = probs.sum(dim=1, keepdim=True)
-            picked = q.gather(1, safe_targets).mul_(2 * s)
-            total += torch.where(valid, (sum_exp.log() - picked).squeeze(1), 0.0).sum()
-            # d(loss)/d(logits), built in place in `probs`: softmax - onehot, zero on ignored rows, times q (1 - q);
-            # the remaining factor 4 is the alpha of the two matmuls below.
-            grad = probs.div_(sum_exp)
-            grad.scatter_add_(1, safe_targets, -valid.to(grad.dtype).unsqueeze(1))
-            if not valid.all():
-                grad.mul_(valid.unsqueeze(1))
-            grad.mul_(q).addcmul_(grad, q, value=-1.0)
-            torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
-            grad_weight.addmm_(grad.t(), xc, alpha=4.0)
-        ctx.save_for_backward(grad_x, grad_weight)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_total, grad_weight * grad_total, None
 
 
 class GPT(nn.Module):
@@ -522,8 +309,10 @@ class GPT(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
         flat_targets = targets.reshape(-1) if targets is not None else None
 
-        if targets is not None and loss_reduction != "none" and use_chunked_loss(x, self.lm_head.weight):
-            total = ChunkedSoftcapCrossEntropy.apply(x.view(B * T, -1), self.lm_head.weight, flat_targets)
+        # CPU fp32 training: the loss in chunks, never holding the full (B*T, V) logits (memory-bound on a CPU).
+        # Anywhere else the plain path runs: on a GPU torch.compile fuses it, and inference needs the logits.
+        if targets is not None and loss_reduction != "none" and cpu_ops.cpu_fp32_training(x, self.lm_head.weight):
+            total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, LOGIT_SOFTCAP)
         else:
             logits = self.lm_head(x).float()
             logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
@@ -537,3 +326,14 @@ class GPT(nn.Module):
             return total
         # Divide by the valid count ourselves so a batch with no valid target gives 0, not NaN.
         return total / (flat_targets != -1).sum().clamp(min=1)
+
+
+def build_model(config, device):
+    """A freshly initialised GPT on `device` from a GPTConfig or its dict (built on meta, then materialised)."""
+    if not isinstance(config, GPTConfig):
+        config = GPTConfig(**config)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()  # also builds the non-persistent rotary buffers
+    return model

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanochat.common import dist_rank_world
+
 
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes):
@@ -32,7 +34,7 @@ def evaluate_bpb(model, batches, steps, token_bytes):
         counted = nbytes > 0
         total_nats += (loss * counted).sum().to(device)
         total_bytes += nbytes.sum().to(device)
-    if dist.is_available() and dist.is_initialized():
+    if dist_rank_world()[1] > 1:
         dist.all_reduce(total_nats)
         dist.all_reduce(total_bytes)
     if total_bytes.item() == 0:

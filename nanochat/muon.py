@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, has_fast_bf16
+from nanochat.common import UserError, dist_rank_world, has_fast_bf16
 
 # Quintic iteration X <- a*X + b*(X X^T) X + c*(X X^T)^2 X. These coefficients trade exact
 # convergence for speed: the slope at 0 is large (a), so small singular values grow fast, and
@@ -160,11 +160,6 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def _rank_and_world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
 
 class DistMuon(torch.optim.Optimizer):
     """
@@ -187,7 +182,7 @@ class DistMuon(torch.optim.Optimizer):
     def owned_indices(self, group, rank=None, world=None):
         """Indices into group["params"] that this rank updates."""
         if rank is None:
-            rank, world = _rank_and_world()
+            rank, world = dist_rank_world()
         per_rank = math.ceil(len(group["params"]) / world)
         return range(rank * per_rank, min((rank + 1) * per_rank, len(group["params"])))
 
@@ -197,7 +192,7 @@ class DistMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rank, world = _rank_and_world()
+        rank, world = dist_rank_world()
         if world == 1:
             for group in self.param_groups:
                 params = group["params"]
@@ -246,7 +241,7 @@ class DistMuon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        rank, world = _rank_and_world()
+        rank, world = dist_rank_world()
         for group in self.param_groups:
             owned = set(self.owned_indices(group, rank, world))
             for i, p in enumerate(group["params"]):

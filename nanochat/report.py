@@ -26,7 +26,8 @@ import socket
 import subprocess
 import time
 
-from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir, get_dist_info, run_main
+from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, format_duration, get_base_dir, get_dist_info,
+                             run_main)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,17 +91,6 @@ def format_value(value):
             return f"{value:.3e}"
         return f"{value:.4f}"
     return str(value)
-
-
-def format_duration(seconds):
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h {minutes:02d}m {secs:02d}s"
-    if minutes:
-        return f"{minutes}m {secs:02d}s"
-    return f"{secs}s"
 
 
 def _json_default(obj):

@@ -1,34 +1,60 @@
 """
-What every training script shares: the depth dial, lr / momentum / weight-decay schedules,
-optimizer construction, gradient-accumulation arithmetic, wandb, stop signals and ETA text.
-Scripts keep only their recipe and their loop.
+The math every training stage shares: the depth dial (model shape, learning rates, weight decay and
+token budget from one number), the lr / momentum schedules, the optimizers, gradient-accumulation
+arithmetic and one optimizer step. The plumbing around the step (resume, checkpoints, evals,
+progress, logs) is nanochat.loop; a stage script holds only its recipe.
 """
 
-import math
-import signal
+from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from nanochat.common import UserError
+from nanochat.common import UserError, all_reduce_mean
+from nanochat.gpt import GPT, GPTConfig
 
-REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe that the base lrs were tuned at
+REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
+BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
+BASE_WEIGHT_DECAY, BASE_DEPTH = 0.2, 12  # Muon weight decay at depth 12 and REFERENCE_BATCH
 
 
 # -----------------------------------------------------------------------------
 # The depth dial
 
 
+@dataclass
+class Recipe:
+    """Everything the depth dial decides for a run."""
+    model_config: GPTConfig
+    embedding_lr: float
+    unembedding_lr: float
+    matrix_lr: float
+    weight_decay: float
+    num_iterations: int
+    budget: str  # which flag set num_iterations
+    num_params: int
+    scaling_params: int  # parameters that cost FLOPs (all but the embedding lookup)
+    flops_per_token: int
+
+    def lrs(self):
+        return {"embedding_lr": self.embedding_lr, "unembedding_lr": self.unembedding_lr,
+                "matrix_lr": self.matrix_lr, "weight_decay": self.weight_decay}
+
+
 def model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim=128, n_kv_head=None):
     """n_layer = depth, n_embd = aspect_ratio * depth rounded up to a multiple of head_dim, n_head = n_embd / head_dim."""
-    if depth < 1:
-        raise UserError(f"--depth must be >= 1 (got {depth})")
+    for flag, value in (("--depth", depth), ("--aspect-ratio", aspect_ratio), ("--head-dim", head_dim),
+                        ("--max-seq-len", sequence_len)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1 (got {value})")
+    if head_dim % 2:
+        raise UserError(f"--head-dim must be even for rotary embeddings (got {head_dim})")
     n_embd = ((aspect_ratio * depth + head_dim - 1) // head_dim) * head_dim
     n_head = n_embd // head_dim
     n_kv_head = n_kv_head or n_head
-    if n_head % n_kv_head != 0:
-        raise UserError(f"--num-kv-heads={n_kv_head} must divide the number of heads ({n_head})")
-    return dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd)
+    if n_kv_head < 1 or n_head % n_kv_head != 0:
+        raise UserError(f"--num-kv-heads={n_kv_head} must be >= 1 and divide the number of heads ({n_head})")
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_kv_head,
+                     n_embd=n_embd)
 
 
 def batch_lr_scale(total_batch_size, exponent=0.0):
@@ -42,13 +68,48 @@ def batch_lr_scale(total_batch_size, exponent=0.0):
     return (total_batch_size / REFERENCE_BATCH) ** exponent
 
 
-def default_weight_decay(depth, total_batch_size=REFERENCE_BATCH, base=0.2, base_depth=12):
+def default_weight_decay(depth, total_batch_size=REFERENCE_BATCH):
     """
     Weight decay on Muon matrices: 0.2 at depth 12 and 2^19 tokens per step, proportional to 1/depth^2, and shrunk
     with the square root of the batch (decay is applied per step, and small batches take many more steps per token).
     On the CPU preset the unscaled 1/depth^2 value (1.8 at d4) cost 0.05-0.07 val_bpb against 0 or 0.2.
     """
-    return base * (base_depth / depth) ** 2 * (total_batch_size / REFERENCE_BATCH) ** 0.5
+    return BASE_WEIGHT_DECAY * (BASE_DEPTH / depth) ** 2 * (total_batch_size / REFERENCE_BATCH) ** 0.5
+
+
+def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio=64, head_dim=128, n_kv_head=None,
+                 lr_batch_exponent=0.0, embedding_lr=None, unembedding_lr=None, matrix_lr=None, weight_decay=None,
+                 num_iterations=None, target_flops=None, target_param_data_ratio=20.0):
+    """
+    The whole run from (depth, batch): model shape, the three learning rates (base lrs scaled to this batch),
+    Muon weight decay and the number of steps. Any lr / decay given explicitly wins over the dial; the token
+    budget is the first of num_iterations, target_flops, target_param_data_ratio (tokens per parameter) given.
+    """
+    config = model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio, head_dim, n_kv_head)
+    with torch.device("meta"):  # shapes only: counts parameters and FLOPs without allocating anything
+        model = GPT(config)
+    num_params = model.num_params()
+    scaling_params = num_params - model.transformer.wte.weight.numel()  # an embedding lookup costs no FLOPs
+    flops_per_token = model.estimate_flops()
+    if num_iterations:
+        budget = "--num-iterations"
+    elif target_flops:
+        num_iterations, budget = round(target_flops / (flops_per_token * total_batch_size)), "--target-flops"
+    elif target_param_data_ratio:
+        num_iterations = round(target_param_data_ratio * scaling_params / total_batch_size)
+        budget = "--target-param-data-ratio"
+    else:
+        raise UserError("give a token budget: --num-iterations, --target-flops or --target-param-data-ratio > 0")
+    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
+    return Recipe(
+        model_config=config,
+        embedding_lr=embedding_lr or BASE_LRS["embedding_lr"] * scale,
+        unembedding_lr=unembedding_lr or BASE_LRS["unembedding_lr"] * scale,
+        matrix_lr=matrix_lr or BASE_LRS["matrix_lr"] * scale,
+        weight_decay=default_weight_decay(depth, total_batch_size) if weight_decay is None else weight_decay,
+        num_iterations=max(1, num_iterations), budget=budget,
+        num_params=num_params, scaling_params=scaling_params, flops_per_token=flops_per_token,
+    )
 
 
 def grad_accum_steps(total_batch_size, device_batch_size, seq_len, world_size):
@@ -95,6 +156,10 @@ def apply_schedules(optimizers, lrm, momentum=None, weight_decay=None):
                 group["weight_decay"] = group["initial_weight_decay"] * lrm
 
 
+# -----------------------------------------------------------------------------
+# Optimizers and one step
+
+
 def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, adam_betas=(0.8, 0.95)):
     """Muon for the blocks' matrices, AdamW for embedding and lm_head; sharded across ranks when distributed."""
     from nanochat.adamw import build_adamw
@@ -108,20 +173,22 @@ def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_deca
     return [build_adamw(adamw_groups), build_muon(muon_groups)]
 
 
-def train_step(train_model, loader, optimizers, grad_accum, autocast, lrm, momentum, grad_clip=0.0):
+def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None):
     """
-    One optimizer step: grad_accum micro-batches forward+backward, then the scheduled optimizer update.
-    Each micro-batch's mean loss is divided by grad_accum so the gradients sum to the mean over the step's
-    tokens; the sharded optimizers then average across ranks. Returns the step's mean loss over all ranks.
+    One optimizer step: forward + backward of loss_fn(model, batch) / divisor for each micro-batch, then the
+    scheduled optimizer update. The default divisor, the number of micro-batches, makes the step's objective
+    the mean of their mean losses (base training); a stage that weighs tokens differently passes a loss sum
+    and its own divisor (SFT: supervised tokens of the whole step, per rank). The gradients summed here are
+    this rank's; the sharded optimizers average them across ranks. Returns the objective averaged over ranks.
     """
-    loss_sum = 0.0
-    for _ in range(grad_accum):
-        x, y = next(loader)
+    divisor = len(micro_batches) if divisor is None else divisor
+    total = 0.0
+    for batch in micro_batches:
         with autocast:
-            loss = train_model(x, y)
-        (loss / grad_accum).backward()
-        loss_sum += loss.detach().item()
-    device = x.device
+            loss = loss_fn(model, batch)
+        (loss / divisor).backward()
+        total += loss.detach().item()
+    device = next(model.parameters()).device
     if grad_clip > 0:
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -130,110 +197,7 @@ def train_step(train_model, loader, optimizers, grad_accum, autocast, lrm, momen
         opt.step()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return all_reduce_mean(loss_sum / grad_accum, device)
-
-
-def keep_freed_memory_in_process():
-    """
-    Make glibc malloc reuse freed memory instead of returning it to the kernel. By default a tensor of more
-    than a few MB is its own mmap, unmapped when freed, and the top of the heap is trimmed, so every training
-    step page-faults (and zero-fills) its activations anew: 15-75 k faults per CPU step at d4-d6, 5-10 % of
-    the step on a 2-core VM. Peak RSS does not grow, since each step needs that memory again. Linux/glibc only;
-    a no-op elsewhere.
-    """
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
-# -----------------------------------------------------------------------------
-# Stopping cleanly
-
-
-class StopSignal:
-    """SIGTERM/SIGINT set a flag; the loop checks it at a step boundary, saves, and exits."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second signal means "now"
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def should_stop(self, device):
-        """All ranks must agree, or one would wait forever in the next collective."""
-        if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return flag.item() > 0
-        return self.requested
-
-
-def all_reduce_mean(value, device):
-    if dist.is_available() and dist.is_initialized():
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return t.item() / dist.get_world_size()
-    return value
-
-
-# -----------------------------------------------------------------------------
-# Logging helpers
-
-
-class DummyWandb:
-    def log(self, *args, **kwargs):
-        pass
-
-    def finish(self):
-        pass
-
-
-def init_wandb(run, config, rank, project="nanochat"):
-    """Log to wandb when --run names a run (WANDB_MODE=offline works without network); rank 0 only."""
-    if run == "dummy" or rank != 0:
-        return DummyWandb()
-    import wandb
-
-    return wandb.init(project=project, name=run, config=config)
-
-
-def format_duration(seconds):
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-class StepTimer:
-    """Wall time per step, excluding the first few (compile / warmup) from the ETA."""
-
-    def __init__(self, skip=3):
-        self.skip, self.count, self.total = skip, 0, 0.0
-
-    def add(self, seconds):
-        self.count += 1
-        if self.count > self.skip:
-            self.total += seconds
-
-    def eta(self, steps_left):
-        measured = self.count - self.skip
-        return self.total / measured * steps_left if measured > 0 else float("nan")
+    return all_reduce_mean(total / divisor, device)
 
 
 @torch.no_grad()
@@ -253,3 +217,7 @@ def greedy_samples(model, tokenizer, prompts, max_tokens=16):
         out.append(tokenizer.decode(ids[1:]))
     return out
 
+
+def config_dict(config):
+    """A GPTConfig as the plain dict stored in checkpoint meta."""
+    return asdict(config)

@@ -14,13 +14,10 @@ import io
 import os
 import re
 import time
-from contextlib import nullcontext
-
-import torch
 
 from nanochat.checkpoint_manager import find_latest_tag, load_model
-from nanochat.common import (UserError, atomic_write_text, compute_cleanup, compute_init, get_base_dir,
-                             get_compute_dtype, print0, run_main)
+from nanochat.common import (UserError, atomic_write_text, autocast_for, compute_cleanup, compute_init, get_base_dir,
+                             print0, run_main)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.report import get_report
 
@@ -76,9 +73,7 @@ def main(argv=None):
         model_tag = args.model_tag or find_latest_tag(args.source)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=args.step)
         step = meta.get("step", args.step)
-        # Same precision as training: bf16 autocast where it is fast, plain fp32 elsewhere.
-        dtype = get_compute_dtype(device)
-        autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        autocast = autocast_for(device)  # the precision of training: bf16 where it is fast, plain fp32 elsewhere
         print0(f"CORE evaluation of {args.source} checkpoint {model_tag} step {step} on {world_size} rank(s), "
                f"eval bundle {args.eval_bundle} ({bundle_dir})")
 

@@ -7,12 +7,9 @@ Evaluate a base checkpoint's bits per byte on the train and val splits, and show
 
 import argparse
 import time
-from contextlib import nullcontext
-
-import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import compute_cleanup, compute_init, get_compute_dtype, print0, run_main
+from nanochat.common import autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.dataloader import eval_batches
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
@@ -35,8 +32,7 @@ def main():
     _, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
     T = model.config.sequence_len
-    dtype = get_compute_dtype(device)
-    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    autocast = autocast_for(device)
     token_bytes = get_token_bytes(device=device)
     steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
     print0(f"base_loss | step {meta['step']} | {steps} batches of {args.device_batch_size}x{T}x{world_size} tokens per split")

@@ -32,11 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 
 import torch
 
-from nanochat.common import UserError, compute_init, get_compute_dtype, get_peak_flops, resolve_device_type, run_main
+from nanochat.common import (UserError, autocast_for, compute_init, datasheet_peak_flops, get_compute_dtype,
+                             keep_freed_memory_in_process, measure_matmul_flops, resolve_device_type, run_main)
 
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
 CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
@@ -166,35 +166,12 @@ def ensure_data(max_vocab):
 # Peak FLOP/s
 
 
-def measure_peak_flops(device, dtype=torch.float32, n=2048, seconds=1.0, rounds=3):
-    """Best of `rounds` timings of back-to-back n x n matmuls, each ~`seconds` long: what this device really does."""
-    device = torch.device(device)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.matmul(a, b, out=out)
-    sync()
-    best = 0.0
-    for _ in range(rounds):
-        iters, t0 = 0, time.perf_counter()
-        while True:
-            torch.matmul(a, b, out=out)
-            iters += 1
-            sync()
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                break
-        best = max(best, 2 * n**3 * iters / elapsed)
-    return best
-
-
-def peak_flops_for(device, dtype, seconds):
-    """(peak FLOP/s, how it was obtained): the device table for bf16 GPUs, else a measured matmul."""
-    if device.type == "cuda" and dtype == torch.bfloat16:
-        peak = get_peak_flops(device, dtype)
+def peak_flops_for(device, dtype, seconds, rounds=3):
+    """(peak FLOP/s, how it was obtained): the device table for bf16 GPUs, else base_train's matmul probe, run longer."""
+    peak = datasheet_peak_flops(device, dtype)
+    if peak:
         return peak, "data sheet bf16"
-    return measure_peak_flops(device, dtype, seconds=seconds), f"measured {str(dtype).replace('torch.', '')} matmul"
+    return measure_matmul_flops(device, dtype, seconds=seconds, rounds=rounds), f"measured {str(dtype).replace('torch.', '')} matmul"
 
 
 # -----------------------------------------------------------------------------
@@ -205,11 +182,10 @@ class Run:
     """Everything one base_train step needs, built exactly as base_train builds it."""
 
     def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile):
-        from nanochat.checkpoint_manager import build_model
         from nanochat.dataloader import DataLoader
+        from nanochat.gpt import build_model
         from nanochat.tokenizer import get_tokenizer
-        from nanochat.training import (batch_lr_scale, build_optimizers, default_weight_decay, keep_freed_memory_in_process,
-                                       model_config_for_depth)
+        from nanochat.training import build_optimizers, depth_recipe
 
         tokenizer = get_tokenizer()
         if tokenizer.get_vocab_size() > vocab_size:
@@ -217,19 +193,16 @@ class Run:
         keep_freed_memory_in_process()  # as base_train does
         torch.manual_seed(42)
         self.device = device
-        self.config = model_config_for_depth(depth, vocab_size, seq_len)
-        self.model = build_model(self.config, device)
-        self.flops_per_token = self.model.estimate_flops()
         self.tokens_per_step = batch * seq_len
-        dtype = get_compute_dtype(device)
-        self.dtype = dtype
-        self.autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        # base_train's recipe for this batch (grad_accum = 1, so the total batch is B * T)
+        recipe = depth_recipe(depth, vocab_size, seq_len, self.tokens_per_step, num_iterations=1)
+        self.config = recipe.model_config
+        self.model = build_model(self.config, device)
+        self.flops_per_token = recipe.flops_per_token
+        self.dtype = get_compute_dtype(device)
+        self.autocast = autocast_for(device)
         self.train_model = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        # base_train's default lrs for this batch (grad_accum = 1, so total batch = B * T)
-        scale = batch_lr_scale(self.tokens_per_step)
-        self.optimizers = build_optimizers(self.model, unembedding_lr=0.004 * scale, embedding_lr=0.2 * scale,
-                                           matrix_lr=0.02 * scale,
-                                           weight_decay=default_weight_decay(depth, self.tokens_per_step))
+        self.optimizers = build_optimizers(self.model, **recipe.lrs())
         self.loader = DataLoader(tokenizer, batch, seq_len, split="train", device=device)
         self.step = 0
 
@@ -242,7 +215,8 @@ class Run:
         from nanochat.training import muon_momentum, train_step
 
         t0 = time.perf_counter()
-        loss = train_step(self.train_model, self.loader, self.optimizers, 1, self.autocast, 1.0, muon_momentum(self.step))
+        loss = train_step(self.train_model, self.optimizers, [next(self.loader)], lambda m, xy: m(*xy), 1.0,
+                          muon_momentum(self.step), self.autocast)
         self.sync()
         self.step += 1
         return time.perf_counter() - t0, loss
@@ -305,7 +279,7 @@ def bench_train_one(args, depth, seq_len, batch, use_compile):
             step_times.append(dt)
             losses.append(loss)
             if interleave:
-                probes.append(measure_peak_flops(device, run.dtype, seconds=args.probe_seconds, rounds=1))
+                probes.append(measure_matmul_flops(device, run.dtype, seconds=args.probe_seconds, rounds=1))
     parts = [run.instrumented_step() for _ in range(args.breakdown_steps)]
     run.close()
     peak_after, _ = peak_flops_for(device, run.dtype, args.peak_seconds)

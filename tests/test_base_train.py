@@ -30,7 +30,6 @@ def fresh_base(tiny_base_dir, tmp_path, name):
 
 def env_for(base):
     env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
-    env.pop("NANOCHAT_CKPT_FAULT", None)
     return env
 
 
@@ -128,7 +127,8 @@ def test_kill_during_checkpoint_save_keeps_previous_checkpoint(tiny_base_dir, tm
     args = ["--num-iterations=6", "--save-every=2", "--eval-every=-1"]
     for fault in ("after_optimizer@4", "after_model@4", "before_rename@4"):
         shutil.rmtree(os.path.join(base, "base_checkpoints"), ignore_errors=True)
-        p = run_train(base, args, env_extra={"NANOCHAT_CKPT_FAULT": fault}, check=False)
+        p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ckpt_fault.py"), fault] + TINY + args,
+                           env=env_for(base), capture_output=True, text=True, timeout=300)
         assert p.returncode != 0
         ckpt_dir = os.path.join(base, "base_checkpoints", "tiny")
         assert list_steps(ckpt_dir) == [2], fault

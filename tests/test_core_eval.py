@@ -25,7 +25,8 @@ import pytest
 import torch
 import yaml
 
-from nanochat import core_eval, corpus
+from nanochat import core_eval
+from nanochat.builtin import core_bundle, world as world_mod
 from nanochat.common import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -397,6 +398,7 @@ def test_ranks_take_every_world_size_th_example_and_sum_counts(tmp_path, monkeyp
     seen = []
     for rank in (0, 1):
         monkeypatch.setattr(core_eval, "dist", fake_dist(rank))
+        monkeypatch.setattr(core_eval, "dist_rank_world", lambda rank=rank: (rank, 2))
         model = SuccessorModel()
         core_eval.evaluate_task(model, CharTokenizer(), LM_ROWS, "cpu", meta)
         seen.append([tuple(call[0, -3:].tolist()) for call in model.calls])
@@ -498,7 +500,7 @@ def test_resolve_eval_bundle(tmp_path, base_dir, monkeypatch):
 
     with pytest.raises(UserError, match=r"no built-in CORE eval bundle at .*python -m nanochat\.corpus"):
         core_eval.resolve_eval_bundle("builtin")
-    corpus.write_eval_bundle(corpus.builtin_eval_bundle_dir(), corpus.build_world(3), 3)
+    core_bundle.write_eval_bundle(core_eval.builtin_eval_bundle_dir(), world_mod.build_world(3), 3)
     assert core_eval.resolve_eval_bundle("builtin") == str(base_dir / "eval_bundle_builtin")
 
     folder = write_bundle(tmp_path)
@@ -512,7 +514,7 @@ def test_resolve_eval_bundle(tmp_path, base_dir, monkeypatch):
 @pytest.fixture(scope="module")
 def builtin_bundle(tmp_path_factory):
     bundle = tmp_path_factory.mktemp("builtin") / "eval_bundle_builtin"
-    corpus.write_eval_bundle(bundle, corpus.build_world(42), 42)
+    core_bundle.write_eval_bundle(bundle, world_mod.build_world(42), 42)
     return str(bundle)
 
 

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat import corpus
+from nanochat import core_eval, corpus
+from nanochat.builtin import core_bundle, documents, drills, world as world_mod
 from nanochat.common import UserError
 
 SIZE_MB = 0.3
@@ -31,7 +32,7 @@ def built(tmp_path_factory):
     val = read_texts(paths[0])
     train = [t for p in paths[1:] for t in read_texts(p)]
     return {"out": out, "summary": summary, "paths": paths, "val": val, "train": train,
-            "train_text": "\n".join(train), "world": corpus.build_world(42)}
+            "train_text": "\n".join(train), "world": world_mod.build_world(42)}
 
 
 def sentences(text):
@@ -46,7 +47,7 @@ def sentences(text):
 
 
 def test_world_shape_and_split():
-    world = corpus.build_world(42)
+    world = world_mod.build_world(42)
     assert len(world.countries) == 300 and len(world.people) == 200
     assert len(world.facts) == 300 * 5 + 200 * 2
     assert len(set(world.facts)) == len(world.facts)
@@ -71,8 +72,8 @@ def test_world_shape_and_split():
 
 
 def test_relations_templates():
-    assert len(corpus.RELATIONS) == 7
-    for rel in corpus.RELATIONS.values():
+    assert len(world_mod.RELATIONS) == 7
+    for rel in world_mod.RELATIONS.values():
         assert len(set(rel.templates)) >= 15, rel.name
         for t in rel.templates:
             assert "{s}" in t and ("{o}" in t or "{a_o}" in t), t
@@ -82,9 +83,9 @@ def test_relations_templates():
 
 
 def test_world_depends_on_seed():
-    a, b = corpus.build_world(1), corpus.build_world(2)
+    a, b = world_mod.build_world(1), world_mod.build_world(2)
     assert [c.name for c in a.countries] != [c.name for c in b.countries]
-    assert [c.name for c in a.countries] == [c.name for c in corpus.build_world(1).countries]
+    assert [c.name for c in a.countries] == [c.name for c in world_mod.build_world(1).countries]
 
 
 # -----------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def test_layout(built):
     assert info["seed"] == 42 and info["train_docs"] == len(built["train"]) and info["val_docs"] == len(built["val"])
     assert not [n for n in os.listdir(built["out"]) if ".tmp" in n]
     # an explicit --out gets its own eval bundle beside the shards, never the default corpus's one
-    bundle = os.path.join(built["out"], corpus.EVAL_BUNDLE_NAME)
+    bundle = os.path.join(built["out"], core_eval.BUILTIN_BUNDLE_NAME)
     assert os.path.isfile(os.path.join(bundle, "core.yaml")) and info["eval_bundle_dir"] == bundle
 
 
@@ -128,7 +129,7 @@ def test_readable_through_dataset_api(tmp_path, monkeypatch):
     batches = list(dataset.parquets_iter_batched("train", start=1, step=2))
     assert batches and all(isinstance(b, list) and isinstance(b[0], str) for b in batches)
     # the default build writes the CORE bundle about its world where --eval-bundle=builtin looks
-    assert corpus.builtin_eval_bundle_dir() == str(tmp_path / "eval_bundle_builtin")
+    assert core_eval.builtin_eval_bundle_dir() == str(tmp_path / "eval_bundle_builtin")
     assert (tmp_path / "eval_bundle_builtin" / "core.yaml").is_file()
     assert "seed 5" in (tmp_path / "eval_bundle_builtin" / "core.yaml").read_text()
 
@@ -183,7 +184,7 @@ def test_every_fact_is_told_in_train(built):
     told = set(sentences(built["train_text"]))
     missing = []
     for fact in built["world"].facts:
-        wordings = {corpus.render_statement(fact, t) for t in corpus.RELATIONS[fact.relation].templates}
+        wordings = {world_mod.render_statement(fact, t) for t in world_mod.RELATIONS[fact.relation].templates}
         if not wordings & told:
             missing.append(fact)
     assert not missing, missing[:5]
@@ -194,10 +195,10 @@ def test_facts_told_about_50_times_at_default_size():
     import random
     from collections import Counter
 
-    world = corpus.build_world(42)
+    world = world_mod.build_world(42)
     mentions = Counter()
     train_world_bytes = corpus.MIXTURE["world"] * 0.95 * 6e6  # the default build's train share of world text
-    corpus.generate_world_documents(world, random.Random(0), train_world_bytes, mentions=mentions)
+    documents.generate_world_documents(world, random.Random(0), train_world_bytes, mentions=mentions)
     counts = [mentions[f] for f in world.facts]
     mean = sum(counts) / len(counts)
     # SPEC §5: ~50 mentions per fact, and no fact neglected
@@ -296,17 +297,17 @@ def bundle_files(root):
 
 
 def test_eval_bundle_is_deterministic_per_seed_and_replaced_whole(tmp_path):
-    world7 = corpus.build_world(7)
-    corpus.write_eval_bundle(tmp_path / "a", world7, 7)
-    corpus.write_eval_bundle(tmp_path / "b", world7, 7)
-    corpus.write_eval_bundle(tmp_path / "c", corpus.build_world(8), 8)
+    world7 = world_mod.build_world(7)
+    core_bundle.write_eval_bundle(tmp_path / "a", world7, 7)
+    core_bundle.write_eval_bundle(tmp_path / "b", world7, 7)
+    core_bundle.write_eval_bundle(tmp_path / "c", world_mod.build_world(8), 8)
     a, b, c = (bundle_files(tmp_path / n) for n in "abc")
-    assert a == b and "core.yaml" in a and len(a) == 2 + len(corpus.build_eval_tasks(world7, 7))
+    assert a == b and "core.yaml" in a and len(a) == 2 + len(core_bundle.build_eval_tasks(world7, 7))
     assert a.keys() == c.keys() and a != c
     assert all(a[k] != c[k] for k in a if k.endswith(".jsonl"))
     # rewriting over an existing bundle swaps it whole: new contents, no temp or old folder left behind
     (tmp_path / "a" / "stray.txt").write_text("from an older build")
-    corpus.write_eval_bundle(tmp_path / "a", corpus.build_world(8), 8)
+    core_bundle.write_eval_bundle(tmp_path / "a", world_mod.build_world(8), 8)
     assert bundle_files(tmp_path / "a") == c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
 
@@ -314,13 +315,13 @@ def test_eval_bundle_is_deterministic_per_seed_and_replaced_whole(tmp_path):
 def true_statements(world, relation, facts=None):
     """Every trained wording of every fact of a relation: sentence -> fact."""
     facts = world.facts if facts is None else facts
-    return {corpus.render_statement(f, t): f for f in facts if f.relation == relation
-            for t in corpus.RELATIONS[relation].templates}
+    return {world_mod.render_statement(f, t): f for f in facts if f.relation == relation
+            for t in world_mod.RELATIONS[relation].templates}
 
 
 def test_eval_bundle_asks_true_facts_about_held_out_subjects_in_trained_wordings():
-    world = corpus.build_world(42)
-    tasks = {t["label"]: t for t in corpus.build_eval_tasks(world, 42)}
+    world = world_mod.build_world(42)
+    tasks = {t["label"]: t for t in core_bundle.build_eval_tasks(world, 42)}
     held_out_countries = {c.name for c in world.countries if c.name in world.eval_subjects}
     for label, relation in (("world_capital", "capital"), ("world_continent", "continent"),
                             ("world_language", "language"), ("world_occupation", "occupation")):
@@ -348,7 +349,7 @@ def test_eval_bundle_asks_true_facts_about_held_out_subjects_in_trained_wordings
 
 
 def test_eval_bundle_arithmetic_and_spelling_are_right_and_in_corpus_format(built):
-    tasks = {t["label"]: t for t in corpus.build_eval_tasks(built["world"], 42)}
+    tasks = {t["label"]: t for t in core_bundle.build_eval_tasks(built["world"], 42)}
     text = built["train_text"]
 
     arithmetic = tasks["arithmetic"]["examples"]
@@ -361,7 +362,7 @@ def test_eval_bundle_arithmetic_and_spelling_are_right_and_in_corpus_format(buil
 
     spelling = tasks["spelling"]["examples"]
     words = [ex["context"].removesuffix(" is spelled") for ex in spelling]
-    assert set(corpus.SPELLING_WORDS) <= set(words) and len(set(words)) == len(words)
+    assert set(drills.SPELLING_WORDS) <= set(words) and len(set(words)) == len(words)
     for ex, word in zip(spelling, words):
         sentence = f"{ex['context']} {ex['continuation']}."
         assert re.fullmatch(r"(\w+) is spelled ([A-Za-z](?:-[A-Za-z])+)\.", sentence)

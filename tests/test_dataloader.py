@@ -63,7 +63,7 @@ def test_crop_fraction_is_small_on_builtin_corpus(tiny_env):
 
 def test_two_ranks_are_disjoint_and_cover_the_one_rank_stream(tiny_env):
     tok = get_tokenizer()
-    from nanochat.dataloader import read_row_group_texts
+    from nanochat.dataset import read_row_group_texts
 
     row_groups = list_row_groups("train")
     every_doc = {(g, row) for g, (path, i) in enumerate(row_groups) for row in range(len(read_row_group_texts(path, i)))}

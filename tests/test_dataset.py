@@ -16,6 +16,7 @@ import pytest
 
 from nanochat import dataset
 from nanochat.common import UserError
+from nanochat.download import sha256_from_etag
 
 REPO = dataset.SOURCES["fineweb-edu"].hf_repo
 VAL = dataset.SOURCES["fineweb-edu"].val_index
@@ -234,7 +235,7 @@ def read_bytes(path):
 
 
 def leftovers(data_dir):
-    return sorted(n for n in os.listdir(data_dir) if not dataset.SHARD_RE.match(n))
+    return sorted(n for n in os.listdir(data_dir) if not dataset.SHARD_RE.match(n) and n != ".locks")
 
 
 def test_shard_url_honours_hf_endpoint(monkeypatch):
@@ -249,11 +250,11 @@ def test_shard_url_honours_hf_endpoint(monkeypatch):
 
 def test_sha256_from_etag():
     h = "ab" * 32
-    assert dataset.sha256_from_etag(h) == h
-    assert dataset.sha256_from_etag(f'"{h.upper()}"') == h
-    assert dataset.sha256_from_etag(f'W/"{h}"') == h
-    assert dataset.sha256_from_etag('"' + "a" * 40 + '"') is None  # a git sha1, not a content hash
-    assert dataset.sha256_from_etag(None) is None
+    assert sha256_from_etag(h) == h
+    assert sha256_from_etag(f'"{h.upper()}"') == h
+    assert sha256_from_etag(f'W/"{h}"') == h
+    assert sha256_from_etag('"' + "a" * 40 + '"') is None  # a git sha1, not a content hash
+    assert sha256_from_etag(None) is None
 
 
 def test_download_retries_after_server_error(hub):
@@ -292,7 +293,7 @@ def test_download_gives_up_with_clear_error_and_no_file(hub, fault, problem):
     message = str(e.value)
     assert dataset.shard_url("fineweb-edu", 3) in message and problem in message and "3 attempts" in message
     assert hub.requests["shard_00003.parquet"] == 3
-    assert os.listdir(data_dir) == []  # neither the shard nor a temp file
+    assert leftovers(data_dir) == [] and not os.path.exists(os.path.join(data_dir, dataset.shard_filename(3)))
 
 
 def test_client_error_is_not_retried(hub):
@@ -331,7 +332,7 @@ def test_download_shards_reports_failures_and_keeps_going(hub):
     assert summary.downloaded == 2 and summary.skipped == 0 and list(summary.failed) == [1]
     assert "shard_00001.parquet" in summary.failed[1] and "sha256" in summary.failed[1]
     assert summary.bytes == len(hub.files["shard_00000.parquet"]) + len(hub.files["shard_00002.parquet"])
-    assert sorted(os.listdir(dataset.get_data_dir("fineweb-edu"))) == ["shard_00000.parquet", "shard_00002.parquet"]
+    assert sorted(n for n in os.listdir(dataset.get_data_dir("fineweb-edu")) if n != ".locks") == ["shard_00000.parquet", "shard_00002.parquet"]
 
 
 def test_cli_downloads_train_and_val_shards(hub, capsys):

@@ -160,16 +160,22 @@ def test_runs_under_bf16_autocast_with_fp32_logits():
     torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=0.1, rtol=0.05)
 
 
+@torch.no_grad()
 def test_kv_cache_bookkeeping_and_errors():
-    cache = KVCache(batch_size=2, num_heads=1, seq_len=4, head_dim=2, num_layers=1, device="cpu", dtype=torch.float32)
-    k_all, v_all = cache.update(0, torch.ones(2, 1, 3, 2), torch.full((2, 1, 3, 2), 2.0))
-    assert k_all.shape == (2, 1, 3, 2) and torch.all(v_all == 2.0)
+    cache = KVCache(batch_size=2, num_heads=1, seq_len=4, head_dim=2, num_layers=3, device="cpu", dtype=torch.float32)
+    assert cache.k_cache.shape == cache.v_cache.shape == (3, 2, 4, 1, 2)  # (layers, batch, seq, kv heads, head dim)
+    k, v = cache.get_layer_cache(1)
+    assert k.shape == (2, 4, 1, 2) and k.data_ptr() == cache.k_cache[1].data_ptr()  # a view, not a copy
     cache.advance(3)
     assert cache.get_pos() == 3
     with pytest.raises(ValueError):
-        cache.update(0, torch.ones(2, 1, 2, 2), torch.ones(2, 1, 2, 2))  # 3 + 2 > 4 positions
-    with pytest.raises(ValueError):
-        cache.advance(2)
+        cache.advance(2)  # 3 + 2 > 4 positions
+    model = build(tiny_config(n_kv_head=2))
+    short = KVCache(batch_size=1, num_heads=2, seq_len=5, head_dim=8, num_layers=2, device="cpu", dtype=torch.float32)
+    model(torch.zeros(1, 4, dtype=torch.long), kv_cache=short)
+    assert short.get_pos() == 4
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=short)  # 4 + 2 > 5: refused, not silently wrong
     cache.reset()
     assert cache.get_pos() == 0
     other = KVCache(batch_size=3, num_heads=1, seq_len=4, head_dim=2, num_layers=1, device="cpu", dtype=torch.float32)
@@ -237,10 +243,10 @@ def test_cpu_fast_paths_give_the_reference_loss_and_gradients(monkeypatch, chunk
     # On the CPU in fp32 training runs hand-written autograd Functions (chunked softcap cross-entropy,
     # RMSNorm, rotary, the relu^2 MLP, block-causal attention); their gradients must be those of the
     # plain math, autograd'ed. 7-row chunks / 5-query blocks: several of each, the last one short.
-    import nanochat.gpt as gpt
+    import nanochat.cpu_ops as cpu_ops
 
-    monkeypatch.setattr(gpt, "LOSS_CHUNK_ROWS", chunk_rows)
-    monkeypatch.setattr(gpt, "ATTENTION_BLOCK", 5 if chunk_rows == 7 else 128)
+    monkeypatch.setattr(cpu_ops, "LOSS_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(cpu_ops, "ATTENTION_BLOCK", 5 if chunk_rows == 7 else 128)
     model = build(tiny_config(n_kv_head=n_kv_head))
     model.train()
     idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(8))

@@ -11,11 +11,11 @@ from nanochat.training import (apply_schedules, batch_lr_scale, build_optimizers
 
 def test_depth_dial_shapes():
     cfg = model_config_for_depth(20, vocab_size=32768, sequence_len=2048)
-    assert (cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["n_kv_head"]) == (20, 1280, 10, 10)
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head) == (20, 1280, 10, 10)
     cfg = model_config_for_depth(4, vocab_size=4096, sequence_len=256)
-    assert (cfg["n_embd"], cfg["n_head"]) == (256, 2)
+    assert (cfg.n_embd, cfg.n_head) == (256, 2)
     cfg = model_config_for_depth(3, vocab_size=4096, sequence_len=256)  # 192 rounds up to a multiple of 128
-    assert (cfg["n_embd"], cfg["n_head"]) == (256, 2)
+    assert (cfg.n_embd, cfg.n_head) == (256, 2)
     with pytest.raises(UserError, match="num-kv-heads"):
         model_config_for_depth(12, 4096, 256, n_kv_head=4)  # 6 heads, 4 kv heads
     with pytest.raises(UserError):

@@ -1,0 +1,298 @@
+"""
+The plumbing around a training stage's gradient step, written once for every stage: resume from a
+checkpoint, periodic / final / on-signal saves, eval cadence with timing, the progress line with
+tok/s, MFU and ETA, peak memory, wandb and the report. The step itself stays in the stage script,
+where a reader sees the micro-batches, the schedules and the optimizer update:
+
+    start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else start_fresh()
+    loader = DataLoader(..., resume_state=start.loader_state)
+    loop = TrainingLoop(..., loader=loader, start=start)
+    for step in loop.steps():           # a checkpoint is written here when due, before any eval of that step
+        if loop.due(args.eval_every):
+            loop.evaluate("val_bpb", evaluate_val_bpb)
+        if step == loop.num_iterations:
+            break
+        t0 = time.perf_counter()
+        loss = train_step(model, optimizers, [next(loader) for _ in range(grad_accum)], loss_fn, lrm, momentum, ...)
+        loop.end_step(loss, t0, lrm=lrm)  # progress line and logs; after a stop signal steps() saves and ends
+    loop.finish("Base model training", [...])
+"""
+
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from nanochat.checkpoint_manager import check_compatible, load_checkpoint, save_checkpoint
+from nanochat.common import UserError, dist_rank_world, format_duration, get_peak_flops, print0
+from nanochat.report import get_report
+
+# -----------------------------------------------------------------------------
+# Where a run starts
+
+
+@dataclass
+class StartPoint:
+    step: int = 0
+    loader_state: dict | None = None  # this rank's dataloader state, for an exact continuation
+    loop_state: dict = field(default_factory=dict)
+    meta: dict | None = None  # the checkpoint's meta when resuming
+
+
+def resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer_hash, device):
+    """Load a checkpoint into the model and optimizers (every rank its own optimizer shard) and say where to go on."""
+    rank, world_size = dist_rank_world()
+    model_state, optim_states, meta = load_checkpoint(ckpt_dir, step, device, rank=rank)
+    check_compatible(meta, model_config, tokenizer_hash, ckpt_dir)
+    if meta.get("world_size", 1) != world_size:
+        raise UserError(f"checkpoint {ckpt_dir} step {step} was written by {meta.get('world_size')} ranks; resume with the "
+                        f"same number of ranks (got {world_size}) so the sharded optimizer state and data order line up")
+    model.load_state_dict(model_state, strict=True)
+    for opt, state in zip(optimizers, optim_states):
+        opt.load_state_dict(state)
+    return StartPoint(step=step, loader_state=meta["dataloader_states"][rank], loop_state=meta.get("loop_state", {}),
+                      meta=meta)
+
+
+# -----------------------------------------------------------------------------
+# Stopping cleanly
+
+
+class StopSignal:
+    """
+    SIGTERM / SIGINT ask the run to stop: the loop saves at the next step boundary and exits 0.
+    Launchers often deliver one stop twice (a process-group SIGTERM plus the copy `uv run` or
+    torchrun forwards), so repeats are ignored; only a second Ctrl-C while the save is already
+    being written aborts at once (KeyboardInterrupt), for a user who really wants out.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.saving = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and self.saving and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.requested:
+            print0(f"received {signal.Signals(signum).name}: stopping at the end of this step, after a checkpoint")
+        self.requested = True
+
+    def should_stop(self, device):
+        """All ranks must agree, or one would wait forever in the next collective."""
+        if dist_rank_world()[1] > 1:
+            flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return flag.item() > 0
+        return self.requested
+
+
+# -----------------------------------------------------------------------------
+# Logging helpers
+
+
+class DummyWandb:
+    def log(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def init_wandb(run, config, project="nanochat"):
+    """Log to wandb when --run names a run (WANDB_MODE=offline works without network); rank 0 only."""
+    if run == "dummy" or dist_rank_world()[0] != 0:
+        return DummyWandb()
+    import wandb
+
+    return wandb.init(project=project, name=run, config=config)
+
+
+class StepTimer:
+    """Wall time per step, excluding the first few (compile / warmup) from the ETA."""
+
+    def __init__(self, skip=3):
+        self.skip, self.count, self.total = skip, 0, 0.0
+
+    def add(self, seconds):
+        self.count += 1
+        if self.count > self.skip:
+            self.total += seconds
+
+    def eta(self, steps_left):
+        measured = self.count - self.skip
+        return self.total / measured * steps_left if measured > 0 else float("nan")
+
+
+def peak_memory_mib(device):
+    """Peak memory of this process: CUDA allocations on a GPU, peak RSS elsewhere."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def gather_loader_states(state):
+    """Every rank's dataloader state, so rank r can resume exactly where it was."""
+    state = json.loads(json.dumps(state))  # plain JSON types, as they will be stored
+    if dist_rank_world()[1] > 1:
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, state)
+        return states
+    return [state]
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+class TrainingLoop:
+    """
+    Bookkeeping for one stage's run of `num_iterations` optimizer steps. `loader` is anything with
+    state_dict() (the DataLoader, or a stage's own sampler), saved with every checkpoint. `meta` holds
+    what else the stage wants in each checkpoint's meta.json (lrs, batch geometry, ...).
+    """
+
+    def __init__(self, name, ckpt_dir, model, optimizers, loader, num_iterations, start, device, autocast,
+                 user_config, model_config, tokenizer_hash, tokens_per_step, flops_per_token=None,
+                 save_every=-1, keep_last=2, run="dummy", meta=None):
+        self.name, self.ckpt_dir = name, ckpt_dir  # name: the report curve and the progress line
+        self.model, self.optimizers, self.loader = model, optimizers, loader
+        self.num_iterations, self.device, self.autocast = num_iterations, device, autocast
+        self.user_config, self.model_config, self.tokenizer_hash = user_config, model_config, tokenizer_hash
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.save_every, self.keep_last = save_every, keep_last
+        self.meta = meta or {}
+        self.start_step = self.step = start.step
+        self.total_train_time = start.loop_state.get("total_train_time", 0.0)
+        self.last = dict(start.loop_state.get("last", {}))  # eval name -> latest value
+        self.best = dict(start.loop_state.get("best", {}))  # eval name -> lowest value
+        self.world_size = dist_rank_world()[1]
+        self.peak_flops = get_peak_flops(device) * self.world_size if flops_per_token else None
+        self.stopper = StopSignal()
+        self.timer = StepTimer()
+        self.report = get_report()
+        self.wandb = init_wandb(run, user_config)
+        if self.start_step == 0:
+            self.report.reset_curve(name)
+        else:
+            self.report.truncate_curve(name, self.start_step)  # the steps after it will be logged again
+
+    # -- the iteration -------------------------------------------------------------------
+
+    def steps(self):
+        """
+        Yield start..num_iterations. Before yielding a step that is due a checkpoint (every save_every, and
+        the last) it saves, so a failing eval never loses the model. After a step that a stop signal
+        arrived during, it saves that step and ends.
+        """
+        while True:
+            if self.step > self.start_step and (self.step == self.num_iterations or
+                                                (self.save_every > 0 and self.step % self.save_every == 0)):
+                self.save()
+            yielded = self.step
+            yield self.step
+            if self.step == yielded:  # the body took no step: it was the last one
+                return
+            if self.stopper.should_stop(self.device):
+                print0(f"stop requested: saving step {self.step} and exiting; continue later with --resume")
+                self.save()
+                return
+
+    def due(self, every, at_zero=True):
+        """True if a periodic job with this period runs at the current step: every `every` steps and at the last
+        step (never at the step a run resumed from, which ran before its checkpoint; at_zero=False skips step 0)."""
+        if every is None or every <= 0:
+            return False
+        if self.step == self.start_step and self.start_step > 0:
+            return False
+        if self.step == 0 and not at_zero:
+            return False
+        return self.step == self.num_iterations or self.step % every == 0
+
+    def evaluate(self, name, fn, fmt="{:.4f}"):
+        """Run fn() (a number, in eval mode under autocast), time it, print and log it, remember the last and best."""
+        t0 = time.time()
+        self.model.eval()
+        with self.autocast:
+            value = fn()
+        self.model.train()
+        self.last[name] = value
+        self.best[name] = min(value, self.best.get(name, math.inf))
+        print0(f"step {self.step:05d} | {name} {fmt.format(value)} | ({time.time() - t0:.1f}s)")
+        self.wandb.log({"step": self.step, name: value})
+        self.report.log_curve(self.name, {"step": self.step, name: value})
+        return value
+
+    def end_step(self, loss, t0, lrm=None, **extra):
+        """After an optimizer step that began at perf_counter() t0: check the loss, time, print, log."""
+        if not math.isfinite(loss):
+            raise UserError(f"loss is {loss} at step {self.step}; stopping without saving. The last good checkpoint is in "
+                            f"{self.ckpt_dir}; lower the learning rates or check the data, then --resume")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        self.timer.add(dt)
+        self.total_train_time += dt
+        record = {"step": self.step, "train_loss": loss}
+        parts = [f"step {self.step:05d}/{self.num_iterations:05d} ({100 * self.step / self.num_iterations:5.1f}%)",
+                 f"loss {loss:.6f}"]
+        if lrm is not None:
+            record["lrm"] = lrm
+            parts.append(f"lrm {lrm:.3f}")
+        for key, value in extra.items():
+            record[key] = value
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        parts.append(f"{dt * 1000:.0f} ms")
+        if self.tokens_per_step:
+            record["tok_per_sec"] = self.tokens_per_step / dt
+            parts.append(f"{record['tok_per_sec']:,.0f} tok/s")
+        if self.peak_flops:
+            record["mfu"] = 100 * self.flops_per_token * self.tokens_per_step / dt / self.peak_flops
+            parts.append(f"MFU {record['mfu']:.1f}%")
+        parts.append(f"ETA {format_duration(self.timer.eta(self.num_iterations - self.step))}")
+        print0(" | ".join(parts))
+        self.wandb.log({"step": self.step, **{"train/" + k.removeprefix("train_"): v for k, v in record.items() if k != "step"}})
+        self.report.log_curve(self.name, record)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def loop_state(self):
+        return {"total_train_time": self.total_train_time, "last": self.last, "best": self.best}
+
+    def save(self):
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            raise UserError(f"weights are not finite at step {self.step}; not saving over the last good checkpoint in "
+                            f"{self.ckpt_dir}. Lower the learning rates, then --resume")
+        meta = {"model_config": self.model_config, "user_config": self.user_config, "num_iterations": self.num_iterations,
+                "tokenizer_hash": self.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
+                "loop_state": self.loop_state(), **self.meta}
+        self.stopper.saving = True
+        try:
+            save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizers, meta, keep_last=self.keep_last)
+        finally:
+            self.stopper.saving = False
+
+    # -- the end -------------------------------------------------------------------------
+
+    def finish(self, section, data):
+        """Write the stage's report section (its own data, then the loop's numbers) and a one-line summary."""
+        stopped_early = self.step < self.num_iterations
+        summary = {"Steps completed": self.step, "Stopped early": stopped_early,
+                   "Total training time": format_duration(self.total_train_time),
+                   "Peak memory (MiB)": peak_memory_mib(self.device)}
+        for name, value in self.last.items():
+            summary[f"Final {name}"] = value
+            summary[f"Minimum {name}"] = self.best[name]
+        self.report.log(section=section, data=[self.user_config, *data, summary])
+        evals = " | ".join(f"{name} {value:.4f}" for name, value in self.last.items())
+        print0(f"done: {self.step}/{self.num_iterations} steps in {format_duration(self.total_train_time)}"
+               + (f" | {evals}" if evals else "") + f" | checkpoint {self.ckpt_dir}")
+        self.wandb.finish()

@@ -1,0 +1,213 @@
+"""Tests for nanochat.execution: outcomes, timeout, memory limit, isolation and the disabled destructive calls."""
+
+import ast
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nanochat.execution import ExecutionResult, execute_code
+
+
+def test_success_captures_stdout_and_stderr():
+    result = execute_code("import sys\nprint('hello', 6 * 7)\nprint('careful', file=sys.stderr)")
+    assert result == ExecutionResult(success=True, stdout="hello 42\n", stderr="careful\n")
+
+
+def test_exception_reports_its_type_and_message():
+    result = execute_code("print('before')\n1 / 0\nprint('after')")
+    assert not result.success and not result.timeout and not result.memory_exceeded
+    assert result.error == "ZeroDivisionError: division by zero"
+    assert result.stdout == "before\n"
+    assert "ZeroDivisionError" in result.stderr
+
+
+@pytest.mark.parametrize("code, error_type", [
+    ("def f(:\n    pass", "SyntaxError"),
+    ("assert 1 + 1 == 3", "AssertionError"),
+    ("import sys\nsys.exit(0)\nprint('unreachable')", "SystemExit"),  # exiting early is not running to the end
+])
+def test_code_that_does_not_run_to_its_end_fails(code, error_type):
+    result = execute_code(code)
+    assert not result.success
+    assert result.error.split(":")[0] == error_type
+    assert "unreachable" not in result.stdout
+
+
+def test_exit_without_report_fails():
+    result = execute_code("import os\nos._exit(0)")
+    assert not result.success
+    assert "before the code finished" in result.error
+
+
+def test_infinite_loop_times_out_promptly():
+    start = time.monotonic()
+    result = execute_code("print('started')\nwhile True:\n    pass", timeout=1.0)
+    elapsed = time.monotonic() - start
+    assert result.timeout and not result.success
+    assert result.error.startswith("TimeoutError")
+    assert result.stdout == "started\n"  # unbuffered: output before the kill is kept
+    assert elapsed < 2.0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is only enforced on Linux")
+@pytest.mark.parametrize("allocation", ["x = bytearray(1 << 30)", "x = [0] * (1 << 28)"])
+def test_large_allocation_exceeds_memory_limit(allocation):
+    result = execute_code(allocation)
+    assert result.memory_exceeded and not result.success and not result.timeout
+    assert result.error.startswith("MemoryError")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is only enforced on Linux")
+def test_memory_limit_is_configurable():
+    allocation = "x = bytearray(96 << 20)\nprint(len(x) >> 20)"
+    assert execute_code(allocation, maximum_memory_bytes=64 << 20).memory_exceeded
+    assert execute_code(allocation, maximum_memory_bytes=None).stdout == "96\n"
+
+
+def test_output_is_capped():
+    result = execute_code("import sys\nsys.stdout.write('x' * (3 << 20))\nsys.stderr.write('y' * (3 << 20))")
+    assert result.success
+    assert result.stdout == "x" * (1 << 20) and result.stderr == "y" * (1 << 20)
+
+
+def test_parent_environment_is_invisible(monkeypatch):
+    monkeypatch.setenv("NANOCHAT_SECRET", "hunter2")
+    result = execute_code("import os\nprint(dict(os.environ))\nprint(os.environ.get('NANOCHAT_SECRET'))")
+    assert result.success
+    assert "hunter2" not in result.stdout and "NANOCHAT_SECRET" not in result.stdout
+    assert result.stdout.endswith("None\n")
+
+
+def test_input_fails():
+    result = execute_code("name = input('name? ')\nprint('got', name)")
+    assert not result.success
+    assert result.error.startswith("EOFError")
+    assert "got" not in result.stdout
+
+
+def test_runs_in_a_fresh_temp_dir_that_is_removed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = "import os\nprint(os.listdir('.'))\nopen('relative.txt', 'w').write('x')\nprint(os.path.realpath(os.getcwd()))"
+    result = execute_code(code)
+    assert result.success
+    listing, sandbox = result.stdout.splitlines()
+    assert listing == "[]"  # not even the file the code came in
+    assert sandbox != str(tmp_path.resolve())
+    assert not os.path.exists(sandbox)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_code_runs_exactly_as_written():
+    literal = r"""'''quotes ' " \''' backslashes \\ \n \x41 braces {} {{x}} {0} %s %(name)s unicode ünïcødé ✓ 🚀'''"""
+    code = "# -*- coding: latin-1 -*-  (ignored: the code arrives as text)\nprint(" + literal + ", end='')\n"
+    result = execute_code(code)
+    assert result.success, result.stderr
+    assert result.stdout == ast.literal_eval(literal)
+
+
+def test_user_code_sees_fresh_globals():
+    code = (
+        "import __main__\n"
+        "print(sorted(k for k in globals() if not k.startswith('__')))\n"
+        "print(__name__, __main__.__dict__ is globals())\n"
+    )
+    result = execute_code(code)
+    assert result.stdout == "[]\n__main__ True\n"
+
+
+def test_code_may_change_files_inside_its_own_dir():
+    code = """
+import os, pathlib, shutil, tempfile
+os.makedirs('a/b')
+with open('a/b/f.txt', 'w') as f:
+    f.write('hi')
+os.rename('a/b/f.txt', 'a/g.txt')
+os.chmod('a/g.txt', 0o600)
+shutil.rmtree('a')
+pathlib.Path('p.txt').write_text('p')
+pathlib.Path('p.txt').unlink()
+with tempfile.NamedTemporaryFile('w') as f:
+    f.write('temporary')
+with tempfile.TemporaryDirectory() as d:
+    open(os.path.join(d, 'x'), 'w').close()
+print(os.listdir('.'))
+"""
+    result = execute_code(code)
+    assert result.success, result.stderr
+    assert result.stdout == "[]\n"
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """Files outside the sandbox that the destructive calls aim at, and a live process to aim kill at."""
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "leaf.txt").write_text("leaf")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "keep.txt").write_text("precious")
+    mode = (tmp_path / "keep.txt").stat().st_mode
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    yield {"dir": str(tmp_path), "file": str(tmp_path / "keep.txt"), "tree": str(tmp_path / "tree"),
+           "empty": str(tmp_path / "empty"), "victim": victim.pid}
+    assert victim.poll() is None, "the sandboxed code killed the victim process"
+    victim.kill()
+    victim.wait()
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+    assert (tmp_path / "keep.txt").stat().st_mode == mode
+    assert (tmp_path / "tree" / "leaf.txt").read_text() == "leaf"
+    assert (tmp_path / "empty").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "keep.txt", "tree"]
+
+
+DESTRUCTIVE_CALLS = {
+    "os.remove": "import os\nos.remove({file!r})",
+    "os.unlink": "import os\nos.unlink(path={file!r})",
+    "pathlib.unlink": "import pathlib\npathlib.Path({file!r}).unlink()",
+    "os.rmdir": "import os\nos.rmdir({empty!r})",
+    "os.removedirs": "import os\nos.removedirs({empty!r})",
+    "shutil.rmtree": "import shutil\nshutil.rmtree({tree!r})",
+    "shutil.rmtree ignore_errors": "import shutil\nshutil.rmtree({tree!r}, ignore_errors=True)",
+    "os.rename": "import os\nos.rename({file!r}, 'stolen.txt')",
+    "os.replace": "import os\nopen('new.txt', 'w').close()\nos.replace('new.txt', {file!r})",
+    "shutil.move": "import shutil\nshutil.move({file!r}, 'stolen.txt')",
+    "os.truncate": "import os\nos.truncate({file!r}, 0)",
+    "os.chmod": "import os\nos.chmod({file!r}, 0)",
+    "open for writing": "open({file!r}, 'w').write('clobbered')",
+    "open for appending": "open({file!r}, 'a').write('clobbered')",
+    "pathlib.write_text": "import pathlib\npathlib.Path({file!r}).write_text('clobbered')",
+    "os.open O_TRUNC": "import os\nos.open({file!r}, os.O_WRONLY | os.O_TRUNC)",
+    "os.open O_CREAT": "import os\nos.open({dir!r} + '/new.txt', os.O_WRONLY | os.O_CREAT)",
+    "os.mkdir": "import os\nos.mkdir({dir!r} + '/new')",
+    "os.link": "import os\nos.link({file!r}, 'hard')\nopen('hard', 'w').write('clobbered')",
+    "os.symlink": "import os\nos.symlink({file!r}, 'soft')\nopen('soft', 'w').write('clobbered')",
+    "os.chdir": "import os\nos.chdir({dir!r})\nopen('new.txt', 'w').write('escaped')",
+    "os.system": "import os\nos.system('rm -rf ' + {tree!r} + ' ' + {file!r})",
+    "os.popen": "import os\nos.popen('rm ' + {file!r}).read()",
+    "subprocess.run": "import subprocess\nsubprocess.run(['rm', '-rf', {tree!r}])",
+    "subprocess.check_output": "import subprocess\nsubprocess.check_output('rm ' + {file!r}, shell=True)",
+    "os.execv": "import os\nos.execv('/bin/rm', ['rm', {file!r}])",
+    "os.spawnv": "import os\nos.spawnv(os.P_WAIT, '/bin/rm', ['rm', {file!r}])",
+    "os.posix_spawn": "import os\nos.waitpid(os.posix_spawn('/bin/rm', ['rm', {file!r}], {{}}), 0)",
+    "os.fork": "import os\nif os.fork() == 0:\n    os._exit(0)",
+    "multiprocessing": "import multiprocessing\np = multiprocessing.Process(target=print)\np.start()\np.join()",
+    "os.kill": "import os, signal\nos.kill({victim}, signal.SIGKILL)",
+    "os.killpg": "import os, signal\nos.killpg(os.getpgid({victim}), signal.SIGKILL)",
+    "os.putenv": "import os\nos.putenv('NANOCHAT_SECRET', 'x')",
+    "resource.setrlimit": "import resource\nresource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)",
+    "faulthandler": "import faulthandler\nfaulthandler.enable()",
+    "socket.socket": "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_STREAM)",
+    "socket.create_connection": "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=0.5)",
+    "ctypes": "import ctypes\nctypes.CDLL(None).unlink({file!r}.encode())",
+}
+
+
+@pytest.mark.parametrize("call", DESTRUCTIVE_CALLS)
+def test_destructive_call_fails_without_effect(call, outside):
+    result = execute_code(DESTRUCTIVE_CALLS[call].format(**outside) + "\nprint('got through')", timeout=2.0)
+    assert not result.success and not result.timeout
+    expected_error = "ModuleNotFoundError" if call == "ctypes" else "PermissionError"
+    assert result.error.startswith(expected_error), result.error
+    assert "got through" not in result.stdout
+    # The `outside` fixture checks on teardown that every file and the victim process survived.
