@@ -25,7 +25,6 @@ import torch.distributed as dist
 from nanochat.common import UserError, dist_rank_world
 
 
-
 def _is_sharded(p, world):
     return world > 1 and p.ndim >= 1 and p.shape[0] % world == 0
 
@@ -61,11 +60,7 @@ class DistAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         rank, world = dist_rank_world()
 
         # 1) Start every gradient's reduction at once so communication overlaps the updates below.
@@ -105,7 +100,6 @@ class DistAdamW(torch.optim.Optimizer):
             work.wait()
             if full.data_ptr() != p.data_ptr():
                 p.data.copy_(full)
-        return loss
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)

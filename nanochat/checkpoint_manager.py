@@ -11,21 +11,28 @@ Everything is written into a temp directory that is renamed into place only when
 kill at any instant leaves the previous checkpoint loadable. Nothing is unpickled on load.
 """
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import time
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanochat.common import UserError, dist_rank_world, get_base_dir, print0
+from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MODEL_CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+_warned_about = set()  # step dirs already reported as unusable, so a listing warns once per dir
+_held_locks = []  # file descriptors of checkpoint-dir locks, held for the life of the process
 
 
 def checkpoints_root(stage):
@@ -35,18 +42,89 @@ def checkpoints_root(stage):
 
 
 def checkpoint_dir(stage, tag):
+    if not isinstance(tag, str) or not TAG_RE.match(tag):
+        raise UserError(f"model tag {tag!r} must be a plain name: letters, digits, '_', '-' or '.', not starting with "
+                        "'.' (no slashes, no '..')")
     return os.path.join(checkpoints_root(stage), tag)
 
 
+def claim_checkpoint_dir(ckpt_dir):
+    """
+    Take an exclusive lock on a checkpoint directory for the rest of this process (rank 0 does it for the run):
+    two runs writing one model tag would overwrite each other's saves. The lock is an flock, so the kernel drops
+    it when its process dies, and a run after a kill -9 takes over at once; the holder's identity is written into
+    the lock file so the refusal can name it.
+    """
+    if get_dist_info()[1] != 0:
+        return
+    ensure_writable(ckpt_dir, "checkpoints")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        with open(path, errors="replace") as f:
+            holder = f.read().strip() or "another process"
+        os.close(fd)
+        raise UserError(f"{ckpt_dir} is in use by another run ({holder}); wait for it to finish or stop it, "
+                        "or write to another --model-tag") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _held_locks.append(fd)
+
+
+def validate_meta(meta):
+    """The reason a checkpoint's meta.json cannot be trusted, or None if it has everything loading relies on."""
+    if not isinstance(meta, dict):
+        return "meta.json is not a JSON object"
+    if not isinstance(meta.get("step"), int) or meta["step"] < 0:
+        return "no integer 'step'"
+    config = meta.get("model_config")
+    if not isinstance(config, dict) or set(config) != set(MODEL_CONFIG_FIELDS):
+        return f"'model_config' must have exactly the fields {', '.join(MODEL_CONFIG_FIELDS)}"
+    if not all(isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] > 0 for k in config):
+        return "'model_config' values must be positive integers"
+    files = meta.get("files")
+    if not isinstance(files, dict) or "model.safetensors" not in files:
+        return "no 'files' list with the sha256 of model.safetensors (every file is verified against it on load)"
+    if not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in files.values()):
+        return "'files' holds something other than sha256 hex digests"
+    if not isinstance(meta.get("world_size", 1), int) or meta.get("world_size", 1) < 1:
+        return "'world_size' must be a positive integer"
+    return None
+
+
+def _warn_once(step_dir, reason):
+    if step_dir not in _warned_about:
+        _warned_about.add(step_dir)
+        print0(f"warning: skipping checkpoint {step_dir}: {reason}; delete it or restore its files")
+
+
 def list_steps(ckpt_dir):
-    """Steps of the complete checkpoints in ckpt_dir, ascending (temp dirs of interrupted saves are ignored)."""
+    """
+    Steps of the usable checkpoints in ckpt_dir, ascending. Temp dirs of interrupted saves are ignored; a
+    step dir with a missing, unreadable or invalid meta.json is named in a warning and skipped.
+    """
     if not os.path.isdir(ckpt_dir):
         return []
     steps = []
     for name in os.listdir(ckpt_dir):
         m = STEP_DIR_RE.match(name)
-        if m and os.path.isfile(os.path.join(ckpt_dir, name, "meta.json")):
+        if not m:
+            continue
+        step_dir = os.path.join(ckpt_dir, name)
+        try:
+            with open(os.path.join(step_dir, "meta.json")) as f:
+                reason = validate_meta(json.load(f))
+        except FileNotFoundError:
+            reason = "it has no meta.json (a save from before atomic saves, or files deleted by hand)"
+        except (OSError, ValueError) as e:
+            reason = f"its meta.json is unreadable ({e})"
+        if reason is None:
             steps.append(int(m.group(1)))
+        else:
+            _warn_once(step_dir, reason)
     return sorted(steps)
 
 
@@ -101,9 +179,22 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
     shard, then rank 0 renames the finished temp dir into place and prunes old checkpoints.
     """
     rank, world_size = dist_rank_world()
-    is_dist = world_size > 1
     final_dir = os.path.join(ckpt_dir, f"step_{step:06d}")
     tmp_dir = os.path.join(ckpt_dir, f".tmp_step_{step:06d}")
+    try:
+        _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_dir, tmp_dir, rank, world_size)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota, a lost mount: the previous checkpoint survives
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        previous = [s for s in list_steps(ckpt_dir) if s != step]
+        kept = f"the previous checkpoint (step {previous[-1]}) is intact" if previous else "there is no earlier checkpoint"
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UserError(f"could not write checkpoint step {step} to {ckpt_dir} ({reason}); {kept}. "
+                        "Free some space, then --resume") from None
+    return final_dir
+
+
+def _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_dir, tmp_dir, rank, world_size):
+    is_dist = world_size > 1
     t0 = time.time()
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -137,7 +228,6 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
     if is_dist:
         dist.barrier()
     print0(f"saved checkpoint step {step} to {final_dir} ({time.time() - t0:.1f}s)")
-    return final_dir
 
 
 def _prune(ckpt_dir, keep_last):
@@ -167,17 +257,24 @@ def load_meta(ckpt_dir, step):
     path = os.path.join(ckpt_dir, f"step_{step:06d}", "meta.json")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint metadata {path} is unreadable ({e}); delete that step directory and use an older one") from e
+    reason = validate_meta(meta)
+    if reason:
+        raise UserError(f"checkpoint metadata {path} is not valid ({reason}); delete that step directory and use an older one")
+    return meta
 
 
 def _verified_path(step_dir, name, meta):
     path = os.path.join(step_dir, name)
     if not os.path.isfile(path):
         raise UserError(f"checkpoint file {path} is missing; delete {step_dir} and resume from an older step")
-    expected = meta.get("files", {}).get(name)
-    if expected is not None and _sha256(path) != expected:
+    expected = meta["files"].get(name)
+    if expected is None:
+        raise UserError(f"checkpoint file {path} is not listed in {step_dir}/meta.json, so it cannot be verified; "
+                        "delete that step directory and use an older one")
+    if _sha256(path) != expected:
         raise UserError(f"checkpoint file {path} is corrupt (sha256 mismatch); delete {step_dir} and resume from an older step")
     return path
 

@@ -59,6 +59,28 @@ def get_base_dir():
     return base
 
 
+def ensure_writable(directory, what):
+    """
+    Prove, before any compute depends on it, that `directory` can be written: a probe file in it, or (when it does
+    not exist yet) in its nearest existing parent, so that checking never leaves an empty directory behind.
+    """
+    import tempfile
+
+    probe_dir = os.path.abspath(directory)
+    while not os.path.isdir(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
+        if os.path.exists(probe_dir):  # a file where a directory should be
+            raise UserError(f"cannot write {what} to {directory}: {probe_dir} is a file, not a directory")
+        probe_dir = os.path.dirname(probe_dir)
+    try:
+        fd, probe = tempfile.mkstemp(dir=probe_dir, prefix=".write_probe")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write {what} to {directory} ({e.strerror or e}); make it writable, free some space, "
+                        "or point NANOCHAT_BASE_DIR at another directory") from None
+    return directory
+
+
 def atomic_write_bytes(path, data):
     """Write to a temp file next to path then rename, so readers never see half a file."""
     tmp = f"{path}.tmp{os.getpid()}"

@@ -21,6 +21,7 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -38,6 +39,11 @@ from nanochat.common import UserError, dist_rank_world, get_base_dir, print0
 from nanochat.download import DownloadError, download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+# sha256 of the published zip as recorded in a public download manifest (2026-06); not re-derived here, since
+# this project's machines cannot reach S3. A mismatch means upstream changed the file: check, then set
+# NANOCHAT_EVAL_BUNDLE_SHA256 to the new value (or to "none" to skip the check).
+EVAL_BUNDLE_SHA256 = "90a7c19e28ee7a52b4f6e1f87658deb9fde7f63deba2379045bdb1fe9ea5d200"
+EVAL_BUNDLE_MAX_BYTES = 2 * 2**30  # the published zip is a few hundred MB; anything this big is not it
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 
 # Fixed seeds so every run (and every rank) sees the same task order and the same few-shot examples.
@@ -58,6 +64,19 @@ def builtin_eval_bundle_dir():
 
 def eval_bundle_url():
     return os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
+
+
+def eval_bundle_sha256(url):
+    """The sha256 the downloaded zip must have: $NANOCHAT_EVAL_BUNDLE_SHA256 ("none" skips), else the pinned one
+    for the published URL; a mirror without a given hash is checked only for size and zip integrity."""
+    value = os.environ.get("NANOCHAT_EVAL_BUNDLE_SHA256", "").strip().lower()
+    if value == "none":
+        return None
+    if value:
+        if not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise UserError(f"NANOCHAT_EVAL_BUNDLE_SHA256={value!r} is not a sha256 hex digest (or 'none')")
+        return value
+    return EVAL_BUNDLE_SHA256 if url == EVAL_BUNDLE_URL else None
 
 
 def _extract(url, zip_path, extract_dir):
@@ -100,7 +119,8 @@ def ensure_eval_bundle():
         try:
             bar = tqdm(total=None, unit="B", unit_scale=True, desc="eval_bundle.zip")
             try:
-                download_file(url, zip_path, max_attempts=3, on_bytes=bar.update)
+                download_file(url, zip_path, max_attempts=3, on_bytes=bar.update, expected_sha256=eval_bundle_sha256(url),
+                              max_bytes=EVAL_BUNDLE_MAX_BYTES)
             except DownloadError as e:
                 raise UserError(f"could not download the CORE eval bundle: {e} "
                                 "(check the network, or point NANOCHAT_EVAL_BUNDLE_URL at a mirror)") from e
@@ -169,6 +189,10 @@ def load_core_tasks(bundle_dir):
         data_path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
         if not os.path.isfile(data_path):
             data_path = os.path.join(bundle_dir, entry["dataset_uri"])
+        root = os.path.realpath(bundle_dir)
+        if os.path.commonpath([root, os.path.realpath(data_path)]) != root:
+            raise UserError(f"{config_path}: task {label!r} has dataset_uri {entry['dataset_uri']!r}, which points outside "
+                            f"the bundle folder {bundle_dir}; a bundle may only read its own files")
         tasks.append({
             "label": label,
             "task_type": task_type,

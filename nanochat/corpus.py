@@ -27,7 +27,7 @@ from nanochat.builtin.core_bundle import write_eval_bundle
 from nanochat.builtin.documents import generate_world_documents
 from nanochat.builtin.drills import arithmetic_document, spelling_document
 from nanochat.builtin.world import build_world
-from nanochat.common import UserError, atomic_write_text, print0, run_main
+from nanochat.common import UserError, atomic_write_text, ensure_writable, print0, run_main
 from nanochat.core_eval import BUILTIN_BUNDLE_NAME, builtin_eval_bundle_dir
 from nanochat.dataset import SHARD_RE, get_data_dir, get_source, shard_filename
 
@@ -81,10 +81,8 @@ def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=
     if eval_bundle_dir is None:
         same_dir = os.path.abspath(out_dir) == os.path.abspath(default_dir)
         eval_bundle_dir = builtin_eval_bundle_dir() if same_dir else os.path.join(out_dir, BUILTIN_BUNDLE_NAME)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create output directory {out_dir} ({e.strerror}); pass --out with a writable path")
+    ensure_writable(out_dir, "the built-in corpus (--out)")
+    os.makedirs(out_dir, exist_ok=True)
     log(f"corpus: seed={seed} size_mb={size_mb} shard_mb={shard_mb} out={out_dir}")
     t0 = time.time()
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.common import UserError, get_base_dir, run_main
+from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
 from nanochat.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file
 
 # -----------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def main(argv=None):
         raise UserError(f"--max-attempts must be at least 1 (got {args.max_attempts})")
     n = num_train if args.num_files == -1 else args.num_files
     train_indices = [i for i in range(src.num_shards) if i != src.val_index][:n]
-    data_dir = get_data_dir(src.name)
+    data_dir = ensure_writable(_data_dir_path(src.name), "downloaded shards")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     print(f"{src.name}: {n} train shards + val shard {src.val_index} from {endpoint}/datasets/{src.hf_repo} "
           f"-> {data_dir} ({args.num_workers} workers, {args.max_attempts} attempts each)", flush=True)

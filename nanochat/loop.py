@@ -184,6 +184,12 @@ class TrainingLoop:
         else:
             self.report.truncate_curve(name, self.start_step)  # the steps after it will be logged again
 
+    def announce(self, summary):
+        """Print the run's one-line config: the stage's summary, then its lrs and where it resumes."""
+        lrs = " ".join(f"{k} {v:.4g}" for k, v in self.meta.get("lrs", {}).items())
+        resume = f" | resuming at step {self.start_step}" if self.start_step else ""
+        print0(f"{summary}{' | ' + lrs if lrs else ''}{resume}")
+
     # -- the iteration -------------------------------------------------------------------
 
     def steps(self):
@@ -205,15 +211,18 @@ class TrainingLoop:
                 self.save()
                 return
 
-    def due(self, every, at_zero=True):
-        """True if a periodic job with this period runs at the current step: every `every` steps and at the last
-        step (never at the step a run resumed from, which ran before its checkpoint; at_zero=False skips step 0)."""
-        if every is None or every <= 0:
-            return False
+    def due(self, every, at_zero=True, at_ends=False):
+        """
+        True if a periodic job with this period runs at the current step: every `every` steps and at the last step.
+        Never at the step a run resumed from (it ran before that checkpoint); at_zero=False skips step 0. every <= 0
+        means never, or with at_ends=True only at the first and the last step.
+        """
         if self.step == self.start_step and self.start_step > 0:
             return False
         if self.step == 0 and not at_zero:
             return False
+        if every is None or every <= 0:
+            return at_ends and self.step in (0, self.num_iterations)
         return self.step == self.num_iterations or self.step % every == 0
 
     def evaluate(self, name, fn, fmt="{:.4f}"):
@@ -272,6 +281,7 @@ class TrainingLoop:
             raise UserError(f"weights are not finite at step {self.step}; not saving over the last good checkpoint in "
                             f"{self.ckpt_dir}. Lower the learning rates, then --resume")
         meta = {"model_config": self.model_config, "user_config": self.user_config, "num_iterations": self.num_iterations,
+                "finished": self.step >= self.num_iterations,
                 "tokenizer_hash": self.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
                 "loop_state": self.loop_state(), **self.meta}
         self.stopper.saving = True

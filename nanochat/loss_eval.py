@@ -16,6 +16,20 @@ from nanochat.common import dist_rank_world
 
 
 @torch.no_grad()
+def evaluate_loss(model, batches, steps):
+    """Mean cross-entropy per valid target (targets of -1 ignored) over `steps` next() calls of batches, each giving
+    a list of (x, y) micro-batches; summed across ranks, so every rank returns the same number."""
+    device = model.get_device()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, counted targets
+    for _ in range(steps):
+        for x, y in next(batches):
+            total += torch.stack([model(x, y, loss_reduction="sum").double(), (y != -1).sum().double()])
+    if dist_rank_world()[1] > 1:
+        dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes):
     """
     model(x, y, loss_reduction="none") -> per-token loss; batches yields (x, y); token_bytes[id] = bytes of id.

@@ -145,11 +145,7 @@ class Muon(torch.optim.Optimizer):
         _check_matrices(self.param_groups, "Muon")
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         for group in self.param_groups:
             by_shape = {}
             for p in group["params"]:
@@ -157,8 +153,6 @@ class Muon(torch.optim.Optimizer):
                     by_shape.setdefault(p.shape, []).append(p)
             for params in by_shape.values():
                 _update_matrices(params, [p.grad for p in params], self.state, group)
-        return loss
-
 
 
 class DistMuon(torch.optim.Optimizer):
@@ -187,11 +181,7 @@ class DistMuon(torch.optim.Optimizer):
         return range(rank * per_rank, min((rank + 1) * per_rank, len(group["params"])))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         rank, world = dist_rank_world()
         if world == 1:
             for group in self.param_groups:
@@ -199,7 +189,7 @@ class DistMuon(torch.optim.Optimizer):
                 if params:
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
                     _update_matrices(params, grads, self.state, group)
-            return loss
+            return
 
         # 1) Start every group's reduce-scatter at once, so later groups communicate while
         #    earlier ones compute.
@@ -237,7 +227,6 @@ class DistMuon(torch.optim.Optimizer):
         for params, gathered, work in gathers:
             work.wait()
             torch._foreach_copy_(list(params), list(gathered[: len(params)].unbind(0)))
-        return loss
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)

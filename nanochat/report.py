@@ -26,8 +26,8 @@ import socket
 import subprocess
 import time
 
-from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, format_duration, get_base_dir, get_dist_info,
-                             run_main)
+from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, ensure_writable, format_duration, get_base_dir,
+                             get_dist_info, run_main)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,8 @@ SUMMARY_COLUMNS = [
     ("SFT", ["Chat evaluation sft"]),
     ("RL", ["Chat evaluation rl"]),
 ]
-SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "ChatCORE"]
+SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "WorldQA", "Arithmetic",
+                   "Identity", "ChatCORE"]
 
 # Rough on-demand cloud price per GPU-hour in USD (a ballpark, not a quote): 8×H100 ≈ $24/h.
 GPU_HOURLY_USD = [("H200", 3.50), ("H100", 3.00), ("A100", 1.80)]
@@ -372,6 +373,7 @@ def read_jsonl(path):
 class Report:
     def __init__(self, report_dir):
         self.report_dir = report_dir
+        ensure_writable(report_dir, "the report")
         os.makedirs(report_dir, exist_ok=True)
 
     # --- sections ---

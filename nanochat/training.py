@@ -77,6 +77,13 @@ def default_weight_decay(depth, total_batch_size=REFERENCE_BATCH):
     return BASE_WEIGHT_DECAY * (BASE_DEPTH / depth) ** 2 * (total_batch_size / REFERENCE_BATCH) ** 0.5
 
 
+def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0):
+    """The three learning rates and Muon's weight decay the dial gives a model of this depth at this batch size."""
+    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
+    return {**{name: lr * scale for name, lr in BASE_LRS.items()},
+            "weight_decay": default_weight_decay(depth, total_batch_size)}
+
+
 def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio=64, head_dim=128, n_kv_head=None,
                  lr_batch_exponent=0.0, embedding_lr=None, unembedding_lr=None, matrix_lr=None, weight_decay=None,
                  num_iterations=None, target_flops=None, target_param_data_ratio=20.0):
@@ -100,13 +107,13 @@ def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio
         budget = "--target-param-data-ratio"
     else:
         raise UserError("give a token budget: --num-iterations, --target-flops or --target-param-data-ratio > 0")
-    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
+    dial = dial_lrs(depth, total_batch_size, lr_batch_exponent)
     return Recipe(
         model_config=config,
-        embedding_lr=embedding_lr or BASE_LRS["embedding_lr"] * scale,
-        unembedding_lr=unembedding_lr or BASE_LRS["unembedding_lr"] * scale,
-        matrix_lr=matrix_lr or BASE_LRS["matrix_lr"] * scale,
-        weight_decay=default_weight_decay(depth, total_batch_size) if weight_decay is None else weight_decay,
+        embedding_lr=embedding_lr or dial["embedding_lr"],
+        unembedding_lr=unembedding_lr or dial["unembedding_lr"],
+        matrix_lr=matrix_lr or dial["matrix_lr"],
+        weight_decay=dial["weight_decay"] if weight_decay is None else weight_decay,
         num_iterations=max(1, num_iterations), budget=budget,
         num_params=num_params, scaling_params=scaling_params, flops_per_token=flops_per_token,
     )
@@ -145,15 +152,17 @@ def muon_momentum(step, start=0.85, end=0.95, warmup_steps=300):
     return (1 - frac) * start + frac * end
 
 
-def apply_schedules(optimizers, lrm, momentum=None, weight_decay=None):
-    """Scale every group's lr from its initial_lr; weight decay follows the lr schedule."""
+def apply_schedules(optimizers, lrm, momentum=None):
+    """
+    Scale every group's lr from its initial_lr and set Muon's momentum. Weight decay is not scheduled here:
+    the optimizers apply it as p *= 1 - lr * weight_decay with the scheduled lr, so decay already follows the
+    lr schedule once (scaling weight_decay by the multiplier too would make it follow the square of it).
+    """
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if "momentum" in group and momentum is not None:
                 group["momentum"] = momentum
-            if "initial_weight_decay" in group and weight_decay is not None:
-                group["weight_decay"] = group["initial_weight_decay"] * lrm
 
 
 # -----------------------------------------------------------------------------
@@ -168,8 +177,6 @@ def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_deca
     adamw_groups, muon_groups = model.setup_optimizers(
         unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
         weight_decay=weight_decay, adam_betas=adam_betas)
-    for group in muon_groups:
-        group["initial_weight_decay"] = group["weight_decay"]
     return [build_adamw(adamw_groups), build_muon(muon_groups)]
 
 
@@ -192,7 +199,7 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
     if grad_clip > 0:
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    apply_schedules(optimizers, lrm, momentum=momentum, weight_decay=True)
+    apply_schedules(optimizers, lrm, momentum=momentum)
     for opt in optimizers:
         opt.step()
     for opt in optimizers:

@@ -16,8 +16,8 @@ import re
 import time
 
 from nanochat.checkpoint_manager import find_latest_tag, load_model
-from nanochat.common import (UserError, atomic_write_text, autocast_for, compute_cleanup, compute_init, get_base_dir,
-                             print0, run_main)
+from nanochat.common import (UserError, atomic_write_text, autocast_for, compute_cleanup, compute_init, ensure_writable,
+                             get_base_dir, print0, run_main)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.report import get_report
 
@@ -67,6 +67,8 @@ def results_markdown(core):
 
 def main(argv=None):
     args = parse_args(argv)
+    out_dir = ensure_writable(os.path.join(get_base_dir(), "base_eval"), "CORE results")
+    get_report()  # proves the report directory is writable before any compute
     is_ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
     try:
         bundle_dir = resolve_eval_bundle(args.eval_bundle)  # before the model: a missing bundle fails fast
@@ -84,10 +86,9 @@ def main(argv=None):
         print0(f"CORE metric: {core['core_metric']:.4f} ({seconds:.0f}s)")
 
         if rank == 0:
-            out_dir = os.path.join(get_base_dir(), "base_eval")
-            os.makedirs(out_dir, exist_ok=True)
             name = f"{model_tag}_{step}{bundle_suffix(args.eval_bundle)}.csv"
             name = name if args.source == "base" else f"{args.source}_{name}"
+            os.makedirs(out_dir, exist_ok=True)
             csv_path = os.path.join(out_dir, name)
             atomic_write_text(csv_path, results_csv(core))
             print0(f"Results written to {csv_path}")

@@ -9,7 +9,7 @@ import argparse
 import time
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import autocast_for, compute_cleanup, compute_init, print0, run_main
+from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.dataloader import eval_batches
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
@@ -28,6 +28,10 @@ def main():
     p.add_argument("--split-tokens", type=int, default=20 * 524288, help="tokens evaluated per split")
     p.add_argument("--data-source", default=None)
     args = p.parse_args()
+    if args.device_batch_size < 1 or args.split_tokens < 1:
+        raise UserError(f"--device-batch-size and --split-tokens must be >= 1 (got {args.device_batch_size}, "
+                        f"{args.split_tokens})")
+    get_report()  # proves the report directory is writable before any compute
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)

@@ -13,13 +13,15 @@ import time
 
 import torch
 
-from nanochat.checkpoint_manager import checkpoint_dir, resolve_step
+from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, resolve_step
 from nanochat.common import (UserError, autocast_for, compute_cleanup, compute_init, get_compute_dtype,
                              keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.gpt import build_model
 from nanochat.loop import StartPoint, TrainingLoop, resume_from
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.report import get_report
+from nanochat.stage import add_optimization_flags, check_flag, validate_training_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (build_optimizers, config_dict, depth_recipe, grad_accum_steps, greedy_samples, lr_multiplier,
                                muon_momentum, train_step)
@@ -51,15 +53,9 @@ def parse_args(argv=None):
     # batch
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--total-batch-size", type=int, default=2**19, help="tokens per optimizer step")
-    # optimization (-1 = from the depth dial)
-    p.add_argument("--embedding-lr", type=float, default=-1.0)
-    p.add_argument("--unembedding-lr", type=float, default=-1.0)
-    p.add_argument("--matrix-lr", type=float, default=-1.0)
-    p.add_argument("--weight-decay", type=float, default=-1.0)
+    # optimization
+    add_optimization_flags(p, weight_decay=-1.0, warmdown_ratio=0.4)
     p.add_argument("--lr-batch-exponent", type=float, default=0.0, help="lrs scale as (total_batch/2^19)^this")
-    p.add_argument("--warmup-ratio", type=float, default=0.0)
-    p.add_argument("--warmdown-ratio", type=float, default=0.4)
-    p.add_argument("--final-lr-frac", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
     # evaluation and checkpoints
     p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = never)")
@@ -80,30 +76,19 @@ def parse_args(argv=None):
 
 def validate_args(args):
     """Every flag checked before any compute: one line naming the flag, its value and what is allowed."""
-    def need(ok, flag, value, allowed):
-        if not ok:
-            raise UserError(f"--{flag}={value} is not valid: {allowed}")
-
-    for flag in ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size", "keep_last",
-                 "core_metric_max_per_task", "eval_tokens"):
-        need(getattr(args, flag) >= 1, flag.replace("_", "-"), getattr(args, flag), "must be >= 1")
-    need(args.max_seq_len >= 16, "max-seq-len", args.max_seq_len, "must be >= 16 (shorter rows crop nearly every document)")
-    need(args.num_kv_heads >= 0, "num-kv-heads", args.num_kv_heads, "must be >= 1, or 0 for as many as query heads")
-    need(args.num_iterations == -1 or args.num_iterations >= 1, "num-iterations", args.num_iterations, "must be >= 1, or -1 "
-         "to use --target-flops / --target-param-data-ratio")
-    for flag in ("embedding_lr", "unembedding_lr", "matrix_lr"):
+    validate_training_flags(args)
+    for flag in ("depth", "aspect_ratio", "head_dim", "core_metric_max_per_task", "eval_tokens"):
+        check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
+    check_flag(args.max_seq_len >= 16, "max_seq_len", args.max_seq_len, "must be >= 16 (shorter rows crop nearly every document)")
+    check_flag(args.num_kv_heads >= 0, "num_kv_heads", args.num_kv_heads, "must be >= 1, or 0 for as many as query heads")
+    check_flag(args.num_iterations == -1 or args.num_iterations >= 1, "num_iterations", args.num_iterations,
+               "must be >= 1, or -1 to use --target-flops / --target-param-data-ratio")
+    check_flag(args.grad_clip >= 0, "grad_clip", args.grad_clip, "must be >= 0 (0 = off)")
+    for flag in ("core_metric_every", "sample_every"):
         value = getattr(args, flag)
-        need(value == -1 or value > 0, flag.replace("_", "-"), value, "must be > 0, or -1 for the depth dial's value")
-    need(args.weight_decay == -1 or args.weight_decay >= 0, "weight-decay", args.weight_decay, "must be >= 0, or -1 for the dial")
-    for flag in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
-        need(0 <= getattr(args, flag) <= 1, flag.replace("_", "-"), getattr(args, flag), "must be between 0 and 1")
-    need(args.warmup_ratio + args.warmdown_ratio <= 1, "warmup-ratio", args.warmup_ratio,
-         f"warmup + warmdown ({args.warmup_ratio} + {args.warmdown_ratio}) must not exceed 1")
-    need(args.grad_clip >= 0, "grad-clip", args.grad_clip, "must be >= 0 (0 = off)")
-    for flag in ("eval_every", "core_metric_every", "sample_every", "save_every"):
-        value = getattr(args, flag)
-        need(value == -1 or value >= 1, flag.replace("_", "-"), value, "must be >= 1, or -1 for never")
-    need(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume-from-step", args.resume_from_step, "must be >= 0")
+        check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
+    check_flag(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume_from_step", args.resume_from_step,
+               "must be >= 0")
 
 
 def check_resume_flags(meta, args, ckpt_dir):
@@ -131,6 +116,8 @@ def main(argv=None):
     keep_freed_memory_in_process()
     grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
     ckpt_dir = checkpoint_dir("base", args.model_tag or f"d{args.depth}")
+    claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
+    get_report()  # proves the report directory is writable, before any training
     resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None) \
         if args.resume or args.resume_from_step >= 0 else None
     core_bundle_dir = None

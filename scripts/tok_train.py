@@ -12,7 +12,7 @@ characters (so a few giant documents cannot dominate the pair counts), until
 import argparse
 import time
 
-from nanochat.common import UserError, print0, run_main
+from nanochat.common import UserError, ensure_writable, print0, run_main
 from nanochat.dataset import get_default_source, parquets_iter_batched
 from nanochat.report import get_report
 from nanochat.tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, RustBPETokenizer, get_tokenizer_dir
@@ -99,6 +99,8 @@ def main(argv=None):
     if args.doc_cap <= 0:
         raise UserError(f"--doc-cap must be positive, got {args.doc_cap}")
     source = args.source or get_default_source()
+    ensure_writable(get_tokenizer_dir(), "the tokenizer")  # before minutes of training, not after
+    get_report()
     print0(f"tok_train: source={source} max_chars={args.max_chars:,} doc_cap={args.doc_cap:,} "
            f"vocab_size={args.vocab_size:,}")
 

@@ -15,6 +15,25 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
+def random_tiny_gpt(vocab_size, sequence_len, seed=0, n_layer=2, n_embd=64):
+    """A real GPT with every matrix random: init alone zeroes the output projections and nearly zeroes lm_head, which
+    makes every prediction about uniform and hides what a test wants to see. Tests import it from here."""
+    import torch
+
+    from nanochat.gpt import GPTConfig, build_model
+
+    torch.manual_seed(seed)
+    config = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=2, n_kv_head=2,
+                       n_embd=n_embd)
+    model = build_model(config, "cpu")
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.normal_(std=0.1)
+            block.mlp.c_proj.weight.normal_(std=0.1)
+        model.lm_head.weight.normal_(std=0.3)
+    return model.eval()
+
+
 @pytest.fixture
 def single_torch_thread():
     """One torch thread for tests of tiny models: a second OpenMP thread only adds sync overhead, and on a busy

@@ -13,6 +13,7 @@ import http.server
 import importlib.util
 import json
 import os
+import random
 import shutil
 import sys
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import random_tiny_gpt
 import torch
 import yaml
 
@@ -371,15 +373,39 @@ def test_max_per_task_evaluates_a_subset(tmp_path):
 # Distributed: two gloo ranks split the examples and agree on the totals
 
 
-def _rank_worker(rank, world_size, port, bundle, results_path):
+class CountingModel:
+    """Passes calls through to a real model and counts them: one call per example scored."""
+
+    def __init__(self, model):
+        self.model, self.config, self.calls = model, model.config, 0
+
+    def __call__(self, idx):
+        self.calls += 1
+        return self.model(idx)
+
+
+def _rank_worker(rank, world_size, port, hand_bundle, real_bundle, tokenizer_dir, weights_path, max_per_task,
+                 results_path):
+    """One rank of a real gloo group: the hand-worked bundle with the successor model, then the real tiny GPT and
+    BPE tokenizer on the built-in bundle. Writes both results and how many examples this rank scored."""
+    from nanochat.tokenizer import RustBPETokenizer
+
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model = SuccessorModel()
-        out = core_eval.evaluate_core(model, CharTokenizer(), "cpu", bundle_dir=bundle, verbose=False)
-        out["examples_seen"] = len(model.calls)
+        hand = core_eval.evaluate_core(model, CharTokenizer(), "cpu", bundle_dir=hand_bundle, verbose=False)
+        hand["examples_seen"] = len(model.calls)
+        tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
+        gpt = tiny_real_gpt(tokenizer.get_vocab_size())
+        gpt.load_state_dict(torch.load(weights_path, weights_only=True))
+        counting = CountingModel(gpt)
+        real = core_eval.evaluate_core(counting, tokenizer, "cpu", max_per_task=max_per_task, bundle_dir=real_bundle,
+                                       verbose=False)
+        real["examples_seen"] = counting.calls
         with open(f"{results_path}.{rank}", "w") as f:
-            json.dump(out, f)
+            json.dump({"hand": hand, "real": real}, f)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -408,23 +434,53 @@ def test_ranks_take_every_world_size_th_example_and_sum_counts(tmp_path, monkeyp
     assert reduced == [[2, 2], [1, 2]]
 
 
-@pytest.mark.slow
-def test_two_ranks_split_examples_and_all_reduce(tmp_path):
-    # Real gloo process group; slow only because each spawned process imports torch afresh.
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_agree_with_one_process(tmp_path, tiny_base_dir, seed7_bundle, monkeypatch, single_torch_thread):
+    """
+    A real 2-rank gloo group (spawned processes, one thread each): each rank scores every other example and
+    all_reduce sums the (correct, total) counts, so both ranks return the single-process accuracies: the
+    hand-worked ones for the successor model, and those of one process for the real tiny GPT on the built-in bundle.
+    """
     import socket
 
     import torch.multiprocessing as mp
 
-    bundle = write_bundle(tmp_path)
+    hand_bundle = write_bundle(tmp_path)
+    real_bundle, tasks = seed7_bundle
+    tokenizer_dir = os.path.join(tiny_base_dir, "tokenizer")
+    tokenizer = bpe_tokenizer(tiny_base_dir)
+    gpt = tiny_real_gpt(tokenizer.get_vocab_size())
+    weights_path = tmp_path / "gpt.pt"
+    torch.save(gpt.state_dict(), weights_path)
+    K = 5  # odd, so the ranks get 3 and 2 examples of each task
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank_worker, args=(2, port, str(bundle), str(tmp_path / "out")), nprocs=2, join=True)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ranks = mp.spawn(_rank_worker, args=(2, port, str(hand_bundle), real_bundle, tokenizer_dir, str(weights_path), K,
+                                         str(tmp_path / "out")), nprocs=2, join=False)
+    try:
+        # the single-process answer, computed while the two ranks start up
+        counting = CountingModel(gpt)
+        single = core_eval.evaluate_core(counting, tokenizer, "cpu", max_per_task=K, bundle_dir=real_bundle,
+                                         verbose=False)
+    finally:
+        while not ranks.join():
+            pass
     outs = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+
+    hand_worked = {"mc_task": MC_ACCURACY, "schema_task": SCHEMA_ACCURACY, "lm_task": LM_ACCURACY}
     for out in outs:
-        assert out["core_metric"] == pytest.approx(EXPECTED_CORE)
-        assert out["results"] == {"mc_task": MC_ACCURACY, "schema_task": SCHEMA_ACCURACY, "lm_task": LM_ACCURACY}
-    assert outs[0]["examples_seen"] == outs[1]["examples_seen"] == 6  # 12 examples, half each
+        assert out["hand"]["results"] == hand_worked
+        assert out["hand"]["core_metric"] == pytest.approx(EXPECTED_CORE)
+        assert out["real"]["results"] == single["results"]
+        assert out["real"]["centered_results"] == single["centered_results"]
+        assert out["real"]["core_metric"] == single["core_metric"]
+    assert outs[0]["hand"]["examples_seen"] == outs[1]["hand"]["examples_seen"] == 6  # 12 examples, half each
+    assert counting.calls == K * len(tasks)
+    assert [out["real"]["examples_seen"] for out in outs] == [3 * len(tasks), 2 * len(tasks)]
+    # some examples right and some wrong, so a rank's count missing from the sum would change an accuracy
+    assert 0 < sum(single["results"].values()) < len(tasks)
 
 
 # -----------------------------------------------------------------------------
@@ -608,3 +664,144 @@ def test_builtin_bundle_scores_oracle_perfect_and_random_at_chance(builtin_bundl
         else:
             assert abs(centered) < 0.2, (task["label"], centered)  # 4 standard errors at 150 examples
     assert abs(chance["core_metric"]) < 0.1
+
+
+# -----------------------------------------------------------------------------
+# The real thing: a tiny GPT and the real BPE tokenizer on the built-in bundle of the tiny corpus's world
+
+
+def tiny_real_gpt(vocab_size):
+    """sequence_len 96 fits the 0-shot choice prompts whole, while the longest 3-shot letter_count prompts (up to
+    ~140 tokens) get cropped."""
+    return random_tiny_gpt(vocab_size, 96)
+
+
+@pytest.fixture(scope="module")
+def seed7_bundle(tmp_path_factory):
+    """The built-in bundle about the world of seed 7, the seed of the tiny corpus; returns (folder, its tasks)."""
+    bundle = tmp_path_factory.mktemp("seed7") / "eval_bundle_builtin"
+    tasks = core_bundle.write_eval_bundle(bundle, world_mod.build_world(7), 7)
+    return str(bundle), tasks
+
+
+def bpe_tokenizer(tiny_base_dir):
+    from nanochat.tokenizer import RustBPETokenizer
+
+    return RustBPETokenizer.from_directory(os.path.join(tiny_base_dir, "tokenizer"))
+
+
+def mean_losses_by_hand(model, rows, start):
+    """Each row on its own (no batching, no padding): the mean negative log-likelihood of tokens start.. of it."""
+    losses = []
+    for row in rows:
+        assert len(row) <= model.config.sequence_len  # no cropping to mirror
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([row])).double()[0], dim=-1)
+        losses.append(-sum(logprobs[t - 1, row[t]].item() for t in range(start, len(row))) / (len(row) - start))
+    return losses
+
+
+def choice_verdict_by_hand(model, tokenizer, task_type, item):
+    """
+    Right or wrong, from the definition: render every candidate in full (0-shot, " " delimiter), score the tokens
+    where the candidates differ (after their shared token prefix for multiple choice; their shared token suffix for
+    schema), pick the lowest mean loss. Returns (verdict, gap between the best two mean losses).
+    """
+    bos = tokenizer.get_bos_token_id()
+    if task_type == "multiple_choice":
+        rows = [tokenizer.encode(f"{item['query']} {choice}", prepend=bos) for choice in item["choices"]]
+        shared = 0
+        while all(len(r) > shared + 1 and r[shared] == rows[0][shared] for r in rows):
+            shared += 1
+        losses = mean_losses_by_hand(model, rows, shared)
+    else:
+        rows = [tokenizer.encode(f"{option} {item['continuation']}", prepend=bos) for option in item["context_options"]]
+        tail = 0
+        while all(len(r) > tail + 1 and r[-1 - tail] == rows[0][-1 - tail] for r in rows):
+            tail += 1
+        assert tail >= 1
+        losses = [mean_losses_by_hand(model, [row], len(row) - tail)[0] for row in rows]
+    best = min(range(len(losses)), key=lambda i: losses[i])
+    ranked = sorted(losses)
+    return best == item["gold"], ranked[1] - ranked[0]
+
+
+def exact_match_by_hand(model, tokenizer, context, delimiter, continuation):
+    """language_modeling, 0-shot: greedy argmax must produce every token that carries a byte of the continuation."""
+    ctx = context.strip()
+    row = tokenizer.encode(ctx + delimiter + continuation, prepend=tokenizer.get_bos_token_id())
+    with torch.no_grad():
+        predicted = model(torch.tensor([row]))[0].argmax(dim=-1).tolist()
+    end, scored = 0, []
+    for t in range(1, len(row)):
+        end += len(tokenizer.enc.decode_single_token_bytes(row[t]))
+        if end > len(ctx.encode("utf-8")):
+            scored.append(t)
+    assert scored
+    return all(predicted[t - 1] == row[t] for t in scored)
+
+
+def test_core_of_real_gpt_with_bpe_tokenizer(tiny_base_dir, seed7_bundle, single_torch_thread):
+    """evaluate_core with the real model and tokenizer: every task scored, accuracies are counts out of K, centring
+    follows each task's baseline, and the choice tasks' accuracies equal an independent scoring of the same examples."""
+    bundle, tasks = seed7_bundle
+    tokenizer = bpe_tokenizer(tiny_base_dir)
+    model = tiny_real_gpt(tokenizer.get_vocab_size())
+    K = 12
+    out = core_eval.evaluate_core(model, tokenizer, "cpu", max_per_task=K, bundle_dir=bundle, verbose=False)
+
+    assert set(out) == {"results", "centered_results", "core_metric"}
+    assert list(out["results"]) == list(out["centered_results"]) == [t["label"] for t in tasks]
+    for task in tasks:
+        accuracy, baseline = out["results"][task["label"]], task["random_baseline"] / 100
+        assert 0 <= accuracy <= 1 and accuracy * K == pytest.approx(round(accuracy * K))
+        assert out["centered_results"][task["label"]] == pytest.approx((accuracy - baseline) / (1 - baseline))
+    assert out["core_metric"] == pytest.approx(sum(out["centered_results"].values()) / len(tasks))
+
+    # The same K examples evaluate_core took (a fixed shuffle, then the first K), scored independently.
+    scored_by_hand = 0
+    for task in tasks:
+        if task["icl_task_type"] == "language_modeling":
+            continue
+        assert task["num_fewshot"] == 0 and task["continuation_delimiter"] == " "  # what the scoring above assumes
+        data = [dict(example) for example in task["examples"]]
+        random.Random(core_eval.TASK_SHUFFLE_SEED).shuffle(data)
+        meta = {"task_type": task["icl_task_type"], "num_fewshot": 0, "continuation_delimiter": " "}
+        correct = 0
+        for idx in range(K):
+            verdict, gap = choice_verdict_by_hand(model, tokenizer, task["icl_task_type"], data[idx])
+            assert gap > 1e-4, (task["label"], idx)  # a clear winner: batching/padding noise cannot flip it
+            assert core_eval.evaluate_example(model, tokenizer, data, idx, "cpu", meta) == verdict, (task["label"], idx)
+            correct += verdict
+        assert out["results"][task["label"]] == correct / K, task["label"]
+        scored_by_hand += correct
+    assert 0 < scored_by_hand < 5 * K  # neither all wrong nor all right, so the comparison can tell them apart
+
+
+def test_exact_match_of_real_gpt_with_bpe_tokenizer(tiny_base_dir, seed7_bundle, single_torch_thread):
+    """language_modeling verdicts of evaluate_example equal an independent greedy check, on real examples (which a
+    random model gets wrong), on the model's own greedy continuations (right) and on those spoiled after one token."""
+    bundle, tasks = seed7_bundle
+    tokenizer = bpe_tokenizer(tiny_base_dir)
+    model = tiny_real_gpt(tokenizer.get_vocab_size())
+    bos = tokenizer.get_bos_token_id()
+    cases = []  # (example, delimiter)
+    for task in tasks:
+        if task["icl_task_type"] != "language_modeling":
+            continue
+        for example in task["examples"][:3]:
+            cases.append((example, " "))
+            prompt = tokenizer.encode(example["context"].strip(), prepend=bos)
+            greedy = []
+            with torch.no_grad():
+                for _ in range(2):
+                    greedy.append(int(model(torch.tensor([prompt + greedy]))[0, -1].argmax()))
+            cases.append(({"context": example["context"], "continuation": tokenizer.decode(greedy)}, ""))
+            cases.append(({"context": example["context"], "continuation": tokenizer.decode(greedy[:1]) + " zebra"}, ""))
+    verdicts = []
+    for example, delimiter in cases:
+        meta = {"task_type": "language_modeling", "num_fewshot": 0, "continuation_delimiter": delimiter}
+        expected = exact_match_by_hand(model, tokenizer, example["context"], delimiter, example["continuation"])
+        assert core_eval.evaluate_example(model, tokenizer, [example], 0, "cpu", meta) == expected, example
+        verdicts.append(expected)
+    assert True in verdicts and False in verdicts

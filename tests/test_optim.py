@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+import math
 import os
 import signal
 import subprocess
@@ -178,6 +179,77 @@ def test_muon_rejects_mixed_shapes_and_vectors():
         DistMuon([dict(params=[nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))])])
     with pytest.raises(ValueError, match="2-D"):
         Muon([nn.Parameter(torch.randn(4))])
+
+
+def reference_muon(p0, grads, lrs, momenta, weight_decay, nesterov=True):
+    """
+    Muon for one matrix, written from the math in float64 (nothing from nanochat.muon): returns the weights and
+    the momentum buffer after every step.
+        buf <- buf + (1 - m) (g - buf)                  momentum as an exponential average
+        d   <- g + m (buf - g)                          Nesterov look-ahead (or buf without it)
+        X   <- d / ||d||_F, on the wide orientation (tall matrices transposed)
+        X   <- a X + (b A + c A^2) X,  A = X X^T        5 times, (a, b, c) = (3.4445, -4.7750, 2.0315)
+        p   <- p (1 - lr wd) - lr sqrt(max(1, rows/cols)) X      (X transposed back for a tall matrix)
+    """
+    a, b, c = 3.4445, -4.7750, 2.0315
+    rows, cols = p0.shape
+    p, buf = p0.double().clone(), torch.zeros(rows, cols, dtype=torch.float64)
+    trajectory = []
+    for g, lr, m in zip(grads, lrs, momenta):
+        g = g.double()
+        buf = buf + (1 - m) * (g - buf)
+        d = g + m * (buf - g) if nesterov else buf
+        X = d.T if rows > cols else d
+        X = X / (torch.sqrt((X * X).sum()) + 1e-7)
+        for _ in range(5):
+            A = X @ X.T
+            X = a * X + (b * A + c * (A @ A)) @ X
+        update = X.T if rows > cols else X
+        p = p * (1 - lr * weight_decay) - lr * math.sqrt(max(1.0, rows / cols)) * update
+        trajectory.append((p.clone(), buf.clone()))
+    return trajectory
+
+
+@pytest.mark.parametrize("optimizer_cls", [Muon, DistMuon])
+def test_muon_matches_float64_reference(optimizer_cls, single_torch_thread):
+    """Muon and (single-process) DistMuon follow the plain float64 Muon above, step by step, for wide, tall and
+    square matrices, two of each shape (so the batched orthogonalisation is exercised), under a changing lr and
+    momentum and with weight decay."""
+    torch.manual_seed(0)
+    shapes = [(16, 48), (48, 16), (24, 24), (20, 28)]  # 16x48 and 48x16 take muon.py's Gram-form iteration
+    steps, weight_decay = 5, 0.1
+    lrs = [0.02 * (1 - 0.1 * k) for k in range(steps)]
+    momenta = [0.85 + 0.02 * k for k in range(steps)]
+    params = [nn.Parameter(0.3 * torch.randn(shape)) for shape in shapes for _ in range(2)]
+    starts = [p.detach().clone() for p in params]
+    grads = [[torch.randn(p.shape) for _ in range(steps)] for p in params]
+    references = [reference_muon(start, g, lrs, momenta, weight_decay) for start, g in zip(starts, grads)]
+    if optimizer_cls is Muon:
+        groups = [dict(params=params)]  # one group of mixed shapes: Muon batches same-shape matrices itself
+    else:
+        groups = [dict(params=params[i:i + 2]) for i in range(0, len(params), 2)]  # DistMuon: one shape per group
+    opt = optimizer_cls(groups, lr=lrs[0], momentum=momenta[0], weight_decay=weight_decay)
+
+    # Tolerance: the float64 reference is exact to ~1e-13; ours runs in float32. Storing p costs 2^-24 |p| per step, and
+    # the orthogonalised update (entries <= ~1) carries float32 rounding that the iteration can amplify by at most
+    # a^5 ~ 500 (the slope at 0, along the smallest singular directions), times lr * shape scale per step.
+    max_scale = math.sqrt(3.0)
+    tol = steps * 2**-24 * 1.5 + sum(lrs) * max_scale * 500 * 2**-24  # ~6e-6; observed differences are ~1e-7
+    for k in range(steps):
+        for group in opt.param_groups:
+            group["lr"], group["momentum"] = lrs[k], momenta[k]
+        for p, g in zip(params, grads):
+            p.grad = g[k].clone()
+        opt.step()
+        for i, p in enumerate(params):
+            ref_p, ref_buf = references[i][k]
+            assert (p.detach().double() - ref_p).abs().max().item() < tol, (p.shape, k)
+            # the buffer is a plain average of N(0, 1) gradients (|buf| < 5): float32 rounding of 2^-24 * 5 per step
+            assert (opt.state[p]["momentum_buffer"].double() - ref_buf).abs().max().item() < 1e-6, (p.shape, k)
+    # the tolerance is sharp: the same steps without the Nesterov look-ahead land far outside it
+    for p, start, g in zip(params, starts, grads):
+        plain, _ = reference_muon(start, g, lrs, momenta, weight_decay, nesterov=False)[-1]
+        assert (p.detach().double() - plain).abs().max().item() > 100 * tol, p.shape
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""
+Batches of conversations for the chat stages, deterministic and exactly resumable.
+
+Every rank walks the same global stream of conversations (a task or TaskMixture, cycled epoch after
+epoch) and takes its own share of each optimizer step: micro-batch m of a step goes to rank m % world,
+so a step holds the same rows whether it runs as 2 ranks x 1 micro-batch or 1 rank x 2 micro-batches,
+and 1-rank and 2-rank runs of the same global batch agree. The state (position, epoch, and for packing
+the waiting conversations) is the same on every rank and small, and goes into each checkpoint.
+
+- `PackedConversations` (mid-training): rendered conversations packed best-fit into rows of T+1 tokens
+  that start with BOS. A conversation is never split across rows: one longer than a row is cut at its
+  end, and space no conversation fits is padding, which is never trained on. Loss on every other token.
+- `ConversationBatches` (SFT): one conversation per row, padded to the longest in its micro-batch; the
+  targets are -1 wherever the render mask is 0 (user text, tool output, structure) and on padding.
+"""
+
+import bisect
+
+import torch
+
+# -----------------------------------------------------------------------------
+# The stream of conversations
+
+
+class ConversationStream:
+    """Example indices of a task in order, forever: (epoch, position) names where it stands."""
+
+    def __init__(self, task, tokenizer, max_tokens, state=None):
+        if task.num_examples() == 0:
+            raise ValueError(f"task {getattr(task, 'name', task)} has no examples")
+        self.task, self.tokenizer, self.max_tokens = task, tokenizer, max_tokens
+        state = state or {}
+        self.epoch, self.position = state.get("epoch", 0), state.get("position", 0)
+
+    def render(self, index):
+        """(ids, mask) of example `index`, cut at max_tokens."""
+        return self.tokenizer.render_conversation(self.task.get_example(index), max_tokens=self.max_tokens)
+
+    def next_index(self):
+        index = self.position
+        self.position += 1
+        if self.position == self.task.num_examples():
+            self.epoch, self.position = self.epoch + 1, 0
+        return index
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position}
+
+
+def _pad_rows(rows, pad_id):
+    """Stack token lists of different lengths into one tensor, right-padded with pad_id."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Mid-training: packed rows
+
+
+class PackedConversations:
+    """
+    Each next() returns this rank's micro-batches of one optimizer step: a list of grad_accum (x, y) pairs of
+    shape (B, T). Targets are the next tokens, -1 on padding.
+    """
+
+    def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
+                 buffer_size=64):
+        self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
+        self.device, self.buffer_size = torch.device(device), buffer_size
+        self.bos = tokenizer.get_bos_token_id()
+        state = resume_state or {}
+        self.stream = ConversationStream(task, tokenizer, T + 1, state.get("stream"))
+        # the buffer holds (length, arrival, example index, ids); arrival numbers keep the order stable
+        self.buffer, self.arrival = [], 0
+        for index in state.get("buffer", []):
+            self._add(index)
+        self.tokens_kept = state.get("tokens_kept", 0)
+        self.tokens_padded = state.get("tokens_padded", 0)
+
+    def _add(self, index):
+        ids, _ = self.stream.render(index)
+        bisect.insort(self.buffer, (len(ids), self.arrival, index, ids))
+        self.arrival += 1
+
+    def _row(self):
+        """One row of T+1 tokens: the oldest waiting conversation opens it, best fits fill it, padding ends it."""
+        row, padded = [], 0
+        while len(row) < self.T + 1:
+            while len(self.buffer) < self.buffer_size:
+                self._add(self.stream.next_index())
+            space = self.T + 1 - len(row)
+            if not row:
+                i = min(range(len(self.buffer)), key=lambda j: self.buffer[j][1])  # no conversation starves
+            else:
+                i = bisect.bisect_right(self.buffer, (space, float("inf"))) - 1
+                if i < 0:  # nothing fits: pad rather than split a conversation
+                    padded = space
+                    break
+            row.extend(self.buffer.pop(i)[3])
+        self.tokens_kept += len(row)
+        self.tokens_padded += padded
+        return row + [self.bos] * padded, padded
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        micro_batches = []
+        for m in range(self.grad_accum * self.world_size):
+            rows = [self._row() for _ in range(self.B)]
+            if m % self.world_size != self.rank:
+                continue
+            tokens = torch.tensor([r for r, _ in rows], dtype=torch.long)
+            x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            for b, (_, padded) in enumerate(rows):
+                if padded:
+                    y[b, self.T - padded:] = -1
+            micro_batches.append((x.to(self.device), y.to(self.device)))
+        return micro_batches
+
+    def padding_fraction(self):
+        return self.tokens_padded / max(1, self.tokens_kept + self.tokens_padded)
+
+    def state_dict(self):
+        waiting = sorted(self.buffer, key=lambda entry: entry[1])  # arrival order, so a resume rebuilds the same keys
+        return {"stream": self.stream.state_dict(), "buffer": [entry[2] for entry in waiting],
+                "tokens_kept": self.tokens_kept, "tokens_padded": self.tokens_padded}
+
+
+# -----------------------------------------------------------------------------
+# SFT: one conversation per row, loss where the mask says
+
+
+class ConversationBatches:
+    """
+    Each next() returns this rank's micro-batches of one optimizer step: a list of grad_accum (x, y) pairs of
+    shape (B, L) with L <= T the longest conversation of that micro-batch. y is -1 where nothing is learned.
+    """
+
+    def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None):
+        self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
+        self.device = torch.device(device)
+        self.bos = tokenizer.get_bos_token_id()
+        self.stream = ConversationStream(task, tokenizer, T + 1, (resume_state or {}).get("stream"))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        micro_batches = []
+        for m in range(self.grad_accum * self.world_size):
+            rendered = [self.stream.render(self.stream.next_index()) for _ in range(self.B)]
+            if m % self.world_size != self.rank:
+                continue
+            ids = _pad_rows([r for r, _ in rendered], self.bos)
+            mask = _pad_rows([k for _, k in rendered], 0)
+            x, y = ids[:, :-1].contiguous(), ids[:, 1:].clone()
+            y[mask[:, 1:] == 0] = -1  # learn only what the assistant writes; padding has mask 0 too
+            micro_batches.append((x.to(self.device), y.to(self.device)))
+        return micro_batches
+
+    def state_dict(self):
+        return {"stream": self.stream.state_dict()}
+
+
+# -----------------------------------------------------------------------------
+# RL: problems by step
+
+
+class ProblemSchedule:
+    """
+    Which problems of a task each RL step works on: step s takes the global indices s*P .. s*P+P-1 (wrapping
+    around the task), rank r every world_size-th of them. A function of the step alone, so resuming at a step
+    gives exactly the problems (and, with seeds derived from the indices, the samples) of an uninterrupted run.
+    """
+
+    def __init__(self, task, problems_per_step, rank=0, world_size=1):
+        self.task, self.per_step, self.rank, self.world_size = task, problems_per_step, rank, world_size
+
+    def problems(self, step):
+        start = step * self.per_step
+        return [(start + j) % self.task.num_examples() for j in range(self.rank, self.per_step, self.world_size)]
+
+    def state_dict(self):
+        return {}  # nothing beyond the step, which the checkpoint holds

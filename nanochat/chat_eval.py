@@ -1,0 +1,99 @@
+"""
+Scoring a chat model on tasks: categorical tasks by the logits of the answer letters alone (batched),
+generative tasks by sampling a reply with the Engine and letting the task judge it; under torchrun each
+rank takes every world_size-th problem and the counts are summed, so every rank returns the same numbers.
+
+ChatCORE sums a model up in one number: the mean over tasks of (accuracy - baseline) / (1 - baseline),
+where the baseline is what random guessing scores (1/choices for multiple choice, 0 for generative).
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import dist_rank_world, print0
+from nanochat.engine import Engine
+
+
+def _reduce_counts(correct, total, device):
+    counts = torch.tensor([correct, total], dtype=torch.long, device=device)
+    if dist_rank_world()[1] > 1:
+        dist.all_reduce(counts)
+    return counts.tolist()
+
+
+@torch.no_grad()
+def categorical_accuracy(model, tokenizer, task, indices, batch_size=8):
+    """Pick, for each problem, the answer letter with the highest logit after the prompt; (correct, total) here."""
+    device = model.get_device()
+    bos = tokenizer.get_bos_token_id()
+    correct = 0
+    for start in range(0, len(indices), batch_size):
+        conversations = [task.get_example(i) for i in indices[start:start + batch_size]]
+        prompts = [tokenizer.render_for_completion(c)[-model.config.sequence_len:] for c in conversations]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), bos, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.tensor(prompt)
+        logits = model(ids.to(device))
+        for row, (conversation, prompt) in enumerate(zip(conversations, prompts)):
+            letters = conversation["letters"]
+            letter_ids = [tokenizer.encode(letter) for letter in letters]
+            assert all(len(t) == 1 for t in letter_ids), f"answer letters {letters} must be single tokens"
+            scores = logits[row, len(prompt) - 1, [t[0] for t in letter_ids]]
+            correct += bool(task.evaluate(conversation, letters[int(scores.argmax())]))
+    return correct, len(indices)
+
+
+def generate_reply(engine, tokenizer, conversation, max_tokens, temperature=0.0, top_k=None, seed=42):
+    """The assistant's reply to a conversation as text (tool calls and outputs included), or None if it cannot fit."""
+    prompt = tokenizer.render_for_completion(conversation)
+    room = engine.model.config.sequence_len - len(prompt)
+    if room < 1:
+        return None
+    results, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=min(max_tokens, room), temperature=temperature,
+                                       top_k=top_k, seed=seed)
+    return tokenizer.decode(results[0][len(prompt):])
+
+
+def generative_accuracy(model, tokenizer, task, indices, max_tokens=256, temperature=0.0, top_k=None):
+    """Sample a reply per problem and let the task judge it; (correct, total) on this rank."""
+    engine = Engine(model, tokenizer)
+    correct = 0
+    for i in indices:
+        conversation = task.get_example(i)
+        reply = generate_reply(engine, tokenizer, conversation, max_tokens, temperature, top_k, seed=i)
+        correct += reply is not None and bool(task.evaluate(conversation, reply))
+    return correct, len(indices)
+
+
+def evaluate_task(model, tokenizer, task, max_problems=None, batch_size=8, max_tokens=256, temperature=0.0, top_k=None):
+    """Accuracy on the first max_problems problems of a task (all if None), the same on every rank."""
+    rank, world_size = dist_rank_world()
+    n = task.num_examples() if max_problems is None else min(max_problems, task.num_examples())
+    indices = list(range(rank, n, world_size))
+    if task.eval_type == "categorical":
+        correct, total = categorical_accuracy(model, tokenizer, task, indices, batch_size)
+    else:
+        correct, total = generative_accuracy(model, tokenizer, task, indices, max_tokens, temperature, top_k)
+    correct, total = _reduce_counts(correct, total, model.get_device())
+    return correct / max(1, total), total
+
+
+def chatcore(accuracies, baselines):
+    """Mean over tasks of the accuracy centred on its random baseline: 0 is chance, 1 is perfect."""
+    centered = [(accuracies[name] - baselines[name]) / (1.0 - baselines[name]) for name in accuracies]
+    return sum(centered) / len(centered)
+
+
+def evaluate_tasks(model, tokenizer, tasks, max_problems=None, **kwargs):
+    """{name: accuracy} and {name: baseline} over named tasks, printing a line per task as it finishes."""
+    accuracies, baselines = {}, {}
+    for name, task in tasks.items():
+        t0 = time.time()
+        accuracy, total = evaluate_task(model, tokenizer, task, max_problems, **kwargs)
+        accuracies[name], baselines[name] = accuracy, task.baseline
+        print0(f"{name:<16} accuracy {100 * accuracy:6.2f}% of {total:5d} | baseline {100 * task.baseline:5.1f}% | "
+               f"{task.eval_type} | {time.time() - t0:.1f}s")
+    return accuracies, baselines

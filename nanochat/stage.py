@@ -1,0 +1,156 @@
+"""
+What the chat stages (mid_train, chat_sft, chat_rl) share outside their loop: the flags every stage
+takes, their validation before any compute (base_train uses it too), and the start of a stage: the
+checkpoint it builds on, its optimizers and learning rates, its own output directory, and resuming.
+"""
+
+import os
+
+from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, resolve_step
+from nanochat.common import UserError, autocast_for
+from nanochat.loop import StartPoint, TrainingLoop, resume_from
+from nanochat.training import build_optimizers, config_dict, dial_lrs
+
+# -----------------------------------------------------------------------------
+# Flags
+
+
+def add_stage_flags(parser, source, lr_frac, num_iterations, device_batch_size, total_batch_size, batch_unit,
+                    conversation_data=True):
+    """
+    The flags of a chat stage. source: the stage it starts from by default; batch_unit: what a batch counts;
+    conversation_data: the stage trains on a mixture of conversations (mid, SFT), with its row length and validation.
+    """
+    p = parser
+    p.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+    p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    p.add_argument("-i", "--source", default=source, choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
+    p.add_argument("-g", "--model-tag", default=None, help="tag of the input checkpoint, also the output's (default: latest)")
+    p.add_argument("-s", "--step", type=int, default=None, help="step of the input checkpoint (default: latest)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--num-iterations", type=int, default=num_iterations, help="optimizer steps (-1 = one epoch of the data)")
+    p.add_argument("--device-batch-size", type=int, default=device_batch_size, help=f"{batch_unit} per micro-batch")
+    p.add_argument("--total-batch-size", type=int, default=total_batch_size, help=f"{batch_unit} per optimizer step")
+    p.add_argument("--init-lr-frac", type=float, default=lr_frac, help="the depth dial's lrs are scaled by this")
+    add_optimization_flags(p, weight_decay=0.0, warmdown_ratio=0.5)
+    p.add_argument("--eval-every", type=int, default=-1, help="-1 = only at the start and the end")
+    p.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end (and on a stop signal)")
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="continue this stage's latest checkpoint")
+    if conversation_data:
+        p.add_argument("--max-seq-len", type=int, default=-1, help="tokens per row (-1 = the model's context)")
+        p.add_argument("--mixture", default="", choices=["", "builtin", "hub"],
+                       help="builtin (offline) or hub data (default: builtin when $NANOCHAT_DATA_SOURCE is builtin or unset)")
+        p.add_argument("--identity-file", default=None, help="a JSONL file of identity conversations (CustomJSON)")
+        p.add_argument("--eval-steps", type=int, default=8, help="validation batches per evaluation")
+
+
+def add_optimization_flags(parser, weight_decay, warmdown_ratio):
+    """Per-group lrs (-1: from the depth dial), Muon weight decay and the lr schedule's shape: every training script's."""
+    p = parser
+    p.add_argument("--embedding-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    p.add_argument("--unembedding-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    p.add_argument("--matrix-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    p.add_argument("--weight-decay", type=float, default=weight_decay, help="Muon weight decay (-1 = from the depth dial)")
+    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps warming the lr up linearly")
+    p.add_argument("--warmdown-ratio", type=float, default=warmdown_ratio, help="fraction of steps decaying it linearly")
+    p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr multiplier at the last step")
+
+
+def mixture_kind(choice=""):
+    """builtin (offline, the built-in world) or hub data: what the user chose, else what the pretraining source implies."""
+    return choice or ("builtin" if os.environ.get("NANOCHAT_DATA_SOURCE", "builtin") == "builtin" else "hub")
+
+
+def context_length(model, max_seq_len):
+    """Tokens per row: the model's context unless --max-seq-len asks for fewer."""
+    T = model.config.sequence_len if max_seq_len == -1 else max_seq_len
+    check_flag(T <= model.config.sequence_len, "max_seq_len", T, f"must not exceed the model's context "
+               f"({model.config.sequence_len})")
+    return T
+
+
+def check_flag(ok, flag, value, allowed):
+    if not ok:
+        raise UserError(f"--{flag.replace('_', '-')}={value} is not valid: {allowed}")
+
+
+def validate_training_flags(args):
+    """The checks every training script shares: lrs, schedule shape, cadences, batch sizes, checkpoint rotation."""
+    for flag in ("device_batch_size", "total_batch_size", "keep_last"):
+        check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
+    for flag in ("embedding_lr", "unembedding_lr", "matrix_lr"):
+        value = getattr(args, flag)
+        check_flag(value == -1 or value > 0, flag, value, "must be > 0, or -1 for the depth dial's value")
+    check_flag(args.weight_decay == -1 or args.weight_decay >= 0, "weight_decay", args.weight_decay,
+               "must be >= 0, or -1 for the dial")
+    for flag in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
+        check_flag(0 <= getattr(args, flag) <= 1, flag, getattr(args, flag), "must be between 0 and 1")
+    check_flag(args.warmup_ratio + args.warmdown_ratio <= 1, "warmup_ratio", args.warmup_ratio,
+               f"warmup + warmdown ({args.warmup_ratio} + {args.warmdown_ratio}) must not exceed 1")
+    for flag in ("eval_every", "save_every"):
+        value = getattr(args, flag)
+        check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
+
+
+def validate_stage_flags(args):
+    validate_training_flags(args)
+    check_flag(args.num_iterations == -1 or args.num_iterations >= 1, "num_iterations", args.num_iterations,
+               "must be >= 1, or -1 for one epoch")
+    check_flag(args.init_lr_frac > 0, "init_lr_frac", args.init_lr_frac, "must be > 0")
+    check_flag(args.step is None or args.step >= 0, "step", args.step, "must be >= 0")
+    if hasattr(args, "max_seq_len"):
+        check_flag(args.max_seq_len == -1 or args.max_seq_len >= 16, "max_seq_len", args.max_seq_len, "must be >= 16, or -1")
+        check_flag(args.eval_steps >= 1, "eval_steps", args.eval_steps, "must be >= 1")
+
+
+def micro_steps(total, per_micro, world_size, unit):
+    """Micro-batches per rank per optimizer step; refuses (before any compute) a split that is not exact."""
+    if total % (per_micro * world_size):
+        raise UserError(f"--total-batch-size={total} {unit} is not a multiple of --device-batch-size x world size = "
+                        f"{per_micro} x {world_size}")
+    return total // (per_micro * world_size)
+
+
+# -----------------------------------------------------------------------------
+# Starting a stage
+
+
+def output_dir(stage, args):
+    """The stage's checkpoint dir for the input's tag, claimed for this run (one run per tag; proven writable)."""
+    tag = args.model_tag or find_latest_tag(args.source)
+    ckpt_dir = checkpoint_dir(stage, tag)
+    claim_checkpoint_dir(ckpt_dir)
+    return tag, ckpt_dir
+
+
+def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
+               tokens_per_step=None):
+    """The TrainingLoop of a chat stage, wired from its flags (checkpoints, wandb) and its model."""
+    return TrainingLoop(name, ckpt_dir, model, optimizers, loader, num_iterations, start, device, autocast_for(device),
+                        vars(args).copy(), config_dict(model.config), tokenizer.fingerprint(), tokens_per_step,
+                        model.estimate_flops() if tokens_per_step else None, args.save_every, args.keep_last, args.run,
+                        meta={"lrs": lrs})
+
+
+def start_stage(args, tag, ckpt_dir, device):
+    """
+    The model the stage trains (the input checkpoint, or this stage's own latest one with --resume), its
+    optimizers at the dial's lrs for its depth times --init-lr-frac, and where the loop starts.
+    Returns (model, tokenizer, optimizers, lrs, start).
+    """
+    model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
+    model_config = config_dict(model.config)
+    dial = dial_lrs(model.config.n_layer, 2**19)  # the lrs the base model trained with at the reference batch
+    lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)
+           for name in ("embedding_lr", "unembedding_lr", "matrix_lr")}
+    lrs["weight_decay"] = dial["weight_decay"] if args.weight_decay < 0 else args.weight_decay
+    optimizers = build_optimizers(model, **lrs)
+    start = StartPoint()
+    if args.resume:
+        step = resolve_step(ckpt_dir)
+        start = resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer.fingerprint(), device)
+        if start.meta.get("user_config", {}).get("source") not in (None, args.source):
+            raise UserError(f"{ckpt_dir} step {step} was trained from {start.meta['user_config']['source']}, "
+                            f"not {args.source}; resume with the same -i")
+    return model, tokenizer, optimizers, lrs, start

@@ -1,0 +1,133 @@
+"""
+Fetch a hub dataset split as parquet files, without the `datasets` package.
+
+The hub's parquet API lists a split's files: GET {endpoint}/api/datasets/{repo}/parquet/{config}/{split}
+answers a JSON list of URLs. They are downloaded with nanochat.download into
+<base_dir>/task_data/{repo}/{config}/{split}/ and a manifest (files.json) is written last, so a split
+with a manifest is complete and later loads need no network. One rank at a time downloads a split (a
+file lock); the others wait and then read what it fetched. $HF_ENDPOINT points at a mirror or test server.
+"""
+
+import json
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import requests
+from filelock import FileLock
+
+from nanochat.common import UserError, atomic_write_text, get_base_dir, print0
+from nanochat.download import HTTP_TIMEOUT, DownloadError, download_file
+
+MANIFEST = "files.json"
+LIST_ATTEMPTS = 3
+LIST_BACKOFF_SECONDS = 1.0  # doubled after each failed attempt to list a split
+
+
+def hub_endpoint():
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def listing_url(repo, config, split):
+    return f"{hub_endpoint()}/api/datasets/{repo}/parquet/{config}/{split}"
+
+
+def split_dir(repo, config, split):
+    return os.path.join(get_base_dir(), "task_data", repo, config, split)
+
+
+def _how_to_fix():
+    return ("check the network, or set HF_ENDPOINT to a reachable mirror of huggingface.co; "
+            "offline, use the built-in tasks (WorldQA, Identity, Arithmetic, SpellingBee, SimpleSpelling) "
+            "as the CPU preset does")
+
+
+def local_parquet_files(repo, config, split):
+    """The split's parquet files if a complete download is on disk, else None. Never touches the network."""
+    directory = split_dir(repo, config, split)
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            names = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    paths = [os.path.join(directory, name) for name in names]
+    return paths if all(os.path.exists(p) for p in paths) else None
+
+
+def _list_parquet_urls(task_name, repo, config, split):
+    url = listing_url(repo, config, split)
+    problem = None
+    for attempt in range(LIST_ATTEMPTS):
+        if attempt:
+            time.sleep(LIST_BACKOFF_SECONDS * 2 ** (attempt - 1))
+        try:
+            response = requests.get(url, timeout=HTTP_TIMEOUT)
+        except requests.RequestException as e:
+            problem = f"{type(e).__name__}: {e}"
+            continue
+        if response.status_code >= 500:
+            problem = f"HTTP {response.status_code} {response.reason}"
+            continue
+        if response.status_code >= 400:
+            problem = f"HTTP {response.status_code} {response.reason} (is {repo} {config}/{split} a real split?)"
+            break
+        try:
+            urls = response.json()
+        except ValueError:
+            urls = None
+        if isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls):
+            return urls
+        problem = f"expected a non-empty JSON list of parquet URLs, got {response.text[:200]!r}"
+        break
+    raise UserError(f"task {task_name}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: "
+                    f"{problem}; {_how_to_fix()}")
+
+
+def fetch_parquet_files(task_name, repo, config, split):
+    """Local paths of the split's parquet files, downloading whatever is missing."""
+    paths = local_parquet_files(repo, config, split)
+    if paths is not None:
+        return paths
+    directory = split_dir(repo, config, split)
+    os.makedirs(directory, exist_ok=True)
+    with FileLock(os.path.join(directory, ".lock")):
+        paths = local_parquet_files(repo, config, split)  # another rank may have finished while we waited
+        if paths is not None:
+            return paths
+        urls = _list_parquet_urls(task_name, repo, config, split)
+        names = [f"part-{i:04d}.parquet" for i in range(len(urls))]
+        print0(f"task {task_name}: downloading {len(urls)} parquet file(s) of {repo} {config}/{split} -> {directory}")
+        for url, name in zip(urls, names):
+            path = os.path.join(directory, name)
+            if os.path.exists(path):  # download_file renames only complete files into place
+                continue
+            try:
+                download_file(url, path)
+            except DownloadError as e:
+                raise UserError(f"task {task_name}: {e}; {_how_to_fix()}") from None
+        atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"urls": urls, "files": names}, indent=2))
+        return [os.path.join(directory, name) for name in names]
+
+
+def load_table(task_name, repo, config, split):
+    """The whole split as one pyarrow Table (downloaded first if needed)."""
+    paths = fetch_parquet_files(task_name, repo, config, split)
+    try:
+        return pa.concat_tables([pq.read_table(p) for p in paths])
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"task {task_name}: cannot read the parquet files in {split_dir(repo, config, split)} ({e}); "
+                        f"delete that directory to download them again") from None
+
+
+def local_row_count(repo, config, split):
+    """Rows of a downloaded split, from the parquet footers only; None when the split is not on disk."""
+    paths = local_parquet_files(repo, config, split)
+    if paths is None:
+        return None
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+def table_row(table, index):
+    """Row `index` of a table as a dict of plain Python values (nested structs become dicts and lists)."""
+    return {name: table.column(name)[index].as_py() for name in table.column_names}

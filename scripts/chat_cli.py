@@ -1,0 +1,131 @@
+"""
+Chat with a trained model in the terminal, replies streamed as they are written.
+
+    python -m scripts.chat_cli                        # latest sft model, interactive
+    python -m scripts.chat_cli -i rl -t 0.8 -k 40     # another stage and sampling
+    python -m scripts.chat_cli -p "What is 12*3?"     # one question, print the reply, exit
+    python -m scripts.chat_cli -i base -p "The capital of"   # a base model continues the text
+
+Interactive commands: `clear` starts a new conversation, `quit`, `exit` or Ctrl-D leaves. Tool calls show as
+[python: 12*3] [output: 36]. A conversation that outgrows the model's context loses its oldest turns, with a note.
+Status lines go to stderr, replies to stdout, so `-p` output can be piped.
+"""
+
+import argparse
+import sys
+
+from nanochat.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, Finish, MarkupWriter,
+                           Piece, RequestError, check_number, fit_conversation, fit_text, generate_replies,
+                           model_summary, prompt_budget)
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import UserError, compute_init, run_main
+from nanochat.engine import Engine
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Chat with a trained nanochat model in the terminal.")
+    p.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which stage's model")
+    p.add_argument("-g", "--model-tag", default=None, help="model tag (default: the latest)")
+    p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("-p", "--prompt", default=None, help="answer this one prompt, print the reply and exit")
+    p.add_argument("-t", "--temperature", type=float, default=0.6, help="0 = always the most likely token")
+    p.add_argument("-k", "--top-k", type=int, default=50, help="sample among the k most likely tokens")
+    p.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
+    p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    args = p.parse_args(argv)
+    try:
+        check_number("--temperature", args.temperature, *TEMPERATURE_RANGE)
+        check_number("--top-k", args.top_k, *TOP_K_RANGE, integer=True)
+        check_number("--max-tokens", args.max_tokens, *MAX_TOKENS_RANGE, integer=True)
+    except RequestError as e:
+        raise UserError(str(e)) from None
+    return args
+
+
+def status(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def stream_reply(engine, prompt_ids, args, chat):
+    """Print one reply as it is written; returns its parts (for the conversation) once it is finished."""
+    writer = MarkupWriter(TERMINAL_MARKUP)
+    parts, reason = [], None
+    for event in generate_replies(engine, prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, chat=chat):
+        if isinstance(event, Piece):
+            print(writer.write(event.kind, event.text), end="", flush=True)
+        elif isinstance(event, Finish):
+            parts, reason = event.parts, event.reason
+    print(writer.close(), flush=True)
+    if reason == "length":
+        status(f"(reply cut at {args.max_tokens} tokens or the end of the context)")
+    return parts
+
+
+def answer(engine, tokenizer, conversation, text, args, chat):
+    """Add the user's text to the conversation (chat) or take it as a prompt (base), and stream the reply."""
+    context = engine.model.config.sequence_len
+    budget = prompt_budget(context, args.max_tokens)
+    if not chat:
+        prompt = fit_text(tokenizer, text, budget)
+    else:
+        try:
+            prompt = fit_conversation(tokenizer, conversation + [{"role": "user", "content": text}], budget)
+        except RequestError as e:
+            status(f"note: {e.reason}")
+            return
+        conversation[:] = prompt.messages  # turns dropped to fit the context stay dropped
+    if prompt.note:
+        status(f"note: {prompt.note}")
+    parts = stream_reply(engine, prompt.ids, args, chat)
+    if chat:
+        conversation.append({"role": "assistant", "content": parts})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    _, _, _, _, device = compute_init(args.device_type)
+    status(f"loading the {args.source} model on {device} ...")
+    model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
+    _, line = model_summary(meta, model, device, args.source)
+    status(f"loaded {line}")
+    engine = Engine(model, tokenizer)
+    chat = args.source != "base"  # a base model never saw the chat format: it continues text instead
+
+    conversation = []
+    if args.prompt is not None:
+        answer(engine, tokenizer, conversation, args.prompt, args, chat)
+        return
+    if chat:
+        status("Chat with the model. 'clear' starts a new conversation; 'quit', 'exit' or Ctrl-D leaves.")
+    else:
+        status("Base model: each line you type is continued as plain text. 'quit', 'exit' or Ctrl-D leaves.")
+    while True:
+        try:
+            text = input("\nYou: ").strip()
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            return
+        if text in ("quit", "exit"):
+            return
+        if text == "clear":
+            conversation = []
+            status("(new conversation)")
+            continue
+        if not text:
+            continue
+        print("Assistant: " if chat else "Model: ", end="", flush=True)
+        try:
+            answer(engine, tokenizer, conversation, text, args, chat)
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the program
+            print()
+            status("(reply stopped)")
+            if conversation and conversation[-1]["role"] == "user":
+                conversation.pop()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,84 @@
+"""
+Evaluate a chat model on tasks and sum it up as ChatCORE; writes its section of the report.
+
+  python -m scripts.chat_eval -i sft                         # every task of the suite
+  python -m scripts.chat_eval -i rl -a GSM8K -x 200          # one task, its first 200 problems
+  torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -- -i sft
+The default suite is the built-in one (offline: WorldQA on held-out subjects, Identity, Arithmetic,
+SpellingBee, SimpleSpelling) when $NANOCHAT_DATA_SOURCE is builtin or unset, else the hub one (ARC-Easy,
+ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee).
+"""
+
+import argparse
+
+from nanochat.chat_eval import chatcore, evaluate_tasks
+from nanochat.checkpoint_manager import find_latest_tag, load_model
+from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
+from nanochat.report import get_report
+from nanochat.stage import mixture_kind
+from nanochat.tasks import canonical_name, get_task
+
+# The split each task is measured on: never one that training saw.
+EVAL_SPLITS = {"ARC-Easy": "test", "ARC-Challenge": "test", "MMLU": "test", "GSM8K": "test", "HumanEval": "test",
+               "SpellingBee": "test", "SimpleSpelling": "test", "WorldQA": "eval", "Identity": "eval", "Arithmetic": "test"}
+SUITES = {"builtin": ["WorldQA", "Identity", "Arithmetic", "SpellingBee", "SimpleSpelling"],
+          "hub": ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"]}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Evaluate a chat model; ChatCORE over the tasks.")
+    p.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"])
+    p.add_argument("-a", "--tasks", default="", help="task names separated by | (default: the whole suite)")
+    p.add_argument("-x", "--max-problems", type=int, default=-1, help="problems per task (-1 = all)")
+    p.add_argument("-g", "--model-tag", default=None)
+    p.add_argument("-s", "--step", type=int, default=None)
+    p.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature for generative tasks")
+    p.add_argument("-k", "--top-k", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8, help="problems per forward pass for categorical tasks")
+    p.add_argument("--suite", default="", choices=["", "builtin", "hub"], help="default: from $NANOCHAT_DATA_SOURCE")
+    p.add_argument("--device-type", default="")
+    args = p.parse_args(argv)
+    for flag in ("max_new_tokens", "batch_size", "top_k"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not valid: must be >= 1")
+    if args.max_problems == 0 or args.max_problems < -1:
+        raise UserError(f"--max-problems={args.max_problems} is not valid: must be >= 1, or -1 for all")
+    if not 0 <= args.temperature <= 2:
+        raise UserError(f"--temperature={args.temperature} is not valid: must be between 0 and 2")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    suite = mixture_kind(args.suite)
+    names = [canonical_name(n) for n in args.tasks.split("|") if n] or SUITES[suite]
+    unknown = [n for n in names if n not in EVAL_SPLITS]
+    if unknown:
+        raise UserError(f"{', '.join(unknown)} cannot be evaluated here; tasks with an eval split: {', '.join(EVAL_SPLITS)}")
+    tasks = {name: get_task(name, EVAL_SPLITS[name]) for name in names}  # downloads (or fails) before the model loads
+    get_report()  # proves the report directory is writable
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    tag = args.model_tag or find_latest_tag(args.source)
+    model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=args.step)
+    print0(f"chat_eval | {args.source} {tag} step {meta['step']} | {world_size} rank(s) | tasks {', '.join(names)} | "
+           f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}")
+    with autocast_for(device):
+        accuracies, baselines = evaluate_tasks(model, tokenizer, tasks, None if args.max_problems < 0 else args.max_problems,
+                                               batch_size=args.batch_size, max_tokens=args.max_new_tokens,
+                                               temperature=args.temperature, top_k=args.top_k)
+    score = chatcore(accuracies, baselines)
+    print0(f"ChatCORE {score:.4f} over {len(accuracies)} task(s)")
+    table = ["| Task | Accuracy | Baseline |", "|---|---:|---:|"]
+    table += [f"| {name} | {accuracies[name]:.4f} | {baselines[name]:.4f} |" for name in accuracies]
+    get_report().log(section=f"Chat evaluation {args.source}", data=[
+        {"Source": args.source, "Model tag": tag, "Step": meta["step"], "Max problems": args.max_problems,
+         "Temperature": args.temperature},
+        {**accuracies, "ChatCORE": score},
+        "\n".join(table),
+    ])
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,104 @@
+"""
+Supervised fine-tuning: teach the model to answer, by training only on what the assistant writes (its
+text, its tool calls, <|assistant_end|>), one conversation per row. Saves to chatsft_checkpoints/.
+
+  python -m scripts.chat_sft                      # from the latest mid checkpoint
+  python -m scripts.chat_sft -i base              # straight from a base model
+  torchrun --standalone --nproc_per_node=8 -m scripts.chat_sft -- --mixture=hub --run=sft
+The loss of a step is the mean over every supervised token of the step, on every rank: gradient
+accumulation and the number of ranks do not change the update, and a micro-batch with nothing to learn
+adds zero (never NaN).
+"""
+
+import argparse
+import time
+
+import torch
+
+from nanochat.chat_data import ConversationBatches
+from nanochat.common import autocast_for, compute_cleanup, compute_init, print0, run_main, seed_everything
+from nanochat.loss_eval import evaluate_loss
+from nanochat.stage import (add_stage_flags, context_length, micro_steps, mixture_kind, output_dir, stage_loop, start_stage,
+                            validate_stage_flags)
+from nanochat.tasks import CustomJSON, TaskMixture, get_task
+from nanochat.training import lr_multiplier, muon_momentum, train_step
+
+
+def mixtures(kind, identity_file=None):
+    """(train mixture, validation mixture) of a kind; identity conversations come from a JSONL file if given."""
+    identity = [CustomJSON(identity_file)] if identity_file else [get_task("Identity", "sft")]
+    if kind == "builtin":
+        train = [get_task("WorldQA", "sft"), *identity, get_task("Arithmetic", "train"), get_task("SpellingBee", "train"),
+                 get_task("SimpleSpelling", "train")]
+        val = [get_task("WorldQA", "sft", step=50), get_task("Arithmetic", "test", stop=100)]
+    else:
+        train = [get_task("ARC-Easy", "train"), get_task("ARC-Challenge", "train"), get_task("GSM8K", "train"),
+                 get_task("SmolTalk", "train", stop=10_000), *identity, get_task("SpellingBee", "train", stop=300),
+                 get_task("SimpleSpelling", "train", stop=300)]
+        val = [get_task("SmolTalk", "test", stop=1000)]
+    return TaskMixture(train, seed=3), TaskMixture(val, seed=4)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Supervised fine-tuning on conversations (loss on the assistant's tokens).")
+    add_stage_flags(p, source="mid", lr_frac=0.02, num_iterations=-1, device_batch_size=4, total_batch_size=32,
+                    batch_unit="conversations")
+    args = p.parse_args(argv)
+    validate_stage_flags(args)
+    return args
+
+
+def supervised_tokens(micro_batches, device, world_size):
+    """Targets to learn in this step across every micro-batch and rank (at least 1, so an empty step divides safely)."""
+    count = torch.tensor(sum(int((y != -1).sum()) for _, y in micro_batches), device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(count)
+    return max(int(count.item()), 1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    kind = mixture_kind(args.mixture)
+    train_mix, val_mix = mixtures(kind, args.identity_file)  # fails now, not after loading, if data is missing
+    tag, ckpt_dir = output_dir("sft", args)
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    seed_everything(args.seed)
+    model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    T = context_length(model, args.max_seq_len)
+    grad_accum = micro_steps(args.total_batch_size, args.device_batch_size, world_size, "conversations")
+    num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_mix.num_examples() // args.total_batch_size)
+    autocast = autocast_for(device)
+    loader = ConversationBatches(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
+                                 resume_state=start.loader_state)
+
+    def val_loss():  # per supervised token of held-out conversations
+        batches = ConversationBatches(val_mix, tokenizer, args.device_batch_size, T, 1, rank, world_size, device)
+        return evaluate_loss(model, batches, args.eval_steps)
+
+    loop = stage_loop("chat_sft", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device)
+    loop.announce(f"chat_sft | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
+                  f"({train_mix.name}) | {args.device_batch_size}x{world_size}x{grad_accum} conversations per step, up "
+                  f"to {T} tokens each | steps {num_iterations}")
+
+    for step in loop.steps():
+        if loop.due(args.eval_every, at_ends=True):
+            loop.evaluate("val_loss", val_loss)
+        if step == num_iterations:
+            break
+        t0 = time.perf_counter()
+        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        micro_batches = next(loader)
+        # Each micro-batch contributes its summed loss; dividing by the step's supervised tokens per rank makes the
+        # ranks' averaged gradient that of the mean over every supervised token of the step.
+        divisor = supervised_tokens(micro_batches, device, world_size) / world_size
+        loss = train_step(model, optimizers, micro_batches, lambda m, xy: m(*xy, loss_reduction="sum"), lrm,
+                          muon_momentum(step), autocast, divisor=divisor)
+        loop.end_step(loss, t0, lrm=lrm)
+
+    loop.finish("Chat SFT", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
+                              "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs}])
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

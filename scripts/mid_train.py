@@ -1,0 +1,94 @@
+"""
+Mid-training: teach a base model the conversation format, multiple choice and tool use, by training on
+conversations packed into rows like pretraining text (loss on every token). Saves to mid_checkpoints/.
+
+  python -m scripts.mid_train                                   # from the latest base checkpoint
+  torchrun --standalone --nproc_per_node=8 -m scripts.mid_train -- --mixture=hub --run=mid
+The built-in mixture (offline, the CPU preset) is conversations about the built-in world; the hub one is
+SmolTalk, MMLU auxiliary_train, GSM8K, identity and spelling (downloaded on first use).
+"""
+
+import argparse
+import time
+
+import torch
+
+from nanochat.chat_data import PackedConversations
+from nanochat.common import autocast_for, compute_cleanup, compute_init, print0, run_main, seed_everything
+from nanochat.loss_eval import evaluate_loss
+from nanochat.stage import (add_stage_flags, context_length, micro_steps, mixture_kind, output_dir, stage_loop, start_stage,
+                            validate_stage_flags)
+from nanochat.tasks import CustomJSON, TaskMixture, get_task
+from nanochat.training import lr_multiplier, muon_momentum, train_step
+
+
+def mixtures(kind, identity_file=None):
+    """(train mixture, validation mixture) of a kind; identity conversations come from a JSONL file if given."""
+    identity = [CustomJSON(identity_file)] if identity_file else [get_task("Identity", "sft")]
+    if kind == "builtin":
+        train = [get_task("WorldQA", "sft"), *identity, *identity, get_task("Arithmetic", "train"),
+                 get_task("SpellingBee", "train"), get_task("SimpleSpelling", "train")]
+        val = [get_task("WorldQA", "sft", step=50), get_task("Arithmetic", "test", stop=200),
+               get_task("SpellingBee", "test", stop=100)]
+    else:
+        train = [get_task("SmolTalk", "train"), get_task("MMLU-aux"), get_task("GSM8K", "train"), *identity, *identity,
+                 get_task("SpellingBee", "train"), get_task("SimpleSpelling", "train")]
+        val = [get_task("SmolTalk", "test", stop=2000), get_task("MMLU", "test", step=20), get_task("GSM8K", "test", stop=200)]
+    return TaskMixture(train, seed=1), TaskMixture(val, seed=2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Mid-train a base model on packed conversations.")
+    add_stage_flags(p, source="base", lr_frac=1.0, num_iterations=-1, device_batch_size=32, total_batch_size=2**19,
+                    batch_unit="tokens")
+    args = p.parse_args(argv)
+    validate_stage_flags(args)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    kind = mixture_kind(args.mixture)
+    train_mix, val_mix = mixtures(kind, args.identity_file)  # fails now, not after loading, if data is missing
+    tag, ckpt_dir = output_dir("mid", args)
+    _, rank, _, world_size, device = compute_init(args.device_type)
+    seed_everything(args.seed)
+    model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    T = context_length(model, args.max_seq_len)
+    grad_accum = micro_steps(args.total_batch_size, args.device_batch_size * T, world_size, "tokens")
+    autocast = autocast_for(device)
+    loader = PackedConversations(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
+                                 resume_state=start.loader_state)
+    num_iterations = args.num_iterations
+    if num_iterations == -1:  # one epoch: the mixture's tokens over the tokens of a step (packing pads a little)
+        tokens = sum(len(loader.stream.render(i)[0]) for i in range(train_mix.num_examples()))
+        num_iterations = max(1, -(-tokens // args.total_batch_size))
+
+    def val_loss():  # per token of held-out packed conversations
+        batches = PackedConversations(val_mix, tokenizer, args.device_batch_size, T, 1, rank, world_size, device)
+        return evaluate_loss(model, batches, args.eval_steps)
+
+    loop = stage_loop("mid_train", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
+                      tokens_per_step=args.total_batch_size)
+    loop.announce(f"mid_train | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
+                  f"({train_mix.name}) | rows of {T} tokens, {args.device_batch_size}x{world_size}x{grad_accum} per step | "
+                  f"steps {num_iterations}")
+
+    for step in loop.steps():
+        if loop.due(args.eval_every, at_ends=True):
+            loop.evaluate("val_loss", val_loss)
+        if step == num_iterations:
+            break
+        t0 = time.perf_counter()
+        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        loss = train_step(model, optimizers, next(loader), lambda m, xy: m(*xy), lrm, muon_momentum(step), autocast)
+        loop.end_step(loss, t0, lrm=lrm)
+
+    loop.finish("Midtraining", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
+                                 "Epochs seen": loader.stream.epoch, "Padding fraction": loader.padding_fraction(),
+                                 "DDP world size": world_size, **lrs}])
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    run_main(main)

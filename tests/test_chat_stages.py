@@ -1,0 +1,232 @@
+"""
+The chat stages end to end, in real subprocesses on tiny models: base -> mid -> SFT -> RL -> chat_eval on the
+built-in tasks; exact resume after kill -9 in each stage; 1 rank == 2 ranks for mid and SFT (with micro-batches
+that hold nothing to learn); the report's per-stage sections; and chat_eval's arithmetic on a scripted model.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanochat.checkpoint_manager import list_steps
+
+BASE = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=128", "--device-batch-size=2",
+        "--total-batch-size=512", "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--model-tag=tiny"]
+MID = ["--device-batch-size=2", "--total-batch-size=512", "--eval-steps=1"]
+SFT = ["--device-batch-size=2", "--total-batch-size=4", "--eval-steps=1"]
+RL = ["--total-batch-size=2", "--num-samples=2", "--device-batch-size=2", "--max-new-tokens=12", "--eval-problems=2"]
+STAGE_DIRS = {"mid_train": "mid_checkpoints", "chat_sft": "chatsft_checkpoints", "chat_rl": "chatrl_checkpoints"}
+
+
+def env_for(base):
+    return dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
+
+
+def command(script, nproc=1):
+    if nproc == 1:
+        return [sys.executable, "-m", f"scripts.{script}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", f"scripts.{script}"]
+
+
+def run(base, script, args, nproc=1, check=True):
+    p = subprocess.run(command(script, nproc) + list(args), env=env_for(base), capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{script} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def weights(base, script, step, tag="tiny"):
+    return load_file(os.path.join(base, STAGE_DIRS[script], tag, f"step_{step:06d}", "model.safetensors"))
+
+
+def curve(base, name):
+    with open(os.path.join(base, "report", "curves", f"{name}.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def trained_base(tiny_base_dir, tmp_path_factory):
+    """A copy of the tiny base dir with a tiny base model trained 30 steps (context 128)."""
+    base = str(tmp_path_factory.mktemp("chat") / "base")
+    shutil.copytree(tiny_base_dir, base, ignore=shutil.ignore_patterns("*_checkpoints", "report"))
+    run(base, "base_train", BASE + ["--num-iterations=30"])
+    return base
+
+
+def copy_base(trained_base, tmp_path, name):
+    base = str(tmp_path / name)
+    shutil.copytree(trained_base, base, ignore=shutil.ignore_patterns("mid_checkpoints", "chatsft_checkpoints",
+                                                                      "chatrl_checkpoints", "report"))
+    return base
+
+
+def test_pipeline_base_mid_sft_rl_eval_and_chat(trained_base, tmp_path):
+    base = copy_base(trained_base, tmp_path, "pipeline")
+    run(base, "mid_train", MID + ["--num-iterations=6"])
+    run(base, "chat_sft", SFT + ["--num-iterations=6"])
+    run(base, "chat_rl", RL + ["--num-iterations=2"])
+    for script, steps in (("mid_train", 6), ("chat_sft", 6), ("chat_rl", 2)):
+        losses = [r["train_loss"] for r in curve(base, script) if "train_loss" in r]
+        assert len(losses) == steps and all(torch.isfinite(torch.tensor(losses))), (script, losses)
+        assert list_steps(os.path.join(base, STAGE_DIRS[script], "tiny")) == [steps]
+    assert [r["val_loss"] for r in curve(base, "mid_train") if "val_loss" in r][-1] < \
+           [r["val_loss"] for r in curve(base, "mid_train") if "val_loss" in r][0]
+    rl = [r for r in curve(base, "chat_rl") if "reward" in r]
+    assert all("pass@2" in r and "length" in r for r in rl)
+    p = run(base, "chat_eval", ["-i", "rl", "-x", "2", "--max-new-tokens=8"])
+    assert "ChatCORE" in p.stdout and "WorldQA" in p.stdout
+    # every stage's checkpoint talks
+    for source in ("base", "mid", "sft", "rl"):
+        p = run(base, "chat_cli", ["-i", source, "-p", "What is the capital of Zorland?", "--max-tokens=8"])
+        assert p.stdout.strip(), source
+    # the report has a section per stage and a summary with the chat evaluation in its RL column
+    subprocess.run([sys.executable, "-m", "nanochat.report", "generate"], env=env_for(base), cwd=base, check=True,
+                   capture_output=True, timeout=120)
+    report = open(os.path.join(base, "report", "report.md")).read()
+    for section in ("## Midtraining", "## Chat SFT", "## Chat RL", "## Chat evaluation rl", "## Summary"):
+        assert section in report, section
+    summary = report.split("## Summary")[1]
+    assert "| WorldQA |" in summary and "| ChatCORE |" in summary
+
+
+def start_and_kill_after_save(base, script, args, step):
+    p = subprocess.Popen(command(script) + list(args), env=env_for(base), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    marker, seen, deadline = f"saved checkpoint step {step} ", [], time.time() + 300
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if marker in line:
+                break
+            assert time.time() < deadline
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    assert any(marker in line for line in seen), "".join(seen[-30:])
+
+
+@pytest.mark.parametrize("script, args, before", [
+    ("mid_train", MID + ["--num-iterations=4"], []),
+    ("chat_sft", SFT + ["--num-iterations=4"], [("mid_train", MID + ["--num-iterations=2"])]),
+    ("chat_rl", RL + ["--num-iterations=4", "--temperature=1.0"], [("chat_sft", SFT + ["--num-iterations=2", "-i", "base"])]),
+])
+def test_kill_9_and_resume_is_exact(trained_base, tmp_path, script, args, before):
+    straight = copy_base(trained_base, tmp_path, "straight")
+    killed = copy_base(trained_base, tmp_path, "killed")
+    for base in (straight, killed):
+        for prior, prior_args in before:
+            run(base, prior, prior_args)
+    run(straight, script, args + ["--save-every=2"])
+    start_and_kill_after_save(killed, script, args + ["--save-every=2"], 2)
+    run(killed, script, args + ["--save-every=2", "--resume"])
+    a, b = weights(straight, script, 4), weights(killed, script, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), script
+    la = {r["step"]: r["train_loss"] for r in curve(straight, script) if "train_loss" in r}
+    lb = {r["step"]: r["train_loss"] for r in curve(killed, script) if "train_loss" in r}
+    assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("mid_train", ["--device-batch-size=2", "--total-batch-size=512", "--num-iterations=3", "-i", "base"]),
+    # rows of 24 tokens: many conversations lose every assistant token, so some micro-batches have nothing to learn
+    ("chat_sft", ["--device-batch-size=1", "--total-batch-size=4", "--num-iterations=3", "--max-seq-len=24", "-i", "base"]),
+])
+def test_one_rank_equals_two_ranks(trained_base, tmp_path, script, args):
+    one, two = copy_base(trained_base, tmp_path, "one"), copy_base(trained_base, tmp_path, "two")
+    run(one, script, args)
+    p = run(two, script, args, nproc=2)
+    assert "x2x" in p.stdout  # really two ranks, one micro-batch each
+    a, b = weights(one, script, 3), weights(two, script, 3)
+    for k in a:
+        assert torch.isfinite(b[k]).all() and torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), k
+    la = [r["train_loss"] for r in curve(one, script) if "train_loss" in r]
+    lb = [r["train_loss"] for r in curve(two, script) if "train_loss" in r]
+    assert all(torch.isfinite(torch.tensor(lb))) and torch.allclose(torch.tensor(la), torch.tensor(lb), rtol=1e-4)
+
+
+def test_empty_supervision_adds_zero_not_nan():
+    # A micro-batch whose targets are all -1 contributes exactly nothing, and a step of only such batches is finite.
+    from nanochat.gpt import GPTConfig, build_model
+    from nanochat.training import build_optimizers, train_step
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+    optimizers = build_optimizers(model, 0.004, 0.2, 0.02, 0.0)
+    x = torch.randint(0, 64, (2, 16))
+    empty = (x, torch.full((2, 16), -1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = train_step(model, optimizers, [empty, empty], lambda m, xy: m(*xy, loss_reduction="sum"), 1.0, 0.9,
+                      torch.autocast("cpu", enabled=False), divisor=1)
+    assert loss == 0.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # zero gradient, no decay: unchanged
+
+
+class ScriptedModel(torch.nn.Module):
+    """Answers by script: the logits after any prompt favour one fixed token (and nothing else is learned)."""
+
+    def __init__(self, favourite, vocab_size, sequence_len=256):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.favourite, self.vocab_size = favourite, vocab_size
+        self.config = SimpleNamespace(sequence_len=sequence_len, n_layer=1, n_head=1, n_kv_head=1, n_embd=2)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def get_device(self):
+        return self.anchor.device
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        logits = torch.zeros(idx.size(0), idx.size(1), self.vocab_size)
+        logits[:, :, self.favourite] = 5.0
+        if kv_cache is not None:
+            kv_cache.advance(idx.size(1))
+        return logits
+
+
+def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
+    from nanochat.chat_eval import chatcore, evaluate_task
+    from nanochat.tasks.base import CategoricalTask, Task, multiple_choice_conversation
+    from nanochat.tokenizer import RustBPETokenizer
+
+    tokenizer = RustBPETokenizer.from_directory(os.path.join(tiny_base_dir, "tokenizer"))
+
+    class Quiz(CategoricalTask):
+        answers = ["B", "A", "B", "C", "B"]
+
+        def num_rows(self):
+            return len(self.answers)
+
+        def get_row(self, i):
+            return multiple_choice_conversation(f"question {i}", ["x", "y", "z"], ["A", "B", "C"], self.answers[i])
+
+    class Echo(Task):
+        """Generative: right when the reply is exactly the scripted text."""
+        expected = ["B", "no", "B", "B"]
+
+        def num_rows(self):
+            return len(self.expected)
+
+        def get_row(self, i):
+            return {"messages": [{"role": "user", "content": f"say something {i}"},
+                                 {"role": "assistant", "content": self.expected[i]}]}
+
+        def evaluate(self, conversation, completion):
+            return completion == conversation["messages"][-1]["content"]
+
+    letter_b = tokenizer.encode("B")[0]
+    model = ScriptedModel(letter_b, tokenizer.get_vocab_size())
+    quiz_accuracy, quiz_total = evaluate_task(model, tokenizer, Quiz(), batch_size=2)
+    assert (quiz_accuracy, quiz_total) == (3 / 5, 5)  # "B" is right for problems 0, 2 and 4
+    # the generative reply is "B" repeated up to max_tokens: with max_tokens=1 it is exactly "B"
+    echo_accuracy, _ = evaluate_task(model, tokenizer, Echo(), max_tokens=1)
+    assert echo_accuracy == 3 / 4
+    assert chatcore({"quiz": quiz_accuracy, "echo": echo_accuracy}, {"quiz": 1 / 3, "echo": 0.0}) == \
+        pytest.approx(((3 / 5 - 1 / 3) / (2 / 3) + 3 / 4) / 2)

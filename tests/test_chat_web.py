@@ -1,0 +1,451 @@
+"""
+Tests for scripts/chat_web.py, run for real: uvicorn in a subprocess serving a tiny random checkpoint on
+127.0.0.1, talked to with httpx, with the `openai` Python package against /v1, and through the UI in headless
+Chromium. The model never ends a reply by itself (see build_chat_checkpoint), so replies run to max_tokens and
+a long reply takes seconds: enough to measure what a disconnect or a busy queue does.
+"""
+
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.test_chat_cli import REPO_ROOT, build_chat_checkpoint
+
+CONTEXT = 2048  # room for a reply long enough to take seconds
+LONG_REPLY = 2000  # tokens
+DEFAULT_MAX_TOKENS = 16  # the servers' --max-tokens
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+HELLO = [{"role": "user", "content": "Hello! What is the capital of the river country?"}]
+
+
+class Server:
+    """python -m scripts.chat_web on a free port; its output is drained on a thread so the pipe never fills."""
+
+    def __init__(self, base_dir, *flags):
+        env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, OMP_NUM_THREADS="1")
+        command = [sys.executable, "-m", "scripts.chat_web", "--port", "0", "--device-type", "cpu",
+                   "--max-tokens", str(DEFAULT_MAX_TOKENS), *flags]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        cwd=REPO_ROOT, env=env)
+        self.lines, self.url = [], None
+        started = threading.Event()
+
+        def drain():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                if line.startswith("serving at "):
+                    self.url = line.split()[2].rstrip("/")
+                    started.set()
+            started.set()  # the process ended
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not started.wait(60) or self.url is None:
+            self.stop()
+            pytest.fail("chat_web did not start:\n" + "".join(self.lines))
+        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health answering")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def wait_until(condition, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {seconds} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def web_base_dir(tiny_base_dir, tmp_path_factory):
+    base_dir = tmp_path_factory.mktemp("chat_web") / "base"
+    build_chat_checkpoint(tiny_base_dir, base_dir, CONTEXT)
+    return str(base_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(web_base_dir):
+    from nanochat.tokenizer import RustBPETokenizer
+
+    return RustBPETokenizer.from_directory(os.path.join(web_base_dir, "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def server(web_base_dir):
+    """One worker (so a long request really blocks the next), a queue timeout long enough for 8 clients."""
+    s = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def sse_events(response):
+    """The JSON payloads of a streamed response ([DONE] as the string)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def ascii_window(text, width=3):
+    """A stretch of plain letters and spaces in text (a stop string that is sure to be found as written)."""
+    for start in range(2, len(text) - width):
+        window = text[start:start + width]
+        if all(c.isascii() and (c.isalnum() or c == " ") for c in window):
+            return window
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Pages, health, stats, models
+
+
+def test_ui_health_stats_and_models(server, client):
+    page = httpx.get(f"{server.url}/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert 'id="input"' in page.text and 'id="regenerate"' in page.text
+    assert 'src="http' not in page.text and 'href="http' not in page.text  # self-contained: nothing from a CDN
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["workers"] == 1
+    assert health["model"]["id"] == "nanochat-sft-tiny" and health["model"]["context"] == CONTEXT
+    models = client.models.list().data
+    assert [m.id for m in models] == ["nanochat-sft-tiny"]
+    assert client.models.retrieve("nanochat-sft-tiny").owned_by == "nanochat"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    stats = httpx.get(f"{server.url}/stats").json()
+    assert stats["workers"] == {"total": 1, "busy": 0, "free": 1} and stats["queue_depth"] == 0
+    assert {"requests_served", "tokens_generated", "tokens_per_second"} <= set(stats)
+    assert "127.0.0.1" in server.url  # binds to localhost unless told otherwise
+
+
+# -----------------------------------------------------------------------------
+# nanochat's own streaming endpoint
+
+
+def test_nanochat_endpoint_streams_tokens_then_done(server, tokenizer):
+    body = {"messages": HELLO, "temperature": 0.8, "top_k": 20, "max_tokens": 10}
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    tokens = [e["token"] for e in events if "token" in e]
+    done = events[-1]
+    assert len(tokens) >= 3 and "".join(tokens)
+    assert done["done"] is True and done["finish_reason"] == "length"
+    assert done["usage"]["prompt_tokens"] == len(tokenizer.render_for_completion({"messages": HELLO}))
+    assert done["usage"]["completion_tokens"] == 10
+
+    # a conversation longer than the context loses its oldest turns, and the stream says so first
+    turns = []
+    for i in range(30):
+        turns += [{"role": "user", "content": f"question {i}: " + "tell me about the river " * 40},
+                  {"role": "assistant", "content": [{"type": "text", "text": f"answer {i}"}]}]
+    body = {"messages": turns + [{"role": "user", "content": "and the last one?"}], "max_tokens": 4}
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=30) as response:
+        events = sse_events(response)
+    assert "dropped the" in events[0]["note"] and events[-1]["done"]
+    assert events[-1]["usage"]["prompt_tokens"] <= CONTEXT - 4
+
+
+# -----------------------------------------------------------------------------
+# The OpenAI API with the openai package as the client
+
+
+def test_openai_client_non_stream_and_stream(client, tokenizer):
+    conversation = [{"role": "system", "content": "You are terse."}] + HELLO
+    reply = client.chat.completions.create(model="nanochat", messages=conversation, max_tokens=8, temperature=1.0,
+                                           seed=3)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.model == "nanochat-sft-tiny"
+    choice = reply.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"  # max_tokens reached
+    prompt_tokens = len(tokenizer.render_for_completion({"messages": conversation}))
+    usage = reply.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (prompt_tokens, 8, prompt_tokens + 8)
+
+    chunks = list(client.chat.completions.create(model="nanochat", messages=conversation, max_tokens=8, temperature=1.0,
+                                                 seed=3, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == choice.message.content  # same seed, same text, streamed or not
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == prompt_tokens
+
+    reply = client.chat.completions.create(model="nanochat", messages=HELLO, max_completion_tokens=5)
+    assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
+
+
+def test_openai_n_samples_and_seed_reproducibility(client):
+    def ask(seed, n=1):
+        return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=12, temperature=1.0,
+                                              seed=seed, n=n)
+
+    pair = ask(seed=11, n=2)
+    assert [c.index for c in pair.choices] == [0, 1] and pair.usage.completion_tokens == 24
+    assert pair.choices[0].message.content != pair.choices[1].message.content  # each sample draws its own tokens
+    first, again, other = ask(seed=5), ask(seed=5), ask(seed=6)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.choices[0].message.content != other.choices[0].message.content
+
+
+def test_openai_stop_strings_cut_the_text(client):
+    def ask(**kwargs):
+        return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=40, temperature=1.0,
+                                              **kwargs)
+
+    seed, full, stop = None, None, None
+    for seed in range(20):  # a seed whose reply has a plain-letters stretch past its start
+        full = ask(seed=seed).choices[0].message.content
+        stop = ascii_window(full)
+        if stop:
+            break
+    assert stop, "no reply had three plain letters in a row"
+    cut = ask(seed=seed, stop=["<never>", stop])
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens < 40
+    chunks = list(client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=40, temperature=1.0,
+                                                 seed=seed, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:full.index(stop)]
+
+
+def test_eight_concurrent_clients_are_all_answered(server, client):
+    served_before = httpx.get(f"{server.url}/stats").json()["requests_served"]
+
+    def ask(i):
+        return client.chat.completions.create(model="nanochat", messages=[{"role": "user", "content": f"client {i}"}],
+                                              max_tokens=6, stream=(i % 2 == 0))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(8)))
+    for i, result in enumerate(results):
+        if i % 2 == 0:
+            chunks = list(result)
+            assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+        else:
+            assert result.choices[0].message.content and result.usage.completion_tokens == 6
+    stats = httpx.get(f"{server.url}/stats").json()
+    assert stats["requests_served"] - served_before == 8 and stats["workers"]["free"] == 1
+
+
+# -----------------------------------------------------------------------------
+# Bad requests
+
+
+BAD_REQUESTS = [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({"messages": []}), "messages"),
+    (json.dumps({}), "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}] * 501}), "at most 500"),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 8001}]}), "messages[0].content"),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 7000}] * 5}), "characters"),
+    (json.dumps({"messages": [{"role": "hacker", "content": "x"}]}), "messages[0].role"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "x"}]}),
+     "messages[1].role"),
+    (json.dumps({"messages": HELLO, "temperature": 2.5}), "temperature"),
+    (json.dumps({"messages": HELLO, "temperature": -1}), "temperature"),
+    (json.dumps({"messages": HELLO, "top_k": 0}), "top_k"),
+    (json.dumps({"messages": HELLO, "top_k": 201}), "top_k"),
+    (json.dumps({"messages": HELLO, "top_p": 0}), "top_p"),
+    (json.dumps({"messages": HELLO, "max_tokens": 0}), "max_tokens"),
+    (json.dumps({"messages": HELLO, "max_tokens": 4097}), "max_tokens"),
+    (json.dumps({"messages": HELLO, "n": 9}), "n:"),
+    (json.dumps({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}), "stop"),
+    (json.dumps({"messages": HELLO, "stream": "yes"}), "stream"),
+]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/v1/chat/completions"])
+def test_bad_requests_get_4xx_with_a_reason(server, path):
+    for raw, reason in BAD_REQUESTS:
+        response = httpx.post(f"{server.url}{path}", content=raw, headers={"Content-Type": "application/json"},
+                              timeout=30)
+        assert 400 <= response.status_code < 500, (raw[:80], response.status_code)
+        message = response.json()["error"]["message"]
+        assert reason in message, (raw[:80], message)
+    too_big = httpx.post(f"{server.url}{path}", content=b" " * 1_100_000, timeout=30)
+    assert too_big.status_code == 413 and "larger than" in too_big.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/stats").json()["workers"]["free"] == 1  # no worker was taken by a bad request
+
+
+def test_openai_client_sees_the_reason(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="nanochat", messages=HELLO, temperature=5)
+    assert "temperature" in str(error.value) and "from 0 to 2" in str(error.value)
+
+
+# -----------------------------------------------------------------------------
+# Disconnects and the queue
+
+
+def test_a_client_that_disconnects_frees_its_worker(server, client):
+    started = time.monotonic()
+    full = client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=LONG_REPLY)
+    full_seconds = time.monotonic() - started
+    assert full.usage.completion_tokens == LONG_REPLY
+
+    body = {"model": "nanochat", "messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 2
+    # the connection is closed: the next request must not wait for the abandoned 2000-token reply
+    started = time.monotonic()
+    short = client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=4)
+    short_seconds = time.monotonic() - started
+    assert short.usage.completion_tokens == 4
+    assert short_seconds < 0.3 * full_seconds, (short_seconds, full_seconds)
+
+    # the same for a client that gives up on a reply it wanted in one piece
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=0.2 * full_seconds)
+    started = time.monotonic()
+    short = client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=4)
+    short_seconds = time.monotonic() - started
+    assert short_seconds < 0.3 * full_seconds, (short_seconds, full_seconds)
+    wait_until(lambda: httpx.get(f"{server.url}/stats").json()["requests_cancelled"] >= 2, 10, "the cancels counted")
+
+
+def test_queue_timeout_gives_503_not_a_hang(web_base_dir):
+    busy = Server(web_base_dir, "--workers", "1", "--queue-timeout", "0.5")
+    try:
+        body, short = {"messages": HELLO, "max_tokens": LONG_REPLY}, {"messages": HELLO, "max_tokens": 4}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{busy.url}/chat/completions", json=body) as occupying:
+                lines = occupying.iter_lines()  # kept: a dropped iterator would close the connection
+                next(lines)  # the single worker is now writing a long reply
+                started = time.monotonic()
+                response = httpx.post(f"{busy.url}/v1/chat/completions", json=short, timeout=30)
+                waited = time.monotonic() - started
+            assert response.status_code == 503 and "--queue-timeout" in response.json()["error"]["message"]
+            assert 0.4 < waited < 5
+        # the occupying client left: the worker is free again
+        stats = {}
+        wait_until(lambda: stats.update(httpx.get(f"{busy.url}/stats").json()) or stats["workers"]["free"] == 1, 10,
+                   "the worker to be free")
+        assert stats["requests_rejected"] == 1
+        assert httpx.post(f"{busy.url}/v1/chat/completions", json=short, timeout=30).status_code == 200
+    finally:
+        busy.stop()
+
+
+# -----------------------------------------------------------------------------
+# The UI in a real browser
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        reason = f"the browser test needs {CHROMIUM} and {CHROMEDRIVER} (Debian packages chromium, chromium-driver)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--no-first-run", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+    shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)
+
+
+def test_ui_in_a_browser_streams_regenerates_and_edits(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 30)
+
+    # read through JavaScript in one go: the page redraws its bubbles while it streams, so element handles go stale
+    def texts(selector):
+        script = "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.textContent)"
+        return browser.execute_script(script, selector)
+
+    def replies():
+        return texts(".message.assistant .bubble")
+
+    def state():
+        return browser.execute_script("return document.body.dataset.state")
+
+    def idle_with_one_reply(_):
+        current = replies()
+        return state() == "idle" and len(current) == 1 and current[0].strip() != ""
+
+    browser.get(server.url + "/")
+    wait.until(lambda d: "nanochat-sft-tiny" in d.find_element(By.ID, "model-name").text)  # /health was fetched
+    box = browser.find_element(By.ID, "input")
+    box.send_keys("Hello there")
+    box.send_keys(Keys.SHIFT, Keys.ENTER)  # Shift+Enter is a new line, not a send
+    box.send_keys("second line")
+    assert browser.find_elements(By.CSS_SELECTOR, ".message.user") == []
+    box.send_keys(Keys.ENTER)
+    wait.until(idle_with_one_reply)
+    assert texts(".message.user .bubble") == ["Hello there\nsecond line"]
+    assert str(DEFAULT_MAX_TOKENS) + " tokens" in browser.find_element(By.ID, "status").text
+
+    # regenerate the last reply: still one user message and one (new) reply
+    browser.execute_script("document.querySelector('.message.assistant .bubble').textContent = ''")
+    browser.find_element(By.ID, "regenerate").click()
+    wait.until(idle_with_one_reply)
+    assert len(texts(".message.user")) == 1
+
+    # edit the user message: everything after it is written again
+    browser.find_element(By.CSS_SELECTOR, ".message.user .edit").click()
+    editor = browser.find_element(By.CSS_SELECTOR, ".editor textarea")
+    editor.clear()
+    editor.send_keys("Edited question")
+    browser.find_element(By.CSS_SELECTOR, ".save-edit").click()
+    wait.until(idle_with_one_reply)
+    assert texts(".message.user .bubble") == ["Edited question"]
+
+    # temperature and top-k reach the server: an out-of-range top-k comes back as the server's reason
+    browser.execute_script("document.getElementById('top-k').value = '500'")
+    browser.find_element(By.ID, "regenerate").click()
+    wait.until(lambda d: "top_k" in d.find_element(By.ID, "status").text)
+
+    # a long reply grows while it streams, and the stop button ends it and frees the worker
+    browser.execute_script("document.getElementById('top-k').value = '50'")
+    browser.find_element(By.ID, "new-chat").click()
+    assert texts(".message") == []
+    browser.execute_script(f"document.getElementById('max-tokens').value = '{LONG_REPLY}'")
+    box.send_keys("Tell me a long story", Keys.ENTER)
+    wait.until(lambda d: replies() and len(replies()[0]) > 0)
+    seen = len(replies()[0])
+    wait.until(lambda d: len(replies()[0]) > seen)
+    assert state() == "generating"
+    browser.find_element(By.ID, "stop").click()
+    wait.until(lambda d: state() == "idle")
+    assert browser.find_element(By.ID, "status").text == "stopped" and replies()[0]
+    wait_until(lambda: httpx.get(f"{server.url}/stats").json()["workers"]["free"] == 1, 5, "the worker to be freed")

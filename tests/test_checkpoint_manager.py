@@ -1,0 +1,206 @@
+"""
+checkpoint_manager on the real thing: a tiny GPT trained a few steps with the real optimizers and the real
+BPE tokenizer, saved with save_checkpoint and read back with load_model / load_checkpoint. Loading must give
+back the same function and an optimizer state that continues the run exactly; a checkpoint of another
+tokenizer, or a damaged file, must be refused with a UserError that says which.
+"""
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanochat.checkpoint_manager import checkpoint_dir, load_checkpoint, load_model, save_checkpoint
+from nanochat.common import UserError
+from nanochat.gpt import GPTConfig, build_model
+from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
+from nanochat.training import build_optimizers, train_step
+
+LRS = dict(unembedding_lr=0.02, embedding_lr=0.2, matrix_lr=0.03, weight_decay=0.1)
+SAVED_STEP = 2
+
+
+@pytest.fixture
+def base_copy(tiny_base_dir, tmp_path, monkeypatch):
+    """A private base dir holding (a copy of) the session's real tokenizer; checkpoints get written into it."""
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    return base
+
+
+def tiny_config(tokenizer):
+    # n_kv_head < n_head: grouped-query attention, so a config field that is easy to lose is exercised too
+    return GPTConfig(sequence_len=32, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=1,
+                     n_embd=32)
+
+
+def text_batches(tokenizer, n, B=2, T=32):
+    """n (x, y) batches of real text, BOS-separated documents, as the training loader would give."""
+    docs = [f"Document {i}: the river {i} flows into the sea near the capital, {i * 7} miles away." for i in range(40)]
+    stream = [t for ids in tokenizer.encode(docs, prepend=tokenizer.get_bos_token_id()) for t in ids]
+    need = B * (T + 1)
+    assert len(stream) >= n * need
+    rows = torch.tensor(stream[:n * need]).view(n, B, T + 1)
+    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
+
+
+def one_step(model, optimizers, batch, lrm, momentum):
+    return train_step(model, optimizers, [batch], lambda m, xy: m(*xy), lrm, momentum, contextlib.nullcontext())
+
+
+def train_and_save(tokenizer):
+    """A tiny GPT after SAVED_STEP real optimizer steps, saved as base/tiny.
+    Returns (config, model, optimizers, batches)."""
+    torch.manual_seed(0)
+    config = tiny_config(tokenizer)
+    model = build_model(config, "cpu")
+    optimizers = build_optimizers(model, **LRS)
+    batches = text_batches(tokenizer, SAVED_STEP + 1)
+    for step in range(SAVED_STEP):
+        one_step(model, optimizers, batches[step], lrm=1.0, momentum=0.85 + 0.05 * step)
+    meta = {"model_config": dataclasses.asdict(config), "tokenizer_hash": tokenizer.fingerprint(),
+            "dataloader_states": [{}]}
+    save_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, model, optimizers, meta)
+    return config, model, optimizers, batches
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def write_bytes(path, data):
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
+def step_dir():
+    return os.path.join(checkpoint_dir("base", "tiny"), f"step_{SAVED_STEP:06d}")
+
+
+def test_load_model_gives_back_the_trained_model(base_copy, single_torch_thread):
+    """load_model rebuilds the saved model: same config, same weights, bitwise-equal logits, eval mode."""
+    tokenizer = get_tokenizer()
+    config, model, _, batches = train_and_save(tokenizer)
+
+    loaded, loaded_tokenizer, meta = load_model("base", "cpu", model_tag="tiny")
+    assert loaded.config == config
+    assert not loaded.training
+    assert meta["step"] == SAVED_STEP and meta["model_tag"] == "tiny"
+    assert meta["tokenizer_hash"] == tokenizer.fingerprint() == loaded_tokenizer.fingerprint()
+    assert meta["dataloader_states"] == [{}]
+    saved = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, saved[name]), name
+    x = batches[-1][0]
+    with torch.no_grad():
+        logits = loaded(x)
+        assert torch.equal(logits, model(x))
+        # ...and those are the trained weights, not a fresh init that happens to share the seed
+        torch.manual_seed(0)
+        assert not torch.allclose(logits, build_model(config, "cpu")(x))
+
+    # phase="train" hands it back in training mode; no tag means the stage's latest tag
+    assert load_model("base", "cpu", phase="train", model_tag="tiny")[0].training
+    assert load_model("base", "cpu")[2]["model_tag"] == "tiny"
+
+
+def test_optimizer_state_continues_the_run_exactly(base_copy, single_torch_thread):
+    """The saved optimizer state makes the next step identical to the original run's next step."""
+    tokenizer = get_tokenizer()
+    config, model, optimizers, batches = train_and_save(tokenizer)
+    next_batch, lrm, momentum = batches[SAVED_STEP], 0.7, 0.9  # a scheduled step: lr and momentum both move
+
+    model_state, optim_states, meta = load_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, "cpu",
+                                                      load_optimizer=True)
+    assert meta["model_config"] == dataclasses.asdict(config)
+    resumed = build_model(meta["model_config"], "cpu")
+    resumed.load_state_dict(model_state, strict=True)
+    resumed_optimizers = build_optimizers(resumed, **LRS)
+    assert len(optim_states) == len(resumed_optimizers)
+    for opt, state in zip(resumed_optimizers, optim_states):
+        assert state["state"], "every optimizer has per-parameter state after two steps"
+        opt.load_state_dict(state)
+
+    # the same weights with fresh optimizers: shows the state is what makes the difference
+    fresh = build_model(config, "cpu")
+    fresh.load_state_dict(model_state, strict=True)
+    fresh_optimizers = build_optimizers(fresh, **LRS)
+
+    for m, opts in ((model, optimizers), (resumed, resumed_optimizers), (fresh, fresh_optimizers)):
+        one_step(m, opts, next_batch, lrm, momentum)
+    continued = dict(model.named_parameters())
+    for name, p in resumed.named_parameters():
+        assert torch.equal(p, continued[name]), name
+    gap = max((p - continued[name]).abs().max().item() for name, p in fresh.named_parameters())
+    assert gap > 1e-4, gap
+
+
+def test_checkpoint_of_another_tokenizer_is_refused(base_copy, single_torch_thread):
+    """A checkpoint whose tokenizer fingerprint differs from the base dir's tokenizer is a UserError."""
+    tokenizer = get_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(tiny_config(tokenizer), "cpu")
+    meta = {"model_config": dataclasses.asdict(model.config), "tokenizer_hash": tokenizer.fingerprint(),
+            "dataloader_states": [{}]}
+    save_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, model, [], meta)
+    load_model("base", "cpu", model_tag="tiny")  # loads while the tokenizer is the one it was saved with
+
+    other = RustBPETokenizer.train_from_iterator(iter(["an entirely different little corpus"] * 20), 300)
+    assert other.fingerprint() != tokenizer.fingerprint()
+    shutil.rmtree(base_copy / "tokenizer")
+    other.save(str(base_copy / "tokenizer"))
+    with pytest.raises(UserError, match="tokenizer") as excinfo:
+        load_model("base", "cpu", model_tag="tiny")
+    assert checkpoint_dir("base", "tiny") in str(excinfo.value)
+
+
+def test_damaged_checkpoint_files_are_refused_by_name(base_copy, single_torch_thread):
+    """A corrupted weights file is a UserError naming it, whether the hash or the parser catches it; a damaged
+    optimizer shard only matters to a caller that loads the optimizer."""
+    tokenizer = get_tokenizer()
+    train_and_save(tokenizer)
+    weights = os.path.join(step_dir(), "model.safetensors")
+    optim = os.path.join(step_dir(), "optim_rank0.safetensors")
+    meta_path = os.path.join(step_dir(), "meta.json")
+    pristine = read_bytes(weights)
+
+    # one flipped byte in the tensor data (past the header): the sha256 in meta.json catches it
+    data = bytearray(pristine)
+    data[len(data) - 100] ^= 0xFF
+    write_bytes(weights, data)
+    for load in (lambda: load_model("base", "cpu", model_tag="tiny"),
+                 lambda: load_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, "cpu", load_optimizer=False)):
+        with pytest.raises(UserError, match="corrupt") as excinfo:
+            load()
+        assert weights in str(excinfo.value)
+
+    # a truncated file whose hash in meta.json was updated to match: the hash passes, safetensors itself fails
+    truncated = pristine[: len(pristine) // 2]
+    meta = json.loads(read_bytes(meta_path))
+    pristine_hash = meta["files"]["model.safetensors"]
+    meta["files"]["model.safetensors"] = hashlib.sha256(truncated).hexdigest()
+    write_bytes(meta_path, json.dumps(meta).encode())
+    write_bytes(weights, truncated)
+    with pytest.raises(UserError) as excinfo:
+        load_model("base", "cpu", model_tag="tiny")
+    assert "model.safetensors" in str(excinfo.value) and step_dir() in str(excinfo.value)
+
+    # weights restored, optimizer shard damaged: the model still loads, the optimizer state does not
+    write_bytes(weights, pristine)
+    meta["files"]["model.safetensors"] = pristine_hash
+    write_bytes(meta_path, json.dumps(meta).encode())
+    load_model("base", "cpu", model_tag="tiny")
+    data = bytearray(read_bytes(optim))
+    data[-1] ^= 0xFF
+    write_bytes(optim, data)
+    load_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, "cpu", load_optimizer=False)
+    with pytest.raises(UserError, match="corrupt") as excinfo:
+        load_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, "cpu", load_optimizer=True)
+    assert optim in str(excinfo.value)
