@@ -1,6 +1,7 @@
 """
 Scoring a chat model on tasks: categorical tasks by the logits of the answer letters alone (batched),
-generative tasks by sampling a reply with the Engine and letting the task judge it; under torchrun each
+generative tasks by sampling a reply with the Engine and letting the task judge it (completion tasks, for base
+models, the same from a plain-text prompt); under torchrun each
 rank takes every world_size-th problem and the counts are summed, so every rank returns the same numbers.
 
 ChatCORE sums a model up in one number: the mean over tasks of (accuracy - baseline) / (1 - baseline),
@@ -16,8 +17,8 @@ from nanochat.common import dist_rank_world, print0
 from nanochat.engine import Engine
 
 
-def _reduce_counts(correct, total, device):
-    counts = torch.tensor([correct, total], dtype=torch.long, device=device)
+def _reduce_counts(counts, device):
+    counts = torch.tensor(counts, dtype=torch.long, device=device)
     if dist_rank_world()[1] > 1:
         dist.all_reduce(counts)
     return counts.tolist()
@@ -47,8 +48,15 @@ def categorical_accuracy(model, tokenizer, task, indices, batch_size=8):
 
 
 def generate_reply(engine, tokenizer, conversation, max_tokens, temperature=0.0, top_k=None, seed=42):
-    """The assistant's reply to a conversation as text (tool calls and outputs included), or None if it cannot fit."""
-    prompt = tokenizer.render_for_completion(conversation)
+    """
+    The model's reply as text (tool calls and outputs included), or None if the prompt leaves no room. A chat
+    conversation is rendered for the assistant's turn; a base-model problem with a `text_prompt` is plain text
+    after <|bos|>.
+    """
+    if "text_prompt" in conversation:
+        prompt = tokenizer.encode(conversation["text_prompt"], prepend=tokenizer.get_bos_token_id())
+    else:
+        prompt = tokenizer.render_for_completion(conversation)
     room = engine.model.config.sequence_len - len(prompt)
     if room < 1:
         return None
@@ -58,27 +66,35 @@ def generate_reply(engine, tokenizer, conversation, max_tokens, temperature=0.0,
 
 
 def generative_accuracy(model, tokenizer, task, indices, max_tokens=256, temperature=0.0, top_k=None):
-    """Sample a reply per problem and let the task judge it; (correct, total) on this rank."""
+    """Sample a reply per problem and let the task judge it; (correct, total, replies calling the calculator) here."""
     engine = Engine(model, tokenizer)
-    correct = 0
+    correct = tool_calls = 0
     for i in indices:
         conversation = task.get_example(i)
         reply = generate_reply(engine, tokenizer, conversation, max_tokens, temperature, top_k, seed=i)
         correct += reply is not None and bool(task.evaluate(conversation, reply))
-    return correct, len(indices)
+        tool_calls += reply is not None and "<|python_start|>" in reply
+    return correct, len(indices), tool_calls
 
 
-def evaluate_task(model, tokenizer, task, max_problems=None, batch_size=8, max_tokens=256, temperature=0.0, top_k=None):
-    """Accuracy on the first max_problems problems of a task (all if None), the same on every rank."""
+def evaluate_task(model, tokenizer, task, max_problems=None, batch_size=8, max_tokens=256, temperature=0.0, top_k=None,
+                  with_tool_rate=False):
+    """
+    Accuracy on the first max_problems problems of a task (all if None) and how many were scored, the same on
+    every rank; with_tool_rate adds the share of replies that called the calculator (None for categorical tasks).
+    """
     rank, world_size = dist_rank_world()
     n = task.num_examples() if max_problems is None else min(max_problems, task.num_examples())
     indices = list(range(rank, n, world_size))
     if task.eval_type == "categorical":
-        correct, total = categorical_accuracy(model, tokenizer, task, indices, batch_size)
+        counts = [*categorical_accuracy(model, tokenizer, task, indices, batch_size), -1]
     else:
-        correct, total = generative_accuracy(model, tokenizer, task, indices, max_tokens, temperature, top_k)
-    correct, total = _reduce_counts(correct, total, model.get_device())
-    return correct / max(1, total), total
+        counts = list(generative_accuracy(model, tokenizer, task, indices, max_tokens, temperature, top_k))
+    correct, total, tool_calls = _reduce_counts(counts, model.get_device())
+    result = (correct / max(1, total), total)
+    if with_tool_rate:
+        result += (tool_calls / max(1, total) if tool_calls >= 0 else None,)
+    return result
 
 
 def chatcore(accuracies, baselines):
@@ -88,12 +104,19 @@ def chatcore(accuracies, baselines):
 
 
 def evaluate_tasks(model, tokenizer, tasks, max_problems=None, **kwargs):
-    """{name: accuracy} and {name: baseline} over named tasks, printing a line per task as it finishes."""
-    accuracies, baselines = {}, {}
+    """
+    {name: accuracy}, {name: baseline} and {name: share of replies calling the calculator} (generative tasks)
+    over named tasks, printing a line per task as it finishes.
+    """
+    accuracies, baselines, tool_rates = {}, {}, {}
     for name, task in tasks.items():
         t0 = time.time()
-        accuracy, total = evaluate_task(model, tokenizer, task, max_problems, **kwargs)
+        accuracy, total, tool_rate = evaluate_task(model, tokenizer, task, max_problems, with_tool_rate=True, **kwargs)
         accuracies[name], baselines[name] = accuracy, task.baseline
+        tools = ""
+        if tool_rate is not None:
+            tool_rates[name] = tool_rate
+            tools = f" | calculator in {100 * tool_rate:5.1f}% of replies"
         print0(f"{name:<16} accuracy {100 * accuracy:6.2f}% of {total:5d} | baseline {100 * task.baseline:5.1f}% | "
-               f"{task.eval_type} | {time.time() - t0:.1f}s")
-    return accuracies, baselines
+               f"{task.eval_type}{tools} | {time.time() - t0:.1f}s")
+    return accuracies, baselines, tool_rates

@@ -56,7 +56,7 @@ def generate_pretraining_documents(world, rng, target_bytes, full_pass=True, men
 # Writing shards
 
 
-def _write_shard(path, docs, rows_per_group):
+def write_shard(path, docs, rows_per_group):
     table = pa.table({"text": pa.array(docs, type=pa.string())})
     tmp = f"{path}.tmp{os.getpid()}"
     pq.write_table(table, tmp, row_group_size=rows_per_group, compression="zstd")
@@ -114,7 +114,7 @@ def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=
     disk_bytes = 0
     for index, docs in shards:
         path = os.path.join(out_dir, shard_filename(index))
-        _write_shard(path, docs, rows_per_group)
+        write_shard(path, docs, rows_per_group)
         disk_bytes += os.path.getsize(path)
         log(f"wrote {shard_filename(index)}: {len(docs):,} docs, {pq.ParquetFile(path).num_row_groups} row groups"
             f"{' (val)' if index == val_index else ''}")

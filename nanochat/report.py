@@ -38,23 +38,24 @@ PIPELINE_SECTIONS = [
     "Base model training",
     "Base model loss",
     "Base model evaluation",
+    "Chat evaluation base",
     "Midtraining",
-    "Chat SFT",
-    "Chat RL",
     "Chat evaluation mid",
+    "Chat SFT",
     "Chat evaluation sft",
+    "Chat RL",
     "Chat evaluation rl",
 ]
 
 # Summary table: which sections feed each column, and which metrics make the rows.
 SUMMARY_COLUMNS = [
-    ("BASE", ["Base model evaluation"]),
+    ("BASE", ["Base model evaluation", "Chat evaluation base"]),
     ("MID", ["Chat evaluation mid"]),
     ("SFT", ["Chat evaluation sft"]),
     ("RL", ["Chat evaluation rl"]),
 ]
-SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "WorldQA", "Arithmetic",
-                   "Identity", "ChatCORE"]
+SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "WorldFacts", "WorldQA",
+                   "Arithmetic", "Arithmetic calculator use", "Identity", "ChatCORE"]
 
 # Rough on-demand cloud price per GPU-hour in USD (a ballpark, not a quote): 8×H100 ≈ $24/h.
 GPU_HOURLY_USD = [("H200", 3.50), ("H100", 3.00), ("A100", 1.80)]

@@ -6,6 +6,7 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
     python -m scripts.bench dataloader     # packing speed, cropped fraction, time a step waits for data
     python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
+    python -m scripts.bench quality --source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -638,6 +640,109 @@ def cmd_engine(args):
 
 
 # -----------------------------------------------------------------------------
+# Quality: val bpb after a short run of the CPU preset's geometry, on the built-in or real text
+
+
+def quality_data(source, vocab_size):
+    """Point NANOCHAT_BASE_DIR at <tmp>/nanochat_bench_quality/<source>, with the source's shards and a tokenizer
+    trained on them (built once, then reused)."""
+    from nanochat.dataset import get_data_dir, parquets_iter_batched
+    from nanochat.tokenizer import RustBPETokenizer
+
+    os.environ["NANOCHAT_DATA_SOURCE"] = source
+    current = os.environ.get("NANOCHAT_BASE_DIR")
+    if current and _has_data(current, vocab_size):  # a base dir that already holds this source and a tokenizer
+        return current
+    base = os.path.join(tempfile.gettempdir(), "nanochat_bench_quality", source)
+    os.environ["NANOCHAT_BASE_DIR"] = base
+    if _has_data(base, vocab_size):
+        return base
+    log(f"building the {source} source and a {vocab_size}-token tokenizer in {base}")
+    if source == "builtin":
+        from nanochat.corpus import write_corpus
+
+        write_corpus(get_data_dir("builtin"), seed=42, size_mb=6.0, verbose=False)
+    elif source == "brown":
+        from nanochat.brown import write_brown
+
+        write_brown()
+    else:
+        raise UserError(f"bench quality builds its own data: --source must be builtin or brown (got {source!r})")
+    texts = (t for batch in parquets_iter_batched("train", source=source) for t in batch)
+    RustBPETokenizer.train_from_iterator(texts, vocab_size).save(os.path.join(base, "tokenizer"))
+    return base
+
+
+def quality_run(args, seed, lr_mult):
+    """Train from scratch with base_train's recipe (all three lrs times lr_mult); val bpb at each --eval-at step."""
+    from nanochat.dataloader import DataLoader, eval_batches
+    from nanochat.gpt import build_model
+    from nanochat.loss_eval import evaluate_bpb
+    from nanochat.tokenizer import get_token_bytes, get_tokenizer
+    from nanochat.training import (build_optimizers, depth_recipe, grad_accum_steps, lr_multiplier, muon_momentum,
+                                   train_step)
+
+    tokenizer = get_tokenizer()
+    recipe = depth_recipe(args.depth, tokenizer.get_vocab_size(), args.seq_len, args.total_batch_size,
+                          num_iterations=args.steps, lr_batch_exponent=args.lr_batch_exponent,
+                          weight_decay=None if args.weight_decay < 0 else args.weight_decay)
+    lrs = recipe.lrs()
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr"):
+        lrs[name] *= lr_mult
+    device = torch.device("cpu")
+    torch.manual_seed(seed)
+    model = build_model(recipe.model_config, device)
+    optimizers = build_optimizers(model, **lrs)
+    accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.seq_len, 1)
+    loader = DataLoader(tokenizer, args.device_batch_size, args.seq_len, split="train", device=device)
+    token_bytes = get_token_bytes()
+    eval_steps = max(1, args.eval_tokens // (args.device_batch_size * args.seq_len))
+    bpb, t0 = {}, time.perf_counter()
+    for step in range(args.steps + 1):
+        if step in args.eval_at:
+            val_loader, batches = eval_batches(tokenizer, args.device_batch_size, args.seq_len, "val", device, 0, 1)
+            model.eval()
+            bpb[step] = evaluate_bpb(model, batches, eval_steps, token_bytes)
+            model.train()
+            val_loader.close()
+        if step == args.steps:
+            break
+        lrm = lr_multiplier(step, args.steps, args.warmup_ratio, args.warmdown_ratio)
+        train_step(model, optimizers, [next(loader) for _ in range(accum)], lambda m, xy: m(*xy), lrm,
+                   muon_momentum(step), nullcontext())
+    loader.close()
+    return {"seed": seed, "lr_mult": lr_mult, "lrs": lrs, "val_bpb": bpb, "seconds": time.perf_counter() - t0}
+
+
+def cmd_quality(args):
+    args.eval_at = sorted(set(args.eval_at) | {args.steps})
+    quality_data(args.source, args.vocab_size)
+    runs = []
+    for lr_mult in args.lr_mults:
+        for seed in args.seeds:
+            log(f"bench quality: {args.source} d{args.depth} T={args.seq_len} batch {args.total_batch_size} "
+                f"lr x{lr_mult:g} seed {seed} ...")
+            runs.append(quality_run(args, seed, lr_mult))
+    rows = [[f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at] + [f"{r['seconds']:.0f}"]
+            for r in runs]
+    print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
+                f"{args.steps} steps, wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup "
+                f"{args.warmup_ratio} warmdown {args.warmdown_ratio}",
+                ["lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["s"], rows)
+    final = {}
+    for r in runs:
+        final.setdefault(r["lr_mult"], []).append(r["val_bpb"][args.steps])
+    means = {m: sum(v) / len(v) for m, v in final.items()}
+    best = min(means, key=means.get)
+    print(f"\nmean final val bpb per lr multiplier: " + ", ".join(f"x{m:g} {v:.4f}" for m, v in means.items())
+          + f" | best x{best:g}; the default (x1) is {100 * (means.get(1.0, float('nan')) / means[best] - 1):+.2f} % from it")
+    emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
+               "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
+               "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
+               "lr_batch_exponent": args.lr_batch_exponent, "runs": runs, "mean_final": means, "best_lr_mult": best})
+
+
+# -----------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
@@ -691,12 +796,30 @@ def parse_args(argv=None):
     e.add_argument("--length-steps", type=int, default=30, help="decode steps timed per cache fill level")
     e.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     e.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
+    q.add_argument("--source", default="builtin", choices=["builtin", "brown"], help="the built-in corpus or the Brown corpus")
+    q.add_argument("--depth", type=int, default=4)
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--total-batch-size", type=int, default=2048, help="tokens per step")
+    q.add_argument("--device-batch-size", type=int, default=8)
+    q.add_argument("--steps", type=int, default=200)
+    q.add_argument("--eval-at", type=int, nargs="+", default=[50, 100, 150], help="steps to measure val bpb at (and the last)")
+    q.add_argument("--eval-tokens", type=int, default=65536)
+    q.add_argument("--lr-mults", type=float, nargs="+", default=[1.0], help="multipliers of base_train's three lrs")
+    q.add_argument("--lr-batch-exponent", type=float, default=0.0)
+    q.add_argument("--weight-decay", type=float, default=-1.0, help="Muon weight decay (-1 = the dial's)")
+    q.add_argument("--warmup-ratio", type=float, default=0.0)
+    q.add_argument("--warmdown-ratio", type=float, default=0.4)
+    q.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
+    q.add_argument("--vocab-size", type=int, default=BENCH_TOKENIZER_VOCAB)
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    {"train": cmd_train, "dataloader": cmd_dataloader, "tokenizer": cmd_tokenizer, "engine": cmd_engine}[args.command](args)
+    commands = {"train": cmd_train, "dataloader": cmd_dataloader, "tokenizer": cmd_tokenizer, "engine": cmd_engine,
+                "quality": cmd_quality}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from nanochat.tasks import canonical_name, get_task
 
 # The split each task is measured on: never one that training saw.
 EVAL_SPLITS = {"ARC-Easy": "test", "ARC-Challenge": "test", "MMLU": "test", "GSM8K": "test", "HumanEval": "test",
-               "SpellingBee": "test", "SimpleSpelling": "test", "WorldQA": "eval", "Identity": "eval", "Arithmetic": "test"}
+               "SpellingBee": "test", "SimpleSpelling": "test", "WorldQA": "eval", "WorldFacts": "eval", "Identity": "eval",
+               "Arithmetic": "test"}
 SUITES = {"builtin": ["WorldQA", "Identity", "Arithmetic", "SpellingBee", "SimpleSpelling"],
           "hub": ["ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee"]}
 
@@ -64,17 +65,20 @@ def main(argv=None):
     print0(f"chat_eval | {args.source} {tag} step {meta['step']} | {world_size} rank(s) | tasks {', '.join(names)} | "
            f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}")
     with autocast_for(device):
-        accuracies, baselines = evaluate_tasks(model, tokenizer, tasks, None if args.max_problems < 0 else args.max_problems,
+        accuracies, baselines, tool_rates = evaluate_tasks(model, tokenizer, tasks, None if args.max_problems < 0 else args.max_problems,
                                                batch_size=args.batch_size, max_tokens=args.max_new_tokens,
                                                temperature=args.temperature, top_k=args.top_k)
     score = chatcore(accuracies, baselines)
     print0(f"ChatCORE {score:.4f} over {len(accuracies)} task(s)")
-    table = ["| Task | Accuracy | Baseline |", "|---|---:|---:|"]
-    table += [f"| {name} | {accuracies[name]:.4f} | {baselines[name]:.4f} |" for name in accuracies]
+    table = ["| Task | Accuracy | Baseline | Replies calling the calculator |", "|---|---:|---:|---:|"]
+    table += [f"| {name} | {accuracies[name]:.4f} | {baselines[name]:.4f} | "
+              f"{tool_rates[name]:.2f} |" if name in tool_rates else f"| {name} | {accuracies[name]:.4f} | {baselines[name]:.4f} | - |"
+              for name in accuracies]
     get_report().log(section=f"Chat evaluation {args.source}", data=[
         {"Source": args.source, "Model tag": tag, "Step": meta["step"], "Max problems": args.max_problems,
          "Temperature": args.temperature},
         {**accuracies, "ChatCORE": score},
+        {f"{name} calculator use": rate for name, rate in tool_rates.items() if name in ("Arithmetic", "GSM8K")},
         "\n".join(table),
     ])
     compute_cleanup()

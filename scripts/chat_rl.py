@@ -21,7 +21,7 @@ from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, print0, run_main, seed_everything
 from nanochat.engine import Engine
 from nanochat.stage import add_stage_flags, check_flag, micro_steps, mixture_kind, output_dir, stage_loop, start_stage, validate_stage_flags
-from nanochat.tasks import get_task
+from nanochat.tasks import TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
 
@@ -29,8 +29,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Policy-gradient RL on problems with checkable answers.")
     add_stage_flags(p, source="sft", lr_frac=0.05, num_iterations=-1, device_batch_size=8, total_batch_size=16,
                     batch_unit="problems", conversation_data=False)
-    p.add_argument("--task", default="", help="GSM8K or Arithmetic (default: Arithmetic when $NANOCHAT_DATA_SOURCE is "
-                                              "builtin or unset, else GSM8K)")
+    p.add_argument("--task", default="", help="GSM8K, Arithmetic, SpellingBee, or several joined by | (default: Arithmetic "
+                                              "when $NANOCHAT_DATA_SOURCE is builtin or unset, else GSM8K)")
     p.add_argument("--num-samples", type=int, default=16, help="replies sampled per problem")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -92,8 +92,9 @@ def pg_loss(model, batch):
 def main(argv=None):
     args = parse_args(argv)
     task_name = args.task or ("Arithmetic" if mixture_kind() == "builtin" else "GSM8K")
-    train_task = get_task(task_name, "train")
-    test_task = get_task(task_name, "test")
+    names = task_name.split("|")  # several tasks: their problems mixed, each judged by its own task
+    train_task = TaskMixture([get_task(n, "train") for n in names], seed=5) if len(names) > 1 else get_task(names[0], "train")
+    test_task = TaskMixture([get_task(n, "test") for n in names], seed=6) if len(names) > 1 else get_task(names[0], "test")
     tag, ckpt_dir = output_dir("rl", args)
     _, rank, _, world_size, device = compute_init(args.device_type)
     check_flag(args.total_batch_size % world_size == 0, "total_batch_size", args.total_batch_size,

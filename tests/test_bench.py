@@ -71,3 +71,18 @@ def test_tokenizer_reports_train_and_encode_speed(tiny_env, capsys):
 def test_train_refuses_bad_timing_flags_before_any_work(flag):
     with pytest.raises(bench.UserError, match="probe-seconds"):
         bench.main(["train", flag, "--device-type=cpu"])
+
+
+def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys):
+    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+                "--device-batch-size=2", "--steps=4", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.5", "1",
+                "--seeds", "1", "--vocab-size=1024"])
+    out = capsys.readouterr().out
+    assert "quality: val bpb on builtin" in out and "best x" in out
+    result = last_json_line(out)
+    assert result["bench"] == "quality" and [r["lr_mult"] for r in result["runs"]] == [0.5, 1.0]
+    for run in result["runs"]:
+        assert set(run["val_bpb"]) == {"2", "4"} and all(0 < v < 20 for v in run["val_bpb"].values())
+    half, full = result["runs"]
+    assert half["lrs"]["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 2)
+    assert result["best_lr_mult"] in (0.5, 1.0)

@@ -24,7 +24,7 @@ EVAL_BUNDLE_SHOTS = 3  # few-shot examples for the arithmetic and spelling tasks
 EVAL_LM_EXAMPLES = 240  # examples of each generated arithmetic / letter-count task
 
 
-def _object_last_templates(relation):
+def object_last_templates(relation):
     """(text before the object, whether the object takes "a"/"an") of each template that ends on its object."""
     cuts = []
     for template in RELATIONS[relation].templates:
@@ -36,7 +36,7 @@ def _object_last_templates(relation):
 
 def _fact_choice_examples(rng, subjects, relation, true_value, pool, per_subject):
     """A trained statement about each subject, cut before its object; the true object is one of 4 choices."""
-    cuts = _object_last_templates(relation)
+    cuts = object_last_templates(relation)
     examples = []
     for subject in subjects:
         truth = true_value(subject)
@@ -51,7 +51,7 @@ def _fact_choice_examples(rng, subjects, relation, true_value, pool, per_subject
 
 def _capital_schema_examples(rng, world, countries, per_subject):
     """The same capital after 4 countries' statements: only the true country makes it likely."""
-    cuts = _object_last_templates("capital")
+    cuts = object_last_templates("capital")
     examples = []
     for country in countries:
         for prefix, _ in rng.sample(cuts, min(per_subject, len(cuts))):

@@ -13,7 +13,7 @@ SimpleSpelling) are generated offline; CustomJSON reads your own JSONL file.
 from nanochat.common import UserError
 from nanochat.tasks.arc import ARC
 from nanochat.tasks.base import CategoricalTask, Task, TaskMixture, TaskSequence, validate_conversation
-from nanochat.tasks.builtin import Arithmetic, Identity, WorldQA
+from nanochat.tasks.builtin import Arithmetic, Identity, WorldFacts, WorldQA
 from nanochat.tasks.customjson import CustomJSON
 from nanochat.tasks.gsm8k import GSM8K
 from nanochat.tasks.humaneval import HumanEval
@@ -31,6 +31,7 @@ TASKS = {
     "HumanEval": (HumanEval, {}, ("test",)),
     "SmolTalk": (SmolTalk, {}, ("train", "test")),
     "WorldQA": (WorldQA, {}, ("sft", "eval")),
+    "WorldFacts": (WorldFacts, {}, ("eval",)),
     "Identity": (Identity, {}, ("sft", "eval")),
     "Arithmetic": (Arithmetic, {}, ("train", "test")),
     "SpellingBee": (SpellingBee, {}, ("train", "test")),
@@ -38,7 +39,7 @@ TASKS = {
     "CustomJSON": (CustomJSON, {}, ()),  # no splits: one file, passed as path=
 }
 HUB_TASKS = ("ARC-Easy", "ARC-Challenge", "MMLU", "MMLU-aux", "GSM8K", "HumanEval", "SmolTalk")
-BUILTIN_TASKS = ("WorldQA", "Identity", "Arithmetic", "SpellingBee", "SimpleSpelling")
+BUILTIN_TASKS = ("WorldQA", "WorldFacts", "Identity", "Arithmetic", "SpellingBee", "SimpleSpelling")
 
 
 def canonical_name(name):
@@ -65,5 +66,5 @@ def get_task(name, split=None, **kwargs):
 
 
 __all__ = ["Task", "CategoricalTask", "TaskMixture", "TaskSequence", "validate_conversation", "ARC", "MMLU",
-           "GSM8K", "HumanEval", "SmolTalk", "CustomJSON", "SpellingBee", "SimpleSpelling", "WorldQA", "Identity",
+           "GSM8K", "HumanEval", "SmolTalk", "CustomJSON", "SpellingBee", "SimpleSpelling", "WorldQA", "WorldFacts", "Identity",
            "Arithmetic", "TASKS", "HUB_TASKS", "BUILTIN_TASKS", "get_task"]

@@ -195,7 +195,13 @@ class TaskMixture(Task):
         return len(self._task_index)
 
     def get_row(self, index):
-        return self.tasks[self._task_index[index]].get_example(self._example_index[index])
+        return _tagged(self, self._task_index[index], self.tasks[self._task_index[index]].get_example(self._example_index[index]))
+
+    def evaluate(self, conversation, completion):
+        return _owner(self, conversation).evaluate(conversation, completion)
+
+    def reward(self, conversation, completion):
+        return _owner(self, conversation).reward(conversation, completion)
 
 
 class TaskSequence(Task):
@@ -216,4 +222,19 @@ class TaskSequence(Task):
 
     def get_row(self, index):
         t = bisect.bisect_right(self._ends, index)
-        return self.tasks[t].get_example(index - (self._ends[t - 1] if t else 0))
+        return _tagged(self, t, self.tasks[t].get_example(index - (self._ends[t - 1] if t else 0)))
+
+    def evaluate(self, conversation, completion):
+        return _owner(self, conversation).evaluate(conversation, completion)
+
+    def reward(self, conversation, completion):
+        return _owner(self, conversation).reward(conversation, completion)
+
+
+def _tagged(combined, task_index, conversation):
+    """The conversation, marked with which of the combined task's tasks it came from, so verdicts go to that task."""
+    return {**conversation, "_from": {**conversation.get("_from", {}), id(combined): task_index}}
+
+
+def _owner(combined, conversation):
+    return combined.tasks[conversation["_from"][id(combined)]]

@@ -206,6 +206,37 @@ class WorldQA(Task):
         return sum(self.chance(self.get_example(i)) for i in range(len(self))) / max(1, len(self))
 
 
+class WorldFacts(WorldQA):
+    """
+    For base models: a statement pretraining told, cut before its object ("The capital of Zorland is"); the
+    model's greedy continuation must name the object. No chat format: `text_prompt` is the whole prompt, and
+    chat_eval feeds it after <|bos|> as plain text. Asks about the held-out subjects, each fact in two of its
+    relation's object-final wordings.
+    """
+
+    name = "WorldFacts"
+    splits = ("eval",)
+    eval_type = "completion"
+
+    def _eval(self, rng):
+        from nanochat.builtin.core_bundle import object_last_templates
+
+        examples = []
+        for fact in self.world.eval_facts():
+            if fact.relation not in EVAL_RELATIONS:
+                continue
+            for prefix, _ in rng.sample(object_last_templates(fact.relation), 2):
+                text = prefix.format(s=fact.subject)
+                examples.append({"messages": [{"role": "user", "content": text},
+                                              {"role": "assistant", "content": fact.object}],
+                                 "text_prompt": text, "subject": fact.subject, "relation": fact.relation})
+        rng.shuffle(examples)
+        return examples
+
+    def evaluate(self, conversation, completion):
+        return super().evaluate(conversation, completion.split("\n")[0].split(".")[0])  # the first clause only
+
+
 # -----------------------------------------------------------------------------
 # Identity
 

@@ -1,0 +1,93 @@
+"""
+speedrun.sh as a user sees it with DRY_RUN=1: every stage in order, torchrun over the GPUs it detects, and flags
+that add up (each training stage's batch splits exactly into micro-batches on 8 GPUs and on 1), checked by parsing
+the printed commands with the scripts' own argument parsers.
+"""
+
+import os
+import shlex
+import subprocess
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINING = ["base_train", "mid_train", "chat_sft", "chat_rl"]
+ORDER = ["nanochat.dataset", "scripts.tok_train", "scripts.tok_eval", "scripts.base_train", "scripts.base_loss",
+         "scripts.base_eval", "scripts.mid_train", "scripts.chat_eval", "scripts.chat_sft", "scripts.chat_eval",
+         "scripts.chat_rl", "scripts.chat_eval", "nanochat.report"]
+
+
+def dry_run(tmp_path, preset, ngpu):
+    env = dict(os.environ, DRY_RUN="1", NANOCHAT_PRESET=preset, NANOCHAT_NGPU=str(ngpu),
+               NANOCHAT_BASE_DIR=str(tmp_path / "base"))
+    return subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def commands(stdout):
+    """(module, launcher words, flags) of each printed command."""
+    out = []
+    for line in stdout.splitlines():
+        words = shlex.split(line.rstrip(" &"))
+        if "-m" not in words:
+            continue
+        at = len(words) - 1 - words[::-1].index("-m")  # torchrun has its own flags before the script's -m
+        out.append((words[at + 1], words[:at], words[at + 2:]))
+    return out
+
+
+@pytest.mark.parametrize("ngpu", [8, 1])
+def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu):
+    from nanochat.stage import micro_steps
+    from nanochat.training import grad_accum_steps
+    from scripts import base_train, chat_rl, chat_sft, mid_train
+
+    p = dry_run(tmp_path, "gpu", ngpu)
+    assert p.returncode == 0, p.stderr
+    cmds = commands(p.stdout)
+    modules = [m for m, _, _ in cmds]
+    assert [m for i, m in enumerate(modules) if i == 0 or m != modules[i - 1]] == ORDER, modules
+    assert not os.path.exists(tmp_path / "base" / "report"), "a dry run must not run anything"
+    parsers = {"base_train": base_train.parse_args, "mid_train": mid_train.parse_args, "chat_sft": chat_sft.parse_args,
+               "chat_rl": chat_rl.parse_args}
+    seen = set()
+    for module, launcher, flags in cmds:
+        name = module.split(".")[-1]
+        if name not in TRAINING + ["base_loss", "base_eval", "chat_eval"]:
+            continue
+        assert "torchrun" in launcher and f"--nproc_per_node={ngpu}" in launcher, (module, launcher)
+        if name not in parsers:
+            continue
+        args = parsers[name](flags)
+        seen.add(name)
+        if name == "base_train":
+            assert grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, ngpu) * \
+                args.device_batch_size * args.max_seq_len * ngpu == 2**19
+        elif name == "mid_train":  # rows as long as the base model's context
+            assert micro_steps(args.total_batch_size, args.device_batch_size * 2048, ngpu, "tokens") >= 1
+        elif name == "chat_sft":
+            assert micro_steps(args.total_batch_size, args.device_batch_size, ngpu, "conversations") >= 1
+        else:
+            assert args.total_batch_size % ngpu == 0
+            micro_steps(args.total_batch_size // ngpu * args.num_samples, args.device_batch_size, 1, "samples")
+    assert seen == set(TRAINING)
+
+
+def test_gpu_preset_refuses_a_gpu_count_that_cannot_split_the_batch(tmp_path):
+    p = dry_run(tmp_path, "gpu", 3)
+    assert p.returncode == 1 and "1, 2, 4, 8 or 16 GPUs" in p.stderr
+
+
+def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
+    p = dry_run(tmp_path, "cpu", 0)
+    assert p.returncode == 0, p.stderr
+    cmds = commands(p.stdout)
+    assert "nanochat.dataset" not in [m for m, _, _ in cmds] and "nanochat.corpus" in [m for m, _, _ in cmds]
+    assert not any("torchrun" in launcher for _, launcher, _ in cmds)
+    trained = [m.split(".")[-1] for m, _, _ in cmds if m.split(".")[-1] in TRAINING]
+    assert trained == ["base_train", "mid_train", "chat_sft"]  # RL does not pay on the cpu preset: opt-in
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, DRY_RUN="1", NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0", NANOCHAT_RL="1",
+                                NANOCHAT_BASE_DIR=str(tmp_path / "base")))
+    assert [m.split(".")[-1] for m, _, _ in commands(p.stdout) if m.split(".")[-1] in TRAINING] == TRAINING
+    p = dry_run(tmp_path, "gpu", 0)
+    assert p.returncode == 1 and "no CUDA GPU" in p.stderr
