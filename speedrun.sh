@@ -7,6 +7,7 @@
 #   DRY_RUN=1 bash speedrun.sh            # print every command with its flags, run none
 #   FORCE=1 bash speedrun.sh              # redo every stage, even finished ones
 #   NANOCHAT_RL=0|1 bash speedrun.sh      # skip or run chat_rl (default: on for gpu, off for cpu, where it does not pay)
+#   NANOCHAT_SEED=43 bash speedrun.sh     # another initialisation of the base model
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -15,6 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 RUN="${NANOCHAT_RUN:-dummy}"
+SEED="${NANOCHAT_SEED:-42}"  # the base model's initialisation
 DRY_RUN="${DRY_RUN:-0}"
 FORCE="${FORCE:-0}"
 BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -167,7 +169,7 @@ if [ "$PRESET" = gpu ] && [ "$DRY_RUN" != 1 ]; then
 fi
 
 train_stage "base_train" base_checkpoints \
-    $LAUNCH scripts.base_train $BASE_FLAGS --model-tag=$TAG --run="$RUN"
+    $LAUNCH scripts.base_train $BASE_FLAGS --model-tag=$TAG --seed=$SEED --run="$RUN"
 stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
 stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
 if [ -n "$BASE_CHAT_EVAL" ]; then
