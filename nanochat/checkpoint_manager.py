@@ -74,6 +74,15 @@ def claim_checkpoint_dir(ckpt_dir):
     _held_locks.append(fd)
 
 
+def refuse_to_overwrite(ckpt_dir):
+    """A fresh run (no --resume) must not mix its checkpoints with an earlier run's under the same tag: the earlier
+    run's later steps would pass for this run's latest."""
+    steps = list_steps(ckpt_dir)
+    if steps:
+        raise UserError(f"{ckpt_dir} already holds checkpoints of an earlier run (steps {steps[0]}..{steps[-1]}); continue "
+                        "it with --resume, or delete that directory, or write to another --model-tag")
+
+
 def validate_meta(meta):
     """The reason a checkpoint's meta.json cannot be trusted, or None if it has everything loading relies on."""
     if not isinstance(meta, dict):

@@ -6,7 +6,8 @@ checkpoint it builds on, its optimizers and learning rates, its own output direc
 
 import os
 
-from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, resolve_step
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, refuse_to_overwrite,
+                                         resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import StartPoint, TrainingLoop, resume_from
 from nanochat.training import build_optimizers, config_dict, dial_lrs
@@ -121,6 +122,8 @@ def output_dir(stage, args):
     tag = args.model_tag or find_latest_tag(args.source)
     ckpt_dir = checkpoint_dir(stage, tag)
     claim_checkpoint_dir(ckpt_dir)
+    if not args.resume:
+        refuse_to_overwrite(ckpt_dir)
     return tag, ckpt_dir
 
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, resolve_step
+from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, refuse_to_overwrite, resolve_step
 from nanochat.common import (UserError, autocast_for, compute_cleanup, compute_init, get_compute_dtype,
                              keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
@@ -118,8 +118,10 @@ def main(argv=None):
     ckpt_dir = checkpoint_dir("base", args.model_tag or f"d{args.depth}")
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
-    resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None) \
-        if args.resume or args.resume_from_step >= 0 else None
+    if args.resume or args.resume_from_step >= 0:
+        resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
+    else:
+        resume_step = refuse_to_overwrite(ckpt_dir)
     core_bundle_dir = None
     if args.core_metric_every > 0:  # fail now, not hours in, if the bundle cannot be had
         from nanochat.core_eval import evaluate_core, resolve_eval_bundle
