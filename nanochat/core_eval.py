@@ -135,11 +135,16 @@ def ensure_eval_bundle():
     return bundle_dir
 
 
-def resolve_eval_bundle(name_or_path="dclm"):
+def resolve_eval_bundle(name_or_path="dclm", all_ranks=False):
     """
     The folder of the bundle a user named (the --eval-bundle flag): "dclm" -> the published bundle,
     downloaded on first use; "builtin" -> the bundle about the built-in world; else a folder holding core.yaml.
+    all_ranks: called by every rank of a torchrun job: rank 0 downloads while the others wait at a barrier.
     """
+    if all_ranks and dist_rank_world()[1] > 1:
+        if dist_rank_world()[0] == 0:
+            resolve_eval_bundle(name_or_path)
+        dist.barrier()
     if name_or_path == "dclm":
         return ensure_eval_bundle()
     if name_or_path == "builtin":

@@ -19,6 +19,7 @@ from nanochat.common import (UserError, autocast_for, compute_cleanup, compute_i
 from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.gpt import build_model
 from nanochat.loop import StartPoint, TrainingLoop, resume_from
+from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, check_flag, validate_training_flags
@@ -122,15 +123,8 @@ def main(argv=None):
         resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
     else:
         resume_step = refuse_to_overwrite(ckpt_dir)
-    core_bundle_dir = None
-    if args.core_metric_every > 0:  # fail now, not hours in, if the bundle cannot be had
-        from nanochat.core_eval import evaluate_core, resolve_eval_bundle
-
-        if rank == 0:  # rank 0 downloads; the others then find it in place
-            resolve_eval_bundle(args.eval_bundle)
-        if world_size > 1:
-            torch.distributed.barrier()
-        core_bundle_dir = resolve_eval_bundle(args.eval_bundle)
+    # fail now, not hours in, if the CORE bundle cannot be had (rank 0 downloads it, the others wait)
+    core_bundle_dir = resolve_eval_bundle(args.eval_bundle, all_ranks=True) if args.core_metric_every > 0 else None
     seed_everything(args.seed)
 
     model = build_model(recipe.model_config, device)
@@ -166,13 +160,12 @@ def main(argv=None):
                         args.save_every, args.keep_last, args.run,
                         meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len})
     c = recipe.model_config
-    print0(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} width "
-           f"{c.n_embd} heads {c.n_head}/{c.n_kv_head} | T {args.max_seq_len} | device {device.type} x{world_size} "
-           f"{str(get_compute_dtype(device)).replace('torch.', '')}{' compiled' if use_compile else ''} | batch {args.total_batch_size:,} "
-           f"tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} accum | steps {num_iterations} "
-           f"({recipe.budget}) = {num_iterations * args.total_batch_size / 1e6:.1f}M tokens, "
-           f"{num_iterations * args.total_batch_size / recipe.scaling_params:.1f} tok/param | "
-           + " ".join(f"{k} {v:.4g}" for k, v in lrs.items()) + (f" | resuming at step {start.step}" if start.step else ""))
+    loop.announce(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
+                  f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} | T {args.max_seq_len} | device {device.type} x{world_size} "
+                  f"{str(get_compute_dtype(device)).replace('torch.', '')}{' compiled' if use_compile else ''} | batch "
+                  f"{args.total_batch_size:,} tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} "
+                  f"accum | steps {num_iterations} ({recipe.budget}) = {num_iterations * args.total_batch_size / 1e6:.1f}M "
+                  f"tokens, {num_iterations * args.total_batch_size / recipe.scaling_params:.1f} tok/param")
 
     for step in loop.steps():
         if loop.due(args.eval_every):

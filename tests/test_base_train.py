@@ -256,3 +256,13 @@ def test_sigterm_saves_and_stops_and_nan_refuses(tiny_base_dir, tmp_path):
     steps = list_steps(os.path.join(base, "base_checkpoints", "tiny"))
     bad_step = int(p.stderr.split("at step ")[1].split(";")[0])
     assert steps and max(steps) < bad_step
+
+
+def test_samples_and_core_metric_during_training(tiny_base_dir, tmp_path):
+    base = fresh_base(tiny_base_dir, tmp_path, "evals")
+    p = run_train(base, ["--num-iterations=4", "--eval-every=2", "--sample-every=2", "--core-metric-every=2",
+                         "--eval-bundle=builtin", "--core-metric-max-per-task=4"])
+    assert p.stdout.count("  sample: ") == 2 * 6  # six prompts at steps 2 and 4 (not at step 0)
+    core = {r["step"]: r["core_metric"] for r in curve(base) if "core_metric" in r}
+    assert sorted(core) == [2, 4] and all(-1.0 <= v <= 1.0 for v in core.values())
+    assert f"core_metric {core[4]:.4f}" in p.stdout and "world_capital" in p.stdout  # per-task lines of the bundle
