@@ -130,24 +130,39 @@ stage() {  # stage NAME DONE_TEST COMMAND...: run COMMAND unless DONE_TEST says 
     echo "$name $((SECONDS - t0))" >> "$BASE_DIR/speedrun_times.txt"
 }
 
-train_stage() {  # train_stage NAME STAGE_DIR COMMAND...: fresh, resumed after a kill, or skipped when finished
-    local name=$1 stage_dir=$2
-    shift 2
+train_stage() {  # train_stage NAME STAGE_DIR SECTION COMMAND...: fresh, resumed after a kill, or skipped when finished
+    # Finished means the last checkpoint completed the run AND the stage wrote its report section: a kill during the
+    # final evaluation leaves a finished checkpoint without a section, and --resume then redoes only that evaluation.
+    local name=$1 stage_dir=$2 section=$3
+    shift 3
     local resume=""
-    if [ "$DRY_RUN" != 1 ] && [ "$FORCE" != 1 ] && has_checkpoint "$stage_dir" && ! finished "$stage_dir"; then
+    if [ "$DRY_RUN" != 1 ] && [ "$FORCE" != 1 ] && has_checkpoint "$stage_dir" \
+        && ! { finished "$stage_dir" && report_has "$section"; }; then
         resume="--resume"
     fi
     if [ "$DRY_RUN" != 1 ] && [ "$FORCE" = 1 ]; then
         rm -rf "${BASE_DIR:?}/$stage_dir/$TAG"
     fi
-    stage "$name" "finished $stage_dir" "$@" $resume
+    stage "$name" "finished $stage_dir && report_has $section" "$@" $resume
 }
 
 # -----------------------------------------------------------------------------
 # The pipeline
 
 echo "speedrun: preset $PRESET, $NGPU GPU(s), base dir $BASE_DIR, wandb run $RUN"
-mkdir -p "$BASE_DIR"
+if [ "$DRY_RUN" = 1 ]; then
+    echo "export NANOCHAT_BASE_DIR=$BASE_DIR NANOCHAT_DATA_SOURCE=$NANOCHAT_DATA_SOURCE"
+else
+    mkdir -p "$BASE_DIR"
+    # A base dir holds one speedrun: continuing it with another preset or seed would mix their stages silently.
+    SIGNATURE="preset=$PRESET seed=$SEED rl=$RUN_RL"
+    if [ "$FORCE" != 1 ] && [ -f "$BASE_DIR/speedrun_config.txt" ] && [ "$(cat "$BASE_DIR/speedrun_config.txt")" != "$SIGNATURE" ]; then
+        echo "$BASE_DIR holds a speedrun with $(cat "$BASE_DIR/speedrun_config.txt"), not $SIGNATURE: rerun with those" \
+             "settings to continue it, FORCE=1 to redo everything here, or point NANOCHAT_BASE_DIR elsewhere" >&2
+        exit 1
+    fi
+    echo "$SIGNATURE" > "$BASE_DIR/speedrun_config.txt"
+fi
 if [ "$DRY_RUN" != 1 ] && { [ "$FORCE" = 1 ] || [ ! -f "$BASE_DIR/report/header.json" ]; }; then
     $PY -m nanochat.report reset
     rm -f "$BASE_DIR/speedrun_times.txt"
@@ -156,19 +171,21 @@ fi
 if [ "$PRESET" = gpu ]; then
     stage "data: first shards" "false" $PY -m nanochat.dataset -n 8
     if [ "$DRY_RUN" = 1 ]; then echo "$PY -m nanochat.dataset -n $SHARDS &"
-    else $PY -m nanochat.dataset -n $SHARDS > "$BASE_DIR/dataset_download.log" 2>&1 & DATASET_PID=$!
+    else
+        $PY -m nanochat.dataset -n $SHARDS > "$BASE_DIR/dataset_download.log" 2>&1 & DATASET_PID=$!
+        trap 'kill $DATASET_PID 2>/dev/null || true' EXIT  # a failed stage must not leave the download running
     fi
 else
     stage "data: built-in corpus" "[ -f '$BASE_DIR/base_data/builtin/corpus.json' ]" $PY -m nanochat.corpus
 fi
-stage "tokenizer: train" "[ -f '$BASE_DIR/tokenizer/tokenizer.json' ]" $PY -m scripts.tok_train $TOK_FLAGS
+stage "tokenizer: train" "[ -f '$BASE_DIR/tokenizer/tokenizer.json' ] && report_has tokenizer-training" $PY -m scripts.tok_train $TOK_FLAGS
 stage "tokenizer: eval" "report_has tokenizer-evaluation" $PY -m scripts.tok_eval
 if [ "$PRESET" = gpu ] && [ "$DRY_RUN" != 1 ]; then
     say "waiting for the shard download (log: $BASE_DIR/dataset_download.log)"
     wait "$DATASET_PID"
 fi
 
-train_stage "base_train" base_checkpoints \
+train_stage "base_train" base_checkpoints base-model-training \
     $LAUNCH scripts.base_train $BASE_FLAGS --model-tag=$TAG --seed=$SEED --run="$RUN"
 stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
 stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
@@ -177,14 +194,14 @@ if [ -n "$BASE_CHAT_EVAL" ]; then
         $LAUNCH scripts.chat_eval -i base -g $TAG -a $BASE_CHAT_EVAL $CHAT_EVAL_FLAGS
 fi
 
-train_stage "mid_train" mid_checkpoints \
+train_stage "mid_train" mid_checkpoints midtraining \
     $LAUNCH scripts.mid_train -g $TAG --num-iterations=$MID_STEPS $MID_FLAGS --run="$RUN"
 stage "chat_eval mid" "report_has chat-evaluation-mid" $LAUNCH scripts.chat_eval -i mid -g $TAG $CHAT_EVAL_FLAGS
-train_stage "chat_sft" chatsft_checkpoints \
+train_stage "chat_sft" chatsft_checkpoints chat-sft \
     $LAUNCH scripts.chat_sft -g $TAG --num-iterations=$SFT_STEPS $SFT_FLAGS --run="$RUN"
 stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval -i sft -g $TAG $CHAT_EVAL_FLAGS
 if [ "$RUN_RL" = 1 ]; then
-    train_stage "chat_rl" chatrl_checkpoints \
+    train_stage "chat_rl" chatrl_checkpoints chat-rl \
         $LAUNCH scripts.chat_rl -g $TAG --num-iterations=$RL_STEPS $RL_FLAGS --run="$RUN"
     stage "chat_eval rl" "report_has chat-evaluation-rl" $LAUNCH scripts.chat_eval -i rl -g $TAG $CHAT_EVAL_FLAGS
 fi
@@ -192,9 +209,10 @@ stage "report" "false" $PY -m nanochat.report generate
 
 if [ "$DRY_RUN" != 1 ]; then
     FINAL=$([ "$RUN_RL" = 1 ] && echo rl || echo sft)
+    ENV=$([ "$BASE_DIR" = "$HOME/.cache/nanochat" ] || echo "NANOCHAT_BASE_DIR=$BASE_DIR ")
     echo
     echo "Done. Talk to your model:"
-    echo "  uv run python -m scripts.chat_cli -i $FINAL          # in the terminal"
-    echo "  uv run python -m scripts.chat_web -i $FINAL          # then open http://127.0.0.1:8000"
+    echo "  ${ENV}uv run python -m scripts.chat_cli -i $FINAL -g $TAG     # in the terminal"
+    echo "  ${ENV}uv run python -m scripts.chat_web -i $FINAL -g $TAG     # then open http://127.0.0.1:8000"
     echo "The report card is in report.md (and $BASE_DIR/report/)."
 fi

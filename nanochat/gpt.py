@@ -258,11 +258,10 @@ class GPT(nn.Module):
         matmul_params = self.num_params() - self.transformer.wte.weight.numel()
         return 6 * matmul_params + 12 * c.n_layer * c.n_head * head_dim * c.sequence_len
 
-    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                         adam_betas=(0.8, 0.95)):
+    def setup_optimizers(self, unembedding_lr, embedding_lr, matrix_lr, weight_decay=0.0, adam_betas=(0.8, 0.95)):
         """
-        Parameter groups for the two optimizers (this module may not import them):
-        returns (adamw_groups, muon_groups). AdamW gets lm_head and wte, each with its own lr scaled
+        Parameter groups for the two optimizers (this module may not import them), at the lrs the depth dial
+        chose (training.depth_recipe): returns (adamw_groups, muon_groups). AdamW gets lm_head and wte, each with its own lr scaled
         by (n_embd/768)^-0.5; Muon gets the 2-D block matrices, one group per distinct shape.
         Every group also records initial_lr so lr schedules can scale from it.
         """

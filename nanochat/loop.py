@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanochat.checkpoint_manager import check_compatible, load_checkpoint, save_checkpoint
+from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
 from nanochat.common import UserError, dist_rank_world, format_duration, get_peak_flops, print0
 from nanochat.report import get_report
 
@@ -46,11 +46,12 @@ class StartPoint:
 def resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer_hash, device):
     """Load a checkpoint into the model and optimizers (every rank its own optimizer shard) and say where to go on."""
     rank, world_size = dist_rank_world()
-    model_state, optim_states, meta = load_checkpoint(ckpt_dir, step, device, rank=rank)
+    meta = load_meta(ckpt_dir, step)  # checked before any file is read: a rank with no shard of its own must say why
     check_compatible(meta, model_config, tokenizer_hash, ckpt_dir)
     if meta.get("world_size", 1) != world_size:
         raise UserError(f"checkpoint {ckpt_dir} step {step} was written by {meta.get('world_size')} ranks; resume with the "
                         f"same number of ranks (got {world_size}) so the sharded optimizer state and data order line up")
+    model_state, optim_states, meta = load_checkpoint(ckpt_dir, step, device, rank=rank)
     model.load_state_dict(model_state, strict=True)
     for opt, state in zip(optimizers, optim_states):
         opt.load_state_dict(state)
@@ -214,10 +215,11 @@ class TrainingLoop:
     def due(self, every, at_zero=True, at_ends=False):
         """
         True if a periodic job with this period runs at the current step: every `every` steps and at the last step.
-        Never at the step a run resumed from (it ran before that checkpoint); at_zero=False skips step 0. every <= 0
-        means never, or with at_ends=True only at the first and the last step.
+        Never at the step a run resumed from (it ran before that checkpoint), except the last: its checkpoint is
+        written before the final evaluations, so a run killed during them redoes them on --resume. at_zero=False skips
+        step 0. every <= 0 means never, or with at_ends=True only at the first and the last step.
         """
-        if self.step == self.start_step and self.start_step > 0:
+        if self.step == self.start_step and 0 < self.start_step < self.num_iterations:
             return False
         if self.step == 0 and not at_zero:
             return False
@@ -239,8 +241,11 @@ class TrainingLoop:
         self.report.log_curve(self.name, {"step": self.step, name: value})
         return value
 
-    def end_step(self, loss, t0, lrm=None, **extra):
-        """After an optimizer step that began at perf_counter() t0: check the loss, time, print, log."""
+    def end_step(self, loss, t0, lrm=None, tokens=None, **extra):
+        """
+        After an optimizer step that began at perf_counter() t0: check the loss, time, print, log. tokens: positions
+        the step's forward passes processed on every rank, for stages whose steps differ (default: tokens_per_step).
+        """
         if not math.isfinite(loss):
             raise UserError(f"loss is {loss} at step {self.step}; stopping without saving. The last good checkpoint is in "
                             f"{self.ckpt_dir}; lower the learning rates or check the data, then --resume")
@@ -260,11 +265,12 @@ class TrainingLoop:
             record[key] = value
             parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
         parts.append(f"{dt * 1000:.0f} ms")
-        if self.tokens_per_step:
-            record["tok_per_sec"] = self.tokens_per_step / dt
+        tokens = tokens or self.tokens_per_step
+        if tokens:
+            record["tok_per_sec"] = tokens / dt
             parts.append(f"{record['tok_per_sec']:,.0f} tok/s")
-        if self.peak_flops:
-            record["mfu"] = 100 * self.flops_per_token * self.tokens_per_step / dt / self.peak_flops
+        if tokens and self.peak_flops:
+            record["mfu"] = 100 * self.flops_per_token * tokens / dt / self.peak_flops
             parts.append(f"MFU {record['mfu']:.1f}%")
         parts.append(f"ETA {format_duration(self.timer.eta(self.num_iterations - self.step))}")
         print0(" | ".join(parts))

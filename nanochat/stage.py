@@ -10,7 +10,7 @@ from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, f
                                          resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import StartPoint, TrainingLoop, resume_from
-from nanochat.training import build_optimizers, config_dict, dial_lrs
+from nanochat.training import REFERENCE_BATCH, build_optimizers, config_dict, dial_lrs
 
 # -----------------------------------------------------------------------------
 # Flags
@@ -105,6 +105,16 @@ def validate_stage_flags(args):
         check_flag(args.eval_steps >= 1, "eval_steps", args.eval_steps, "must be >= 1")
 
 
+def refuse_changed_flags(meta, args, fixed_flags, ckpt_dir):
+    """Refuse a resume whose flags would change the batches, the samples or the model; say so before any compute."""
+    saved = meta.get("user_config", {})
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in fixed_flags
+               if k in saved and hasattr(args, k) and saved[k] != getattr(args, k)]
+    if changed:
+        raise UserError(f"cannot resume {ckpt_dir} exactly with changed {', '.join(changed)}; use the checkpoint's values "
+                        "or start a new run under another --model-tag")
+
+
 def micro_steps(total, per_micro, world_size, unit):
     """Micro-batches per rank per optimizer step; refuses (before any compute) a split that is not exact."""
     if total % (per_micro * world_size):
@@ -115,6 +125,11 @@ def micro_steps(total, per_micro, world_size, unit):
 
 # -----------------------------------------------------------------------------
 # Starting a stage
+
+# Flags a resumed chat stage must keep (those a stage lacks are ignored): they fix the input model, the data order,
+# the batches and the sampled replies, so changing them breaks an exact continuation. --num-iterations may grow.
+STAGE_FIXED_FLAGS = ["source", "seed", "device_batch_size", "total_batch_size", "max_seq_len", "mixture", "identity_file",
+                     "task", "num_samples", "max_new_tokens", "temperature", "top_k"]
 
 
 def output_dir(stage, args):
@@ -129,11 +144,13 @@ def output_dir(stage, args):
 
 def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
                tokens_per_step=None):
-    """The TrainingLoop of a chat stage, wired from its flags (checkpoints, wandb) and its model."""
+    """
+    The TrainingLoop of a chat stage, wired from its flags (checkpoints, wandb) and its model. tokens_per_step: fixed
+    (mid), or None when each step reports its own count to end_step (SFT, RL).
+    """
     return TrainingLoop(name, ckpt_dir, model, optimizers, loader, num_iterations, start, device, autocast_for(device),
                         vars(args).copy(), config_dict(model.config), tokenizer.fingerprint(), tokens_per_step,
-                        model.estimate_flops() if tokens_per_step else None, args.save_every, args.keep_last, args.run,
-                        meta={"lrs": lrs})
+                        model.estimate_flops(), args.save_every, args.keep_last, args.run, meta={"lrs": lrs})
 
 
 def start_stage(args, tag, ckpt_dir, device):
@@ -144,7 +161,7 @@ def start_stage(args, tag, ckpt_dir, device):
     """
     model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
     model_config = config_dict(model.config)
-    dial = dial_lrs(model.config.n_layer, 2**19)  # the lrs the base model trained with at the reference batch
+    dial = dial_lrs(model.config.n_layer, REFERENCE_BATCH)  # the lrs the base model trained with at the reference batch
     lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)
            for name in ("embedding_lr", "unembedding_lr", "matrix_lr")}
     lrs["weight_decay"] = dial["weight_decay"] if args.weight_decay < 0 else args.weight_decay
@@ -153,7 +170,5 @@ def start_stage(args, tag, ckpt_dir, device):
     if args.resume:
         step = resolve_step(ckpt_dir)
         start = resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer.fingerprint(), device)
-        if start.meta.get("user_config", {}).get("source") not in (None, args.source):
-            raise UserError(f"{ckpt_dir} step {step} was trained from {start.meta['user_config']['source']}, "
-                            f"not {args.source}; resume with the same -i")
+        refuse_changed_flags(start.meta, args, STAGE_FIXED_FLAGS, ckpt_dir)
     return model, tokenizer, optimizers, lrs, start

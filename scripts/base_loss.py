@@ -25,7 +25,7 @@ def main():
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--device-type", default="")
     p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--split-tokens", type=int, default=20 * 524288, help="tokens evaluated per split")
+    p.add_argument("--split-tokens", type=int, default=20 * 2**19, help="tokens evaluated per split (as base_train's --eval-tokens)")
     p.add_argument("--data-source", default=None)
     args = p.parse_args()
     if args.device_batch_size < 1 or args.split_tokens < 1:

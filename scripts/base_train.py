@@ -22,7 +22,7 @@ from nanochat.loop import StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
-from nanochat.stage import add_optimization_flags, check_flag, validate_training_flags
+from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (build_optimizers, config_dict, depth_recipe, grad_accum_steps, greedy_samples, lr_multiplier,
                                muon_momentum, train_step)
@@ -92,16 +92,6 @@ def validate_args(args):
                "must be >= 0")
 
 
-def check_resume_flags(meta, args, ckpt_dir):
-    """Refuse a resume whose flags would change the batches or the model; say so before any compute."""
-    saved = meta.get("user_config", {})
-    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in RESUME_FIXED_FLAGS
-               if k in saved and saved[k] != getattr(args, k)]
-    if changed:
-        raise UserError(f"cannot resume {ckpt_dir} exactly with changed {', '.join(changed)}; use the checkpoint's values "
-                        "or start a new run under another --model-tag")
-
-
 def main(argv=None):
     args = parse_args(argv)
     user_config = vars(args).copy()
@@ -136,7 +126,7 @@ def main(argv=None):
     start, num_iterations = StartPoint(), recipe.num_iterations
     if resume_step is not None:
         start = resume_from(ckpt_dir, resume_step, model, optimizers, model_config, tokenizer.fingerprint(), device)
-        check_resume_flags(start.meta, args, ckpt_dir)
+        refuse_changed_flags(start.meta, args, RESUME_FIXED_FLAGS, ckpt_dir)
         if args.num_iterations == -1:  # no explicit budget: finish the run the checkpoint belongs to
             num_iterations = start.meta["num_iterations"]
         elif num_iterations != start.meta["num_iterations"]:

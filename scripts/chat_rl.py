@@ -99,10 +99,10 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(args.device_type)
     check_flag(args.total_batch_size % world_size == 0, "total_batch_size", args.total_batch_size,
                f"must be a multiple of the {world_size} ranks")
-    seed_everything(args.seed)
-    model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     samples_per_rank = args.total_batch_size // world_size * args.num_samples
     micro_steps(samples_per_rank, args.device_batch_size, 1, "samples")  # validates the split
+    seed_everything(args.seed)
+    model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_task.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
     schedule = ProblemSchedule(train_task, args.total_batch_size, rank, world_size)
@@ -146,7 +146,7 @@ def main(argv=None):
         lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         loss = train_step(model, optimizers, [(x.to(device), y.to(device), a.to(device)) for x, y, a in micro_batches],
                           pg_loss, lrm, muon_momentum(step), autocast, divisor=max(int(sampled.item()), 1) / world_size)
-        loop.end_step(loss, t0, lrm=lrm, reward=all_reduce_mean(sum(rewards) / len(rewards), device),
+        loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _, _ in micro_batches) * world_size, reward=all_reduce_mean(sum(rewards) / len(rewards), device),
                       **{f"pass@{args.num_samples}": all_reduce_mean(solved / len(schedule.problems(step)), device),
                          "length": all_reduce_mean(sum(lengths) / len(lengths), device)})
 

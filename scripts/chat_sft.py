@@ -62,10 +62,10 @@ def main(argv=None):
     train_mix, val_mix = mixtures(kind, args.identity_file)  # fails now, not after loading, if data is missing
     tag, ckpt_dir = output_dir("sft", args)
     _, rank, _, world_size, device = compute_init(args.device_type)
+    grad_accum = micro_steps(args.total_batch_size, args.device_batch_size, world_size, "conversations")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     T = context_length(model, args.max_seq_len)
-    grad_accum = micro_steps(args.total_batch_size, args.device_batch_size, world_size, "conversations")
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_mix.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
     loader = ConversationBatches(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
@@ -93,7 +93,7 @@ def main(argv=None):
         divisor = supervised_tokens(micro_batches, device, world_size) / world_size
         loss = train_step(model, optimizers, micro_batches, lambda m, xy: m(*xy, loss_reduction="sum"), lrm,
                           muon_momentum(step), autocast, divisor=divisor)
-        loop.end_step(loss, t0, lrm=lrm)
+        loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _ in micro_batches) * world_size)
 
     loop.finish("Chat SFT", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
                               "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs}])

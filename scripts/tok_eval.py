@@ -109,6 +109,7 @@ def main(argv=None):
     if args.val_row_groups < 1:
         raise UserError(f"--val-row-groups must be at least 1, got {args.val_row_groups}")
     source = args.source or get_default_source()
+    report = get_report()  # proves the report directory is writable before any work
 
     tokenizers = {"ours": get_tokenizer()}
     for name in COMPARE_WITH:
@@ -146,7 +147,7 @@ def main(argv=None):
             savings.append(f"{kind} {100 * (theirs - ours) / max(theirs, 1):+.1f}%")
         line = ", ".join(savings)
         print0(f"ours vs {name} (positive = ours uses fewer tokens): {line}")
-    get_report().log(section="Tokenizer evaluation", data=[
+    report.log(section="Tokenizer evaluation", data=[
         {f"{kind} bytes/token ({name})": nbytes / max(ntok, 1) for (kind, name), (nbytes, ntok) in results.items()},
     ])
     return results

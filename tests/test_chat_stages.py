@@ -152,6 +152,96 @@ def test_one_rank_equals_two_ranks(trained_base, tmp_path, script, args):
     assert all(torch.isfinite(torch.tensor(lb))) and torch.allclose(torch.tensor(la), torch.tensor(lb), rtol=1e-4)
 
 
+def tokenizer_of(base):
+    from nanochat.tokenizer import RustBPETokenizer
+
+    return RustBPETokenizer.from_directory(os.path.join(base, "tokenizer"))
+
+
+def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_learn(tiny_base_dir):
+    # The 2-rank SFT run above means something only if its data holds empty micro-batches on some rank: check that
+    # the same mixture, rows and split (24 tokens, 1 conversation per micro-batch, 2 ranks x 2) gives some.
+    from nanochat.chat_data import ConversationBatches
+    from scripts.chat_sft import mixtures
+
+    train_mix, _ = mixtures("builtin")
+    tokenizer = tokenizer_of(tiny_base_dir)
+    empty = {rank: 0 for rank in (0, 1)}
+    for rank in (0, 1):
+        loader = ConversationBatches(train_mix, tokenizer, 1, 24, 2, rank=rank, world_size=2)
+        for _ in range(3):
+            empty[rank] += sum(int((y != -1).sum()) == 0 for _, y in next(loader))
+    assert sum(empty.values()) >= 1, empty
+
+
+def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir):
+    from nanochat.chat_data import PackedConversations
+    from nanochat.tasks import TaskMixture, get_task
+
+    tokenizer = tokenizer_of(tiny_base_dir)
+    bos = tokenizer.get_bos_token_id()
+    task = TaskMixture([get_task("WorldQA", "sft", stop=40), get_task("Arithmetic", "train", stop=40),
+                        get_task("Identity", "sft")], seed=1)
+    T = 64
+    loader = PackedConversations(task, tokenizer, 3, T, 2)
+    whole = {tuple(tokenizer.render_conversation(task.get_example(i), max_tokens=10**6)[0]) for i in range(task.num_examples())}
+    assert any(len(ids) > T + 1 for ids in whole) and any(len(ids) < T // 2 for ids in whole)  # both cases occur
+    rows = 0
+    for _ in range(12):  # several epochs of this small mixture
+        for x, y in next(loader):
+            assert x.shape[1] == T and y.shape == x.shape
+            for b in range(x.size(0)):
+                tokens = x[b].tolist() + [y[b, -1].item()]
+                trained = (y[b] != -1).tolist()
+                used = T + 1 if all(trained) else trained.index(False) + 1  # conversation tokens, then padding
+                assert all(not t for t in trained[used - 1:]), "padding is never trained on, nor followed by text"
+                content = tokens[:used]
+                assert content[0] == bos and all(t == bos for t in x[b].tolist()[used:])  # padding: BOS, untrained
+                starts = [i for i, t in enumerate(content) if t == bos] + [used]
+                pieces = [tuple(content[a:b]) for a, b in zip(starts, starts[1:])]
+                for piece in pieces:
+                    if piece not in whole:  # only a conversation longer than a row may be cut, at its end, alone
+                        assert len(pieces) == 1 and len(piece) == T + 1, piece
+                        assert any(w[:T + 1] == piece and len(w) > T + 1 for w in whole)
+                rows += 1
+    assert rows == 12 * 2 * 3
+
+
+def test_bad_chat_stage_flags_give_one_line_before_any_work(tmp_path):
+    # An empty base dir: each refusal must come from the flags alone, before a model, data or checkpoint is looked at.
+    base = str(tmp_path)
+    for script, flag, words in [
+        ("mid_train", "--init-lr-frac=0", "--init-lr-frac=0.0 is not valid"),
+        ("mid_train", "--warmup-ratio=1.5", "--warmup-ratio=1.5 is not valid"),
+        ("chat_sft", "--num-iterations=0", "--num-iterations=0 is not valid"),
+        ("chat_sft", "--max-seq-len=4", "--max-seq-len=4 is not valid"),
+        ("chat_sft", "--matrix-lr=-0.1", "--matrix-lr=-0.1 is not valid"),
+        ("chat_rl", "--temperature=0", "--temperature=0.0 is not valid"),
+        ("chat_rl", "--num-samples=0", "--num-samples=0 is not valid"),
+        ("chat_rl", "--keep-last=0", "--keep-last=0 is not valid"),
+    ]:
+        p = run(base, script, [flag], check=False)
+        err = p.stderr.strip()
+        assert p.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, (script, flag, err)
+        assert words in err, (script, flag, err)
+
+
+def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trained_base, tmp_path):
+    base = copy_base(trained_base, tmp_path, "resume")
+    run(base, "chat_sft", SFT + ["--num-iterations=2", "-i", "base"])
+    p = run(base, "chat_sft", ["--device-batch-size=1", "--total-batch-size=4", "--eval-steps=1", "--num-iterations=2",
+                               "-i", "base", "--resume"], check=False)
+    assert p.returncode == 1 and "--device-batch-size 2 -> 1" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    # a run killed after its final checkpoint but before its final evaluation and report section: --resume redoes them
+    section = os.path.join(base, "report", "chat-sft.md")
+    os.remove(section)
+    before = weights(base, "chat_sft", 2)
+    p = run(base, "chat_sft", SFT + ["--num-iterations=2", "-i", "base", "--resume"])
+    assert "step 00002 | val_loss" in p.stdout and os.path.exists(section), p.stdout
+    after = weights(base, "chat_sft", 2)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing trained again
+
+
 def test_empty_supervision_adds_zero_not_nan():
     # A micro-batch whose targets are all -1 contributes exactly nothing, and a step of only such batches is finite.
     from nanochat.gpt import GPTConfig, build_model

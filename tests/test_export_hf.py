@@ -13,13 +13,12 @@ import sys
 
 import pytest
 import torch
+import transformers  # in the dev group: `uv run pytest` always has it, so a missing one fails rather than skips
 
 from nanochat.checkpoint_manager import checkpoint_dir, load_model, save_checkpoint
 from nanochat.engine import Engine
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.tokenizer import SPECIAL_TOKENS, get_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQUENCE_LEN = 64

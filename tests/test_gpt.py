@@ -338,5 +338,5 @@ def test_setup_optimizers_param_groups():
     assert len(grouped) == len(list(model.parameters()))
     assert {id(p) for p in grouped} == {id(p) for p in model.parameters()}
     # deterministic: a second call lists the same parameters in the same order
-    again = model.setup_optimizers()[1]
+    again = model.setup_optimizers(0.004, 0.2, 0.02)[1]
     assert [[id(p) for p in g["params"]] for g in again] == [[id(p) for p in g["params"]] for g in muon_groups]

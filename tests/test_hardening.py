@@ -241,7 +241,7 @@ def read_only_command(path, cmd):
 def test_read_only_base_dir_fails_before_any_work(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "ro")
     for cmd in ([sys.executable, "-m", "scripts.tok_train", "--max-chars=100000", "--vocab-size=300"],
-                train_cmd() + TINY + ["--num-iterations=2"]):
+                [sys.executable, "-m", "scripts.tok_eval"], train_cmd() + TINY + ["--num-iterations=2"]):
         p = subprocess.run(read_only_command(base, cmd), env=env_for(base), cwd=REPO_ROOT, capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 1, p.stderr[-2000:]
