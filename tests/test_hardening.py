@@ -222,6 +222,11 @@ def test_resume_extends_the_budget_and_refuses_changes_that_break_exactness(tiny
     assert p.returncode == 1 and "--total-batch-size 256 -> 512" in p.stderr
     p = run_train(base, ["--eval-every=-1", "--resume"])  # no budget given: the checkpoint's run is complete
     assert "done: 8/8" in p.stdout
+    # more ranks than wrote the checkpoint: every rank says why, none looks for an optimizer shard that never existed
+    p = run_train(base, ["--num-iterations=10", "--eval-every=-1", "--resume"], nproc=2, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and out.count("was written by 1 ranks; resume with the same number of ranks") == 2, out[-3000:]
+    assert "optim_rank1" not in out and list_steps(ckpt_dir(base))[-1] == 8
     # a fresh run may not mix its checkpoints with the earlier run's: its step 3 would hide behind their step 8
     p = run_train(base, ["--num-iterations=3", "--eval-every=-1"], check=False)
     assert p.returncode == 1 and "already holds checkpoints of an earlier run (steps" in p.stderr
