@@ -99,6 +99,13 @@ def test_interactive_session_through_a_pipe(cli_base_dir):
     assert "(new conversation)" in result.stderr
     assert "Traceback" not in result.stderr
 
+    # after 'clear' the model sees only the new message: its greedy reply is the one-shot reply to that message
+    session = run_cli(cli_base_dir, "--max-tokens", "6", "-t", "0", stdin="hello\nclear\nhi\nquit\n")
+    one_shot = run_cli(cli_base_dir, "--max-tokens", "6", "-t", "0", "-p", "hi")
+    assert session.returncode == 0 and one_shot.returncode == 0, session.stderr + one_shot.stderr
+    after_clear = session.stdout.split("Assistant: ")[2].split("\nYou:")[0]
+    assert after_clear.strip() == one_shot.stdout.strip()
+
     result = run_cli(cli_base_dir, "--max-tokens", "6", stdin="hello\n")  # EOF ends the session like quit
     assert result.returncode == 0 and result.stdout.count("Assistant: ") == 1
 
