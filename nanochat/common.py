@@ -264,8 +264,9 @@ def measure_matmul_flops(device, dtype=torch.float32, n=2048, seconds=0.25, roun
     scripts.bench both measure MFU against this one probe.
     """
     device = torch.device(device)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # its own generator: measuring never moves the training's random stream
+    a = torch.randn(n, n, generator=g).to(device, dtype)
+    b = torch.randn(n, n, generator=g).to(device, dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.matmul(a, b, out=out)

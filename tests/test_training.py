@@ -98,3 +98,14 @@ def test_weight_decay_follows_the_lr_schedule_once():
     muon.step()
     for p, p0 in zip(matrices, before):
         torch.testing.assert_close(p, p0 * (1 - 0.02 * 0.25 * 0.5), rtol=1e-6, atol=0)
+
+
+def test_peak_flops_probe_leaves_the_random_stream_alone():
+    # Every stage measures the matmul peak for MFU after seeding; the probe must not shift what training draws next.
+    from nanochat.common import measure_matmul_flops
+
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    torch.manual_seed(1)
+    assert measure_matmul_flops("cpu", n=256, seconds=0.01, rounds=1) > 0
+    assert torch.equal(torch.rand(4), expected)
