@@ -687,8 +687,8 @@ def quality_run(args, seed, lr_mult):
                           num_iterations=args.steps, lr_batch_exponent=args.lr_batch_exponent,
                           weight_decay=None if args.weight_decay < 0 else args.weight_decay)
     lrs = recipe.lrs()
-    for name in ("embedding_lr", "unembedding_lr", "matrix_lr"):
-        lrs[name] *= lr_mult
+    for group in args.lr_groups:
+        lrs[f"{group}_lr"] *= lr_mult
     device = torch.device("cpu")
     torch.manual_seed(seed)
     model = build_model(recipe.model_config, device)
@@ -726,7 +726,7 @@ def cmd_quality(args):
     rows = [[f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at] + [f"{r['seconds']:.0f}"]
             for r in runs]
     print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
-                f"{args.steps} steps, wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup "
+                f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)}, wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup "
                 f"{args.warmup_ratio} warmdown {args.warmdown_ratio}",
                 ["lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["s"], rows)
     final = {}
@@ -739,7 +739,7 @@ def cmd_quality(args):
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
-               "lr_batch_exponent": args.lr_batch_exponent, "runs": runs, "mean_final": means, "best_lr_mult": best})
+               "lr_batch_exponent": args.lr_batch_exponent, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
 
 
 # -----------------------------------------------------------------------------
@@ -805,7 +805,9 @@ def parse_args(argv=None):
     q.add_argument("--steps", type=int, default=200)
     q.add_argument("--eval-at", type=int, nargs="+", default=[50, 100, 150], help="steps to measure val bpb at (and the last)")
     q.add_argument("--eval-tokens", type=int, default=65536)
-    q.add_argument("--lr-mults", type=float, nargs="+", default=[1.0], help="multipliers of base_train's three lrs")
+    q.add_argument("--lr-mults", type=float, nargs="+", default=[1.0], help="multipliers of base_train's lrs")
+    q.add_argument("--lr-groups", nargs="+", default=["embedding", "unembedding", "matrix"],
+                   choices=["embedding", "unembedding", "matrix"], help="which lrs the multipliers scale (default: all three)")
     q.add_argument("--lr-batch-exponent", type=float, default=0.0)
     q.add_argument("--weight-decay", type=float, default=-1.0, help="Muon weight decay (-1 = the dial's)")
     q.add_argument("--warmup-ratio", type=float, default=0.0)

@@ -86,3 +86,10 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     half, full = result["runs"]
     assert half["lrs"]["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 2)
     assert result["best_lr_mult"] in (0.5, 1.0)
+    # --lr-groups: the multiplier scales only the named groups
+    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+                "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.25",
+                "--seeds", "1", "--vocab-size=1024", "--lr-groups", "matrix"])
+    quarter = last_json_line(capsys.readouterr().out)["runs"][0]["lrs"]
+    assert quarter["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 4)
+    assert quarter["embedding_lr"] == full["lrs"]["embedding_lr"] and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
