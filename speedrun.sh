@@ -155,7 +155,7 @@ if [ "$DRY_RUN" = 1 ]; then
 else
     mkdir -p "$BASE_DIR"
     # A base dir holds one speedrun: continuing it with another preset or seed would mix their stages silently.
-    SIGNATURE="preset=$PRESET seed=$SEED rl=$RUN_RL"
+    SIGNATURE="preset=$PRESET seed=$SEED"  # RL may be added later: it only appends stages
     if [ "$FORCE" != 1 ] && [ -f "$BASE_DIR/speedrun_config.txt" ] && [ "$(cat "$BASE_DIR/speedrun_config.txt")" != "$SIGNATURE" ]; then
         echo "$BASE_DIR holds a speedrun with $(cat "$BASE_DIR/speedrun_config.txt"), not $SIGNATURE: rerun with those" \
              "settings to continue it, FORCE=1 to redo everything here, or point NANOCHAT_BASE_DIR elsewhere" >&2

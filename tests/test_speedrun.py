@@ -91,3 +91,16 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
     assert [m.split(".")[-1] for m, _, _ in commands(p.stdout) if m.split(".")[-1] in TRAINING] == TRAINING
     p = dry_run(tmp_path, "gpu", 0)
     assert p.returncode == 1 and "no CUDA GPU" in p.stderr
+
+
+def test_a_base_dir_of_another_seed_is_refused_before_any_stage(tmp_path):
+    # A real (not dry) run: it must stop at the signature check, before the report reset or any stage.
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "speedrun_config.txt").write_text("preset=cpu seed=42\n")
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0", NANOCHAT_SEED="43",
+                                NANOCHAT_BASE_DIR=str(base)))
+    assert p.returncode == 1 and "holds a speedrun with preset=cpu seed=42, not preset=cpu seed=43" in p.stderr, p.stderr
+    assert sorted(os.listdir(base)) == ["speedrun_config.txt"]  # nothing reset, nothing run
+    assert (base / "speedrun_config.txt").read_text() == "preset=cpu seed=42\n"
