@@ -735,7 +735,8 @@ def cmd_quality(args):
     means = {m: sum(v) / len(v) for m, v in final.items()}
     best = min(means, key=means.get)
     print(f"\nmean final val bpb per lr multiplier: " + ", ".join(f"x{m:g} {v:.4f}" for m, v in means.items())
-          + f" | best x{best:g}; the default (x1) is {100 * (means.get(1.0, float('nan')) / means[best] - 1):+.2f} % from it")
+          + f" | best x{best:g}" + (f"; the default (x1) is {100 * (means[1.0] / means[best] - 1):+.2f} % from it"
+                                      if 1.0 in means else ""))
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
