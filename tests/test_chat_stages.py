@@ -284,9 +284,8 @@ class ScriptedModel(torch.nn.Module):
 def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
     from nanochat.chat_eval import chatcore, evaluate_task
     from nanochat.tasks.base import CategoricalTask, Task, multiple_choice_conversation
-    from nanochat.tokenizer import RustBPETokenizer
 
-    tokenizer = RustBPETokenizer.from_directory(os.path.join(tiny_base_dir, "tokenizer"))
+    tokenizer = tokenizer_of(tiny_base_dir)
 
     class Quiz(CategoricalTask):
         answers = ["B", "A", "B", "C", "B"]
