@@ -48,6 +48,7 @@ from nanochat.common import get_compute_dtype
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
 ROPE_THETA = 10000.0
 LOGIT_SOFTCAP = 15.0
+EVAL_CHUNK_ROWS = 512  # rows of (rows, V) logits per chunk when a CPU evaluation computes its loss
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past the training length
 
 
@@ -284,6 +285,10 @@ class GPT(nn.Module):
         assert set(grouped) == {id(p) for p in self.parameters()}
         return adamw_groups, muon_groups
 
+    def _softcap_logits(self, x):
+        logits = self.lm_head(x).float()
+        return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """
         idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size). With targets (B, T):
@@ -313,11 +318,14 @@ class GPT(nn.Module):
         if targets is not None and loss_reduction != "none" and cpu_ops.cpu_fp32_training(x, self.lm_head.weight):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, LOGIT_SOFTCAP)
         else:
-            logits = self.lm_head(x).float()
-            logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
             if targets is None:
-                return logits
-            losses = F.cross_entropy(logits.view(-1, logits.size(-1)), flat_targets, ignore_index=-1, reduction="none")
+                return self._softcap_logits(x)
+            rows = x.view(B * T, -1)
+            # A CPU evaluation takes the same math EVAL_CHUNK_ROWS rows at a time: the full (B*T, V) logits and
+            # their temporaries cost ~200 MB of peak RSS at the CPU preset, as much as training itself.
+            chunk = EVAL_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
+            losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],
+                                                ignore_index=-1, reduction="none") for i in range(0, B * T, chunk)])
             if loss_reduction == "none":
                 return losses.view(B, T)
             total = losses.sum()
