@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, dist_rank_world, has_fast_bf16
+from nanochat.common import UserError, dist_rank_world, orthogonalization_dtype
 
 # Quintic iteration X <- a*X + b*(X X^T) X + c*(X X^T)^2 X. These coefficients trade exact
 # convergence for speed: the slope at 0 is large (a), so small singular values grow fast, and
@@ -39,13 +39,13 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 def orthogonalize(G, steps=5, dtype=None):
     """
     Approximate the orthogonal polar factor U V^T of G (shape (..., rows, cols)) by Newton-Schulz.
-    Runs in bf16 where the hardware has fast bf16 (CUDA SM80+) and in fp32 elsewhere, because on
-    a CPU a bf16 matmul is many times slower than an fp32 one. Returns a tensor of G's dtype.
+    Runs in bf16 where the hardware multiplies bf16 natively and in fp32 elsewhere
+    (common.orthogonalization_dtype). Returns a tensor of G's dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix (got shape {tuple(G.shape)})")
     if dtype is None:
-        dtype = torch.bfloat16 if has_fast_bf16(G.device) else torch.float32
+        dtype = orthogonalization_dtype(G.device)
     X = G.to(dtype)
     # Work on the wide orientation so the Gram matrix X X^T is the small one.
     tall = G.size(-2) > G.size(-1)

@@ -38,8 +38,9 @@ from contextlib import nullcontext
 
 import torch
 
-from nanochat.common import (UserError, autocast_for, compute_init, datasheet_peak_flops, get_compute_dtype,
-                             keep_freed_memory_in_process, measure_matmul_flops, resolve_device_type, run_main)
+from nanochat.common import (UserError, autocast_for, compute_init, cpu_flags, datasheet_peak_flops, get_compute_dtype,
+                             keep_freed_memory_in_process, measure_matmul_flops, orthogonalization_dtype,
+                             resolve_device_type, run_main)
 
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
 CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
@@ -107,12 +108,11 @@ def machine_info():
         for line in text.splitlines():
             if line.startswith("model name"):
                 info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                info["cpu_flags"] = sorted(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
                 break
     except OSError:
         pass
+    info["cpu_flags"] = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
+    info["muon_dtype"] = str(orthogonalization_dtype("cuda" if torch.cuda.is_available() else "cpu")).replace("torch.", "")
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -692,7 +692,7 @@ def quality_run(args, seed, lr_mult):
     device = torch.device("cpu")
     torch.manual_seed(seed)
     model = build_model(recipe.model_config, device)
-    optimizers = build_optimizers(model, **lrs)
+    optimizers = build_optimizers(model, **lrs, adam_betas=tuple(args.adam_betas))
     accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.seq_len, 1)
     loader = DataLoader(tokenizer, args.device_batch_size, args.seq_len, split="train", device=device)
     token_bytes = get_token_bytes()
@@ -727,7 +727,7 @@ def cmd_quality(args):
             for r in runs]
     print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
                 f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)}, wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup "
-                f"{args.warmup_ratio} warmdown {args.warmdown_ratio}",
+                f"{args.warmup_ratio} warmdown {args.warmdown_ratio}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
                 ["lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["s"], rows)
     final = {}
     for r in runs:
@@ -740,7 +740,7 @@ def cmd_quality(args):
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
-               "lr_batch_exponent": args.lr_batch_exponent, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
+               "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
 
 
 # -----------------------------------------------------------------------------
@@ -813,6 +813,7 @@ def parse_args(argv=None):
     q.add_argument("--weight-decay", type=float, default=-1.0, help="Muon weight decay (-1 = the dial's)")
     q.add_argument("--warmup-ratio", type=float, default=0.0)
     q.add_argument("--warmdown-ratio", type=float, default=0.4)
+    q.add_argument("--adam-betas", type=float, nargs=2, default=[0.8, 0.95], help="AdamW's beta1 beta2 (embedding, lm_head)")
     q.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
     q.add_argument("--vocab-size", type=int, default=BENCH_TOKENIZER_VOCAB)
     return p.parse_args(argv)

@@ -93,3 +93,9 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     quarter = last_json_line(capsys.readouterr().out)["runs"][0]["lrs"]
     assert quarter["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 4)
     assert quarter["embedding_lr"] == full["lrs"]["embedding_lr"] and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
+    # --adam-betas reach AdamW: the same run as `full` with other betas ends elsewhere
+    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+                "--device-batch-size=2", "--steps=4", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "1",
+                "--seeds", "1", "--vocab-size=1024", "--adam-betas", "0.5", "0.5"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result["adam_betas"] == [0.5, 0.5] and result["runs"][0]["val_bpb"]["4"] != full["val_bpb"]["4"]

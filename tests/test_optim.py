@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from nanochat.adamw import DistAdamW, build_adamw  # noqa: E402
+from nanochat import common  # noqa: E402
 from nanochat.common import UserError  # noqa: E402
 from nanochat.muon import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
 
@@ -122,6 +123,20 @@ def test_orthogonalize_bf16_and_batched():
         torch.testing.assert_close(X[i], orthogonalize(G[i], steps=5, dtype=torch.bfloat16), rtol=0, atol=0.05)
 
 
+def test_orthogonalization_dtype_follows_the_hardware_and_the_override(monkeypatch):
+    monkeypatch.delenv("NANOCHAT_MUON_DTYPE", raising=False)
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "fma"})
+    assert common.orthogonalization_dtype("cpu") == torch.float32  # bf16 would be emulated: many times slower
+    for native in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", native})
+        assert common.orthogonalization_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "float32")
+    assert common.orthogonalization_dtype("cpu") == torch.float32
+    monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "half")
+    with pytest.raises(UserError, match="NANOCHAT_MUON_DTYPE"):
+        common.orthogonalization_dtype("cpu")
+
+
 def _tiny_classifier():
     torch.manual_seed(0)
     X = torch.randn(256, 20)
@@ -131,8 +146,10 @@ def _tiny_classifier():
     return model, X, y
 
 
+@pytest.mark.parametrize("muon_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("optimizer_cls", [Muon, DistMuon])
-def test_muon_reduces_classification_loss(optimizer_cls):
+def test_muon_reduces_classification_loss(optimizer_cls, muon_dtype, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_MUON_DTYPE", muon_dtype)
     model, X, y = _tiny_classifier()
     groups = [dict(params=[model[0].weight]), dict(params=[model[2].weight])]
     opt = optimizer_cls(groups, lr=0.02, momentum=0.9)
@@ -211,10 +228,11 @@ def reference_muon(p0, grads, lrs, momenta, weight_decay, nesterov=True):
 
 
 @pytest.mark.parametrize("optimizer_cls", [Muon, DistMuon])
-def test_muon_matches_float64_reference(optimizer_cls, single_torch_thread):
+def test_muon_matches_float64_reference(optimizer_cls, single_torch_thread, monkeypatch):
     """Muon and (single-process) DistMuon follow the plain float64 Muon above, step by step, for wide, tall and
     square matrices, two of each shape (so the batched orthogonalisation is exercised), under a changing lr and
-    momentum and with weight decay."""
+    momentum and with weight decay. In fp32: a CPU with native bf16 would otherwise orthogonalise in bf16."""
+    monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "float32")
     torch.manual_seed(0)
     shapes = [(16, 48), (48, 16), (24, 24), (20, 28)]  # 16x48 and 48x16 take muon.py's Gram-form iteration
     steps, weight_decay = 5, 0.1
