@@ -4,6 +4,7 @@ dtype to use, distributed init/teardown under torchrun, seeding, printing, and t
 peak-FLOPs numbers that MFU is measured against.
 """
 
+import functools
 import math
 import os
 import sys
@@ -126,16 +127,17 @@ def has_fast_bf16(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
+@functools.cache  # read once: Muon asks on every step
 def cpu_flags():
     """The x86 feature flags of this machine's CPU (from /proc/cpuinfo; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def orthogonalization_dtype(device):
