@@ -168,6 +168,9 @@ class DistMuon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         _check_matrices(self.param_groups, "DistMuon")
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        if first is not None:
+            orthogonalization_dtype(first.device)  # a bad NANOCHAT_MUON_DTYPE fails here, not at the first step
         for group in self.param_groups:
             shapes = sorted({tuple(p.shape) for p in group["params"]})
             if len(shapes) > 1:

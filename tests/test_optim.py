@@ -135,6 +135,8 @@ def test_orthogonalization_dtype_follows_the_hardware_and_the_override(monkeypat
     monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "half")
     with pytest.raises(UserError, match="NANOCHAT_MUON_DTYPE"):
         common.orthogonalization_dtype("cpu")
+    with pytest.raises(UserError, match="NANOCHAT_MUON_DTYPE"):  # when the optimizer is built, before any step
+        build_muon([dict(params=[nn.Parameter(torch.zeros(4, 4))], lr=0.02)])
 
 
 def _tiny_classifier():
