@@ -127,6 +127,20 @@ def has_fast_bf16(device):
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+               "float32": torch.float32, "fp32": torch.float32}
+
+
+def dtype_from_env(variable, allowed=DTYPE_NAMES):
+    """The dtype an environment variable names (None when it is unset); a name outside `allowed` is a UserError."""
+    name = os.environ.get(variable)
+    if not name:
+        return None
+    if name not in allowed:
+        raise UserError(f"{variable} must be one of {sorted(allowed)} (got {name!r})")
+    return DTYPE_NAMES[name]
+
+
 @functools.cache  # read once: Muon asks on every step
 def cpu_flags():
     """The x86 feature flags of this machine's CPU (from /proc/cpuinfo; empty where there is none)."""
@@ -147,12 +161,9 @@ def orthogonalization_dtype(device):
     fp32 elsewhere (an AVX2-only CPU emulates bf16 and runs it many times slower than fp32). The iteration only
     needs singular values near 1, which bf16 gives. NANOCHAT_MUON_DTYPE=float32|bfloat16 overrides.
     """
-    override = os.environ.get("NANOCHAT_MUON_DTYPE")
+    override = dtype_from_env("NANOCHAT_MUON_DTYPE", ("bfloat16", "bf16", "float32", "fp32"))
     if override:
-        table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-        if override not in table:
-            raise UserError(f"NANOCHAT_MUON_DTYPE must be one of {sorted(table)} (got {override!r})")
-        return table[override]
+        return override
     device = torch.device(device)
     if device.type == "cpu":
         return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
@@ -161,14 +172,7 @@ def orthogonalization_dtype(device):
 
 def get_compute_dtype(device):
     """Dtype for activations and the KV cache: bf16 on CUDA SM80+, fp32 elsewhere; NANOCHAT_DTYPE overrides."""
-    override = os.environ.get("NANOCHAT_DTYPE")
-    if override:
-        table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                 "float32": torch.float32, "fp32": torch.float32}
-        if override not in table:
-            raise UserError(f"NANOCHAT_DTYPE must be one of {sorted(table)} (got {override!r})")
-        return table[override]
-    return torch.bfloat16 if has_fast_bf16(device) else torch.float32
+    return dtype_from_env("NANOCHAT_DTYPE", DTYPE_NAMES) or (torch.bfloat16 if has_fast_bf16(device) else torch.float32)
 
 
 def autocast_for(device):

@@ -48,7 +48,6 @@ from nanochat.common import get_compute_dtype
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
 ROPE_THETA = 10000.0
 LOGIT_SOFTCAP = 15.0
-EVAL_CHUNK_ROWS = 512  # rows of (rows, V) logits per chunk when a CPU evaluation computes its loss
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past the training length
 
 
@@ -321,9 +320,9 @@ class GPT(nn.Module):
             if targets is None:
                 return self._softcap_logits(x)
             rows = x.view(B * T, -1)
-            # A CPU evaluation takes the same math EVAL_CHUNK_ROWS rows at a time: the full (B*T, V) logits and
+            # A CPU evaluation takes the same math in the chunked loss's row chunks: the full (B*T, V) logits and
             # their temporaries cost ~200 MB of peak RSS at the CPU preset, as much as training itself.
-            chunk = EVAL_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
+            chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
             losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],
                                                 ignore_index=-1, reduction="none") for i in range(0, B * T, chunk)])
             if loss_reduction == "none":

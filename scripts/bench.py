@@ -726,8 +726,9 @@ def cmd_quality(args):
     rows = [[f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at] + [f"{r['seconds']:.0f}"]
             for r in runs]
     print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
-                f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)}, wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup "
-                f"{args.warmup_ratio} warmdown {args.warmdown_ratio}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
+                f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)}, "
+                f"wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup {args.warmup_ratio} "
+                f"warmdown {args.warmdown_ratio}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
                 ["lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["s"], rows)
     final = {}
     for r in runs:
@@ -740,7 +741,8 @@ def cmd_quality(args):
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
-               "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
+               "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "lr_groups": args.lr_groups,
+               "runs": runs, "mean_final": means, "best_lr_mult": best})
 
 
 # -----------------------------------------------------------------------------

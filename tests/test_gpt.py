@@ -220,7 +220,7 @@ def test_tiny_model_overfits_one_batch():
 @pytest.mark.parametrize("eval_chunk_rows", [7, 512])  # a CPU evaluation's loss in chunks of 7 rows (the last one short), or in one
 @torch.no_grad()
 def test_ignore_index_targets_are_excluded_from_loss(monkeypatch, eval_chunk_rows):
-    monkeypatch.setattr("nanochat.gpt.EVAL_CHUNK_ROWS", eval_chunk_rows)
+    monkeypatch.setattr("nanochat.cpu_ops.LOSS_CHUNK_ROWS", eval_chunk_rows)
     model = build(tiny_config())
     idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
     targets = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(7))
