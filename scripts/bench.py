@@ -715,6 +715,8 @@ def quality_run(args, seed, lr_mult):
 
 
 def cmd_quality(args):
+    if not all(0 <= beta < 1 for beta in args.adam_betas):
+        raise UserError(f"--adam-betas must both be in [0, 1) (got {args.adam_betas[0]:g} {args.adam_betas[1]:g})")
     args.eval_at = sorted(set(args.eval_at) | {args.steps})
     quality_data(args.source, args.vocab_size)
     runs = []

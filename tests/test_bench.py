@@ -99,3 +99,5 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
                 "--seeds", "1", "--vocab-size=1024", "--adam-betas", "0.5", "0.5"])
     result = last_json_line(capsys.readouterr().out)
     assert result["adam_betas"] == [0.5, 0.5] and result["runs"][0]["val_bpb"]["4"] != full["val_bpb"]["4"]
+    with pytest.raises(bench.UserError, match="--adam-betas"):  # refused before any data is built or any step is taken
+        bench.main(["quality", "--source=builtin", "--adam-betas", "0.9", "1.0"])
