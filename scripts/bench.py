@@ -653,7 +653,9 @@ def quality_data(source, vocab_size):
     current = os.environ.get("NANOCHAT_BASE_DIR")
     if current and _has_data(current, vocab_size):  # a base dir that already holds this source and a tokenizer
         return current
-    base = os.path.join(tempfile.gettempdir(), "nanochat_bench_quality", source)
+    from nanochat.brown import LAYOUT  # one directory per Brown layout: a changed layout never reuses old shards
+    name = f"brown-{LAYOUT}" if source == "brown" else source
+    base = os.path.join(tempfile.gettempdir(), "nanochat_bench_quality", name)
     os.environ["NANOCHAT_BASE_DIR"] = base
     if _has_data(base, vocab_size):
         return base
