@@ -5,6 +5,7 @@ arithmetic and one optimizer step. The plumbing around the step (resume, checkpo
 progress, logs) is nanochat.loop; a stage script holds only its recipe.
 """
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -15,6 +16,9 @@ from nanochat.gpt import GPT, GPTConfig
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
 BASE_WEIGHT_DECAY, BASE_DEPTH = 0.2, 12  # Muon weight decay at depth 12 and REFERENCE_BATCH
+# Short runs want hotter lrs: the base lrs from LONG_RUN_STEPS optimizer steps up, SHORT_RUN_LR_SCALE times them
+# at SHORT_RUN_STEPS and below (see short_run_lr_scale)
+LONG_RUN_STEPS, SHORT_RUN_STEPS, SHORT_RUN_LR_SCALE = 700, 100, 2.0
 
 
 # -----------------------------------------------------------------------------
@@ -77,20 +81,42 @@ def default_weight_decay(depth, total_batch_size=REFERENCE_BATCH):
     return BASE_WEIGHT_DECAY * (BASE_DEPTH / depth) ** 2 * (total_batch_size / REFERENCE_BATCH) ** 0.5
 
 
-def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0):
-    """The three learning rates and Muon's weight decay the dial gives a model of this depth at this batch size."""
+def short_run_lr_scale(num_iterations):
+    """
+    How much hotter than the base lrs a run of this many optimizer steps trains: 1 from 700 steps up, 2 at 100 steps
+    and below, log-linear in the step count between (1.56 at 200 steps). The best lr depends on the horizon: measured
+    with `bench quality` (README "The depth dial at small batch"), 2x the base lrs is 11 % better than 1x on a 100-step
+    d6 run and 2.2 % worse on a 700-step d4 run of Brown, and 4x is worse again at 100 steps. Every recipe of 700 steps
+    or more, the GPU speedrun's and the CPU preset's base_train included, keeps the base lrs.
+    """
+    if num_iterations >= LONG_RUN_STEPS:
+        return 1.0
+    if num_iterations <= SHORT_RUN_STEPS:
+        return SHORT_RUN_LR_SCALE
+    progress = math.log(LONG_RUN_STEPS / num_iterations) / math.log(LONG_RUN_STEPS / SHORT_RUN_STEPS)
+    return SHORT_RUN_LR_SCALE ** progress
+
+
+def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
+    """
+    The three learning rates and Muon's weight decay the dial gives a model of this depth at this batch size,
+    raised for a short run when num_iterations is given (the chat stages, which set theirs by --init-lr-frac, do not).
+    """
     scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
+    if num_iterations is not None:
+        scale *= short_run_lr_scale(num_iterations)
     return {**{name: lr * scale for name, lr in BASE_LRS.items()},
             "weight_decay": default_weight_decay(depth, total_batch_size)}
 
 
 def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio=64, head_dim=128, n_kv_head=None,
                  lr_batch_exponent=0.0, embedding_lr=None, unembedding_lr=None, matrix_lr=None, weight_decay=None,
-                 num_iterations=None, target_flops=None, target_param_data_ratio=20.0):
+                 num_iterations=None, target_flops=None, target_param_data_ratio=20.0, short_run_lrs=True):
     """
-    The whole run from (depth, batch): model shape, the three learning rates (base lrs scaled to this batch),
-    Muon weight decay and the number of steps. Any lr / decay given explicitly wins over the dial; the token
-    budget is the first of num_iterations, target_flops, target_param_data_ratio (tokens per parameter) given.
+    The whole run from (depth, batch): model shape, the three learning rates (base lrs scaled to this batch and,
+    with short_run_lrs, raised for a run under 700 steps), Muon weight decay and the number of steps. Any lr / decay
+    given explicitly wins over the dial; the token budget is the first of num_iterations, target_flops,
+    target_param_data_ratio (tokens per parameter) given.
     """
     config = model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio, head_dim, n_kv_head)
     with torch.device("meta"):  # shapes only: counts parameters and FLOPs without allocating anything
@@ -107,14 +133,15 @@ def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio
         budget = "--target-param-data-ratio"
     else:
         raise UserError("give a token budget: --num-iterations, --target-flops or --target-param-data-ratio > 0")
-    dial = dial_lrs(depth, total_batch_size, lr_batch_exponent)
+    num_iterations = max(1, num_iterations)
+    dial = dial_lrs(depth, total_batch_size, lr_batch_exponent, num_iterations if short_run_lrs else None)
     return Recipe(
         model_config=config,
         embedding_lr=embedding_lr or dial["embedding_lr"],
         unembedding_lr=unembedding_lr or dial["unembedding_lr"],
         matrix_lr=matrix_lr or dial["matrix_lr"],
         weight_decay=dial["weight_decay"] if weight_decay is None else weight_decay,
-        num_iterations=max(1, num_iterations), budget=budget,
+        num_iterations=num_iterations, budget=budget,
         num_params=num_params, scaling_params=scaling_params, flops_per_token=flops_per_token,
     )
 

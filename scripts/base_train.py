@@ -57,6 +57,8 @@ def parse_args(argv=None):
     # optimization
     add_optimization_flags(p, weight_decay=-1.0, warmdown_ratio=0.4)
     p.add_argument("--lr-batch-exponent", type=float, default=0.0, help="lrs scale as (total_batch/2^19)^this")
+    p.add_argument("--short-run-lrs", type=int, default=1, choices=[0, 1],
+                   help="1: a run under 700 steps trains at up to 2x the dial's lrs (README); 0: the dial's lrs at any length")
     p.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
     # evaluation and checkpoints
     p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = never)")
@@ -102,7 +104,7 @@ def main(argv=None):
                           embedding_lr=max(args.embedding_lr, 0), unembedding_lr=max(args.unembedding_lr, 0),
                           matrix_lr=max(args.matrix_lr, 0), weight_decay=None if args.weight_decay < 0 else args.weight_decay,
                           num_iterations=max(args.num_iterations, 0), target_flops=max(args.target_flops, 0),
-                          target_param_data_ratio=max(args.target_param_data_ratio, 0))
+                          target_param_data_ratio=max(args.target_param_data_ratio, 0), short_run_lrs=bool(args.short_run_lrs))
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
@@ -130,7 +132,9 @@ def main(argv=None):
         if args.num_iterations == -1:  # no explicit budget: finish the run the checkpoint belongs to
             num_iterations = start.meta["num_iterations"]
         elif num_iterations != start.meta["num_iterations"]:
-            print0(f"resume: --num-iterations {start.meta['num_iterations']} -> {num_iterations}; lr schedule recomputed")
+            print0(f"resume: --num-iterations {start.meta['num_iterations']} -> {num_iterations}; lr schedule recomputed, "
+                   "lrs kept from the checkpoint")
+        lrs = start.meta.get("lrs", lrs)  # the optimizers resumed with the checkpoint's lrs, whatever the new length
         if num_iterations < resume_step:
             raise UserError(f"--num-iterations={num_iterations} is before the checkpoint's step {resume_step}")
     train_loader = DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, split="train", device=device, rank=rank,

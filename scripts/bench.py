@@ -687,7 +687,8 @@ def quality_run(args, seed, lr_mult):
     tokenizer = get_tokenizer()
     recipe = depth_recipe(args.depth, tokenizer.get_vocab_size(), args.seq_len, args.total_batch_size,
                           num_iterations=args.steps, lr_batch_exponent=args.lr_batch_exponent,
-                          weight_decay=None if args.weight_decay < 0 else args.weight_decay)
+                          weight_decay=None if args.weight_decay < 0 else args.weight_decay,
+                          short_run_lrs=bool(args.short_run_lrs))
     lrs = recipe.lrs()
     for group in args.lr_groups:
         lrs[f"{group}_lr"] *= lr_mult
@@ -717,8 +718,15 @@ def quality_run(args, seed, lr_mult):
 
 
 def cmd_quality(args):
+    from nanochat.training import batch_lr_scale, short_run_lr_scale
+
     if not all(0 <= beta < 1 for beta in args.adam_betas):
         raise UserError(f"--adam-betas must both be in [0, 1) (got {args.adam_betas[0]:g} {args.adam_betas[1]:g})")
+    if min(args.total_batch_size, args.device_batch_size, args.seq_len, args.steps, args.depth) < 1:
+        raise UserError("--total-batch-size, --device-batch-size, --seq-len, --steps and --depth must be >= 1")
+    # what x1 means in base lrs: the batch rule times the short-run raise base_train gives a run this long
+    base_lr_scale = batch_lr_scale(args.total_batch_size, args.lr_batch_exponent)
+    base_lr_scale *= short_run_lr_scale(args.steps) if args.short_run_lrs else 1.0
     args.eval_at = sorted(set(args.eval_at) | {args.steps})
     quality_data(args.source, args.vocab_size)
     runs = []
@@ -730,7 +738,7 @@ def cmd_quality(args):
     rows = [[f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at] + [f"{r['seconds']:.0f}"]
             for r in runs]
     print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
-                f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)}, "
+                f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)} (x1 = base lrs x{base_lr_scale:.4g}), "
                 f"wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup {args.warmup_ratio} "
                 f"warmdown {args.warmdown_ratio}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
                 ["lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["s"], rows)
@@ -745,8 +753,8 @@ def cmd_quality(args):
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
-               "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "lr_groups": args.lr_groups,
-               "runs": runs, "mean_final": means, "best_lr_mult": best})
+               "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,
+               "base_lr_scale": base_lr_scale, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
 
 
 # -----------------------------------------------------------------------------
@@ -816,6 +824,8 @@ def parse_args(argv=None):
     q.add_argument("--lr-groups", nargs="+", default=["embedding", "unembedding", "matrix"],
                    choices=["embedding", "unembedding", "matrix"], help="which lrs the multipliers scale (default: all three)")
     q.add_argument("--lr-batch-exponent", type=float, default=0.0)
+    q.add_argument("--short-run-lrs", type=int, default=1, choices=[0, 1],
+                   help="as base_train's (1: up to 2x the dial's lrs under 700 steps; 0: --lr-mults count in base lrs)")
     q.add_argument("--weight-decay", type=float, default=-1.0, help="Muon weight decay (-1 = the dial's)")
     q.add_argument("--warmup-ratio", type=float, default=0.0)
     q.add_argument("--warmdown-ratio", type=float, default=0.4)

@@ -89,6 +89,13 @@ def test_group_sigterm_under_torchrun_saves_every_rank_once(tiny_base_dir, tmp_p
     # and the run continues from it
     p = run_train(base, ["--num-iterations=" + str(steps[0] + 2), "--eval-every=-1", "--resume"], nproc=2)
     assert f"resuming at step {steps[0]}" in p.stdout
+    # A fresh run this short would train hotter (short_run_lr_scale); the continuation keeps the checkpoint's lrs.
+    assert "lrs kept from the checkpoint" in p.stdout
+
+    def initial_lrs(step):
+        with open(os.path.join(ckpt_dir(base), f"step_{step:06d}", "optim_rank0.json")) as f:
+            return [group["initial_lr"] for opt in json.load(f) for group in opt["param_groups"]]
+    assert initial_lrs(steps[0] + 2) == initial_lrs(steps[0])
 
 
 # -----------------------------------------------------------------------------

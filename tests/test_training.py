@@ -1,12 +1,15 @@
 """Training plumbing: the depth dial, batch arithmetic, schedules, and Muon+AdamW on the real GPT."""
 
+import math
+
 import pytest
 import torch
 
 from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
-from nanochat.training import (apply_schedules, batch_lr_scale, build_optimizers, default_weight_decay, grad_accum_steps,
-                               lr_multiplier, model_config_for_depth, muon_momentum)
+from nanochat.training import (BASE_LRS, apply_schedules, batch_lr_scale, build_optimizers, default_weight_decay,
+                               depth_recipe, dial_lrs, grad_accum_steps, lr_multiplier, model_config_for_depth,
+                               muon_momentum, short_run_lr_scale)
 
 
 def test_depth_dial_shapes():
@@ -45,6 +48,18 @@ def test_schedules():
     assert batch_lr_scale(2**19) == batch_lr_scale(2**19, exponent=0.5) == 1.0
     assert batch_lr_scale(2048) == 1.0
     assert batch_lr_scale(2048, exponent=0.25) / batch_lr_scale(2048, exponent=0.5) == pytest.approx(4.0)
+    # the short-run raise: base lrs from 700 steps, twice them at 100 and below, log-linear between
+    assert short_run_lr_scale(700) == short_run_lr_scale(14000) == 1.0
+    assert short_run_lr_scale(100) == short_run_lr_scale(1) == 2.0
+    assert short_run_lr_scale(200) == pytest.approx(2 ** (math.log(3.5) / math.log(7)))  # 1.5624
+    assert short_run_lr_scale(265) == pytest.approx(math.sqrt(2), rel=1e-3)  # sqrt(700 * 100) is half way in log steps
+    scales = [short_run_lr_scale(n) for n in range(50, 800, 10)]
+    assert all(a >= b for a, b in zip(scales, scales[1:]))
+    short = depth_recipe(4, 4096, 256, 2048, num_iterations=200)
+    assert short.matrix_lr == BASE_LRS["matrix_lr"] * short_run_lr_scale(200)
+    assert depth_recipe(4, 4096, 256, 2048, num_iterations=200, short_run_lrs=False).matrix_lr == BASE_LRS["matrix_lr"]
+    assert depth_recipe(4, 4096, 256, 2048, num_iterations=700).lrs() == dial_lrs(4, 2048)  # the CPU preset's run
+    assert depth_recipe(4, 4096, 256, 2048, num_iterations=50, matrix_lr=0.01).matrix_lr == 0.01  # explicit lrs win
     assert default_weight_decay(12) == pytest.approx(0.2)
     assert default_weight_decay(4, 2048) == pytest.approx(1.8 / 16)
 
