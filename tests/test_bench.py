@@ -93,6 +93,13 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     quarter = last_json_line(capsys.readouterr().out)["runs"][0]["lrs"]
     assert quarter["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 4)
     assert quarter["embedding_lr"] == full["lrs"]["embedding_lr"] and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
+    # a 2- or 4-step run trains at base_train's short-run lrs (2x the base ones); --short-run-lrs=0 counts in base lrs
+    assert result["base_lr_scale"] == 2.0 and full["lrs"]["matrix_lr"] == 2 * 0.02
+    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+                "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "1",
+                "--seeds", "1", "--vocab-size=1024", "--short-run-lrs=0"])
+    base = last_json_line(capsys.readouterr().out)
+    assert base["base_lr_scale"] == 1.0 and base["runs"][0]["lrs"]["matrix_lr"] == 0.02
     # --adam-betas reach AdamW: the same run as `full` with other betas ends elsewhere
     bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=4", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "1",
@@ -101,3 +108,5 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     assert result["adam_betas"] == [0.5, 0.5] and result["runs"][0]["val_bpb"]["4"] != full["val_bpb"]["4"]
     with pytest.raises(bench.UserError, match="--adam-betas"):  # refused before any data is built or any step is taken
         bench.main(["quality", "--source=builtin", "--adam-betas", "0.9", "1.0"])
+    with pytest.raises(bench.UserError, match="--total-batch-size"):
+        bench.main(["quality", "--source=builtin", "--total-batch-size=0"])
