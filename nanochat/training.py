@@ -85,9 +85,10 @@ def short_run_lr_scale(num_iterations):
     """
     How much hotter than the base lrs a run of this many optimizer steps trains: 1 from 700 steps up, 2 at 100 steps
     and below, log-linear in the step count between (1.56 at 200 steps). The best lr depends on the horizon: measured
-    with `bench quality` (README "The depth dial at small batch"), 2x the base lrs is 11 % better than 1x on a 100-step
-    d6 run and 2.2 % worse on a 700-step d4 run of Brown, and 4x is worse again at 100 steps. Every recipe of 700 steps
-    or more, the GPU speedrun's and the CPU preset's base_train included, keeps the base lrs.
+    with `bench quality` (README "The depth dial at small batch"), 1x the base lrs is 11 % worse than 2x in a 100-step
+    d6 run (built-in corpus) and 2x is 2 % worse than 1x in a 700-step d4 run of Brown; 4x is worse again at 100 steps,
+    and 1.56x beats both 1x and 2x at 200 steps. Every recipe of 700 steps or more, the GPU speedrun's and the CPU
+    preset's base_train included, keeps the base lrs.
     """
     if num_iterations >= LONG_RUN_STEPS:
         return 1.0
