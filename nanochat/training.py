@@ -98,14 +98,20 @@ def short_run_lr_scale(num_iterations):
     return SHORT_RUN_LR_SCALE ** progress
 
 
+def dial_lr_scale(total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
+    """What the dial multiplies the base lrs by: the batch rule, times the short-run raise when num_iterations is given."""
+    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
+    if num_iterations is not None:
+        scale *= short_run_lr_scale(num_iterations)
+    return scale
+
+
 def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
     """
     The three learning rates and Muon's weight decay the dial gives a model of this depth at this batch size,
     raised for a short run when num_iterations is given (the chat stages, which set theirs by --init-lr-frac, do not).
     """
-    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
-    if num_iterations is not None:
-        scale *= short_run_lr_scale(num_iterations)
+    scale = dial_lr_scale(total_batch_size, lr_batch_exponent, num_iterations)
     return {**{name: lr * scale for name, lr in BASE_LRS.items()},
             "weight_decay": default_weight_decay(depth, total_batch_size)}
 

@@ -718,15 +718,14 @@ def quality_run(args, seed, lr_mult):
 
 
 def cmd_quality(args):
-    from nanochat.training import batch_lr_scale, short_run_lr_scale
+    from nanochat.training import dial_lr_scale
 
     if not all(0 <= beta < 1 for beta in args.adam_betas):
         raise UserError(f"--adam-betas must both be in [0, 1) (got {args.adam_betas[0]:g} {args.adam_betas[1]:g})")
     if min(args.total_batch_size, args.device_batch_size, args.seq_len, args.steps, args.depth) < 1:
         raise UserError("--total-batch-size, --device-batch-size, --seq-len, --steps and --depth must be >= 1")
-    # what x1 means in base lrs: the batch rule times the short-run raise base_train gives a run this long
-    base_lr_scale = batch_lr_scale(args.total_batch_size, args.lr_batch_exponent)
-    base_lr_scale *= short_run_lr_scale(args.steps) if args.short_run_lrs else 1.0
+    # what x1 means in base lrs: the dial's scale for a run this long, as base_train would train it
+    base_lr_scale = dial_lr_scale(args.total_batch_size, args.lr_batch_exponent, args.steps if args.short_run_lrs else None)
     args.eval_at = sorted(set(args.eval_at) | {args.steps})
     quality_data(args.source, args.vocab_size)
     runs = []
