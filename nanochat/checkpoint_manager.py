@@ -193,7 +193,8 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
     try:
         _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_dir, tmp_dir, rank, world_size)
     except (OSError, SafetensorError) as e:  # a full disk, a quota, a lost mount: the previous checkpoint survives
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if rank == 0:  # rank 0 owns the temp dir: another rank removing it would break rank 0's half of the save
+            shutil.rmtree(tmp_dir, ignore_errors=True)
         previous = [s for s in list_steps(ckpt_dir) if s != step]
         kept = f"the previous checkpoint (step {previous[-1]}) is intact" if previous else "there is no earlier checkpoint"
         reason = getattr(e, "strerror", None) or str(e)

@@ -42,11 +42,67 @@ def die(message):
 
 
 def run_main(main):
-    """Run a script's main(), turning UserError into a one-line message and exit code 1."""
+    """
+    Run a script's main(): a UserError or running out of memory becomes a one-line message and exit code 1. Under
+    torchrun the failing rank also tells the others (RankFailureWatch), which stop at once with its message instead of
+    waiting in their next collective; a rank that fails only because a peer died says so instead of a traceback.
+    """
     try:
         main()
     except UserError as e:
-        die(str(e))
+        fail(str(e))
+    except Exception as e:
+        if is_out_of_memory(e):
+            fail(out_of_memory_message(e))
+        earlier = _failure_watch.failure() if _failure_watch else None
+        if earlier:  # e.g. gloo's "connection closed by peer": a consequence, not the cause
+            print(_failure_watch.stop_line(earlier), file=sys.stderr, flush=True)
+            sys.exit(1)
+        if _failure_watch:
+            _failure_watch.publish(f"{type(e).__name__}: {e}".splitlines()[0])
+        raise
+
+
+def fail(message):
+    """die(message), first telling the other ranks of a distributed run that this one failed, and why."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if _failure_watch:
+        _failure_watch.publish(message)
+    sys.exit(1)
+
+
+# -----------------------------------------------------------------------------
+# Out of memory
+
+_memory_advice = None  # what a training stage says to try when it runs out of memory (set_memory_advice)
+
+
+def set_memory_advice(where, advice):
+    """Register, for the rest of the run, where it is (stage, depth, batch) and what to try if memory runs out."""
+    global _memory_advice
+    _memory_advice = (where, advice)
+
+
+def is_out_of_memory(error):
+    """CUDA's OutOfMemoryError, or a CPU allocation the kernel refused (a plain RuntimeError from torch)."""
+    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError)
+                                                         and "can't allocate memory" in str(error))
+
+
+def out_of_memory_message(error):
+    """One line: which memory ran out, where in the run, and what to try (the advice a training stage registered)."""
+    if not isinstance(error, torch.OutOfMemoryError):
+        memory = "out of memory (the CPU's RAM)"
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        memory = f"CUDA out of memory on {torch.cuda.get_device_name(device)} " \
+                 f"({torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB)"
+    else:
+        memory = "out of memory"
+    if _memory_advice is None:
+        return f"{memory}: {str(error).splitlines()[0][:200]}"
+    where, advice = _memory_advice
+    return f"{memory} in {where}: {advice}"
 
 
 # -----------------------------------------------------------------------------
@@ -170,9 +226,60 @@ def orthogonalization_dtype(device):
     return torch.bfloat16 if has_fast_bf16(device) else torch.float32
 
 
+_notes_printed = set()
+
+
+def note_once(message):
+    """A one-line note (a fallback the user should know about), printed once per process on rank 0."""
+    if message not in _notes_printed:
+        _notes_printed.add(message)
+        print0(f"note: {message}")
+
+
+def describe_gpu(device):
+    """'NVIDIA H100 80GB HBM3 (compute capability 9.0)': how notes and errors name a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
 def get_compute_dtype(device):
-    """Dtype for activations and the KV cache: bf16 on CUDA SM80+, fp32 elsewhere; NANOCHAT_DTYPE overrides."""
-    return dtype_from_env("NANOCHAT_DTYPE", DTYPE_NAMES) or (torch.bfloat16 if has_fast_bf16(device) else torch.float32)
+    """
+    Dtype for activations and the KV cache: bf16 on CUDA SM80+, fp32 elsewhere; NANOCHAT_DTYPE overrides, except that
+    bf16 asked of an older GPU (V100, T4, ...: no bf16 tensor cores, and torch.compile cannot emit bf16 kernels for
+    them) falls back to fp32 with a note instead of failing deep inside compile.
+    """
+    device = torch.device(device)
+    requested = dtype_from_env("NANOCHAT_DTYPE", DTYPE_NAMES)
+    if requested is None:
+        return torch.bfloat16 if has_fast_bf16(device) else torch.float32
+    if requested == torch.bfloat16 and device.type == "cuda" and not has_fast_bf16(device):
+        note_once(f"NANOCHAT_DTYPE={os.environ['NANOCHAT_DTYPE']} but {describe_gpu(device)} has no bf16 tensor cores "
+                  "(they start at 8.0, the A100); running in float32")
+        return torch.float32
+    return requested
+
+
+def compile_choice(flag, device):
+    """
+    Whether to torch.compile the training model: flag "1" / "0", or "auto" (on for CUDA). A device that compile cannot
+    serve falls back to eager with a note rather than failing at the first step: a GPU older than compute capability
+    7.0 (Triton's minimum), or a CPU without the C++ compiler inductor builds its kernels with ($CXX, else g++).
+    """
+    device = torch.device(device)
+    if flag == "0" or (flag == "auto" and device.type != "cuda"):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 7:
+        note_once(f"--compile: {describe_gpu(device)} is older than torch.compile supports (7.0); running eager")
+        return False
+    if device.type == "cpu":
+        import shutil
+
+        compiler = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+        if not shutil.which(compiler):
+            note_once(f"--compile: no C++ compiler {compiler!r} on PATH, which torch.compile needs on a CPU; running eager "
+                      "(install one, or set CXX)")
+            return False
+    return True
 
 
 def autocast_for(device):
@@ -222,6 +329,7 @@ def compute_init(device_type=""):
         else:
             dist.init_process_group(backend=backend)
         dist.barrier()
+        start_failure_watch(rank)
     return is_ddp, rank, local_rank, world_size, device
 
 
@@ -247,8 +355,73 @@ def keep_freed_memory_in_process():
 
 
 def compute_cleanup():
+    if _failure_watch:
+        _failure_watch.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class RankFailureWatch:
+    """
+    One failing rank must not leave the others hanging. NCCL notices a dead peer only at its collective timeout (10
+    minutes and more), and torchrun's agent stops the survivors with a SIGTERM that a training loop takes as "save and
+    stop" and waits out; across nodes nobody stops them at all. So a rank that fails writes its message into the run's
+    key-value store (torchrun's, reached at MASTER_ADDR:MASTER_PORT, which outlives the workers), and every rank polls
+    that key from a daemon thread once a second: when it appears, the rank prints the failing rank's message and exits
+    at once, even from the middle of a collective. The first failure to be written wins.
+    """
+
+    POLL_SECONDS = 1.0
+
+    def __init__(self, rank, host, port):
+        import datetime
+        import threading
+
+        self.rank = rank
+        # the agent's restart count keeps a failure of an earlier attempt from stopping a restarted one
+        self.key = f"nanochat/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, name="rank-failure-watch", daemon=True).start()
+
+    def _watch(self):
+        while not self.stopped.wait(self.POLL_SECONDS):
+            try:
+                message = self.failure()
+            except Exception:  # the store is gone (its host stopped): nothing left to watch
+                return
+            if message and not self.stopped.is_set():
+                print(self.stop_line(message), file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def stop_line(self, failure):
+        return f"error: {failure}; stopping rank {self.rank} too"
+
+    def failure(self):
+        """The failure some rank published, or None."""
+        return self.store.get(self.key).decode() if self.store.check([self.key]) else None
+
+    def publish(self, message):
+        """Tell every rank that this one failed (unless another rank's failure came first), and stop watching."""
+        self.stopped.set()
+        try:
+            self.store.compare_set(self.key, "", f"rank {self.rank} failed: {message}")
+        except Exception:
+            pass  # the store is gone: the launcher will stop the others
+
+    def stop(self):
+        self.stopped.set()
+
+
+_failure_watch = None
+
+
+def start_failure_watch(rank):
+    """Watch for other ranks' failures (RankFailureWatch); a no-op without the store address torchrun provides."""
+    global _failure_watch
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port and _failure_watch is None:
+        _failure_watch = RankFailureWatch(rank, host, int(port))
 
 
 def dist_rank_world():

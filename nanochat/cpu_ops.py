@@ -9,24 +9,38 @@ the matmuls. Each Function below does the same math in fewer passes, with its ba
 out by hand (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -> 2.0 ms,
 relu^2 16.5 -> 7.2 ms as its own Function, less again fused into the MLP).
 
-gpt.py calls these only for CPU fp32 tensors (see `is_cpu_fp32` / `cpu_fp32_training`);
-everywhere else (CUDA, bf16 autocast) the plain torch expressions run and torch.compile fuses
-them. The results equal the plain math up to float rounding, and tests/test_gpt.py checks every
-Function's loss and gradients against it. Model constants (norm eps, softcap) come in as
-arguments, so this module knows nothing of the model.
+gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` /
+`cpu_fp32_training`); everywhere else (CUDA, bf16 autocast on any device) the plain torch
+expressions run and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too,
+so the plain path a GPU takes can be run and tested anywhere. The results equal the plain math up
+to float rounding, and tests/test_gpt.py checks every Function's loss and gradients against it.
+Model constants (norm eps, softcap) come in as arguments, so this module knows nothing of the model.
 """
+
+import os
 
 import torch
 
+from nanochat.common import UserError
+
+
+def enabled():
+    """NANOCHAT_CPU_OPS: 1 (default) runs the Functions below for CPU fp32 tensors, 0 the plain torch path everywhere."""
+    value = os.environ.get("NANOCHAT_CPU_OPS", "1")
+    if value not in ("0", "1"):
+        raise UserError(f"NANOCHAT_CPU_OPS must be 0 (the plain torch path, as on a GPU) or 1 (got {value!r})")
+    return value == "1"
+
 
 def is_cpu_fp32(x):
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    """A CPU fp32 tensor outside autocast, with the Functions enabled: where gpt.py uses them."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and enabled())
 
 
 def cpu_fp32_training(*tensors):
     """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
-    return (all(is_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-            and not torch.is_autocast_enabled("cpu"))
+    return all(is_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _rotate(x, cos, sin, out):

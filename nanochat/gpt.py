@@ -80,7 +80,8 @@ class GPTConfig:
 
 # -----------------------------------------------------------------------------
 # The blocks. On a CPU in fp32 the elementwise pieces run as the hand-written autograd Functions of
-# cpu_ops (same math, fewer passes over memory); elsewhere the plain torch expressions below run.
+# cpu_ops (same math, fewer passes over memory); elsewhere (CUDA, any autocast, NANOCHAT_CPU_OPS=0)
+# the plain torch expressions below run.
 
 
 def norm(x):
@@ -338,6 +339,7 @@ def build_model(config, device):
     """A freshly initialised GPT on `device` from a GPTConfig or its dict (built on meta, then materialised)."""
     if not isinstance(config, GPTConfig):
         config = GPTConfig(**config)
+    cpu_ops.enabled()  # a bad NANOCHAT_CPU_OPS is refused here, before any compute, not inside the first forward
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
-from nanochat.common import UserError, dist_rank_world, format_duration, get_peak_flops, print0
+from nanochat.common import UserError, dist_rank_world, format_duration, get_peak_flops, print0, set_memory_advice
 from nanochat.report import get_report
 
 # -----------------------------------------------------------------------------
@@ -139,6 +139,16 @@ def peak_memory_mib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def smaller_batch_advice(device_batch_size, total_batch_size):
+    """What to try when a micro-batch does not fit: the largest device batch that divides this one, so the global
+    batch still splits exactly into micro-steps."""
+    smaller = next((d for d in range(device_batch_size // 2, 0, -1) if device_batch_size % d == 0), None)
+    if smaller is None:
+        return "--device-batch-size is 1 already; try a shorter --max-seq-len, a smaller --depth, or more GPUs"
+    return (f"try --device-batch-size={smaller}; gradient accumulation keeps the global batch (--total-batch-size="
+            f"{total_batch_size}) with {device_batch_size // smaller}x the micro-steps per optimizer step")
+
+
 def gather_loader_states(state):
     """Every rank's dataloader state, so rank r can resume exactly where it was."""
     state = json.loads(json.dumps(state))  # plain JSON types, as they will be stored
@@ -180,6 +190,8 @@ class TrainingLoop:
         self.timer = StepTimer()
         self.report = get_report()
         self.wandb = init_wandb(run, user_config)
+        set_memory_advice(f"{name} (depth {model.config.n_layer}, --device-batch-size={user_config['device_batch_size']})",
+                          smaller_batch_advice(user_config["device_batch_size"], user_config["total_batch_size"]))
         if self.start_step == 0:
             self.report.reset_curve(name)
         else:

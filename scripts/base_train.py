@@ -14,7 +14,7 @@ import time
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, refuse_to_overwrite, resolve_step
-from nanochat.common import (UserError, autocast_for, compute_cleanup, compute_init, get_compute_dtype,
+from nanochat.common import (UserError, autocast_for, compile_choice, compute_cleanup, compute_init, get_compute_dtype,
                              keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.gpt import build_model
@@ -122,7 +122,7 @@ def main(argv=None):
     model = build_model(recipe.model_config, device)
     model_config, lrs = config_dict(recipe.model_config), recipe.lrs()
     autocast = autocast_for(device)
-    use_compile = args.compile == "1" or (args.compile == "auto" and device.type == "cuda")
+    use_compile = compile_choice(args.compile, device)
     train_model = torch.compile(model, dynamic=False) if use_compile else model
     optimizers = build_optimizers(model, **lrs)
     start, num_iterations = StartPoint(), recipe.num_iterations

@@ -36,8 +36,9 @@ def command(script, nproc=1):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", f"scripts.{script}"]
 
 
-def run(base, script, args, nproc=1, check=True):
-    p = subprocess.run(command(script, nproc) + list(args), env=env_for(base), capture_output=True, text=True, timeout=600)
+def run(base, script, args, nproc=1, check=True, env_extra=None):
+    p = subprocess.run(command(script, nproc) + list(args), env={**env_for(base), **(env_extra or {})}, capture_output=True,
+                       text=True, timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"{script} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p

@@ -29,9 +29,9 @@ def start(cmd, base, extra_env=None):
                             start_new_session=True)
 
 
-def read_until(proc, marker, lines, timeout=180):
+def read_until(proc, marker, lines, timeout=180, stream="stdout"):
     deadline = time.time() + timeout
-    for line in proc.stdout:
+    for line in getattr(proc, stream):
         lines.append(line)
         if marker in line:
             return
@@ -96,6 +96,67 @@ def test_group_sigterm_under_torchrun_saves_every_rank_once(tiny_base_dir, tmp_p
         with open(os.path.join(ckpt_dir(base), f"step_{step:06d}", "optim_rank0.json")) as f:
             return [group["initial_lr"] for opt in json.load(f) for group in opt["param_groups"]]
     assert initial_lrs(steps[0] + 2) == initial_lrs(steps[0])
+
+
+def test_one_rank_failing_stops_every_rank_with_its_message(tiny_base_dir, tmp_path):
+    # Rank 1 cannot write its optimizer shard (a full disk) and then takes 5 s to end its process, during which its
+    # peers get no error from the process group: rank 0 sits in the checkpoint's barrier. It must not wait that out.
+    base = fresh_base(tiny_base_dir, tmp_path, "rankfail")
+    fault = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             os.path.join(REPO_ROOT, "tests", "rank_fault.py")]
+    args = ["--num-iterations=8", "--save-every=2", "--eval-every=-1"]
+    cause = f"could not write checkpoint step 4 to {ckpt_dir(base)} (No space left on device)"
+    proc = subprocess.Popen(fault + ["checkpoint@4+linger"] + TINY + args, env=env_for(base), cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    try:
+        read_until(proc, "stopping rank 0 too", lines, timeout=60, stream="stderr")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert lines[-1] == f"error: rank 1 failed: {cause}; the previous checkpoint (step 2) is intact. Free some space, " \
+                        "then --resume; stopping rank 0 too\n", "".join(lines[-20:])
+    assert f"error: {cause}" in "".join(lines)  # rank 1's own line, first
+    assert "rank 1 process ends\n" not in lines  # rank 0 stopped while rank 1 was still alive
+    assert list_steps(ckpt_dir(base)) == [2]
+    # an unexpected exception: its traceback on the rank that raised, one line on the others
+    shutil.rmtree(ckpt_dir(base))
+    p = subprocess.run(fault + ["raise@3"] + TINY + args, env=env_for(base), cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert "[rank1]: RuntimeError: injected failure in step 3" in p.stderr, p.stderr[-3000:]
+    assert "error: rank 1 failed: RuntimeError: injected failure in step 3; stopping rank 0 too" in p.stderr
+    assert "[rank0]:" not in p.stderr and p.returncode != 0
+
+
+def test_out_of_memory_names_the_stage_and_the_batch_to_try(tiny_base_dir, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from nanochat.common import is_out_of_memory, run_main
+    from nanochat.gpt import GPT
+    from scripts import base_train
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", fresh_base(tiny_base_dir, tmp_path, "oom"))
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+
+    def forward(self, idx, *args, **kwargs):  # what a GPU does when a micro-batch does not fit
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ...")
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    for batch, expected in ((6, "try --device-batch-size=3; gradient accumulation keeps the global batch "
+                                "(--total-batch-size=768) with 2x the micro-steps per optimizer step"),
+                            (1, "--device-batch-size is 1 already; try a shorter --max-seq-len, a smaller --depth, or "
+                                "more GPUs")):
+        argv = TINY + ["--num-iterations=2", "--eval-every=-1", f"--device-batch-size={batch}",
+                       f"--total-batch-size={batch * 128}", f"--model-tag=oom{batch}"]
+        with pytest.raises(SystemExit) as exit_info:
+            run_main(lambda: base_train.main(argv))
+        assert exit_info.value.code == 1
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert lines == [f"error: out of memory in base_train (depth 2, --device-batch-size={batch}): {expected}"], lines
+    # the CPU's own allocation failure is a RuntimeError, recognised as running out of memory too
+    with pytest.raises(RuntimeError) as error:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert is_out_of_memory(error.value)
 
 
 # -----------------------------------------------------------------------------

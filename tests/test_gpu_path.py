@@ -1,0 +1,294 @@
+"""
+The path a GPU takes, run on the CPU: the plain torch ops (cpu_ops off), bf16 autocast and torch.compile, in the
+model, base_train (fresh, resumed, 2 ranks), SFT and the engine. On CUDA nanochat trains this way; on a CPU it
+normally runs cpu_ops' hand-written fp32 Functions, so without these tests nothing would keep the GPU path working.
+
+Tolerances, measured on tiny models here: fp32 plain ops equal the hand-written reference to float rounding (2e-5);
+bf16 autocast moves the loss by < 1 % and leaves every gradient's direction within cos 0.99 of fp32's; over 12
+training steps bf16 (compiled or not) stays within 2 % of the fp32 run's losses, and compiled within 1 % of eager.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_base_train import TINY, final_weights, fresh_base, run_train, train_losses, val_bpbs
+from test_gpt import build, reference_forward, tiny_config
+
+from nanochat import cpu_ops
+
+BF16 = {"NANOCHAT_DTYPE": "bfloat16"}  # autocast alone sends every op down the plain path, as on a GPU
+COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}  # dynamo says so on stderr if either happens
+
+
+@pytest.fixture
+def no_cpu_ops(monkeypatch):
+    """Fail the test if any of cpu_ops' Functions runs."""
+    for name in ("rms_norm", "rotary_norm", "relu_squared_mlp", "block_causal_attention", "softcap_cross_entropy_sum"):
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _name=name, **k: pytest.fail(f"cpu_ops.{_name} ran on the plain path"))
+
+
+def loss_and_grads(model, idx, targets):
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, targets)
+    loss.backward()
+    return loss.detach().float(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def reference_loss_and_grads(model, idx, targets):
+    model.zero_grad(set_to_none=True)
+    logits = reference_forward(model, idx)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def batch(seed=8):
+    idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(seed))
+    targets = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(seed + 1))
+    targets[0, :9] = -1
+    return idx, targets
+
+
+# -----------------------------------------------------------------------------
+# The model, in process
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_plain_ops_give_the_reference_logits_loss_and_gradients(monkeypatch, no_cpu_ops, single_torch_thread, n_kv_head):
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
+    model = build(tiny_config(n_kv_head=n_kv_head))
+    model.train()
+    idx, targets = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), reference_forward(model, idx), atol=2e-5, rtol=1e-5)
+        model.lm_head.weight.mul_(20.0)  # logits into the softcap's curved region for the loss
+    loss, grads = loss_and_grads(model, idx, targets)
+    ref_loss, ref_grads = reference_loss_and_grads(model, idx, targets)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert grad.abs().max() > 0, name
+
+
+def test_a_bad_cpu_ops_switch_is_refused_before_any_compute(monkeypatch):
+    from nanochat.common import UserError
+    from nanochat.gpt import build_model
+
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "off")
+    with pytest.raises(UserError, match="NANOCHAT_CPU_OPS must be 0"):
+        build_model(tiny_config(), "cpu")
+
+
+def test_bf16_autocast_runs_the_plain_ops_in_bf16_and_follows_fp32(monkeypatch, no_cpu_ops, single_torch_thread):
+    from nanochat.common import autocast_for
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    model = build(tiny_config(n_kv_head=2))
+    model.train()
+    assert model.cos.dtype == torch.bfloat16  # rotary tables in the compute dtype, as on a GPU
+    idx, targets = batch()
+    ref_loss, ref_grads = reference_loss_and_grads(model, idx, targets)
+    activations = []
+    model.transformer.h[0].attn.c_q.register_forward_hook(lambda m, i, out: activations.append(out.dtype))
+    with autocast_for("cpu"):
+        assert model(idx).dtype == torch.float32  # logits in fp32 even under autocast
+        loss, grads = loss_and_grads(model, idx, targets)
+    assert activations and set(activations) == {torch.bfloat16}, activations
+    assert abs(loss - ref_loss) / ref_loss < 0.01, (loss, ref_loss)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, name  # parameters and their gradients stay fp32
+        cos = F.cosine_similarity(grad.flatten(), ref_grads[name].flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
+
+
+def test_a_gpu_without_bf16_or_compile_support_falls_back_with_one_note(monkeypatch, capsys):
+    from nanochat import common
+
+    monkeypatch.setattr(common, "_notes_printed", set())
+    capability = {"value": (7, 5)}  # a T4: compiles, but has no bf16 tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    cuda = torch.device("cuda", 0)
+    assert common.get_compute_dtype(cuda) == torch.float32  # the default policy: fp32 below 8.0, silently
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    assert common.get_compute_dtype(cuda) == common.get_compute_dtype(cuda) == torch.float32  # noted once
+    assert common.compile_choice("auto", cuda) and not common.compile_choice("0", cuda)
+    capability["value"] = (6, 0)  # a P100: too old for Triton
+    assert not common.compile_choice("1", cuda) and not common.compile_choice("auto", cuda)
+    assert capsys.readouterr().out.splitlines() == [
+        "note: NANOCHAT_DTYPE=bfloat16 but Tesla T4 (compute capability 7.5) has no bf16 tensor cores (they start at "
+        "8.0, the A100); running in float32",
+        "note: --compile: Tesla T4 (compute capability 6.0) is older than torch.compile supports (7.0); running eager"]
+    capability["value"] = (9, 0)
+    assert common.get_compute_dtype(cuda) == torch.bfloat16 and common.compile_choice("auto", cuda)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from nanochat.tokenizer import RustBPETokenizer
+
+    lines = ["The quick brown fox jumps over the lazy dog. What is 12*3? It is 36.",
+             "How many r letters are in strawberry? Count them: 'strawberry'.count('r') gives 3."]
+    return RustBPETokenizer.train_from_iterator(iter(f"{line} ({i})" for i in range(100) for line in lines), 300)
+
+
+def test_bf16_kv_cache_decoding_follows_bf16_recompute(monkeypatch, tokenizer, single_torch_thread):
+    """
+    Greedy decoding with a bf16 KV cache under bf16 autocast, against recomputing the whole sequence in bf16 at every
+    step: the logits agree within bf16 rounding (d), and so does the token wherever recompute's best two logits are
+    more than 2d apart. Closer than that, two computations in bf16 may round them into either order (or a tie).
+    """
+    from nanochat.common import autocast_for
+    from nanochat.engine import Engine
+    from nanochat.gpt import GPTConfig, build_model
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    torch.manual_seed(1)
+    config = GPTConfig(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    model = build_model(config, "cpu").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 1.0 if p is model.transformer.wte.weight else 2 * p.shape[1] ** -0.5)
+    prompt = tokenizer.encode("The quick brown", prepend=tokenizer.get_bos_token_id())
+    engine = Engine(model, tokenizer)
+    decoded = [column[0] for column, _ in engine.generate(prompt, max_tokens=30, temperature=0)]
+    assert len(set(decoded)) >= 5, decoded  # a real sentence of tokens, not one repeated
+
+    cache = engine._new_cache(1, 64, torch.device("cpu"))
+    assert cache.k_cache.dtype == torch.bfloat16
+    ids, cached, recomputed = list(prompt), [], []
+    with torch.no_grad(), autocast_for("cpu"):
+        logits = model(torch.tensor([prompt]), kv_cache=cache)[0, -1]
+        for token in decoded:  # the engine's own tokens, teacher-forced through a cache and recomputed in full
+            cached.append(logits)
+            recomputed.append(model(torch.tensor([ids]))[0, -1])
+            ids.append(token)
+            logits = model(torch.tensor([[token]]), kv_cache=cache)[0, -1]
+    d = max(float((a - b).abs().max()) for a, b in zip(cached, recomputed))
+    assert d < 0.1, d  # bf16 rounding of logits of this size; a wrong cache is off by whole units
+    compared = 0
+    for step, (token, full) in enumerate(zip(decoded, recomputed)):
+        top2 = full.topk(2).values
+        if top2[0] - top2[1] > 2 * d:
+            assert token == int(full.argmax()), (step, decoded)
+            compared += 1
+    print(f"{compared} of {len(decoded)} tokens compared, logits within {d:.3f}")
+    assert compared >= 8, (compared, d)
+
+
+# -----------------------------------------------------------------------------
+# base_train on the GPU path, in real subprocesses
+
+N, HALF = 30, 15
+RUN_ARGS = [f"--num-iterations={N}", f"--eval-every={HALF}", f"--save-every={HALF}", "--eval-tokens=8192"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_base_dir, tmp_path_factory):
+    """
+    Four tiny base_train runs of the same seed and data: fp32 with cpu_ops (what a CPU runs), bf16 plain compiled (what
+    a GPU runs), the latter resumed from its step-HALF checkpoint, and bf16 plain eager (by way of the fallback for a
+    machine that cannot compile). Returns {name: base dir}.
+    """
+    tmp = tmp_path_factory.mktemp("gpu_path")
+    bases = {name: fresh_base(tiny_base_dir, tmp, name) for name in ("fp32", "compiled", "eager")}
+    run_train(bases["fp32"], RUN_ARGS)
+    p = run_train(bases["compiled"], RUN_ARGS + ["--compile=1"], env_extra={**BF16, **COMPILE_LOGS})
+    assert "cpu x1 bfloat16 compiled" in p.stdout, p.stdout[:2000]
+    assert "[__graph_breaks]" not in p.stderr and "[__recompiles]" not in p.stderr, p.stderr[-3000:]
+    bases["resumed"] = str(tmp / "resumed")
+    shutil.copytree(bases["compiled"], bases["resumed"])
+    shutil.rmtree(os.path.join(bases["resumed"], "base_checkpoints", "tiny", f"step_{N:06d}"))
+    p = run_train(bases["resumed"], RUN_ARGS + ["--compile=1", "--resume"], env_extra=BF16)
+    assert f"resuming at step {HALF}" in p.stdout
+    # eager: asked to compile on a CPU without a C++ compiler, which torch.compile needs there, it falls back to eager
+    p = run_train(bases["eager"], RUN_ARGS + ["--compile=1"], env_extra={**BF16, "CXX": "/nonexistent/g++"})
+    assert "note: --compile: no C++ compiler '/nonexistent/g++' on PATH" in p.stdout and "compiled" not in p.stdout
+    return bases
+
+
+def test_bf16_compiled_base_train_learns_and_follows_fp32(runs):
+    fp32, compiled, eager = (train_losses(runs[name]) for name in ("fp32", "compiled", "eager"))
+    assert sorted(fp32) == sorted(compiled) == list(range(1, N + 1))
+    assert compiled[N] < compiled[1] - 1.0  # it learns
+    for step in fp32:
+        assert abs(compiled[step] - fp32[step]) / fp32[step] < 0.02, (step, compiled[step], fp32[step])
+        assert abs(compiled[step] - eager[step]) / eager[step] < 0.01, (step, compiled[step], eager[step])
+    assert compiled != fp32 and compiled != eager  # really other arithmetic, not the same run three times
+    for name in ("compiled", "eager"):
+        assert abs(val_bpbs(runs[name])[N] - val_bpbs(runs["fp32"])[N]) / val_bpbs(runs["fp32"])[N] < 0.01, name
+
+
+def test_bf16_compiled_base_train_resumes_exactly(runs):
+    straight, resumed = train_losses(runs["compiled"]), train_losses(runs["resumed"])
+    assert [straight[s] for s in range(HALF + 1, N + 1)] == [resumed[s] for s in range(HALF + 1, N + 1)]
+    a, b = final_weights(runs["compiled"], N), final_weights(runs["resumed"], N)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert val_bpbs(runs["compiled"])[N] == val_bpbs(runs["resumed"])[N]
+
+
+def test_checkpoints_evaluate_the_same_in_either_dtype(runs, monkeypatch):
+    """A checkpoint trained in bf16 evaluates in fp32 and one trained in fp32 in bf16, each within 1 % of its own dtype."""
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.common import autocast_for
+    from nanochat.dataloader import eval_batches
+    from nanochat.loss_eval import evaluate_bpb
+    from nanochat.tokenizer import get_token_bytes
+
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    for trained_in, evaluate_in in (("compiled", "float32"), ("fp32", "bfloat16")):
+        monkeypatch.setenv("NANOCHAT_BASE_DIR", runs[trained_in])
+        monkeypatch.setenv("NANOCHAT_DTYPE", evaluate_in)
+        model, tokenizer, _ = load_model("base", "cpu", model_tag="tiny", step=N)
+        loader, batches = eval_batches(tokenizer, 2, 64, "val", torch.device("cpu"), 0, 1, source="builtin")
+        with torch.no_grad(), autocast_for("cpu"):
+            bpb = evaluate_bpb(model, batches, 8192 // (2 * 64), get_token_bytes("cpu"))
+        loader.close()
+        own = val_bpbs(runs[trained_in])[N]  # what base_train measured in the dtype it trained in
+        assert bpb != own and abs(bpb - own) / own < 0.01, (trained_in, evaluate_in, bpb, own)
+
+
+def test_bf16_compiled_two_ranks_equal_one(runs, tiny_base_dir, tmp_path):
+    two = fresh_base(tiny_base_dir, tmp_path, "two")
+    p = run_train(two, RUN_ARGS + ["--compile=1"], nproc=2, env_extra={**BF16, **COMPILE_LOGS})
+    assert "cpu x2 bfloat16 compiled" in p.stdout
+    assert "[__graph_breaks]" not in p.stderr and "[__recompiles]" not in p.stderr, p.stderr[-3000:]
+    one, two = val_bpbs(runs["compiled"]), val_bpbs(two)
+    assert abs(one[0] - two[0]) < 1e-4  # the same evaluation tokens whatever the world size
+    assert abs(one[N] - two[N]) / one[N] < 0.01, (one[N], two[N])  # same global batch, other row groups per rank
+
+
+# -----------------------------------------------------------------------------
+# SFT on the GPU path
+
+
+def test_bf16_sft_learns_follows_fp32_and_resumes_exactly(runs, tmp_path):
+    from test_chat_stages import SFT, curve, run, weights
+
+    args = SFT + ["-i", "base", "-g", "tiny", "--num-iterations=4", "--save-every=2", "--eval-every=2"]
+    bases = {}
+    for name, env in (("fp32", {}), ("bf16", BF16)):
+        bases[name] = str(tmp_path / name)
+        shutil.copytree(runs["fp32"], bases[name], ignore=shutil.ignore_patterns("report"))
+        run(bases[name], "chat_sft", args, env_extra=env)
+    losses = {name: {r["step"]: r["train_loss"] for r in curve(base, "chat_sft") if "train_loss" in r}
+              for name, base in bases.items()}
+    assert sorted(losses["bf16"]) == [1, 2, 3, 4] and losses["bf16"] != losses["fp32"]
+    for step, loss in losses["fp32"].items():
+        assert abs(losses["bf16"][step] - loss) / loss < 0.02, (step, losses)
+    val = {name: [r["val_loss"] for r in curve(base, "chat_sft") if "val_loss" in r] for name, base in bases.items()}
+    assert val["bf16"][-1] < val["bf16"][0] and abs(val["bf16"][-1] - val["fp32"][-1]) / val["fp32"][-1] < 0.02, val
+
+    # resume the bf16 run from its step-2 checkpoint: the same weights at step 4
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(bases["bf16"], resumed)
+    shutil.rmtree(os.path.join(resumed, "chatsft_checkpoints", "tiny", "step_000004"))
+    p = run(resumed, "chat_sft", args + ["--resume"], env_extra=BF16)
+    assert "resuming at step 2" in p.stdout
+    a, b = weights(bases["bf16"], "chat_sft", 4), weights(resumed, "chat_sft", 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed_losses = {r["step"]: r["train_loss"] for r in curve(resumed, "chat_sft") if "train_loss" in r}
+    assert [resumed_losses[s] for s in (3, 4)] == [losses["bf16"][s] for s in (3, 4)]
