@@ -41,6 +41,7 @@ import torch
 from nanochat.common import (UserError, autocast_for, compute_init, cpu_flags, datasheet_peak_flops, get_compute_dtype,
                              keep_freed_memory_in_process, measure_matmul_flops, orthogonalization_dtype,
                              resolve_device_type, run_main)
+from nanochat.corpus import ensure_builtin_workspace, holds_training_data
 
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
 CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
@@ -122,46 +123,16 @@ def machine_info():
 # Data and tokenizer
 
 
-def _has_data(base_dir, max_vocab):
-    """True if base_dir holds a tokenizer with at most max_vocab tokens and training shards of the default source."""
-    from nanochat.dataset import list_parquet_files
-    from nanochat.tokenizer import get_tokenizer
-
-    if not os.path.isdir(os.path.join(base_dir, "tokenizer")):
-        return False
-    old = os.environ.get("NANOCHAT_BASE_DIR")
-    os.environ["NANOCHAT_BASE_DIR"] = base_dir
-    try:
-        list_parquet_files("train")
-        return get_tokenizer().get_vocab_size() <= max_vocab
-    except UserError:
-        return False
-    finally:
-        if old is None:
-            os.environ.pop("NANOCHAT_BASE_DIR")
-        else:
-            os.environ["NANOCHAT_BASE_DIR"] = old
-
-
 def ensure_data(max_vocab):
     """Point NANOCHAT_BASE_DIR at a base dir with data and a tokenizer (building one in <tmp> if needed)."""
     current = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
-    if _has_data(current, max_vocab):
+    if holds_training_data(current, max_vocab):
         os.environ["NANOCHAT_BASE_DIR"] = current
         return current
     bench_dir = os.path.join(tempfile.gettempdir(), "nanochat_bench")
+    ensure_builtin_workspace(bench_dir, BENCH_TOKENIZER_VOCAB, log=log)
     os.environ["NANOCHAT_BASE_DIR"] = bench_dir
     os.environ["NANOCHAT_DATA_SOURCE"] = "builtin"
-    if _has_data(bench_dir, max_vocab):
-        return bench_dir
-    from nanochat.corpus import write_corpus
-    from nanochat.dataset import get_data_dir, parquets_iter_batched
-    from nanochat.tokenizer import RustBPETokenizer
-
-    log(f"no usable data in {current}: building the built-in corpus and a {BENCH_TOKENIZER_VOCAB}-token tokenizer in {bench_dir}")
-    write_corpus(get_data_dir("builtin"), seed=42, size_mb=6.0, verbose=False)
-    texts = (t for batch in parquets_iter_batched("train", source="builtin") for t in batch)
-    RustBPETokenizer.train_from_iterator(texts, BENCH_TOKENIZER_VOCAB).save(os.path.join(bench_dir, "tokenizer"))
     return bench_dir
 
 
@@ -651,13 +622,13 @@ def quality_data(source, vocab_size):
 
     os.environ["NANOCHAT_DATA_SOURCE"] = source
     current = os.environ.get("NANOCHAT_BASE_DIR")
-    if current and _has_data(current, vocab_size):  # a base dir that already holds this source and a tokenizer
+    if current and holds_training_data(current, vocab_size):  # a base dir that already holds this source and a tokenizer
         return current
     from nanochat.brown import LAYOUT  # one directory per Brown layout: a changed layout never reuses old shards
     name = f"brown-{LAYOUT}" if source == "brown" else source
     base = os.path.join(tempfile.gettempdir(), "nanochat_bench_quality", name)
     os.environ["NANOCHAT_BASE_DIR"] = base
-    if _has_data(base, vocab_size):
+    if holds_training_data(base, vocab_size):
         return base
     log(f"building the {source} source and a {vocab_size}-token tokenizer in {base}")
     if source == "builtin":

@@ -320,3 +320,17 @@ def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir)
     assert echo_accuracy == 3 / 4
     assert chatcore({"quiz": quiz_accuracy, "echo": echo_accuracy}, {"quiz": 1 / 3, "echo": 0.0}) == \
         pytest.approx(((3 / 5 - 1 / 3) / (2 / 3) + 3 / 4) / 2)
+
+
+def test_out_of_memory_in_a_chat_stage_names_it_and_the_batch_to_try(trained_base, tmp_path, monkeypatch, capsys):
+    from test_hardening import out_of_memory_lines
+
+    from scripts import chat_sft
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", copy_base(trained_base, tmp_path, "oom"))
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    lines = out_of_memory_lines(monkeypatch, capsys, chat_sft.main,
+                                ["-i", "base", "--device-batch-size=4", "--total-batch-size=8", "--num-iterations=2"])
+    assert lines == ["error: out of memory in chat_sft (depth 2, --device-batch-size=4): try --device-batch-size=2; "
+                     "gradient accumulation keeps the global batch (--total-batch-size=8) with 2x the micro-steps per "
+                     "optimizer step"], lines

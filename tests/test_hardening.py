@@ -128,30 +128,39 @@ def test_one_rank_failing_stops_every_rank_with_its_message(tiny_base_dir, tmp_p
     assert "[rank0]:" not in p.stderr and p.returncode != 0
 
 
+def out_of_memory_lines(monkeypatch, capsys, main, argv):
+    """Run a stage's main() in this process with every forward out of memory, as on a GPU when a micro-batch does not fit:
+    it must exit 1; returns its stderr lines."""
+    import torch
+
+    from nanochat.common import run_main
+    from nanochat.gpt import GPT
+
+    def forward(self, idx, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ...")
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(lambda: main(argv))
+    assert exit_info.value.code == 1
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
 def test_out_of_memory_names_the_stage_and_the_batch_to_try(tiny_base_dir, tmp_path, monkeypatch, capsys):
     import torch
 
-    from nanochat.common import is_out_of_memory, run_main
-    from nanochat.gpt import GPT
+    from nanochat.common import is_out_of_memory
     from scripts import base_train
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", fresh_base(tiny_base_dir, tmp_path, "oom"))
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
-
-    def forward(self, idx, *args, **kwargs):  # what a GPU does when a micro-batch does not fit
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ...")
-
-    monkeypatch.setattr(GPT, "forward", forward)
     for batch, expected in ((6, "try --device-batch-size=3; gradient accumulation keeps the global batch "
                                 "(--total-batch-size=768) with 2x the micro-steps per optimizer step"),
                             (1, "--device-batch-size is 1 already; try a shorter --max-seq-len, a smaller --depth, or "
                                 "more GPUs")):
         argv = TINY + ["--num-iterations=2", "--eval-every=-1", f"--device-batch-size={batch}",
                        f"--total-batch-size={batch * 128}", f"--model-tag=oom{batch}"]
-        with pytest.raises(SystemExit) as exit_info:
-            run_main(lambda: base_train.main(argv))
-        assert exit_info.value.code == 1
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        lines = out_of_memory_lines(monkeypatch, capsys, base_train.main, argv)
         assert lines == [f"error: out of memory in base_train (depth 2, --device-batch-size={batch}): {expected}"], lines
     # the CPU's own allocation failure is a RuntimeError, recognised as running out of memory too
     with pytest.raises(RuntimeError) as error:
