@@ -8,6 +8,7 @@
 #   FORCE=1 bash speedrun.sh              # redo every stage, even finished ones
 #   NANOCHAT_RL=0|1 bash speedrun.sh      # skip or run chat_rl (default: on for gpu, off for cpu, where it does not pay)
 #   NANOCHAT_SEED=43 bash speedrun.sh     # another initialisation of the base model
+#   NANOCHAT_DEVICE_BATCH=8 bash speedrun.sh   # gpu preset: rows per GPU per micro-step (default 16; less memory, same run)
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -55,10 +56,17 @@ if [ "$PRESET" = gpu ]; then
     #   for the tokenizer, the rest download in the background while it trains.
     # - device batch 16 x 2048 tokens fits an 80 GB H100 at d24 in bf16; gradient accumulation makes up the
     #   2^19-token batch on any GPU count: 2^19 / (16 x 2048 x NGPU) = 16 / NGPU micro-steps (exact for 1, 2, 4, 8).
+    #   A GPU with less memory takes a smaller NANOCHAT_DEVICE_BATCH (python -m scripts.gpu_check says which fits);
+    #   the global batch, and so the run, stays the same.
     export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-climbmix}"
-    DEPTH=24; TAG=d24; DEVICE_BATCH=16; SHARDS=150
-    if [ $((16 % NGPU)) -ne 0 ]; then
-        echo "the gpu preset needs 1, 2, 4, 8 or 16 GPUs for an exact 2^19-token batch (found $NGPU)" >&2
+    DEPTH=24; TAG=d24; DEVICE_BATCH="${NANOCHAT_DEVICE_BATCH:-16}"; SHARDS=150
+    if ! [[ "$DEVICE_BATCH" =~ ^[1-9][0-9]*$ ]] || [ $((256 % DEVICE_BATCH)) -ne 0 ]; then
+        echo "NANOCHAT_DEVICE_BATCH must divide 256, the rows of 2048 tokens in a 2^19-token batch (got $DEVICE_BATCH)" >&2
+        exit 1
+    fi
+    if [ $((256 % (DEVICE_BATCH * NGPU))) -ne 0 ]; then
+        echo "the gpu preset needs 1, 2, 4, 8 or 16 GPUs for an exact 2^19-token batch at device batch 16 (found $NGPU;" \
+             "device batch $DEVICE_BATCH x $NGPU GPUs must divide 256)" >&2
         exit 1
     fi
     LAUNCH="uv run --no-sync torchrun --standalone --nproc_per_node=$NGPU -m"

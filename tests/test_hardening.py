@@ -99,30 +99,51 @@ def test_group_sigterm_under_torchrun_saves_every_rank_once(tiny_base_dir, tmp_p
 
 
 def test_one_rank_failing_stops_every_rank_with_its_message(tiny_base_dir, tmp_path):
-    # Rank 1 cannot write its optimizer shard (a full disk) and then takes 5 s to end its process, during which its
-    # peers get no error from the process group: rank 0 sits in the checkpoint's barrier. It must not wait that out.
+    # Two "nodes" (torchrun launches joined by c10d rendezvous), one rank each. Rank 1 cannot write its optimizer shard
+    # (a full disk), then takes 5 s to end its process, during which its peer gets no error from the process group:
+    # rank 0 sits in the checkpoint's barrier on the other node. It must not wait that out.
+    import psutil
+    from test_base_train import free_port
+
     base = fresh_base(tiny_base_dir, tmp_path, "rankfail")
-    fault = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             os.path.join(REPO_ROOT, "tests", "rank_fault.py")]
+    fault = os.path.join(REPO_ROOT, "tests", "rank_fault.py")
     args = ["--num-iterations=8", "--save-every=2", "--eval-every=-1"]
     cause = f"could not write checkpoint step 4 to {ckpt_dir(base)} (No space left on device)"
-    proc = subprocess.Popen(fault + ["checkpoint@4+linger"] + TINY + args, env=env_for(base), cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines = []
-    try:
-        read_until(proc, "stopping rank 0 too", lines, timeout=60, stream="stderr")
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rankfail", fault,
+                               "checkpoint@4+linger"] + TINY + args, env=env_for(base), cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for _ in range(2)]
+    lines = []  # (seconds since start, line) of both launches, in the order they arrive
+    readers = [threading.Thread(target=lambda node=node: lines.extend((time.time(), line) for line in node.stderr))
+               for node in nodes]
+    for reader in readers:
+        reader.start()
+    deadline = time.time() + 60
+    try:  # c10d may give either launch rank 0
+        while not any("stopping rank" in line for _, line in lines) and time.time() < deadline:
+            time.sleep(0.1)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert lines[-1] == f"error: rank 1 failed: {cause}; the previous checkpoint (step 2) is intact. Free some space, " \
-                        "then --resume; stopping rank 0 too\n", "".join(lines[-20:])
-    assert f"error: {cause}" in "".join(lines)  # rank 1's own line, first
-    assert "rank 1 process ends\n" not in lines  # rank 0 stopped while rank 1 was still alive
+        for node in nodes:  # the whole tree: torchrun's workers outlive a kill of its process group
+            for process in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
+                process.kill()
+            node.wait(timeout=60)
+        for reader in readers:
+            reader.join(timeout=60)
+    text = "".join(line for _, line in lines)
+    stopped = next((t for t, line in lines if "stopping rank" in line), None)
+    assert stopped, text[-3000:]
+    assert f"error: rank 1 failed: {cause}; the previous checkpoint (step 2) is intact. Free some space, then --resume; " \
+           "stopping rank 0 too\n" in text, text[-3000:]
+    assert f"error: {cause}" in text  # rank 1's own line
+    assert not [t for t, line in lines if "rank 1 process ends" in line and t < stopped]  # rank 0 did not wait for it
     assert list_steps(ckpt_dir(base)) == [2]
     # an unexpected exception: its traceback on the rank that raised, one line on the others
     shutil.rmtree(ckpt_dir(base))
-    p = subprocess.run(fault + ["raise@3"] + TINY + args, env=env_for(base), cwd=REPO_ROOT, capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", fault,
+                        "raise@3"] + TINY + args, env=env_for(base), cwd=REPO_ROOT, capture_output=True, text=True,
+                       timeout=60)
     assert "[rank1]: RuntimeError: injected failure in step 3" in p.stderr, p.stderr[-3000:]
     assert "error: rank 1 failed: RuntimeError: injected failure in step 3; stopping rank 0 too" in p.stderr
     assert "[rank0]:" not in p.stderr and p.returncode != 0

@@ -17,9 +17,9 @@ ORDER = ["nanochat.dataset", "scripts.tok_train", "scripts.tok_eval", "scripts.b
          "scripts.chat_rl", "scripts.chat_eval", "nanochat.report"]
 
 
-def dry_run(tmp_path, preset, ngpu):
+def dry_run(tmp_path, preset, ngpu, **extra_env):
     env = dict(os.environ, DRY_RUN="1", NANOCHAT_PRESET=preset, NANOCHAT_NGPU=str(ngpu),
-               NANOCHAT_BASE_DIR=str(tmp_path / "base"))
+               NANOCHAT_BASE_DIR=str(tmp_path / "base"), **extra_env)
     return subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -35,13 +35,13 @@ def commands(stdout):
     return out
 
 
-@pytest.mark.parametrize("ngpu", [8, 1])
-def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu):
+@pytest.mark.parametrize("ngpu, device_batch", [(8, "16"), (1, "16"), (8, "4")])
+def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu, device_batch):
     from nanochat.stage import micro_steps
     from nanochat.training import grad_accum_steps
     from scripts import base_train, chat_rl, chat_sft, mid_train
 
-    p = dry_run(tmp_path, "gpu", ngpu)
+    p = dry_run(tmp_path, "gpu", ngpu, NANOCHAT_DEVICE_BATCH=device_batch)
     assert p.returncode == 0, p.stderr
     cmds = commands(p.stdout)
     modules = [m for m, _, _ in cmds]
@@ -59,6 +59,8 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
             continue
         args = parsers[name](flags)
         seen.add(name)
+        if name in ("base_train", "mid_train"):  # a smaller device batch for GPUs with less memory (gpu_check's advice)
+            assert args.device_batch_size == int(device_batch)
         if name == "base_train":
             assert grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, ngpu) * \
                 args.device_batch_size * args.max_seq_len * ngpu == 2**19
@@ -72,9 +74,14 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
     assert seen == set(TRAINING)
 
 
-def test_gpu_preset_refuses_a_gpu_count_that_cannot_split_the_batch(tmp_path):
+def test_gpu_preset_refuses_a_gpu_count_or_device_batch_that_cannot_split_the_batch(tmp_path):
     p = dry_run(tmp_path, "gpu", 3)
-    assert p.returncode == 1 and "1, 2, 4, 8 or 16 GPUs" in p.stderr
+    assert p.returncode == 1 and "1, 2, 4, 8 or 16 GPUs" in p.stderr and not p.stdout.count("-m ")
+    for device_batch in ("3", "0", "x", "512"):
+        p = dry_run(tmp_path, "gpu", 1, NANOCHAT_DEVICE_BATCH=device_batch)
+        assert p.returncode == 1 and "NANOCHAT_DEVICE_BATCH must divide 256" in p.stderr, (device_batch, p.stderr)
+    p = dry_run(tmp_path, "gpu", 8, NANOCHAT_DEVICE_BATCH="64")  # 64 x 8 rows > the 256 of one batch
+    assert p.returncode == 1 and "device batch 64 x 8 GPUs must divide 256" in p.stderr
 
 
 def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
