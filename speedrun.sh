@@ -9,6 +9,8 @@
 #   NANOCHAT_RL=0|1 bash speedrun.sh      # skip or run chat_rl (default: on for gpu, off for cpu, where it does not pay)
 #   NANOCHAT_SEED=43 bash speedrun.sh     # another initialisation of the base model
 #   NANOCHAT_DEVICE_BATCH=8 bash speedrun.sh   # gpu preset: rows per GPU per micro-step (default 16; less memory, same run)
+#   NANOCHAT_DATA_SOURCE=mine bash speedrun.sh  # pretrain on your own text, imported first with
+#                                               # python -m nanochat.dataset import mine FILES... (README: "Your own data")
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -83,7 +85,8 @@ if [ "$PRESET" = gpu ]; then
 else
     # The cpu preset: the built-in corpus about an invented world, no network, the whole pipeline in
     # about 20 minutes on 2 cores; the model is small but visibly learns its world (README: "CPU preset").
-    export NANOCHAT_DATA_SOURCE=builtin
+    export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-builtin}"
+    SHARDS=8  # only if NANOCHAT_DATA_SOURCE names a hub source
     DEPTH=4; TAG=d4
     LAUNCH="uv run --no-sync python -m"
     TOK_FLAGS="--max-chars=20000000 --vocab-size=4096"
@@ -103,6 +106,24 @@ else
     # RL does not pay here: SFT already solves 98 % of the built-in arithmetic, and 30 steps on the spelling task moved
     # nothing measurable (README). NANOCHAT_RL=1 runs it anyway.
     RUN_RL="${NANOCHAT_RL:-0}"
+fi
+
+# The pretraining text: the preset's default, or NANOCHAT_DATA_SOURCE (hub, built-in, brown, or your own import)
+SOURCE="$NANOCHAT_DATA_SOURCE"
+DEFAULT_SOURCE=$([ "$PRESET" = gpu ] && echo climbmix || echo builtin)
+case "$SOURCE" in
+    climbmix|fineweb-edu) SOURCE_KIND=hub ;;
+    builtin|brown) SOURCE_KIND=$SOURCE ;;
+    *)
+        SOURCE_KIND=imported
+        if [ "$DRY_RUN" != 1 ] && [ ! -f "$BASE_DIR/base_data/$SOURCE/import.json" ]; then
+            echo "NANOCHAT_DATA_SOURCE=$SOURCE is not a source in $BASE_DIR/base_data: import your text first with" \
+                 "python -m nanochat.dataset import $SOURCE FILES_OR_FOLDERS... (README: \"Your own data\")" >&2
+            exit 1
+        fi ;;
+esac
+if [ "$SOURCE" != builtin ]; then
+    BASE_CHAT_EVAL=""  # the built-in world's fact completion means nothing for a model of other text
 fi
 
 # -----------------------------------------------------------------------------
@@ -164,6 +185,7 @@ else
     mkdir -p "$BASE_DIR"
     # A base dir holds one speedrun: continuing it with another preset or seed would mix their stages silently.
     SIGNATURE="preset=$PRESET seed=$SEED"  # RL may be added later: it only appends stages
+    if [ "$SOURCE" != "$DEFAULT_SOURCE" ]; then SIGNATURE="$SIGNATURE source=$SOURCE"; fi
     if [ "$FORCE" != 1 ] && [ -f "$BASE_DIR/speedrun_config.txt" ] && [ "$(cat "$BASE_DIR/speedrun_config.txt")" != "$SIGNATURE" ]; then
         echo "$BASE_DIR holds a speedrun with $(cat "$BASE_DIR/speedrun_config.txt"), not $SIGNATURE: rerun with those" \
              "settings to continue it, FORCE=1 to redo everything here, or point NANOCHAT_BASE_DIR elsewhere" >&2
@@ -176,19 +198,23 @@ if [ "$DRY_RUN" != 1 ] && { [ "$FORCE" = 1 ] || [ ! -f "$BASE_DIR/report/header.
     rm -f "$BASE_DIR/speedrun_times.txt"
 fi
 
-if [ "$PRESET" = gpu ]; then
+if [ "$SOURCE_KIND" = hub ]; then
     stage "data: first shards" "false" $PY -m nanochat.dataset -n 8
     if [ "$DRY_RUN" = 1 ]; then echo "$PY -m nanochat.dataset -n $SHARDS &"
     else
         $PY -m nanochat.dataset -n $SHARDS > "$BASE_DIR/dataset_download.log" 2>&1 & DATASET_PID=$!
         trap 'kill $DATASET_PID 2>/dev/null || true' EXIT  # a failed stage must not leave the download running
     fi
-else
+elif [ "$SOURCE_KIND" = builtin ]; then
     stage "data: built-in corpus" "[ -f '$BASE_DIR/base_data/builtin/corpus.json' ]" $PY -m nanochat.corpus
+elif [ "$SOURCE_KIND" = brown ]; then
+    stage "data: the Brown corpus" "[ -f '$BASE_DIR/base_data/brown/import.json' ]" $PY -m nanochat.brown
+else
+    say "data: your source $SOURCE, imported into $BASE_DIR/base_data/$SOURCE"
 fi
 stage "tokenizer: train" "[ -f '$BASE_DIR/tokenizer/tokenizer.json' ] && report_has tokenizer-training" $PY -m scripts.tok_train $TOK_FLAGS
 stage "tokenizer: eval" "report_has tokenizer-evaluation" $PY -m scripts.tok_eval
-if [ "$PRESET" = gpu ] && [ "$DRY_RUN" != 1 ]; then
+if [ "$SOURCE_KIND" = hub ] && [ "$DRY_RUN" != 1 ]; then
     say "waiting for the shard download (log: $BASE_DIR/dataset_download.log)"
     wait "$DATASET_PID"
 fi

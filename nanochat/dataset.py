@@ -12,9 +12,17 @@ downloads train shards 0..7 plus the val shard, in parallel, with retries. Each 
 streamed to a temp file, checked (size, sha256 when the hub gives one, readable parquet)
 and only then renamed into place, so a killed run never leaves a truncated shard and a
 re-run skips what is already there.
+
+Your own text becomes a source the same way every stage can read (nanochat.text_import):
+    python -m nanochat.dataset import NAME INPUT... [--max-doc-chars N] [--val-frac F | --val-docs N]
+    python -m nanochat.dataset import NAME --hf-repo owner/name [--config C] [--split S] [--column C]
+    python -m nanochat.dataset list
+An imported source lives in base_data/NAME/ beside the others, with its val shard at shard_00000 and an
+import.json that records how it was made; --data-source NAME and NANOCHAT_DATA_SOURCE=NAME then find it.
 """
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -28,7 +36,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
-from nanochat.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file
+from nanochat.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
 
 # -----------------------------------------------------------------------------
 # Sources
@@ -55,20 +63,61 @@ SOURCES = {
 SHARD_RE = re.compile(r"^shard_(\d{5,})\.parquet$")
 
 
+IMPORT_MANIFEST = "import.json"  # written by `python -m nanochat.dataset import` (nanochat.text_import)
+
+
+def imported_source(name):
+    """The DataSource of a source imported into this base dir, or None."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name or "") or name in SOURCES:
+        return None
+    path = os.path.join(get_base_dir(), "base_data", name, IMPORT_MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    command = f"python -m nanochat.dataset import {name} ..."
+    try:
+        with open(path, encoding="utf-8") as f:
+            command = json.load(f).get("command", command)
+    except (OSError, ValueError):
+        pass
+    return DataSource(name, None, None, 0, command)
+
+
+def source_names_on_disk():
+    """Every source with a directory under base_data/, built-in or imported."""
+    root = os.path.join(get_base_dir(), "base_data")
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [n for n in names if os.path.isdir(os.path.join(root, n)) and (n in SOURCES or imported_source(n))]
+
+
+def _unknown_source(name, what):
+    imported = [n for n in source_names_on_disk() if n not in SOURCES]
+    mine = f"; imported into {get_base_dir()}: {', '.join(imported)}" if imported else ""
+    return (f"{what}{name!r} is not a data source; the built-in ones are {', '.join(SOURCES)}{mine}. "
+            f"Import your own text with `python -m nanochat.dataset import {name if imported_name_ok(name) else 'NAME'} "
+            f"FILES_OR_FOLDERS...` (`python -m nanochat.dataset list` shows what is on disk)")
+
+
+def imported_name_ok(name):
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name or ""))
+
+
 def get_default_source():
     """$NANOCHAT_DATA_SOURCE, else the offline built-in corpus."""
     name = os.environ.get("NANOCHAT_DATA_SOURCE", "builtin")
-    if name not in SOURCES:
-        raise UserError(f"NANOCHAT_DATA_SOURCE={name!r} is not a data source; use one of {', '.join(SOURCES)}")
+    if name not in SOURCES and imported_source(name) is None:
+        raise UserError(_unknown_source(name, "NANOCHAT_DATA_SOURCE="))
     return name
 
 
 def get_source(source=None):
-    """The DataSource for a name (None means the default source)."""
+    """The DataSource for a name (None means the default source): a built-in one, or one imported into the base dir."""
     name = source or get_default_source()
-    if name not in SOURCES:
-        raise UserError(f"unknown data source {name!r}; use one of {', '.join(SOURCES)}")
-    return SOURCES[name]
+    if name in SOURCES:
+        return SOURCES[name]
+    src = imported_source(name)
+    if src is None:
+        raise UserError(_unknown_source(name, "data source "))
+    return src
 
 
 def _data_dir_path(source=None):
@@ -127,7 +176,8 @@ def list_parquet_files(split="train", source=None):
 
 def _rebuild_hint(path):
     # Shards live in base_data/<source>/, so the directory name tells us how the file was made.
-    src = SOURCES.get(os.path.basename(os.path.dirname(os.path.abspath(path))))
+    name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    src = SOURCES.get(name) or imported_source(name)
     return f"delete it and re-run `{src.build_command}`" if src else "delete it and download or build it again"
 
 
@@ -291,6 +341,85 @@ def download_shards(source, indices, workers=8, data_dir=None, max_attempts=5, b
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["import"]:
+        return import_main(argv[1:])
+    if argv[:1] == ["list"]:
+        return list_main(argv[1:])
+    return download_main(argv)
+
+
+def import_main(argv):
+    from nanochat import text_import as ti
+
+    parser = argparse.ArgumentParser(prog="python -m nanochat.dataset import",
+                                     description="Build a data source NAME from your own text (files, folders, globs "
+                                                 "or a Hugging Face dataset); README: 'Your own data'.")
+    parser.add_argument("name", help="the source's name: then --data-source NAME or NANOCHAT_DATA_SOURCE=NAME")
+    parser.add_argument("inputs", nargs="*", help=".txt/.md, .jsonl/.json, .parquet files (optionally .gz/.zst), "
+                                                  "folders (searched recursively) or quoted globs")
+    parser.add_argument("--split-on", default="file", choices=["file", "blank-lines"],
+                        help=".txt/.md: one document per file (default) or one per blank-line-separated block")
+    parser.add_argument("--field", default="text", help="JSON(L): the field holding the text; dotted paths allowed "
+                                                        "(default text)")
+    parser.add_argument("--column", default="text", help="parquet (and --hf-repo): the text column (default text)")
+    parser.add_argument("--val-docs", type=int, default=None, help="documents in the val shard (chosen by hash)")
+    parser.add_argument("--val-frac", type=float, default=None,
+                        help=f"fraction of the documents in the val shard, by hash (default {ti.DEFAULT_VAL_FRAC:g})")
+    parser.add_argument("--max-doc-chars", type=int, default=None,
+                        help="cut longer documents into pieces of at most this many characters, at paragraph, line, "
+                             "sentence or word boundaries (about 4 x the tokens of a row fits one row)")
+    parser.add_argument("--max-seq-len", type=int, default=2048,
+                        help="the context length the summary's crop estimate is for (default 2048)")
+    parser.add_argument("--hf-repo", default=None, help="import a Hugging Face dataset (owner/name) through the "
+                                                        "hub's parquet API ($HF_ENDPOINT honoured)")
+    parser.add_argument("--config", default="default", help="--hf-repo: the dataset config (default 'default')")
+    parser.add_argument("--split", default="train", help="--hf-repo: the split (default train)")
+    args = parser.parse_args(argv)
+    options = ti.ImportOptions(split_on=args.split_on, field=args.field, column=args.column, val_docs=args.val_docs,
+                               val_frac=args.val_frac, max_doc_chars=args.max_doc_chars, max_seq_len=args.max_seq_len)
+    if args.hf_repo and args.inputs:
+        raise UserError("pass input files or --hf-repo, not both")
+    if not args.hf_repo and not args.inputs:
+        raise UserError("nothing to import: pass files, folders or globs, or --hf-repo owner/name")
+    if not ti.is_plain_name(args.name) or args.name in SOURCES:
+        ti.build_source(args.name, [], options)  # refuses the name with its reason, before reading any input
+    ensure_writable(os.path.join(get_base_dir(), "base_data"), f"the {args.name} source")
+    inputs = [ti.hub_input(args.hf_repo, args.config, args.split)] if args.hf_repo else ti.local_inputs(args.inputs)
+    print(f"import {args.name}: {sum(len(i.files) for i in inputs)} file(s) from {len(inputs)} input(s), "
+          f"val {'%d docs' % args.val_docs if args.val_docs else 'fraction %g' % (args.val_frac or ti.DEFAULT_VAL_FRAC)}, "
+          f"max doc chars {args.max_doc_chars or 'none'}", flush=True)
+    command = "python -m nanochat.dataset import " + " ".join(
+        [args.name] + (args.inputs or [f"--hf-repo {args.hf_repo} --config {args.config} --split {args.split}"]))
+    manifest = ti.build_source(args.name, inputs, options, command=command)
+    if not manifest["unchanged"]:
+        ti.print_summary(manifest, os.path.join(get_base_dir(), "base_data", args.name))
+
+
+def list_main(argv):
+    argparse.ArgumentParser(prog="python -m nanochat.dataset list",
+                            description="Show every data source on disk: its shards, size and val shard.").parse_args(argv)
+    root = os.path.join(get_base_dir(), "base_data")
+    names = source_names_on_disk()
+    if not names:
+        print(f"no data sources in {root}; build the built-in one with `python -m nanochat.corpus`, download one with "
+              f"`python -m nanochat.dataset -n 8 --source climbmix`, or import your own with "
+              f"`python -m nanochat.dataset import NAME FILES...`")
+        return
+    print(f"data sources in {root}:")
+    print(f"  {'name':<16} {'kind':<10} {'train shards':>12} {'size':>10}  val shard")
+    for name in names:
+        src = get_source(name)
+        directory = os.path.join(root, name)
+        shards = [n for n in os.listdir(directory) if SHARD_RE.match(n)]
+        size = sum(os.path.getsize(os.path.join(directory, n)) for n in shards)
+        val = shard_filename(src.val_index)
+        kind = "hub" if src.hf_repo else ("imported" if name not in SOURCES else "built")
+        train = sum(1 for n in shards if n != val)
+        print(f"  {name:<16} {kind:<10} {train:>12} {size / 1e6:>8.1f}MB  {val if val in shards else 'missing'}")
+
+
+def download_main(argv=None):
     parser = argparse.ArgumentParser(description="Download pretraining shards (first N train shards + the val shard).")
     parser.add_argument("-n", "--num-files", type=int, default=-1, help="train shards to fetch (-1 = all)")
     parser.add_argument("-w", "--num-workers", type=int, default=8, help="parallel downloads")

@@ -26,6 +26,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 """
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -38,9 +39,9 @@ from contextlib import nullcontext
 
 import torch
 
-from nanochat.common import (UserError, autocast_for, compute_init, cpu_flags, datasheet_peak_flops, get_compute_dtype,
-                             keep_freed_memory_in_process, measure_matmul_flops, orthogonalization_dtype,
-                             resolve_device_type, run_main)
+from nanochat.common import (UserError, autocast_for, compute_init, cpu_flags, datasheet_peak_flops, get_base_dir,
+                             get_compute_dtype, keep_freed_memory_in_process, measure_matmul_flops,
+                             orthogonalization_dtype, resolve_device_type, run_main)
 from nanochat.corpus import ensure_builtin_workspace, holds_training_data
 
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
@@ -620,12 +621,21 @@ def quality_data(source, vocab_size):
     from nanochat.dataset import get_data_dir, parquets_iter_batched
     from nanochat.tokenizer import RustBPETokenizer
 
+    from nanochat.dataset import get_source
+
+    src = get_source(source)  # a built-in source, or one imported into the current base dir
     os.environ["NANOCHAT_DATA_SOURCE"] = source
     current = os.environ.get("NANOCHAT_BASE_DIR")
     if current and holds_training_data(current, vocab_size):  # a base dir that already holds this source and a tokenizer
         return current
     from nanochat.brown import LAYOUT  # one directory per Brown layout: a changed layout never reuses old shards
     name = f"brown-{LAYOUT}" if source == "brown" else source
+    imported_dir = None
+    if source not in ("builtin", "brown"):  # your own data: its shards, linked, with a tokenizer of the bench's size
+        imported_dir = os.path.join(get_base_dir(), "base_data", src.name)
+        with open(os.path.join(imported_dir, "import.json"), encoding="utf-8") as f:
+            created = json.load(f)["created"]
+        name = f"{source}-{hashlib.sha256(f'{imported_dir} {created}'.encode()).hexdigest()[:10]}"
     base = os.path.join(tempfile.gettempdir(), "nanochat_bench_quality", name)
     os.environ["NANOCHAT_BASE_DIR"] = base
     if holds_training_data(base, vocab_size):
@@ -640,7 +650,10 @@ def quality_data(source, vocab_size):
 
         write_brown()
     else:
-        raise UserError(f"bench quality builds its own data: --source must be builtin or brown (got {source!r})")
+        os.makedirs(os.path.join(base, "base_data"), exist_ok=True)
+        link = os.path.join(base, "base_data", source)
+        if not os.path.islink(link):
+            os.symlink(imported_dir, link)
     texts = (t for batch in parquets_iter_batched("train", source=source) for t in batch)
     RustBPETokenizer.train_from_iterator(texts, vocab_size).save(os.path.join(base, "tokenizer"))
     return base
@@ -717,7 +730,7 @@ def cmd_quality(args):
         final.setdefault(r["lr_mult"], []).append(r["val_bpb"][args.steps])
     means = {m: sum(v) / len(v) for m, v in final.items()}
     best = min(means, key=means.get)
-    print(f"\nmean final val bpb per lr multiplier: " + ", ".join(f"x{m:g} {v:.4f}" for m, v in means.items())
+    print("\nmean final val bpb per lr multiplier: " + ", ".join(f"x{m:g} {v:.4f}" for m, v in means.items())
           + f" | best x{best:g}" + (f"; the default (x1) is {100 * (means[1.0] / means[best] - 1):+.2f} % from it"
                                       if 1.0 in means else ""))
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
@@ -782,7 +795,8 @@ def parse_args(argv=None):
     e.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     e.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
     q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
-    q.add_argument("--source", default="builtin", choices=["builtin", "brown"], help="the built-in corpus or the Brown corpus")
+    q.add_argument("--source", default="builtin",
+                   help="builtin, brown, or a source you imported (python -m nanochat.dataset import NAME ...)")
     q.add_argument("--depth", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=256)
     q.add_argument("--total-batch-size", type=int, default=2048, help="tokens per step")

@@ -54,7 +54,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--source",
         default=None,
-        help="data source: builtin, fineweb-edu or climbmix (default: $NANOCHAT_DATA_SOURCE or builtin)",
+        help="data source: builtin, brown, fineweb-edu, climbmix or one you imported "
+        "(default: $NANOCHAT_DATA_SOURCE or builtin)",
     )
     return parser.parse_args(argv)
 

