@@ -449,3 +449,52 @@ def test_ui_in_a_browser_streams_regenerates_and_edits(server, browser):
     wait.until(lambda d: state() == "idle")
     assert browser.find_element(By.ID, "status").text == "stopped" and replies()[0]
     wait_until(lambda: httpx.get(f"{server.url}/stats").json()["workers"]["free"] == 1, 5, "the worker to be freed")
+
+
+# -----------------------------------------------------------------------------
+# Response shapes: what clients parse, recorded from the server and compared on every run
+
+SHAPES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "chat_web_shapes.json")
+
+
+def shape(value):
+    """The structure of a JSON value: keys and value types, not the values themselves."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [shape(v) for v in value[:1]]
+    return type(value).__name__
+
+
+def response_shapes(url):
+    hello = {"messages": HELLO, "max_tokens": 4, "temperature": 0.0}
+    whole = httpx.post(f"{url}/v1/chat/completions", json=hello, timeout=60)
+    streamed = httpx.post(f"{url}/v1/chat/completions", json={**hello, "stream": True, "n": 2,
+                                                              "stream_options": {"include_usage": True}}, timeout=60)
+    chunks = [e for e in sse_events(streamed) if e != "[DONE]"]
+    ui = sse_events(httpx.post(f"{url}/chat/completions", json=hello, timeout=60))
+    bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "nope"}, timeout=60)
+    missing = httpx.get(f"{url}/v1/models/gpt-4", timeout=60)
+    return {
+        "health": shape(httpx.get(f"{url}/health").json()),
+        "stats": shape(httpx.get(f"{url}/stats").json()),
+        "models": shape(httpx.get(f"{url}/v1/models").json()),
+        "completion": [whole.status_code, whole.headers["content-type"], shape(whole.json())],
+        "chunk_first": shape(chunks[0]),
+        "chunk_content": shape(next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content"))),
+        "chunk_finish": shape(next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])),
+        "chunk_usage": shape(chunks[-1]),
+        "stream_end": sse_events(streamed)[-1],
+        "ui_events": sorted({json.dumps(shape(e)) for e in ui}),
+        "bad_request": [bad.status_code, shape(bad.json())],
+        "unknown_model": [missing.status_code, shape(missing.json())],
+    }
+
+
+def test_response_shapes_match_the_recorded_ones(server):
+    shapes = response_shapes(server.url)
+    if os.environ.get("NANOCHAT_RECORD_SHAPES") == "1":  # to record after a deliberate change of the API
+        with open(SHAPES_PATH, "w", encoding="utf-8") as f:
+            json.dump(shapes, f, indent=1, sort_keys=True)
+    with open(SHAPES_PATH, encoding="utf-8") as f:
+        assert shapes == json.load(f)
