@@ -1,5 +1,5 @@
 """
-Talking to a trained model: what chat_cli and chat_web share.
+Talking to a trained model: what chat_cli and chat_web share, and the OpenAI API's shapes that chat_web answers in.
 
     messages = validate_messages(request["messages"])          # RequestError names the field and the reason
     prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
@@ -205,6 +205,47 @@ def read_sampling(body, temperature, top_k, max_tokens):
     num_samples = check_number("n", given("n", 1), *NUM_SAMPLES_RANGE, integer=True)
     return Sampling(temperature, top_k, None if top_p == 1 else top_p, max_tokens, num_samples,
                     validate_seed(body.get("seed")), validate_stop(body.get("stop")))
+
+
+# -----------------------------------------------------------------------------
+# The OpenAI chat completions API: the shapes of its responses (its requests are read above)
+
+
+def openai_error(message, kind, param=None):
+    """The API's error shape, so its clients show the message."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def openai_usage(prompt_tokens, completion_tokens):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def openai_head(model_id, completion_id, created):
+    """What every response and chunk of one completion repeats."""
+    return {"id": completion_id, "created": created, "model": model_id, "system_fingerprint": None}
+
+
+def openai_completion(head, replies, usage):
+    """A whole completion; replies: (content, finish_reason) per choice."""
+    choices = [{"index": i, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
+                "logprobs": None} for i, (content, reason) in enumerate(replies)]
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+
+
+def openai_chunk(head, index, delta, finish_reason=None):
+    """One streamed chunk: a delta of choice `index` (its role first, then content), or its finish reason."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def openai_usage_chunk(head, usage):
+    """The last chunk of a stream that asked for stream_options.include_usage."""
+    return {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+
+
+def openai_model_card(model_id, created):
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "nanochat"}
 
 
 # -----------------------------------------------------------------------------
