@@ -510,14 +510,32 @@ def datasheet_peak_flops(device, dtype):
     return None
 
 
+def describe_peak_flops(device, dtype, seconds=0.25, rounds=2):
+    """(peak FLOP/s, how it was obtained): the data sheet for bf16 on known GPUs, else the matmul probe (not cached)."""
+    peak = datasheet_peak_flops(device, dtype)
+    if peak:
+        return peak, "data sheet bf16"
+    return measure_matmul_flops(device, dtype, seconds=seconds, rounds=rounds), \
+        f"measured {str(dtype).replace('torch.', '')} matmul"
+
+
 def get_peak_flops(device, dtype=None):
     """Peak FLOP/s to measure MFU against: the data-sheet bf16 number on known GPUs, else a measured matmul (cached)."""
     device = torch.device(device)
     dtype = dtype or get_compute_dtype(device)
     key = (str(device), dtype)
     if key not in _peak_cache:
-        _peak_cache[key] = datasheet_peak_flops(device, dtype) or measure_matmul_flops(device, dtype)
+        _peak_cache[key] = describe_peak_flops(device, dtype)[0]
     return _peak_cache[key]
+
+
+def peak_memory_mib(device):
+    """Peak memory of this process: CUDA allocations on a GPU, peak RSS elsewhere."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 # -----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
-from nanochat.common import UserError, dist_rank_world, format_duration, get_peak_flops, print0, set_memory_advice
+from nanochat.common import (UserError, dist_rank_world, format_duration, get_peak_flops, peak_memory_mib, print0,
+                             set_memory_advice)
 from nanochat.report import get_report
 
 # -----------------------------------------------------------------------------
@@ -128,15 +129,6 @@ class StepTimer:
     def eta(self, steps_left):
         measured = self.count - self.skip
         return self.total / measured * steps_left if measured > 0 else float("nan")
-
-
-def peak_memory_mib(device):
-    """Peak memory of this process: CUDA allocations on a GPU, peak RSS elsewhere."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def smaller_batch_advice(device_batch_size, total_batch_size):
