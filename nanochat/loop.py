@@ -6,7 +6,7 @@ where a reader sees the micro-batches, the schedules and the optimizer update:
 
     start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else start_fresh()
     loader = DataLoader(..., resume_state=start.loader_state)
-    loop = TrainingLoop(..., loader=loader, start=start)
+    loop = TrainingLoop(RunSettings(name, ckpt_dir, num_iterations, ...), model, optimizers, loader, start, device, autocast)
     for step in loop.steps():           # a checkpoint is written here when due, before any eval of that step
         if loop.due(args.eval_every):
             loop.evaluate("val_bpb", evaluate_val_bpb)
@@ -155,39 +155,56 @@ def gather_loader_states(state):
 # The loop
 
 
+@dataclass
+class RunSettings:
+    """What a stage fixes for its whole run: what every checkpoint records, and how often checkpoints are written."""
+    name: str  # the report curve and the progress line
+    ckpt_dir: str
+    num_iterations: int
+    user_config: dict  # the stage's flags, as recorded in every checkpoint
+    model_config: dict
+    tokenizer_hash: str
+    tokens_per_step: int | None  # None: each step reports its own count to end_step (SFT, RL)
+    flops_per_token: float | None = None  # None: no MFU
+    save_every: int = -1
+    keep_last: int = 2
+    run: str = "dummy"  # the wandb run ("dummy": none)
+    meta: dict = field(default_factory=dict)  # what else goes in each checkpoint's meta.json (lrs, batch geometry)
+
+
 class TrainingLoop:
     """
-    Bookkeeping for one stage's run of `num_iterations` optimizer steps. `loader` is anything with
-    state_dict() (the DataLoader, or a stage's own sampler), saved with every checkpoint. `meta` holds
-    what else the stage wants in each checkpoint's meta.json (lrs, batch geometry, ...).
+    Bookkeeping for one stage's run of `settings.num_iterations` optimizer steps. `loader` is anything with
+    state_dict() (the DataLoader, or a stage's own sampler), saved with every checkpoint; `start` is where the run
+    begins (start_fresh() or resume_from()).
     """
 
-    def __init__(self, name, ckpt_dir, model, optimizers, loader, num_iterations, start, device, autocast,
-                 user_config, model_config, tokenizer_hash, tokens_per_step, flops_per_token=None,
-                 save_every=-1, keep_last=2, run="dummy", meta=None):
-        self.name, self.ckpt_dir = name, ckpt_dir  # name: the report curve and the progress line
+    def __init__(self, settings, model, optimizers, loader, start, device, autocast):
+        s = settings
+        self.name, self.ckpt_dir, self.num_iterations = s.name, s.ckpt_dir, s.num_iterations
         self.model, self.optimizers, self.loader = model, optimizers, loader
-        self.num_iterations, self.device, self.autocast = num_iterations, device, autocast
-        self.user_config, self.model_config, self.tokenizer_hash = user_config, model_config, tokenizer_hash
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.save_every, self.keep_last = save_every, keep_last
-        self.meta = meta or {}
+        self.device, self.autocast = device, autocast
+        self.user_config, self.model_config, self.tokenizer_hash = s.user_config, s.model_config, s.tokenizer_hash
+        self.tokens_per_step, self.flops_per_token = s.tokens_per_step, s.flops_per_token
+        self.save_every, self.keep_last = s.save_every, s.keep_last
+        self.meta = s.meta
         self.start_step = self.step = start.step
         self.total_train_time = start.loop_state.get("total_train_time", 0.0)
         self.last = dict(start.loop_state.get("last", {}))  # eval name -> latest value
         self.best = dict(start.loop_state.get("best", {}))  # eval name -> lowest value
         self.world_size = dist_rank_world()[1]
-        self.peak_flops = get_peak_flops(device) * self.world_size if flops_per_token else None
+        self.peak_flops = get_peak_flops(device) * self.world_size if s.flops_per_token else None
         self.stopper = StopSignal()
         self.timer = StepTimer()
         self.report = get_report()
-        self.wandb = init_wandb(run, user_config)
-        set_memory_advice(f"{name} (depth {model.config.n_layer}, --device-batch-size={user_config['device_batch_size']})",
-                          smaller_batch_advice(user_config["device_batch_size"], user_config["total_batch_size"]))
+        self.wandb = init_wandb(s.run, s.user_config)
+        batch = s.user_config["device_batch_size"]
+        set_memory_advice(f"{s.name} (depth {model.config.n_layer}, --device-batch-size={batch})",
+                          smaller_batch_advice(batch, s.user_config["total_batch_size"]))
         if self.start_step == 0:
-            self.report.reset_curve(name)
+            self.report.reset_curve(s.name)
         else:
-            self.report.truncate_curve(name, self.start_step)  # the steps after it will be logged again
+            self.report.truncate_curve(s.name, self.start_step)  # the steps after it will be logged again
 
     def announce(self, summary):
         """Print the run's one-line config: the stage's summary, then its lrs and where it resumes."""

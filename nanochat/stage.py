@@ -9,7 +9,7 @@ import os
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, refuse_to_overwrite,
                                          resolve_step)
 from nanochat.common import UserError, autocast_for
-from nanochat.loop import StartPoint, TrainingLoop, resume_from
+from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.training import REFERENCE_BATCH, build_optimizers, config_dict, dial_lrs
 
 # -----------------------------------------------------------------------------
@@ -148,9 +148,10 @@ def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, 
     The TrainingLoop of a chat stage, wired from its flags (checkpoints, wandb) and its model. tokens_per_step: fixed
     (mid), or None when each step reports its own count to end_step (SFT, RL).
     """
-    return TrainingLoop(name, ckpt_dir, model, optimizers, loader, num_iterations, start, device, autocast_for(device),
-                        vars(args).copy(), config_dict(model.config), tokenizer.fingerprint(), tokens_per_step,
-                        model.estimate_flops(), args.save_every, args.keep_last, args.run, meta={"lrs": lrs})
+    settings = RunSettings(name, ckpt_dir, num_iterations, vars(args).copy(), config_dict(model.config),
+                           tokenizer.fingerprint(), tokens_per_step, model.estimate_flops(), args.save_every,
+                           args.keep_last, args.run, meta={"lrs": lrs})
+    return TrainingLoop(settings, model, optimizers, loader, start, device, autocast_for(device))
 
 
 def start_stage(args, tag, ckpt_dir, device):

@@ -18,7 +18,7 @@ from nanochat.common import (UserError, autocast_for, compile_choice, compute_cl
                              keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.gpt import build_model
-from nanochat.loop import StartPoint, TrainingLoop, resume_from
+from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
@@ -149,10 +149,10 @@ def main(argv=None):
         loader.close()
         return bpb
 
-    loop = TrainingLoop("base_train", ckpt_dir, model, optimizers, train_loader, num_iterations, start, device, autocast,
-                        user_config, model_config, tokenizer.fingerprint(), args.total_batch_size, recipe.flops_per_token,
-                        args.save_every, args.keep_last, args.run,
-                        meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len})
+    settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
+                           args.total_batch_size, recipe.flops_per_token, args.save_every, args.keep_last, args.run,
+                           meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len})
+    loop = TrainingLoop(settings, model, optimizers, train_loader, start, device, autocast)
     c = recipe.model_config
     loop.announce(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
                   f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} | T {args.max_seq_len} | device {device.type} x{world_size} "

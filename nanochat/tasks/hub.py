@@ -10,15 +10,14 @@ file lock); the others wait and then read what it fetched. $HF_ENDPOINT points a
 
 import json
 import os
-import time
+import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import requests
 from filelock import FileLock
 
 from nanochat.common import UserError, atomic_write_text, get_base_dir, print0
-from nanochat.download import HTTP_TIMEOUT, DownloadError, download_file
+from nanochat.download import DownloadError, download_file
 
 MANIFEST = "files.json"
 LIST_ATTEMPTS = 3
@@ -56,32 +55,30 @@ def local_parquet_files(repo, config, split):
 
 
 def _list_parquet_urls(label, repo, config, split, how_to_fix):
+    """The split's parquet URLs, from the hub's listing: fetched like every file (download_file's retries)."""
     url = listing_url(repo, config, split)
-    problem = None
-    for attempt in range(LIST_ATTEMPTS):
-        if attempt:
-            time.sleep(LIST_BACKOFF_SECONDS * 2 ** (attempt - 1))
+    urls = []
+
+    def read_listing(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
         try:
-            response = requests.get(url, timeout=HTTP_TIMEOUT)
-        except requests.RequestException as e:
-            problem = f"{type(e).__name__}: {e}"
-            continue
-        if response.status_code >= 500:
-            problem = f"HTTP {response.status_code} {response.reason}"
-            continue
-        if response.status_code >= 400:
-            problem = f"HTTP {response.status_code} {response.reason} (is {repo} {config}/{split} a real split?)"
-            break
-        try:
-            urls = response.json()
+            listed = json.loads(text)
         except ValueError:
-            urls = None
-        if isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls):
-            return urls
-        problem = f"expected a non-empty JSON list of parquet URLs, got {response.text[:200]!r}"
-        break
-    raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: "
-                    f"{problem}; {how_to_fix}")
+            listed = None
+        if not (isinstance(listed, list) and listed and all(isinstance(u, str) for u in listed)):
+            # an answer, just not a usable one: asking again would get the same
+            raise DownloadError(f"expected a non-empty JSON list of parquet URLs, got {text[:200]!r}")
+        urls.extend(listed)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            download_file(url, os.path.join(tmp, "listing.json"), max_attempts=LIST_ATTEMPTS,
+                          backoff=LIST_BACKOFF_SECONDS, max_bytes=16 << 20, validate=read_listing)
+        except DownloadError as e:
+            raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: {e}; "
+                            f"{how_to_fix}") from None
+    return urls
 
 
 def fetch_parquet_files(task_name, repo, config, split, label=None, how_to_fix=None):
