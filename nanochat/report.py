@@ -488,6 +488,34 @@ class Report:
                             table[metric][col] = value
         return table
 
+    def _time_and_cost(self, header, sections, end_time, hourly_price_usd):
+        """The report's wall clock (from `report reset`, else the first section) and its estimated cost."""
+        lines = []
+        # Wall clock from reset; without a header, from the first section we have.
+        if header is not None:
+            start, since = header["start_time"], "`report reset`"
+        elif sections:
+            start, since = min(r.get("time", end_time) for _, _, r in sections), "the first logged section (no header)"
+        else:
+            start, since = None, None
+        gpus = header["system"]["gpus"] if header is not None else gpu_info()
+        if hourly_price_usd is not None:
+            price, assumption = hourly_price_usd, "price per hour given with --hourly-price"
+        else:
+            price, assumption = hourly_price(gpus)
+        if start is not None:
+            wall = end_time - start
+            lines.append(f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to `report generate`)")
+            lines.append("")
+            if price is not None:
+                lines.append(f"Estimated cost: ${wall / 3600 * price:,.2f} at ${price:,.2f}/h ({assumption})")
+            else:
+                lines.append(f"Estimated cost: none ({assumption})")
+        else:
+            lines.append("Total wall clock time: unknown (nothing logged and no header)")
+        lines.append("")
+        return lines
+
     def generate(self, hourly_price_usd=None, copy_to=None):
         """Assemble report.md in the report dir, plus a copy in copy_to (default: the current directory)."""
         end_time = time.time()
@@ -528,29 +556,7 @@ class Report:
             parts.append(f"| {metric} | " + " | ".join(cells) + " |")
         parts.append("")
 
-        # Wall clock from reset; without a header, from the first section we have.
-        if header is not None:
-            start, since = header["start_time"], "`report reset`"
-        elif sections:
-            start, since = min(r.get("time", end_time) for _, _, r in sections), "the first logged section (no header)"
-        else:
-            start, since = None, None
-        gpus = header["system"]["gpus"] if header is not None else gpu_info()
-        if hourly_price_usd is not None:
-            price, assumption = hourly_price_usd, "price per hour given with --hourly-price"
-        else:
-            price, assumption = hourly_price(gpus)
-        if start is not None:
-            wall = end_time - start
-            parts.append(f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to `report generate`)")
-            parts.append("")
-            if price is not None:
-                parts.append(f"Estimated cost: ${wall / 3600 * price:,.2f} at ${price:,.2f}/h ({assumption})")
-            else:
-                parts.append(f"Estimated cost: none ({assumption})")
-        else:
-            parts.append("Total wall clock time: unknown (nothing logged and no header)")
-        parts.append("")
+        parts += self._time_and_cost(header, sections, end_time, hourly_price_usd)
 
         plots = []
         curves_dir = os.path.join(self.report_dir, CURVES_DIR)
