@@ -154,6 +154,19 @@ def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, 
     return TrainingLoop(settings, model, optimizers, loader, start, device, autocast_for(device))
 
 
+def stage_steps(loop, eval_every, eval_name, evaluate):
+    """
+    A chat stage's steps: loop.steps() with its one evaluation (every eval_every steps, and at the first and the last
+    step), ending after the last step's evaluation instead of yielding a step past the last one.
+    """
+    for step in loop.steps():
+        if loop.due(eval_every, at_ends=True):
+            loop.evaluate(eval_name, evaluate)
+        if step == loop.num_iterations:
+            return
+        yield step
+
+
 def start_stage(args, tag, ckpt_dir, device):
     """
     The model the stage trains (the input checkpoint, or this stage's own latest one with --resume), its

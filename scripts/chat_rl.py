@@ -18,9 +18,10 @@ import torch
 
 from nanochat.chat_data import ProblemSchedule
 from nanochat.chat_eval import evaluate_task
-from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, print0, run_main, seed_everything
+from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
-from nanochat.stage import add_stage_flags, check_flag, micro_steps, mixture_kind, output_dir, stage_loop, start_stage, validate_stage_flags
+from nanochat.stage import (add_stage_flags, check_flag, micro_steps, mixture_kind, output_dir, stage_loop, stage_steps,
+                            start_stage, validate_stage_flags)
 from nanochat.tasks import TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
@@ -118,11 +119,7 @@ def main(argv=None):
                   f"{args.total_batch_size} problems x {args.num_samples} samples per step on {world_size} rank(s) | "
                   f"steps {num_iterations} | temperature {args.temperature} top-k {args.top_k}")
 
-    for step in loop.steps():
-        if loop.due(args.eval_every, at_ends=True):
-            loop.evaluate("pass@1", pass_at_1)
-        if step == num_iterations:
-            break
+    for step in stage_steps(loop, args.eval_every, "pass@1", pass_at_1):  # evaluates at both ends too
         t0 = time.perf_counter()
         # -- sample: every problem of this rank, num_samples replies each --
         model.eval()

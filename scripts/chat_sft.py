@@ -16,10 +16,10 @@ import time
 import torch
 
 from nanochat.chat_data import ConversationBatches
-from nanochat.common import autocast_for, compute_cleanup, compute_init, print0, run_main, seed_everything
+from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
-from nanochat.stage import (add_stage_flags, context_length, micro_steps, mixture_kind, output_dir, stage_loop, start_stage,
-                            validate_stage_flags)
+from nanochat.stage import (add_stage_flags, context_length, micro_steps, mixture_kind, output_dir, stage_loop, stage_steps,
+                            start_stage, validate_stage_flags)
 from nanochat.tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
@@ -80,11 +80,7 @@ def main(argv=None):
                   f"({train_mix.name}) | {args.device_batch_size}x{world_size}x{grad_accum} conversations per step, up "
                   f"to {T} tokens each | steps {num_iterations}")
 
-    for step in loop.steps():
-        if loop.due(args.eval_every, at_ends=True):
-            loop.evaluate("val_loss", val_loss)
-        if step == num_iterations:
-            break
+    for step in stage_steps(loop, args.eval_every, "val_loss", val_loss):  # evaluates at both ends too
         t0 = time.perf_counter()
         lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         micro_batches = next(loader)
