@@ -1,0 +1,334 @@
+"""
+A family of base_train runs and the scaling laws they trace (`python -m scripts.miniseries`).
+
+Two kinds of family:
+- series: depths D1..Dn, each at the dial's own budget (--target-param-data-ratio tokens per parameter);
+- isoflop: for each FLOP budget C1..Cm, several depths trained to exactly that budget (--target-flops).
+
+Every member is an ordinary base_train run in a base dir of its own under <base_dir>/miniseries/<name>/runs/<run>
+(the user's tokenizer and shards linked in), so each keeps its own checkpoints and report curve. A finished run is
+skipped on a rerun, a killed one resumes from its checkpoint, a failed one is recorded and the others go on.
+The results go to results.json and results.csv beside the runs; the fits and plots to the same folder and to the
+report card's "Miniseries <name>" section.
+
+The fits:
+- isoflop: per budget, val bpb against log(params) is fitted with a parabola; its minimum is the compute-optimal
+  size N* at that budget, D* = C / (6 N*) its tokens, D*/N* the compute-optimal ratio (mean and spread over budgets);
+- L(C) = a * C^-b + e through the best run at each compute (the frontier), with R^2.
+"""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanochat.common import UserError, atomic_write_text, get_base_dir
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSV_COLUMNS = ["run", "depth", "budget", "status", "params", "scaling_params", "tokens", "flops", "num_iterations",
+               "val_bpb", "core_metric", "wall_seconds", "tok_per_sec", "mfu", "error"]
+
+
+@dataclass
+class RunSpec:
+    """One member of the family: its name (and model tag), depth, and the budget flag base_train gets."""
+    name: str
+    depth: int
+    budget: str  # "ratio=20" or "flops=1e15": what the run was asked for
+    flags: list = field(default_factory=list)
+
+
+def plain_name(name):
+    return bool(name) and all(c.isalnum() or c in "-_." for c in name) and name[0].isalnum()
+
+
+def budget_label(flops):
+    return f"{flops:.2g}".replace("+", "")
+
+
+def plan_series(depths, ratio):
+    return [RunSpec(f"d{d}", d, f"ratio={ratio:g}", [f"--depth={d}", f"--target-param-data-ratio={ratio}"])
+            for d in depths]
+
+
+def plan_isoflop(budgets, depths):
+    return [RunSpec(f"C{budget_label(c)}-d{d}", d, f"flops={budget_label(c)}", [f"--depth={d}", f"--target-flops={c}"])
+            for c in budgets for d in depths]
+
+
+# -----------------------------------------------------------------------------
+# Running the members
+
+
+def series_dir(name):
+    return os.path.join(get_base_dir(), "miniseries", name)
+
+
+def prepare_run_dir(run_dir, base_dir):
+    """A base dir for one run: the user's tokenizer and shards linked in, everything else its own."""
+    os.makedirs(run_dir, exist_ok=True)
+    for entry in ("tokenizer", "base_data", "eval_bundle_builtin", "eval_bundle"):
+        link, target = os.path.join(run_dir, entry), os.path.join(base_dir, entry)
+        if not os.path.exists(target):
+            if entry in ("tokenizer", "base_data"):
+                raise UserError(f"{target} is missing: the miniseries trains on the base dir's tokenizer and shards; "
+                                f"build them first (python -m nanochat.corpus and scripts.tok_train, or speedrun.sh)")
+            continue  # CORE bundles: linked when there (the DCLM one is downloaded by the first run otherwise)
+        if not os.path.islink(link):
+            os.symlink(target, link)
+
+
+def latest_meta(run_dir, tag):
+    """meta.json of the run's newest checkpoint, or None."""
+    ckpt_dir = os.path.join(run_dir, "base_checkpoints", tag)
+    steps = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("step_")) if os.path.isdir(ckpt_dir) else []
+    for name in reversed(steps):
+        try:
+            with open(os.path.join(ckpt_dir, name, "meta.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def read_curve(run_dir):
+    path = os.path.join(run_dir, "report", "curves", "base_train.jsonl")
+    records = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a line cut short by a kill
+    return records
+
+
+def run_state(run_dir, tag):
+    """'done' (finished, final evaluation logged), 'resume' (a checkpoint to continue from) or 'new'."""
+    meta = latest_meta(run_dir, tag)
+    if meta is None:
+        return "new"
+    last = meta.get("num_iterations")
+    if meta.get("finished") and any(r.get("step") == last and "val_bpb" in r for r in read_curve(run_dir)):
+        return "done"
+    return "resume"
+
+
+def launch(spec, run_dir, common_flags, nproc, env, log_path):
+    """Run (or resume) one member; returns (exit code, the error line it printed, seconds)."""
+    state = run_state(run_dir, spec.name)
+    command = [sys.executable, "-m", "scripts.base_train"] if nproc <= 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         "-m", "scripts.base_train"]
+    command += spec.flags + common_flags + [f"--model-tag={spec.name}"] + (["--resume"] if state == "resume" else [])
+    t0 = time.time()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        p = subprocess.run(command, cwd=REPO_ROOT, env=dict(env, NANOCHAT_BASE_DIR=run_dir), stdout=log,
+                           stderr=subprocess.PIPE, text=True)
+        log.write(p.stderr)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    error = errors[0].removeprefix("error: ") if errors else (p.stderr.strip().splitlines() or [""])[-1]
+    return p.returncode, error[:300] if p.returncode else "", time.time() - t0
+
+
+def collect(spec, run_dir, recipe, total_batch_size, wall_seconds, status, error=""):
+    """The results row of one member: its size and budget (from the dial), and what its curve recorded."""
+    records = read_curve(run_dir)
+    steps = [r for r in records if "tok_per_sec" in r][3:]  # the first steps compile and warm up
+    last = lambda key: next((r[key] for r in reversed(records) if key in r), None)  # noqa: E731
+    tokens = recipe.num_iterations * total_batch_size
+    return {"run": spec.name, "depth": spec.depth, "budget": spec.budget, "status": status,
+            "params": recipe.num_params, "scaling_params": recipe.scaling_params, "tokens": tokens,
+            "flops": recipe.flops_per_token * tokens, "num_iterations": recipe.num_iterations,
+            "val_bpb": last("val_bpb"), "core_metric": last("core_metric"), "wall_seconds": wall_seconds,
+            "tok_per_sec": float(np.median([r["tok_per_sec"] for r in steps])) if steps else None,
+            "mfu": float(np.median([r["mfu"] for r in steps if "mfu" in r])) if steps and "mfu" in steps[0] else None,
+            "error": error}
+
+
+def curve_points(run_dir, recipe, total_batch_size):
+    """(FLOPs so far, val bpb) at each evaluation of a run: its trajectory in the val bpb against FLOPs plot."""
+    per_step = recipe.flops_per_token * total_batch_size
+    return [(r["step"] * per_step, r["val_bpb"]) for r in read_curve(run_dir) if "val_bpb" in r and r["step"] > 0]
+
+
+def read_results(directory):
+    """The rows of an earlier invocation, by run name ({} if none)."""
+    try:
+        with open(os.path.join(directory, "results.json"), encoding="utf-8") as f:
+            return {row["run"]: row for row in json.load(f)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def write_results(directory, rows):
+    atomic_write_text(os.path.join(directory, "results.json"), json.dumps(rows, indent=1) + "\n")
+    tmp = os.path.join(directory, "results.csv.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k) for k in CSV_COLUMNS})
+    os.replace(tmp, os.path.join(directory, "results.csv"))
+
+
+# -----------------------------------------------------------------------------
+# Fits
+
+
+def fit_isoflop(points):
+    """
+    points: [(budget FLOPs, scaling params, val bpb)]. Per budget with >= 3 sizes: a parabola in log(params), its
+    minimum N*, D* = C / (6 N*) and the ratio D*/N*. Returns {"budgets": [...], "ratio_mean", "ratio_spread"}: the
+    mean and standard deviation over the budgets whose optimum lies within the sizes tried (None without any).
+    """
+    by_budget = {}
+    for c, n, loss in points:
+        by_budget.setdefault(c, []).append((n, loss))
+    fits = []
+    for c in sorted(by_budget):
+        pts = sorted(by_budget[c])
+        if len(pts) < 3:
+            continue
+        x = np.log([n for n, _ in pts])
+        y = np.array([loss for _, loss in pts])
+        a2, a1, a0 = np.polyfit(x, y, 2)
+        if a2 <= 0:  # no minimum: the sizes tried do not bracket the optimum
+            fits.append({"flops": c, "optimal_params": None, "note": "no minimum within the sizes tried"})
+            continue
+        x_opt = -a1 / (2 * a2)
+        n_opt = float(np.exp(x_opt))
+        d_opt = c / (6 * n_opt)
+        fits.append({"flops": c, "optimal_params": n_opt, "optimal_tokens": d_opt, "ratio": d_opt / n_opt,
+                     "min_bpb": float(a0 + a1 * x_opt + a2 * x_opt**2), "bracketed": bool(x.min() <= x_opt <= x.max()),
+                     "coefficients": [float(a2), float(a1), float(a0)]})
+    ratios = [f["ratio"] for f in fits if f.get("ratio") and f["bracketed"]]  # an extrapolated optimum is a guess
+    return {"budgets": fits, "ratio_mean": float(np.mean(ratios)) if ratios else None,
+            "ratio_spread": float(np.std(ratios)) if len(ratios) > 1 else None}
+
+
+def fit_power_law(flops, losses):
+    """L(C) = a * C^-b + e by least squares on L: a grid over e, each with a linear fit of log(L - e) on log C."""
+    c, y = np.asarray(flops, dtype=float), np.asarray(losses, dtype=float)
+    if len(c) < 3:
+        return None
+    best = None
+    for e in np.linspace(0.0, y.min() * 0.999, 400):
+        slope, intercept = np.polyfit(np.log(c), np.log(y - e), 1)
+        pred = np.exp(intercept) * c**slope + e
+        sse = float(((pred - y) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, float(np.exp(intercept)), float(-slope), float(e))
+    sse, a, b, e = best
+    total = float(((y - y.mean()) ** 2).sum())
+    return {"a": a, "b": b, "e": e, "r2": 1 - sse / total if total > 0 else 1.0}
+
+
+def frontier(points):
+    """The compute-optimal frontier of (FLOPs, bpb) points: the lowest bpb reached at or below each compute."""
+    best, out = math.inf, []
+    for c, loss in sorted(points):
+        if loss < best:
+            best = loss
+            out.append((c, loss))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Plots and the report
+
+
+def plot_all(directory, mode, rows, trajectories, isoflop, power_law):
+    """PNG files in `directory`; returns [(title, filename)]. No matplotlib: no plots."""
+    try:
+        from nanochat.report import _new_figure, _save_png
+    except ImportError:
+        return []
+    done = [r for r in rows if r["status"] == "done" and r["val_bpb"] is not None]
+    plots = []
+    fig = _new_figure(7, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for row in done:
+        pts = trajectories.get(row["run"]) or [(row["flops"], row["val_bpb"])]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=row["run"])
+    front = frontier([(r["flops"], r["val_bpb"]) for r in done])
+    if front:
+        ax.plot([p[0] for p in front], [p[1] for p in front], "k--", linewidth=1, label="frontier")
+    if power_law:
+        cs = np.geomspace(min(r["flops"] for r in done), max(r["flops"] for r in done), 50)
+        ax.plot(cs, power_law["a"] * cs ** -power_law["b"] + power_law["e"], "r:",
+                label=f"L = {power_law['a']:.3g} C^-{power_law['b']:.3f} + {power_law['e']:.3f}")
+    ax.set_xscale("log")
+    ax.set(xlabel="training FLOPs", ylabel="val bpb", title="val bpb against compute")
+    ax.legend(fontsize=7)
+    _save_png(fig, os.path.join(directory, "bpb_vs_flops.png"))
+    plots.append(("val bpb against FLOPs", "bpb_vs_flops.png"))
+    if mode == "isoflop":
+        fig = _new_figure(7, 4.5)
+        ax = fig.add_subplot(1, 1, 1)
+        fits = {f"flops={budget_label(f['flops'])}": f for f in isoflop["budgets"]}
+        for budget in sorted({r["budget"] for r in done}, key=lambda b: float(b.split("=")[1])):
+            mine = sorted((r["scaling_params"], r["val_bpb"]) for r in done if r["budget"] == budget)
+            line = ax.plot([p[0] for p in mine], [p[1] for p in mine], "o", label=f"C={budget.split('=')[1]}")
+            fit = fits.get(budget, {})
+            if fit.get("coefficients"):
+                ns = np.geomspace(mine[0][0], mine[-1][0], 50)
+                a2, a1, a0 = fit["coefficients"]
+                ax.plot(ns, a2 * np.log(ns) ** 2 + a1 * np.log(ns) + a0, color=line[0].get_color())
+        ax.set_xscale("log")
+        ax.set(xlabel="scaling parameters", ylabel="val bpb", title="isoflop: val bpb against size per budget")
+        ax.legend(fontsize=7)
+        _save_png(fig, os.path.join(directory, "isoflop.png"))
+        plots.append(("isoflop parabolas", "isoflop.png"))
+    with_core = [r for r in done if r["core_metric"] is not None]
+    if with_core:
+        fig = _new_figure(7, 4.5)
+        ax = fig.add_subplot(1, 1, 1)
+        ax.plot([r["flops"] for r in with_core], [r["core_metric"] for r in with_core], "o")
+        for r in with_core:
+            ax.annotate(r["run"], (r["flops"], r["core_metric"]), fontsize=7)
+        ax.set_xscale("log")
+        ax.set(xlabel="training FLOPs", ylabel="CORE", title="CORE against compute")
+        _save_png(fig, os.path.join(directory, "core_vs_flops.png"))
+        plots.append(("CORE against FLOPs", "core_vs_flops.png"))
+    return plots
+
+
+def summary_markdown(name, mode, rows, isoflop, power_law, plots, directory):
+    """The report section's text: the results table, the fits, the plots."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"Miniseries `{name}` ({mode}), results in {directory}", "",
+             "| run | depth | params | tokens | FLOPs | val bpb | CORE | tok/s | MFU % | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['depth']} | {r['params']:,} | {r['tokens']:,} | {r['flops']:.3g} | "
+                     f"{fmt(r['val_bpb'], '.4f')} | {fmt(r['core_metric'], '.4f')} | {fmt(r['tok_per_sec'], ',.0f')} | "
+                     f"{fmt(r['mfu'], '.1f')} | {r['status']}{': ' + r['error'] if r['error'] else ''} |")
+    lines.append("")
+    if power_law:
+        lines.append(f"Frontier fit: L(C) = {power_law['a']:.4g} * C^-{power_law['b']:.4f} + {power_law['e']:.4f} "
+                     f"(R^2 {power_law['r2']:.3f})")
+    if mode == "isoflop":
+        for fit in isoflop["budgets"]:
+            if fit.get("ratio"):
+                lines.append(f"- C = {fit['flops']:.3g}: optimal params {fit['optimal_params']:,.0f}, tokens "
+                             f"{fit['optimal_tokens']:,.0f}, tokens/param {fit['ratio']:.1f}"
+                             f"{'' if fit['bracketed'] else ' (extrapolated: the optimum lies outside the sizes tried)'}")
+            else:
+                lines.append(f"- C = {fit['flops']:.3g}: {fit.get('note')}")
+        if isoflop["ratio_mean"] is not None:
+            spread = f" ± {isoflop['ratio_spread']:.1f}" if isoflop["ratio_spread"] is not None else ""
+            lines.append(f"- compute-optimal tokens per parameter: {isoflop['ratio_mean']:.1f}{spread}")
+        else:
+            lines.append("- no compute-optimal ratio: it takes a budget with at least 3 depths around its optimum")
+    lines += [""] + [f"![{title}]({os.path.join(directory, filename)})" for title, filename in plots]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,155 @@
+"""
+Train a family of base_train runs and fit the scaling laws they trace (nanochat/miniseries.py).
+
+    python -m scripts.miniseries --preset=cpu --mode=isoflop        # 3 FLOP budgets x d2,d3,d4,d6 on 2 cores
+    python -m scripts.miniseries --preset=cpu                       # d2..d4 at 1 token/param (a quick look)
+    python -m scripts.miniseries --preset=gpu --nproc=8             # d10..d26 on a GPU node (torchrun)
+    python -m scripts.miniseries --depths 4 6 8 --ratio=10 --name=ratio10 --data-source=brown
+
+Run it again after a kill or a failure: finished runs are skipped, a killed one resumes, a failed one is retried.
+Results: <base_dir>/miniseries/<name>/results.{csv,json} and plots; the report card gets a "Miniseries" section.
+"""
+
+import argparse
+import json
+import os
+
+from nanochat import miniseries as ms
+from nanochat.common import UserError, get_base_dir, print0, run_main
+from nanochat.report import get_report
+
+PRESETS = {
+    # 2 cores, the CPU preset's geometry (T=256, 2,048 tokens per step), CORE on the built-in bundle at each run's end.
+    # A CPU does ~1e11 FLOP/s here: the isoflop sweep (4 depths x 3 budgets, 1.1e14 FLOPs) takes about 20 minutes; the
+    # series runs at 1 token per parameter, far short of compute-optimal, to show the tool in about 15 minutes.
+    "cpu": {"depths": [2, 3, 4], "budgets": [2e12, 6e12, 2e13], "isoflop_depths": [2, 3, 4, 6], "ratio": 1.0,
+            "max_seq_len": 256, "device_batch_size": 8, "total_batch_size": 2048, "eval_tokens": 32768,
+            "eval_bundle": "builtin", "aspect_ratio": 64, "head_dim": 128},
+    # a GPU node, the speedrun's geometry, the dial's 20 tokens per parameter
+    "gpu": {"depths": [10, 14, 18, 22, 26], "budgets": [1e18, 3e18, 1e19], "isoflop_depths": [8, 10, 12, 14, 16, 20],
+            "ratio": 20.0, "max_seq_len": 2048, "device_batch_size": 16, "total_batch_size": 2**19,
+            "eval_tokens": 10 * 2**19, "eval_bundle": "dclm", "aspect_ratio": 64, "head_dim": 128},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="A family of base_train runs, their results, the scaling-law fits.")
+    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS), help="defaults for everything below")
+    p.add_argument("--mode", default="series", choices=["series", "isoflop"],
+                   help="series: each depth at --ratio tokens/param; isoflop: each budget x each depth")
+    p.add_argument("--name", default="", help="the family's name (default: <preset>-<mode>)")
+    p.add_argument("--depths", type=int, nargs="+", default=None)
+    p.add_argument("--budgets", type=float, nargs="+", default=None, help="isoflop: training FLOPs per run")
+    p.add_argument("--ratio", type=float, default=None, help="series: training tokens per (scaling) parameter")
+    for flag in ("max-seq-len", "device-batch-size", "total-batch-size", "eval-tokens", "aspect-ratio", "head-dim"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--eval-bundle", default=None, help="CORE at each run's end: builtin (offline), dclm, a path, or none")
+    p.add_argument("--data-source", default=None, help="default: $NANOCHAT_DATA_SOURCE or builtin")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if key == "isoflop_depths":
+            continue
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.depths is None:
+        args.depths = PRESETS[args.preset]["isoflop_depths" if args.mode == "isoflop" else "depths"]
+    args.name = args.name or f"{args.preset}-{args.mode}"
+    if min(args.depths) < 1 or (args.mode == "isoflop" and min(args.budgets) <= 0) or args.ratio <= 0:
+        raise UserError("--depths must be >= 1, --budgets and --ratio > 0")
+    if not ms.plain_name(args.name):
+        raise UserError(f"--name {args.name!r}: use letters, digits, '-', '_' and '.'")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from nanochat.dataset import list_parquet_files
+    from nanochat.tokenizer import get_tokenizer
+    from nanochat.training import depth_recipe
+
+    base_dir = get_base_dir()
+    list_parquet_files("train", args.data_source)  # a missing source fails here, before any run
+    vocab_size = get_tokenizer().get_vocab_size()
+    specs = ms.plan_isoflop(args.budgets, args.depths) if args.mode == "isoflop" else \
+        ms.plan_series(args.depths, args.ratio)
+    recipes = {}
+    for spec in specs:
+        budget = {"target_flops": float(spec.budget.split("=")[1])} if args.mode == "isoflop" else \
+            {"target_param_data_ratio": args.ratio}
+        recipes[spec.name] = r = depth_recipe(spec.depth, vocab_size, args.max_seq_len, args.total_batch_size,
+                                              args.aspect_ratio, args.head_dim, **budget)
+        if r.num_iterations < 1:
+            raise UserError(f"run {spec.name}: its budget is less than one step of {args.total_batch_size:,} tokens; "
+                            f"raise --budgets/--ratio or lower --total-batch-size")
+    directory = ms.series_dir(args.name)
+    os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
+    print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs | T {args.max_seq_len} | batch "
+           f"{args.total_batch_size:,} tok | data {args.data_source or os.environ.get('NANOCHAT_DATA_SOURCE', 'builtin')}"
+           f" | {directory}")
+    for spec in specs:
+        r = recipes[spec.name]
+        print0(f"  {spec.name:<14} params {r.num_params:>12,}  steps {r.num_iterations:>6,}  FLOPs "
+               f"{r.flops_per_token * r.num_iterations * args.total_batch_size:.3g}")
+
+    rows, trajectories, previous = [], {}, ms.read_results(directory)
+    for k, spec in enumerate(specs, start=1):
+        run_dir = os.path.join(directory, "runs", spec.name)
+        ms.prepare_run_dir(run_dir, base_dir)
+        r = recipes[spec.name]
+        state = ms.run_state(run_dir, spec.name)
+        if state == "done":
+            print0(f"[{k}/{len(specs)}] {spec.name}: done already, skipping")
+            rc, error, seconds = 0, "", None
+        else:
+            print0(f"[{k}/{len(specs)}] {spec.name}: {'resuming' if state == 'resume' else 'training'} "
+                   f"({r.num_iterations} steps; log: {run_dir}/train.log)")
+            rc, error, seconds = ms.launch(spec, run_dir, run_flags(args, r.num_iterations), args.nproc, os.environ,
+                                           os.path.join(run_dir, "train.log"))
+            print0(f"[{k}/{len(specs)}] {spec.name}: " + (f"failed: {error}" if rc else f"done in {seconds:.0f} s"))
+        earlier = (previous.get(spec.name) or {}).get("wall_seconds") if state != "new" else None
+        wall = earlier if seconds is None else (earlier or 0.0) + seconds  # a resumed run adds its attempts
+        rows.append(ms.collect(spec, run_dir, r, args.total_batch_size, wall, "failed" if rc else "done", error))
+        trajectories[spec.name] = ms.curve_points(run_dir, r, args.total_batch_size)
+        ms.write_results(directory, rows)
+
+    finish(args, directory, rows, trajectories)
+
+
+def run_flags(args, num_iterations):
+    """base_train's flags for one member: the family's geometry, evals at a few points, checkpoints for resuming."""
+    every = max(1, num_iterations // 4)
+    core = ["--core-metric-every=-1"] if args.eval_bundle == "none" else \
+        [f"--core-metric-every={num_iterations}", f"--eval-bundle={args.eval_bundle}"]
+    return [f"--max-seq-len={args.max_seq_len}", f"--device-batch-size={args.device_batch_size}",
+            f"--total-batch-size={args.total_batch_size}", f"--aspect-ratio={args.aspect_ratio}",
+            f"--head-dim={args.head_dim}", f"--eval-every={every}", f"--eval-tokens={args.eval_tokens}",
+            f"--save-every={every}", "--sample-every=-1", f"--seed={args.seed}", *core] + \
+        ([f"--data-source={args.data_source}"] if args.data_source else [])
+
+
+def finish(args, directory, rows, trajectories):
+    """Fits, plots, the report section, a summary line and a JSON line."""
+    done = [r for r in rows if r["status"] == "done" and r["val_bpb"] is not None]
+    isoflop = ms.fit_isoflop([(float(r["budget"].split("=")[1]), r["scaling_params"], r["val_bpb"]) for r in done]) \
+        if args.mode == "isoflop" else {"budgets": [], "ratio_mean": None, "ratio_spread": None}
+    front = ms.frontier([(r["flops"], r["val_bpb"]) for r in done])
+    power_law = ms.fit_power_law([c for c, _ in front], [loss for _, loss in front])
+    plots = ms.plot_all(directory, args.mode, rows, trajectories, isoflop, power_law)
+    markdown = ms.summary_markdown(args.name, args.mode, rows, isoflop, power_law, plots, directory)
+    with open(os.path.join(directory, "fits.json"), "w", encoding="utf-8") as f:
+        json.dump({"isoflop": isoflop, "power_law": power_law}, f, indent=1)
+    get_report().log(section=f"Miniseries {args.name}", data=[markdown])
+    print0(markdown)
+    failed = [r["run"] for r in rows if r["status"] == "failed"]
+    print0(f"miniseries {args.name}: {len(done)} of {len(rows)} runs done" +
+           (f", failed: {', '.join(failed)} (rerun to retry them)" if failed else ""))
+    print0(json.dumps({"miniseries": args.name, "mode": args.mode, "runs": rows, "isoflop": isoflop,
+                       "power_law": power_law}))
+    if failed:
+        raise UserError(f"{len(failed)} run(s) failed: {', '.join(failed)}; their logs are in {directory}/runs/")
+
+
+if __name__ == "__main__":
+    run_main(main)

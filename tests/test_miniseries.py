@@ -1,0 +1,132 @@
+"""scripts.miniseries: a family of tiny base_train runs, resumable, with results, fits, plots and a report section."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from nanochat import miniseries as ms
+from nanochat.common import UserError
+from scripts import miniseries
+
+from conftest import REPO_ROOT  # noqa: E402
+from test_base_train import fresh_base  # noqa: E402
+
+# d1/d2 at width 32 with heads of 32, 64-token rows, 256 tokens per step: a run is tens of steps of a few ms
+TINY = ["--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "2",
+        "--total-batch-size", "256", "--eval-tokens", "1024", "--eval-bundle", "none"]
+SERIES = ["--depths", "1", "2", "--ratio", "0.1", "--name", "tiny", *TINY]
+
+
+@pytest.fixture
+def base(tiny_base_dir, tmp_path, monkeypatch):
+    path = fresh_base(tiny_base_dir, tmp_path, "base")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", path)
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return path
+
+
+def results(base, name):
+    with open(os.path.join(base, "miniseries", name, "results.csv"), encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(base, capsys):
+    miniseries.main(SERIES)
+    rows = results(base, "tiny")
+    assert [(r["run"], r["status"]) for r in rows] == [("d1", "done"), ("d2", "done")]
+    assert float(rows[1]["val_bpb"]) < float(rows[0]["val_bpb"])  # the bigger model, trained longer, is better
+    assert int(rows[1]["params"]) > int(rows[0]["params"]) and float(rows[1]["flops"]) > float(rows[0]["flops"])
+    assert all(float(r["tok_per_sec"]) > 0 for r in rows)
+    directory = os.path.join(base, "miniseries", "tiny")
+    assert os.path.getsize(os.path.join(directory, "bpb_vs_flops.png")) > 1000
+    section = open(os.path.join(base, "report", "miniseries-tiny.md"), encoding="utf-8").read()
+    assert "## Miniseries tiny" in section and "| d2 | 2 |" in section and "bpb_vs_flops.png" in section
+    # each run is an ordinary base_train run with its own checkpoints and curve
+    assert os.path.isdir(os.path.join(directory, "runs", "d2", "base_checkpoints", "d2"))
+    capsys.readouterr()
+    miniseries.main(SERIES)
+    out = capsys.readouterr().out
+    assert out.count("done already, skipping") == 2 and "training (" not in out
+    assert results(base, "tiny") == rows
+
+
+def test_isoflop_sweep_records_a_failed_run_and_completes_the_others(base, monkeypatch):
+    plan = ms.plan_isoflop
+
+    def plan_with_a_bad_run(budgets, depths):
+        specs = plan(budgets, depths)
+        specs[1].flags.append("--warmup-ratio=7")  # base_train refuses it before any compute
+        return specs
+
+    monkeypatch.setattr(ms, "plan_isoflop", plan_with_a_bad_run)
+    args = ["--mode", "isoflop", "--depths", "1", "2", "--budgets", "2e9", "6e9", "--name", "iso", *TINY]
+    with pytest.raises(UserError, match="1 run\\(s\\) failed: C2e09-d2"):
+        miniseries.main(args)
+    rows = {r["run"]: r for r in results(base, "iso")}
+    assert rows["C2e09-d2"]["status"] == "failed" and "warmup" in rows["C2e09-d2"]["error"]
+    assert [rows[n]["status"] for n in ("C2e09-d1", "C6e09-d1", "C6e09-d2")] == ["done"] * 3
+    for name in ("C2e09-d1", "C6e09-d1", "C6e09-d2"):  # each trained to its budget
+        budget = 2e9 if name.startswith("C2") else 6e9
+        assert abs(float(rows[name]["flops"]) / budget - 1) < 0.1
+    directory = os.path.join(base, "miniseries", "iso")
+    assert os.path.exists(os.path.join(directory, "isoflop.png")) and os.path.exists(os.path.join(directory, "fits.json"))
+    assert "no compute-optimal ratio" in open(os.path.join(base, "report", "miniseries-iso.md")).read()
+
+
+def test_a_series_killed_mid_run_resumes_that_run(base):
+    args = [sys.executable, "-m", "scripts.miniseries", "--depths", "1", "2", "--ratio", "0.5", "--name", "killed", *TINY]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    d2 = os.path.join(base, "miniseries", "killed", "runs", "d2", "base_checkpoints", "d2")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.isdir(d2) and any(n.startswith("step_") for n in os.listdir(d2))):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert os.path.isdir(d2), proc.stdout.read()[-2000:]
+    p = subprocess.run(args, cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "d1: done already, skipping" in p.stdout and "d2: resuming" in p.stdout
+    log = open(os.path.join(base, "miniseries", "killed", "runs", "d2", "train.log")).read()
+    assert "resuming at step" in log
+    assert [r["status"] for r in results(base, "killed")] == ["done", "done"]
+
+
+def test_fits_recover_a_known_optimum_and_power_law():
+    # isoflop: bpb = 2 + 0.3 (log N - log N*)^2 with N* = 1e6 at C = 6e12 (so D* = 1e6 tokens, ratio 1)
+    # and N* = 2e6 at C = 4.8e13 (D* = 4e6, ratio 2)
+    points = []
+    for c, n_opt in ((6e12, 1e6), (4.8e13, 2e6)):
+        for n in np.geomspace(n_opt / 8, n_opt * 8, 5):
+            points.append((c, n, 2 + 0.3 * (np.log(n) - np.log(n_opt)) ** 2))
+    fit = ms.fit_isoflop(points)
+    optima = [f["optimal_params"] for f in fit["budgets"]]
+    assert optima == pytest.approx([1e6, 2e6], rel=1e-6)
+    assert [f["ratio"] for f in fit["budgets"]] == pytest.approx([1.0, 2.0], rel=1e-6)
+    assert fit["ratio_mean"] == pytest.approx(1.5) and fit["ratio_spread"] == pytest.approx(0.5)
+    # two sizes are not a fit; a rising curve has no minimum
+    assert ms.fit_isoflop([(1e12, 1e5, 2.0), (1e12, 2e5, 1.9)])["ratio_mean"] is None
+    # L(C) = 5 C^-0.1 + 1.2
+    cs = np.geomspace(1e12, 1e18, 12)
+    law = ms.fit_power_law(cs, 5 * cs ** -0.1 + 1.2)
+    assert law["b"] == pytest.approx(0.1, rel=0.05) and law["e"] == pytest.approx(1.2, abs=0.02)
+    assert law["r2"] > 0.999
+    assert ms.frontier([(1, 3.0), (2, 3.5), (3, 2.5)]) == [(1, 3.0), (3, 2.5)]
+
+
+def test_bad_flags_fail_before_any_run(base, monkeypatch):
+    with pytest.raises(UserError, match="--depths must be >= 1"):
+        miniseries.main(["--depths", "0", "--name", "zero", *TINY])
+    with pytest.raises(UserError, match="--name"):
+        miniseries.main(["--depths", "1", "--name", "../up", *TINY])
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "nope")
+    with pytest.raises(UserError, match="'nope' is not a data source"):
+        miniseries.main(["--depths", "1", "--name", "nodata", *TINY])
+    assert not os.path.exists(os.path.join(base, "miniseries"))
