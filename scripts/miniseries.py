@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
-        if key == "isoflop_depths":
+        if key in ("depths", "isoflop_depths"):
             continue
         if getattr(args, key, None) is None:
             setattr(args, key, value)

@@ -130,3 +130,6 @@ def test_bad_flags_fail_before_any_run(base, monkeypatch):
     with pytest.raises(UserError, match="'nope' is not a data source"):
         miniseries.main(["--depths", "1", "--name", "nodata", *TINY])
     assert not os.path.exists(os.path.join(base, "miniseries"))
+    # the presets: an isoflop sweep takes the preset's isoflop depths, a series its series depths
+    assert miniseries.parse_args(["--mode", "isoflop"]).depths == miniseries.PRESETS["cpu"]["isoflop_depths"]
+    assert miniseries.parse_args([]).depths == miniseries.PRESETS["cpu"]["depths"]
