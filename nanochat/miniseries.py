@@ -14,7 +14,9 @@ report card's "Miniseries <name>" section.
 The fits:
 - isoflop: per budget, val bpb against log(params) is fitted with a parabola; its minimum is the compute-optimal
   size N* at that budget, D* = C / (6 N*) its tokens, D*/N* the compute-optimal ratio (mean and spread over budgets);
-- L(C) = a * C^-b + e through the best run at each compute (the frontier), with R^2.
+- L(C) = a * C^-b + e through the compute-optimal frontier, with R^2. The frontier is the lowest val bpb any run
+  reached at or below each compute, over every evaluation along every run (each run evaluates 4 times on the way),
+  so it has points between the budgets; final points alone would give one per isoflop budget.
 """
 
 import csv
@@ -32,7 +34,7 @@ from nanochat.common import UserError, atomic_write_text, get_base_dir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSV_COLUMNS = ["run", "depth", "budget", "status", "params", "scaling_params", "tokens", "flops", "num_iterations",
-               "val_bpb", "core_metric", "wall_seconds", "tok_per_sec", "mfu", "error"]
+               "epochs", "val_bpb", "core_metric", "wall_seconds", "tok_per_sec", "mfu", "error"]
 
 
 @dataclass
@@ -140,6 +142,14 @@ def launch(spec, run_dir, common_flags, nproc, env, log_path):
     return p.returncode, error[:300] if p.returncode else "", time.time() - t0
 
 
+def data_passes(meta):
+    """How many times the run went through its training data (from its loader state): above 1, it repeated text."""
+    states = [s for s in (meta or {}).get("dataloader_states") or [] if s.get("num_row_groups")]
+    if not states:
+        return None
+    return float(np.mean([s["epoch"] + s["pos"] / s["num_row_groups"] for s in states]))
+
+
 def collect(spec, run_dir, recipe, total_batch_size, wall_seconds, status, error=""):
     """The results row of one member: its size and budget (from the dial), and what its curve recorded."""
     records = read_curve(run_dir)
@@ -149,7 +159,8 @@ def collect(spec, run_dir, recipe, total_batch_size, wall_seconds, status, error
     return {"run": spec.name, "depth": spec.depth, "budget": spec.budget, "status": status,
             "params": recipe.num_params, "scaling_params": recipe.scaling_params, "tokens": tokens,
             "flops": recipe.flops_per_token * tokens, "num_iterations": recipe.num_iterations,
-            "val_bpb": last("val_bpb"), "core_metric": last("core_metric"), "wall_seconds": wall_seconds,
+            "epochs": data_passes(latest_meta(run_dir, spec.name)), "val_bpb": last("val_bpb"),
+            "core_metric": last("core_metric"), "wall_seconds": wall_seconds,
             "tok_per_sec": float(np.median([r["tok_per_sec"] for r in steps])) if steps else None,
             "mfu": float(np.median([r["mfu"] for r in steps if "mfu" in r])) if steps and "mfu" in steps[0] else None,
             "error": error}
@@ -187,27 +198,30 @@ def write_results(directory, rows):
 
 def fit_isoflop(points):
     """
-    points: [(budget FLOPs, scaling params, val bpb)]. Per budget with >= 3 sizes: a parabola in log(params), its
-    minimum N*, D* = C / (6 N*) and the ratio D*/N*. Returns {"budgets": [...], "ratio_mean", "ratio_spread"}: the
-    mean and standard deviation over the budgets whose optimum lies within the sizes tried (None without any).
+    points: [(budget FLOPs, scaling params, val bpb, training tokens)]. Per budget with >= 3 sizes: a parabola in
+    log(params), its minimum N*, the tokens D* a run of that size gets at that budget (log tokens is linear in log
+    params along a budget; read there rather than C / 6N*, which ignores attention's FLOPs), and the ratio D*/N*.
+    Returns {"budgets": [...], "ratio_mean", "ratio_spread"}: the mean and standard deviation over the budgets whose
+    optimum lies within the sizes tried (None without any).
     """
     by_budget = {}
-    for c, n, loss in points:
-        by_budget.setdefault(c, []).append((n, loss))
+    for c, n, loss, tokens in points:
+        by_budget.setdefault(c, []).append((n, loss, tokens))
     fits = []
     for c in sorted(by_budget):
         pts = sorted(by_budget[c])
         if len(pts) < 3:
             continue
-        x = np.log([n for n, _ in pts])
-        y = np.array([loss for _, loss in pts])
+        x = np.log([n for n, _, _ in pts])
+        y = np.array([loss for _, loss, _ in pts])
         a2, a1, a0 = np.polyfit(x, y, 2)
         if a2 <= 0:  # no minimum: the sizes tried do not bracket the optimum
             fits.append({"flops": c, "optimal_params": None, "note": "no minimum within the sizes tried"})
             continue
         x_opt = -a1 / (2 * a2)
         n_opt = float(np.exp(x_opt))
-        d_opt = c / (6 * n_opt)
+        slope, intercept = np.polyfit(x, np.log([t for _, _, t in pts]), 1)
+        d_opt = float(np.exp(intercept + slope * x_opt))
         fits.append({"flops": c, "optimal_params": n_opt, "optimal_tokens": d_opt, "ratio": d_opt / n_opt,
                      "min_bpb": float(a0 + a1 * x_opt + a2 * x_opt**2), "bracketed": bool(x.min() <= x_opt <= x.max()),
                      "coefficients": [float(a2), float(a1), float(a0)]})
@@ -247,6 +261,12 @@ def frontier(points):
 # Plots and the report
 
 
+def run_frontier(rows, trajectories):
+    """The frontier over every evaluation of every finished run (its trajectory and its final point)."""
+    done = [r for r in rows if r["status"] == "done" and r["val_bpb"] is not None]
+    return frontier([p for r in done for p in trajectories.get(r["run"], [])] + [(r["flops"], r["val_bpb"]) for r in done])
+
+
 def plot_all(directory, mode, rows, trajectories, isoflop, power_law):
     """PNG files in `directory`; returns [(title, filename)]. No matplotlib: no plots."""
     try:
@@ -260,11 +280,11 @@ def plot_all(directory, mode, rows, trajectories, isoflop, power_law):
     for row in done:
         pts = trajectories.get(row["run"]) or [(row["flops"], row["val_bpb"])]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=row["run"])
-    front = frontier([(r["flops"], r["val_bpb"]) for r in done])
+    front = run_frontier(rows, trajectories)
     if front:
         ax.plot([p[0] for p in front], [p[1] for p in front], "k--", linewidth=1, label="frontier")
     if power_law:
-        cs = np.geomspace(min(r["flops"] for r in done), max(r["flops"] for r in done), 50)
+        cs = np.geomspace(front[0][0], front[-1][0], 50)
         ax.plot(cs, power_law["a"] * cs ** -power_law["b"] + power_law["e"], "r:",
                 label=f"L = {power_law['a']:.3g} C^-{power_law['b']:.3f} + {power_law['e']:.3f}")
     ax.set_xscale("log")
@@ -307,13 +327,20 @@ def summary_markdown(name, mode, rows, isoflop, power_law, plots, directory):
     """The report section's text: the results table, the fits, the plots."""
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"Miniseries `{name}` ({mode}), results in {directory}", "",
-             "| run | depth | params | tokens | FLOPs | val bpb | CORE | tok/s | MFU % | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | depth | params | tokens | epochs | FLOPs | val bpb | CORE | tok/s | MFU % | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['depth']} | {r['params']:,} | {r['tokens']:,} | {r['flops']:.3g} | "
+        lines.append(f"| {r['run']} | {r['depth']} | {r['params']:,} | {r['tokens']:,} | {fmt(r.get('epochs'), '.2f')} | "
+                     f"{r['flops']:.3g} | "
                      f"{fmt(r['val_bpb'], '.4f')} | {fmt(r['core_metric'], '.4f')} | {fmt(r['tok_per_sec'], ',.0f')} | "
                      f"{fmt(r['mfu'], '.1f')} | {r['status']}{': ' + r['error'] if r['error'] else ''} |")
     lines.append("")
+    repeated = [r["run"] for r in rows if (r.get("epochs") or 0) > 1]
+    if repeated:
+        lines.append(f"Repeated data: {', '.join(repeated)} read their training text more than once (epochs > 1). "
+                     f"Repeated text is worth less than fresh text and the smallest models read the most of it, so "
+                     f"the fitted optimum leans to larger models and fewer tokens per parameter; a larger source "
+                     f"avoids it.\n")
     if power_law:
         lines.append(f"Frontier fit: L(C) = {power_law['a']:.4g} * C^-{power_law['b']:.4f} + {power_law['e']:.4f} "
                      f"(R^2 {power_law['r2']:.3f})")

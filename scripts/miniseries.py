@@ -19,12 +19,13 @@ from nanochat.common import UserError, get_base_dir, print0, run_main
 from nanochat.report import get_report
 
 PRESETS = {
-    # 2 cores, the CPU preset's geometry (T=256, 2,048 tokens per step), CORE on the built-in bundle at each run's end.
-    # A CPU does ~1e11 FLOP/s here: the isoflop sweep (4 depths x 3 budgets, 1.1e14 FLOPs) takes about 20 minutes; the
-    # series runs at 1 token per parameter, far short of compute-optimal, to show the tool in about 15 minutes.
-    "cpu": {"depths": [2, 3, 4], "budgets": [2e12, 6e12, 2e13], "isoflop_depths": [2, 3, 4, 6], "ratio": 1.0,
+    # 2 cores, the CPU preset's sequence and batch (T=256, 2,048 tokens per step), CORE on the built-in bundle at each
+    # run's end. Narrow models (n_embd = 32 x depth, heads of 32: 0.36M to 3.4M parameters) so that the compute-optimal
+    # size at these budgets lies among the sizes tried. A CPU does ~1.2e11 FLOP/s here: the isoflop sweep (4 depths x
+    # 3 budgets, 1.4e14 FLOPs) takes about 25 minutes, the series (4 tokens per parameter) about 10.
+    "cpu": {"depths": [2, 3, 4], "budgets": [2.5e12, 8e12, 2.5e13], "isoflop_depths": [2, 3, 4, 6], "ratio": 4.0,
             "max_seq_len": 256, "device_batch_size": 8, "total_batch_size": 2048, "eval_tokens": 32768,
-            "eval_bundle": "builtin", "aspect_ratio": 64, "head_dim": 128},
+            "eval_bundle": "builtin", "aspect_ratio": 32, "head_dim": 32},
     # a GPU node, the speedrun's geometry, the dial's 20 tokens per parameter
     "gpu": {"depths": [10, 14, 18, 22, 26], "budgets": [1e18, 3e18, 1e19], "isoflop_depths": [8, 10, 12, 14, 16, 20],
             "ratio": 20.0, "max_seq_len": 2048, "device_batch_size": 16, "total_batch_size": 2**19,
@@ -132,9 +133,10 @@ def run_flags(args, num_iterations):
 def finish(args, directory, rows, trajectories):
     """Fits, plots, the report section, a summary line and a JSON line."""
     done = [r for r in rows if r["status"] == "done" and r["val_bpb"] is not None]
-    isoflop = ms.fit_isoflop([(float(r["budget"].split("=")[1]), r["scaling_params"], r["val_bpb"]) for r in done]) \
+    isoflop = ms.fit_isoflop([(float(r["budget"].split("=")[1]), r["scaling_params"], r["val_bpb"], r["tokens"])
+                        for r in done]) \
         if args.mode == "isoflop" else {"budgets": [], "ratio_mean": None, "ratio_spread": None}
-    front = ms.frontier([(r["flops"], r["val_bpb"]) for r in done])
+    front = ms.run_frontier(rows, trajectories)
     power_law = ms.fit_power_law([c for c, _ in front], [loss for _, loss in front])
     plots = ms.plot_all(directory, args.mode, rows, trajectories, isoflop, power_law)
     markdown = ms.summary_markdown(args.name, args.mode, rows, isoflop, power_law, plots, directory)

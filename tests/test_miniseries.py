@@ -44,6 +44,7 @@ def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(bas
     assert float(rows[1]["val_bpb"]) < float(rows[0]["val_bpb"])  # the bigger model, trained longer, is better
     assert int(rows[1]["params"]) > int(rows[0]["params"]) and float(rows[1]["flops"]) > float(rows[0]["flops"])
     assert all(float(r["tok_per_sec"]) > 0 for r in rows)
+    assert 0 < float(rows[0]["epochs"]) < float(rows[1]["epochs"])  # passes over the training text, from the loader
     directory = os.path.join(base, "miniseries", "tiny")
     assert os.path.getsize(os.path.join(directory, "bpb_vs_flops.png")) > 1000
     section = open(os.path.join(base, "report", "miniseries-tiny.md"), encoding="utf-8").read()
@@ -100,19 +101,25 @@ def test_a_series_killed_mid_run_resumes_that_run(base):
 
 
 def test_fits_recover_a_known_optimum_and_power_law():
-    # isoflop: bpb = 2 + 0.3 (log N - log N*)^2 with N* = 1e6 at C = 6e12 (so D* = 1e6 tokens, ratio 1)
-    # and N* = 2e6 at C = 4.8e13 (D* = 4e6, ratio 2)
+    # isoflop: bpb = 2 + 0.3 (log N - log N*)^2 with N* = 1e6 at C = 6e12 and N* = 2e6 at C = 4.8e13; a run of N
+    # params costs 7.5 N FLOPs per token (attention's share on top of 6N), so D* = C / 7.5N*: ratios 0.8 and 1.6
     points = []
     for c, n_opt in ((6e12, 1e6), (4.8e13, 2e6)):
         for n in np.geomspace(n_opt / 8, n_opt * 8, 5):
-            points.append((c, n, 2 + 0.3 * (np.log(n) - np.log(n_opt)) ** 2))
+            points.append((c, n, 2 + 0.3 * (np.log(n) - np.log(n_opt)) ** 2, c / (7.5 * n)))
     fit = ms.fit_isoflop(points)
     optima = [f["optimal_params"] for f in fit["budgets"]]
     assert optima == pytest.approx([1e6, 2e6], rel=1e-6)
-    assert [f["ratio"] for f in fit["budgets"]] == pytest.approx([1.0, 2.0], rel=1e-6)
-    assert fit["ratio_mean"] == pytest.approx(1.5) and fit["ratio_spread"] == pytest.approx(0.5)
+    assert [f["ratio"] for f in fit["budgets"]] == pytest.approx([0.8, 1.6], rel=1e-6)
+    assert fit["ratio_mean"] == pytest.approx(1.2) and fit["ratio_spread"] == pytest.approx(0.4)
+    # an optimum outside the sizes tried is reported but not averaged
+    beyond = [(6e12, n, 2 + 0.3 * (np.log(n) - np.log(1e6)) ** 2, 6e12 / (7.5 * n)) for n in (2e6, 4e6, 8e6)]
+    edge = ms.fit_isoflop(beyond + points[5:])
+    assert not edge["budgets"][0]["bracketed"] and edge["ratio_mean"] == pytest.approx(1.6)
     # two sizes are not a fit; a rising curve has no minimum
-    assert ms.fit_isoflop([(1e12, 1e5, 2.0), (1e12, 2e5, 1.9)])["ratio_mean"] is None
+    assert ms.fit_isoflop([(1e12, 1e5, 2.0, 1e6), (1e12, 2e5, 1.9, 5e5)])["ratio_mean"] is None
+    assert ms.fit_isoflop([(1e12, n, 3 - 0.1 * (np.log(n) - 11) ** 2, 1e6) for n in (1e5, 2e5, 4e5)])["budgets"][0][
+        "optimal_params"] is None
     # L(C) = 5 C^-0.1 + 1.2
     cs = np.geomspace(1e12, 1e18, 12)
     law = ms.fit_power_law(cs, 5 * cs ** -0.1 + 1.2)
