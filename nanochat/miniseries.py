@@ -277,9 +277,14 @@ def plot_all(directory, mode, rows, trajectories, isoflop, power_law):
     plots = []
     fig = _new_figure(7, 4.5)
     ax = fig.add_subplot(1, 1, 1)
+    depths = sorted({r["depth"] for r in done})
+    colors = {d: f"C{i % 10}" for i, d in enumerate(depths)}  # one color per depth, whatever its budget
+    labelled = set()
     for row in done:
         pts = trajectories.get(row["run"]) or [(row["flops"], row["val_bpb"])]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=row["run"])
+        label = None if row["depth"] in labelled else f"d{row['depth']}"
+        labelled.add(row["depth"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color=colors[row["depth"]], label=label)
     front = run_frontier(rows, trajectories)
     if front:
         ax.plot([p[0] for p in front], [p[1] for p in front], "k--", linewidth=1, label="frontier")
