@@ -72,6 +72,31 @@ def series_dir(name):
     return os.path.join(get_base_dir(), "miniseries", name)
 
 
+def check_family(directory, settings):
+    """
+    The settings every member of a family shares (geometry, seed, data, the series' ratio) are kept in family.json;
+    a rerun with other settings would skip finished runs trained differently and mix them into one fit, so it is
+    refused before any run. Adding depths or budgets is a rerun with the same settings.
+    """
+    path = os.path.join(directory, "family.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            before = json.load(f)
+    except FileNotFoundError:
+        before = None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({e}); delete it only if every run under {directory} used the "
+                        f"settings you are giving now") from None
+    if before is not None:
+        changed = [f"{k}: {before.get(k)!r} then, {v!r} now" for k, v in settings.items() if before.get(k) != v]
+        if changed:
+            raise UserError(f"miniseries {os.path.basename(directory)} was run with other settings ("
+                            f"{'; '.join(changed)}); give this family another --name, or delete {directory}")
+        return
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(path, json.dumps(settings, indent=1) + "\n")
+
+
 def prepare_run_dir(run_dir, base_dir):
     """A base dir for one run: the user's tokenizer and shards linked in, everything else its own."""
     os.makedirs(run_dir, exist_ok=True)

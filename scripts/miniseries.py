@@ -85,9 +85,14 @@ def main(argv=None):
             raise UserError(f"run {spec.name}: its budget is less than one step of {args.total_batch_size:,} tokens; "
                             f"raise --budgets/--ratio or lower --total-batch-size")
     directory = ms.series_dir(args.name)
+    data_source = args.data_source or os.environ.get("NANOCHAT_DATA_SOURCE", "builtin")
+    ms.check_family(directory, {"mode": args.mode, "ratio": args.ratio if args.mode == "series" else None,
+                                "data_source": data_source, "vocab_size": vocab_size, "seed": args.seed,
+                                **{k: getattr(args, k) for k in ("max_seq_len", "total_batch_size", "aspect_ratio",
+                                                                 "head_dim", "eval_tokens", "eval_bundle")}})
     os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
     print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs | T {args.max_seq_len} | batch "
-           f"{args.total_batch_size:,} tok | data {args.data_source or os.environ.get('NANOCHAT_DATA_SOURCE', 'builtin')}"
+           f"{args.total_batch_size:,} tok | data {data_source}"
            f" | {directory}")
     for spec in specs:
         r = recipes[spec.name]

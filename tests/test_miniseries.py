@@ -56,6 +56,12 @@ def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(bas
     out = capsys.readouterr().out
     assert out.count("done already, skipping") == 2 and "training (" not in out
     assert results(base, "tiny") == rows
+    # other shared settings under the same name would mix differently trained runs into one fit: refused
+    with pytest.raises(UserError, match="ratio: 0.1 then, 0.2 now.*another --name"):
+        miniseries.main([a if a != "0.1" else "0.2" for a in SERIES])
+    with pytest.raises(UserError, match="seed: 42 then, 7 now"):
+        miniseries.main(SERIES + ["--seed", "7"])
+    assert "training (" not in capsys.readouterr().out
 
 
 def test_isoflop_sweep_records_a_failed_run_and_completes_the_others(base, monkeypatch):
