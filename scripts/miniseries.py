@@ -5,6 +5,7 @@ Train a family of base_train runs and fit the scaling laws they trace (nanochat/
     python -m scripts.miniseries --preset=cpu                       # d2..d4 at 1 token/param (a quick look)
     python -m scripts.miniseries --preset=gpu --nproc=8             # d10..d26 on a GPU node (torchrun)
     python -m scripts.miniseries --depths 4 6 8 --ratio=10 --name=ratio10 --data-source=brown
+    python -m scripts.miniseries --preset=gpu --mode=isoflop --dry-run  # the plan only: sizes, steps, FLOPs
 
 Run it again after a kill or a failure: finished runs are skipped, a killed one resumes, a failed one is retried.
 Results: <base_dir>/miniseries/<name>/results.{csv,json} and plots; the report card gets a "Miniseries" section.
@@ -48,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--data-source", default=None, help="default: $NANOCHAT_DATA_SOURCE or builtin")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (runs, sizes, steps, FLOPs) and stop")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if key in ("depths", "isoflop_depths"):
@@ -86,18 +88,20 @@ def main(argv=None):
                             f"raise --budgets/--ratio or lower --total-batch-size")
     directory = ms.series_dir(args.name)
     data_source = args.data_source or os.environ.get("NANOCHAT_DATA_SOURCE", "builtin")
+    total_flops = sum(r.flops_per_token * r.num_iterations * args.total_batch_size for r in recipes.values())
+    print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs | T {args.max_seq_len} | batch "
+           f"{args.total_batch_size:,} tok | data {data_source} | {total_flops:.3g} FLOPs in all | {directory}")
+    for spec in specs:
+        r = recipes[spec.name]
+        print0(f"  {spec.name:<14} params {r.num_params:>12,}  scaling {r.scaling_params:>12,}  steps "
+               f"{r.num_iterations:>7,}  FLOPs {r.flops_per_token * r.num_iterations * args.total_batch_size:.3g}")
+    if args.dry_run:
+        return
     ms.check_family(directory, {"mode": args.mode, "ratio": args.ratio if args.mode == "series" else None,
                                 "data_source": data_source, "vocab_size": vocab_size, "seed": args.seed,
                                 **{k: getattr(args, k) for k in ("max_seq_len", "total_batch_size", "aspect_ratio",
                                                                  "head_dim", "eval_tokens", "eval_bundle")}})
     os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
-    print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs | T {args.max_seq_len} | batch "
-           f"{args.total_batch_size:,} tok | data {data_source}"
-           f" | {directory}")
-    for spec in specs:
-        r = recipes[spec.name]
-        print0(f"  {spec.name:<14} params {r.num_params:>12,}  steps {r.num_iterations:>6,}  FLOPs "
-               f"{r.flops_per_token * r.num_iterations * args.total_batch_size:.3g}")
 
     rows, trajectories, previous = [], {}, ms.read_results(directory)
     for k, spec in enumerate(specs, start=1):

@@ -134,7 +134,7 @@ def test_fits_recover_a_known_optimum_and_power_law():
     assert ms.frontier([(1, 3.0), (2, 3.5), (3, 2.5)]) == [(1, 3.0), (3, 2.5)]
 
 
-def test_bad_flags_fail_before_any_run(base, monkeypatch):
+def test_bad_flags_fail_before_any_run_and_a_dry_run_only_plans(base, monkeypatch, capsys):
     with pytest.raises(UserError, match="--depths must be >= 1"):
         miniseries.main(["--depths", "0", "--name", "zero", *TINY])
     with pytest.raises(UserError, match="--name"):
@@ -142,7 +142,13 @@ def test_bad_flags_fail_before_any_run(base, monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "nope")
     with pytest.raises(UserError, match="'nope' is not a data source"):
         miniseries.main(["--depths", "1", "--name", "nodata", *TINY])
-    assert not os.path.exists(os.path.join(base, "miniseries"))
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    capsys.readouterr()
+    miniseries.main(["--mode", "isoflop", "--depths", "1", "2", "--budgets", "2e9", "6e9", "--name", "plan", "--dry-run",
+                     *TINY])
+    out = capsys.readouterr().out
+    assert "4 runs" in out and "C6e09-d2" in out and "FLOPs in all" in out
+    assert not os.path.exists(os.path.join(base, "miniseries"))  # nothing trained, nothing written
     # the presets: an isoflop sweep takes the preset's isoflop depths, a series its series depths
     assert miniseries.parse_args(["--mode", "isoflop"]).depths == miniseries.PRESETS["cpu"]["isoflop_depths"]
     assert miniseries.parse_args([]).depths == miniseries.PRESETS["cpu"]["depths"]
