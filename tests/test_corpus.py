@@ -310,6 +310,11 @@ def test_eval_bundle_is_deterministic_per_seed_and_replaced_whole(tmp_path):
     core_bundle.write_eval_bundle(tmp_path / "a", world_mod.build_world(8), 8)
     assert bundle_files(tmp_path / "a") == c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+    # a base dir whose bundle is a link to another one's: the link is replaced, the bundle it pointed at kept
+    os.symlink(tmp_path / "b", tmp_path / "linked")
+    core_bundle.write_eval_bundle(tmp_path / "linked", world_mod.build_world(8), 8)
+    assert not os.path.islink(tmp_path / "linked") and bundle_files(tmp_path / "linked") == c
+    assert bundle_files(tmp_path / "b") == a
 
 
 def true_statements(world, relation, facts=None):

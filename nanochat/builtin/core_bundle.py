@@ -187,7 +187,10 @@ def write_eval_bundle(out_dir, world, seed=None, version=""):
             old_dir = f"{out_dir}.old{os.getpid()}"
             os.rename(out_dir, old_dir)
             os.rename(tmp_dir, out_dir)
-            shutil.rmtree(old_dir)
+            if os.path.islink(old_dir):  # a link to a bundle elsewhere: replace the link, leave its target alone
+                os.unlink(old_dir)
+            else:
+                shutil.rmtree(old_dir)
         else:
             os.rename(tmp_dir, out_dir)
     except BaseException:
