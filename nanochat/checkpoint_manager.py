@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0
+from nanochat.gpt import COMPONENTS
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
@@ -90,10 +91,13 @@ def validate_meta(meta):
     if not isinstance(meta.get("step"), int) or meta["step"] < 0:
         return "no integer 'step'"
     config = meta.get("model_config")
-    if not isinstance(config, dict) or set(config) != set(MODEL_CONFIG_FIELDS):
-        return f"'model_config' must have exactly the fields {', '.join(MODEL_CONFIG_FIELDS)}"
-    if not all(isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] > 0 for k in config):
-        return "'model_config' values must be positive integers"
+    if not isinstance(config, dict) or not set(MODEL_CONFIG_FIELDS) <= set(config) <= set(MODEL_CONFIG_FIELDS + COMPONENTS):
+        return (f"'model_config' must have the fields {', '.join(MODEL_CONFIG_FIELDS)} and may name components "
+                f"{', '.join(COMPONENTS)}")
+    if not all(isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] > 0 for k in MODEL_CONFIG_FIELDS):
+        return "'model_config' shape values must be positive integers"
+    if not all(isinstance(config[k], bool) for k in set(config) & set(COMPONENTS)):
+        return "'model_config' components must be true or false"
     files = meta.get("files")
     if not isinstance(files, dict) or "model.safetensors" not in files:
         return "no 'files' list with the sha256 of model.safetensors (every file is verified against it on load)"
@@ -315,7 +319,7 @@ def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
     if saved != model_config:
         diff = {k: (saved.get(k), model_config.get(k)) for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k)}
         raise UserError(f"checkpoint in {ckpt_dir} is for a different model (saved vs requested: {diff}); "
-                        "use the same --depth/--max-seq-len, or another --model-tag")
+                        "use the same --depth/--max-seq-len/--components, or another --model-tag")
     saved_tok = meta.get("tokenizer_hash")
     if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
         raise UserError(f"checkpoint in {ckpt_dir} was trained with a different tokenizer; "

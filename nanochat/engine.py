@@ -42,9 +42,11 @@ class KVCache:
         self.k_cache = torch.empty(shape, device=device, dtype=dtype)
         self.v_cache = torch.empty(shape, device=device, dtype=dtype)
         self.pos = 0
+        self.last_embedding = None  # (B, 1, n_embd): the last token's embedding, for a model with smear
 
     def reset(self):
         self.pos = 0
+        self.last_embedding = None
 
     def get_pos(self):
         return self.pos
@@ -75,6 +77,8 @@ class KVCache:
         self.k_cache[:, :, :n] = other.k_cache[:, :, :n]  # broadcasts a batch of 1 over all rows
         self.v_cache[:, :, :n] = other.v_cache[:, :, :n]
         self.pos = n
+        if other.last_embedding is not None:
+            self.last_embedding = other.last_embedding.expand(self.batch_size, -1, -1).clone()
 
 
 # -----------------------------------------------------------------------------

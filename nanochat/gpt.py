@@ -30,6 +30,16 @@ what `build_model(config, device)` at the bottom of this file does:
     model.to_empty(device=device)
     model.init_weights()
 
+Components of the reference project's later recipe are options of GPTConfig, all off by default (off is the
+model above, which is what transformers' NanoChat describes); each starts as the identity, or nearly so:
+
+    value_embeds       on alternating layers (the last, then every second one down) a per-token embedding
+                       is added to attention's values, v += 2 sigmoid(W x[:32]) * ve[token], one gate per kv head
+    residual_scalars   before block i: x <- resid_lambdas[i] * x + x0_lambdas[i] * x0, x0 the normed embedding
+    smear              each position's embedding gets a gated share of the previous token's:
+                       e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1)
+    backout            before the final norm: x <- x - backout_lambda * (the residual after layer n_layer // 2)
+
 Inference goes through `forward(idx, kv_cache=cache)`: the model writes the new keys and values into
 the cache's per-layer (B, seq_len, n_kv_head, head_dim) tensors at `cache.get_pos()`, attends to
 everything cached so far, and advances the position by the number of tokens it consumed.
@@ -49,6 +59,9 @@ NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit s
 ROPE_THETA = 10000.0
 LOGIT_SOFTCAP = 15.0
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past the training length
+GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (cheap, and enough to decide)
+# The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
+COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout")
 
 
 @dataclass
@@ -59,6 +72,11 @@ class GPTConfig:
     n_head: int = 6
     n_kv_head: int = 6
     n_embd: int = 768
+    # components of the reference project's later recipe (module docstring); off = the model above
+    value_embeds: bool = False
+    residual_scalars: bool = False
+    smear: bool = False
+    backout: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -69,6 +87,9 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer (got {value!r})")
+        for name in COMPONENTS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be true or false (got {getattr(self, name)!r})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head != 0:
@@ -103,6 +124,11 @@ def rotary_norm(x, cos, sin):
     x1, x2 = x[..., :d], x[..., d:]
     return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
 
+def has_value_embed(config, layer_idx):
+    """Value embeddings sit on the last layer and every second one below it."""
+    return config.value_embeds and (config.n_layer - 1 - layer_idx) % 2 == 0
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -115,12 +141,17 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        if has_value_embed(config, layer_idx):
+            self.ve_gate = nn.Linear(min(GATE_CHANNELS, config.n_embd), self.n_kv_head, bias=False)
 
-    def forward(self, x, cos, sin, kv_cache):
+    def forward(self, x, cos, sin, kv_cache, value_embed=None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if value_embed is not None:  # gate in (0, 2), 1 at init (zero gate weights)
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
+            v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
         q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)  # rotary first, then QK-norm
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
@@ -179,8 +210,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache):
-        x = x + self.attn(norm(x), cos, sin, kv_cache)
+    def forward(self, x, cos, sin, kv_cache, value_embed=None):
+        x = x + self.attn(norm(x), cos, sin, kv_cache, value_embed)
         x = x + self.mlp(norm(x))
         return x
 
@@ -197,6 +228,19 @@ class GPT(nn.Module):
             "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
         })
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        kv_dim = config.n_kv_head * (config.n_embd // config.n_head)
+        if config.value_embeds:  # keyed by layer index; lookups like wte, so they cost no FLOPs
+            self.value_embeds = nn.ModuleDict({
+                str(i): nn.Embedding(config.vocab_size, kv_dim, _weight=torch.empty(config.vocab_size, kv_dim))
+                for i in range(config.n_layer) if has_value_embed(config, i)})
+        if config.residual_scalars:
+            self.resid_lambdas = nn.Parameter(torch.empty(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.empty(config.n_layer))
+        if config.smear:
+            self.smear_gate = nn.Linear(min(GATE_CHANNELS, config.n_embd), 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.empty(1))
+        if config.backout:
+            self.backout_lambda = nn.Parameter(torch.empty(1))
         # Rotary tables are derived, not learned: non-persistent, filled by init_rotary().
         head_dim = config.n_embd // config.n_head
         rotary_len = ROTARY_LENGTH_FACTOR * config.sequence_len
@@ -211,6 +255,9 @@ class GPT(nn.Module):
           lm_head     normal, std 0.001 (start near uniform predictions)
           c_q, c_k, c_v, c_fc   uniform with std n_embd^-0.5 (bound sqrt(3) * n_embd^-0.5)
           attn.c_proj, mlp.c_proj   zero, so every block starts as the identity on the residual stream
+        and, for the optional components, a start at (or next to) the identity:
+          value_embeds  uniform like c_v, their gates zero (gate 1)     resid_lambdas 1, x0_lambdas 0
+          smear_gate zero, smear_lambda 0                               backout_lambda 0
         """
         nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
         nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
@@ -220,6 +267,20 @@ class GPT(nn.Module):
                 nn.init.uniform_(linear.weight, -bound, bound)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+            if hasattr(block.attn, "ve_gate"):
+                nn.init.zeros_(block.attn.ve_gate.weight)
+        c = self.config
+        if c.value_embeds:
+            for embedding in self.value_embeds.values():
+                nn.init.uniform_(embedding.weight, -bound, bound)
+        if c.residual_scalars:
+            nn.init.ones_(self.resid_lambdas)
+            nn.init.zeros_(self.x0_lambdas)
+        if c.smear:
+            nn.init.zeros_(self.smear_gate.weight)
+            nn.init.zeros_(self.smear_lambda)
+        if c.backout:
+            nn.init.zeros_(self.backout_lambda)
         self.init_rotary()
 
     @torch.no_grad()
@@ -242,39 +303,55 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
+    def embedding_params(self):
+        """Parameters read by lookup (wte, value embeddings): they cost no FLOPs, so scaling laws leave them out."""
+        tables = [self.transformer.wte] + (list(self.value_embeds.values()) if self.config.value_embeds else [])
+        return sum(t.weight.numel() for t in tables)
+
     def estimate_flops(self):
         """
         Training FLOPs per token (forward + backward):
 
-            6 * (num_params - wte params)  +  12 * n_layer * n_head * head_dim * sequence_len
+            6 * (num_params - embedding params)  +  12 * n_layer * n_head * head_dim * sequence_len
 
         A matmul weight costs 2 FLOPs per token forward and 4 backward, hence 6 per parameter;
-        the embedding is a lookup, not a matmul, so it is left out (lm_head is a matmul and counts).
+        the embeddings (wte, value embeddings) are lookups, not matmuls, so they are left out (lm_head is a
+        matmul and counts; a component's scalars count 6 each, a slight overcount of their elementwise work).
         Attention adds two matmuls per layer that have no parameters, QK^T and AV, each
         2 * n_head * head_dim * T FLOPs per token forward (counted over the full T, not the
         causal half), times 3 for forward + backward: 12 * n_head * head_dim * T per layer.
         """
         c = self.config
         head_dim = c.n_embd // c.n_head
-        matmul_params = self.num_params() - self.transformer.wte.weight.numel()
+        matmul_params = self.num_params() - self.embedding_params()
         return 6 * matmul_params + 12 * c.n_layer * c.n_head * head_dim * c.sequence_len
 
-    def setup_optimizers(self, unembedding_lr, embedding_lr, matrix_lr, weight_decay=0.0, adam_betas=(0.8, 0.95)):
+    def setup_optimizers(self, unembedding_lr, embedding_lr, matrix_lr, weight_decay=0.0, adam_betas=(0.8, 0.95),
+                         scalar_lr=0.005):
         """
         Parameter groups for the two optimizers (this module may not import them), at the lrs the depth dial
-        chose (training.depth_recipe): returns (adamw_groups, muon_groups). AdamW gets lm_head and wte, each with its own lr scaled
-        by (n_embd/768)^-0.5; Muon gets the 2-D block matrices, one group per distinct shape.
+        chose (training.depth_recipe): returns (adamw_groups, muon_groups). AdamW gets lm_head and wte (and the
+        value embeddings with wte's lr), each with its own lr scaled by (n_embd/768)^-0.5, and the components'
+        scalars and gates at scalar_lr; Muon gets the 2-D block matrices, one group per distinct shape.
         Every group also records initial_lr so lr schedules can scale from it.
         """
         adamw_scale = (self.config.n_embd / 768) ** -0.5
+        c = self.config
+        embeddings = [self.transformer.wte.weight] + ([e.weight for e in self.value_embeds.values()] if c.value_embeds else [])
+        gates = [block.attn.ve_gate.weight for block in self.transformer.h if hasattr(block.attn, "ve_gate")]
+        scalars = gates + ([self.resid_lambdas, self.x0_lambdas] if c.residual_scalars else []) \
+            + ([self.smear_gate.weight, self.smear_lambda] if c.smear else []) + ([self.backout_lambda] if c.backout else [])
         adamw_groups = [
             {"params": [self.lm_head.weight], "lr": unembedding_lr * adamw_scale},
-            {"params": [self.transformer.wte.weight], "lr": embedding_lr * adamw_scale},
-        ]
+            {"params": embeddings, "lr": embedding_lr * adamw_scale},
+        ] + ([{"params": scalars, "lr": scalar_lr}] if scalars else [])
         for group in adamw_groups:
             group.update(betas=adam_betas, eps=1e-10, weight_decay=0.0)
         by_shape = {}  # insertion order = model definition order, so groups are deterministic
+        gate_ids = {id(p) for p in gates}
         for p in self.transformer.h.parameters():
+            if id(p) in gate_ids:
+                continue
             assert p.ndim == 2, "Muon only handles matrices; every block parameter should be 2-D"
             by_shape.setdefault(tuple(p.shape), []).append(p)
         muon_groups = [{"params": params, "lr": matrix_lr, "weight_decay": weight_decay} for params in by_shape.values()]
@@ -288,6 +365,18 @@ class GPT(nn.Module):
     def _softcap_logits(self, x):
         logits = self.lm_head(x).float()
         return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+
+    def _smear(self, x, kv_cache):
+        """e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1). The first position of a sequence has no previous
+        token; at decode the previous token is the last one the cache saw, whose embedding the cache keeps."""
+        previous = x.new_zeros(x.size(0), 1, x.size(2))
+        if kv_cache is not None and kv_cache.get_pos() > 0:
+            previous = kv_cache.last_embedding.to(x.dtype)
+        if kv_cache is not None:
+            kv_cache.last_embedding = x[:, -1:].clone()
+        previous = torch.cat((previous, x[:, :-1]), dim=1)
+        gate = torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))
+        return x + self.smear_lambda * gate * previous
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """
@@ -303,9 +392,20 @@ class GPT(nn.Module):
             raise ValueError(f"position {start + T} is beyond the rotary table ({self.cos.size(1)} positions)")
         cos, sin = self.cos[:, start:start + T], self.sin[:, start:start + T]
 
+        c = self.config
         x = norm(self.transformer.wte(idx))
-        for block in self.transformer.h:
-            x = block(x, cos, sin, kv_cache)
+        if c.smear:
+            x = self._smear(x, kv_cache)
+        x0, x_mid = x, None
+        for i, block in enumerate(self.transformer.h):
+            if c.residual_scalars:
+                x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            value_embed = self.value_embeds[str(i)](idx) if has_value_embed(c, i) else None
+            x = block(x, cos, sin, kv_cache, value_embed)
+            if c.backout and i == c.n_layer // 2 - 1:
+                x_mid = x
+        if c.backout:
+            x = x - self.backout_lambda * (x_mid if x_mid is not None else x0)  # one layer: the mid point is the input
         x = norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)

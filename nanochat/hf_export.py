@@ -33,7 +33,7 @@ from nanochat.checkpoint_manager import (
     resolve_step,
 )
 from nanochat.common import UserError, print0
-from nanochat.gpt import LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig
+from nanochat.gpt import COMPONENTS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -86,8 +86,8 @@ def check_representable(model_config):
     transformers' NanoChat cannot represent. Runs before the model is built: a config from a newer nanochat
     with extra features must be refused with their names, not fail while loading.
     """
-    known_fields = [field.name for field in dataclasses.fields(GPTConfig)]
-    unknown = [name for name in model_config if name not in known_fields]
+    known_fields = [field.name for field in dataclasses.fields(GPTConfig) if field.name not in COMPONENTS]
+    unknown = [name for name in model_config if name not in known_fields and model_config[name] is not False]
     if unknown:
         shown = ", ".join(f"{name}={model_config[name]!r}" for name in unknown)
         raise UserError(f"cannot export: config field(s) {shown} have no equivalent in transformers' NanoChat")
@@ -95,7 +95,7 @@ def check_representable(model_config):
     if missing:
         raise UserError(f"cannot export: the checkpoint's model_config lacks {', '.join(missing)}")
     try:
-        GPTConfig(**model_config)
+        GPTConfig(**{name: value for name, value in model_config.items() if name in known_fields})
     except ValueError as e:
         raise UserError(f"cannot export: {e}") from None
     # Everything a valid GPTConfig can express maps onto NanoChat: grouped-query attention (repeat_kv uses the

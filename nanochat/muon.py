@@ -18,7 +18,13 @@ equal share of the global batch, and gradients are averaged across ranks, which 
 gradient of the mean loss over the whole global batch.
 
 Param groups: {"params": [...], "lr", "weight_decay", optional "momentum", "nesterov",
-"ns_steps", "initial_lr"}; the training loop may rewrite "lr" and "momentum" every step.
+"ns_steps", "initial_lr", "normuon", "cautious_wd"}; the training loop may rewrite "lr" and "momentum"
+every step. Two options from the reference project's later recipe, off unless a group sets them:
+
+    normuon      each row (output unit) of the orthogonalised update is divided by the root of a running
+                 mean of its squares (beta NORMUON_BETA2), then the whole update is rescaled to its old norm,
+                 so every unit moves by a similar amount
+    cautious_wd  weight decay only where the update already pushes the weight toward zero (sign(u) == sign(p))
 A parameter may carry attributes `lr_mul` / `wd_mul` (default 1.0) that scale its lr / decay.
 """
 
@@ -34,6 +40,7 @@ from nanochat.common import UserError, dist_rank_world, orthogonalization_dtype
 # after ~5 steps every singular value sits in roughly [0.7, 1.2] rather than exactly at 1,
 # which is all the optimizer needs.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NORMUON_BETA2 = 0.95
 
 
 def orthogonalize(G, steps=5, dtype=None):
@@ -118,14 +125,33 @@ def _update_matrices(params, grads, state, group):
     # Nesterov: step from where the momentum is about to take us, not from where it is.
     directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
     updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"])
+    if group.get("normuon"):
+        updates = _normalize_rows(updates.float(), params, state).to(updates.dtype)
     rows, cols = params[0].shape[-2:]
     shape_scale = max(1.0, rows / cols) ** 0.5
     for p, u in zip(params, updates):
         lr = group["lr"] * getattr(p, "lr_mul", 1.0)
         wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
-        if wd != 0:
+        if wd != 0 and group.get("cautious_wd"):
+            p.sub_(p * (u * p > 0), alpha=lr * wd)
+        elif wd != 0:
             p.mul_(1 - lr * wd)
         p.add_(u.to(p.dtype), alpha=-lr * shape_scale)
+
+
+def _normalize_rows(updates, params, state):
+    """NorMuon: (n, rows, cols) updates with every row divided by the root of its running mean square, each matrix
+    then rescaled to its norm before (the running means live in the optimizer state, one (rows, 1) per matrix)."""
+    for p in params:
+        if "row_second_moment" not in state[p]:
+            state[p]["row_second_moment"] = torch.zeros(p.size(-2), 1, device=p.device, dtype=torch.float32)
+    moments = torch.stack([state[p]["row_second_moment"] for p in params])
+    moments.lerp_(updates.square().mean(dim=-1, keepdim=True), 1 - NORMUON_BETA2)
+    for p, m in zip(params, moments):
+        state[p]["row_second_moment"].copy_(m)
+    normalized = updates / (moments.sqrt() + 1e-10)
+    scale = updates.norm(dim=(-2, -1), keepdim=True) / (normalized.norm(dim=(-2, -1), keepdim=True) + 1e-10)
+    return normalized * scale
 
 
 def _check_matrices(param_groups, name):

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nanochat.common import UserError, all_reduce_mean
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import COMPONENTS, GPT, GPTConfig
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -19,6 +19,7 @@ BASE_WEIGHT_DECAY, BASE_DEPTH = 0.2, 12  # Muon weight decay at depth 12 and REF
 # Short runs want hotter lrs: the base lrs from LONG_RUN_STEPS optimizer steps up, SHORT_RUN_LR_SCALE times them
 # at SHORT_RUN_STEPS and below (see short_run_lr_scale)
 LONG_RUN_STEPS, SHORT_RUN_STEPS, SHORT_RUN_LR_SCALE = 700, 100, 2.0
+SCALAR_LR = 0.005  # AdamW lr of the optional components' scalars and gates (gpt.COMPONENTS), at any batch
 
 
 # -----------------------------------------------------------------------------
@@ -44,8 +45,14 @@ class Recipe:
                 "matrix_lr": self.matrix_lr, "weight_decay": self.weight_decay}
 
 
-def model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim=128, n_kv_head=None):
-    """n_layer = depth, n_embd = aspect_ratio * depth rounded up to a multiple of head_dim, n_head = n_embd / head_dim."""
+def model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim=128, n_kv_head=None, components=()):
+    """
+    n_layer = depth, n_embd = aspect_ratio * depth rounded up to a multiple of head_dim, n_head = n_embd / head_dim;
+    `components` names the optional model components (gpt.COMPONENTS) to switch on.
+    """
+    unknown = sorted(set(components) - set(COMPONENTS))
+    if unknown:
+        raise UserError(f"unknown model component(s) {', '.join(unknown)}; known: {', '.join(COMPONENTS)}")
     for flag, value in (("--depth", depth), ("--aspect-ratio", aspect_ratio), ("--head-dim", head_dim),
                         ("--max-seq-len", sequence_len)):
         if value < 1:
@@ -58,7 +65,7 @@ def model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio=64, hea
     if n_kv_head < 1 or n_head % n_kv_head != 0:
         raise UserError(f"--num-kv-heads={n_kv_head} must be >= 1 and divide the number of heads ({n_head})")
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_kv_head,
-                     n_embd=n_embd)
+                     n_embd=n_embd, **{name: True for name in components})
 
 
 def batch_lr_scale(total_batch_size, exponent=0.0):
@@ -118,18 +125,18 @@ def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0, num_iterations=None
 
 def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio=64, head_dim=128, n_kv_head=None,
                  lr_batch_exponent=0.0, embedding_lr=None, unembedding_lr=None, matrix_lr=None, weight_decay=None,
-                 num_iterations=None, target_flops=None, target_param_data_ratio=20.0, short_run_lrs=True):
+                 num_iterations=None, target_flops=None, target_param_data_ratio=20.0, short_run_lrs=True, components=()):
     """
     The whole run from (depth, batch): model shape, the three learning rates (base lrs scaled to this batch and,
     with short_run_lrs, raised for a run under 700 steps), Muon weight decay and the number of steps. Any lr / decay
     given explicitly wins over the dial; the token budget is the first of num_iterations, target_flops,
-    target_param_data_ratio (tokens per parameter) given.
+    target_param_data_ratio (tokens per parameter) given. `components`: optional model components to switch on.
     """
-    config = model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio, head_dim, n_kv_head)
+    config = model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio, head_dim, n_kv_head, components)
     with torch.device("meta"):  # shapes only: counts parameters and FLOPs without allocating anything
         model = GPT(config)
     num_params = model.num_params()
-    scaling_params = num_params - model.transformer.wte.weight.numel()  # an embedding lookup costs no FLOPs
+    scaling_params = num_params - model.embedding_params()  # an embedding lookup costs no FLOPs
     flops_per_token = model.estimate_flops()
     if num_iterations:
         budget = "--num-iterations"
@@ -203,14 +210,36 @@ def apply_schedules(optimizers, lrm, momentum=None):
 # Optimizers and one step
 
 
-def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, adam_betas=(0.8, 0.95)):
-    """Muon for the blocks' matrices, AdamW for embedding and lm_head; sharded across ranks when distributed."""
+OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd")  # Muon options (nanochat.muon), off = the plain Muon
+
+
+def split_components(text):
+    """'a,b,c' -> (model components, optimizer components), each in its canonical order; an unknown name is refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(COMPONENTS) - set(OPTIMIZER_COMPONENTS))
+    if unknown:
+        raise UserError(f"--components: unknown component(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(COMPONENTS + OPTIMIZER_COMPONENTS)}")
+    return [n for n in COMPONENTS if n in names], [n for n in OPTIMIZER_COMPONENTS if n in names]
+
+
+def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, adam_betas=(0.8, 0.95),
+                     scalar_lr=SCALAR_LR, optimizer_components=()):
+    """
+    Muon for the blocks' matrices, AdamW for the embeddings, lm_head and the components' scalars; sharded across
+    ranks when distributed. `optimizer_components` names Muon options (OPTIMIZER_COMPONENTS) to switch on.
+    """
     from nanochat.adamw import build_adamw
     from nanochat.muon import build_muon
 
+    unknown = sorted(set(optimizer_components) - set(OPTIMIZER_COMPONENTS))
+    if unknown:
+        raise UserError(f"unknown optimizer component(s) {', '.join(unknown)}; known: {', '.join(OPTIMIZER_COMPONENTS)}")
     adamw_groups, muon_groups = model.setup_optimizers(
         unembedding_lr=unembedding_lr, embedding_lr=embedding_lr, matrix_lr=matrix_lr,
-        weight_decay=weight_decay, adam_betas=adam_betas)
+        weight_decay=weight_decay, adam_betas=adam_betas, scalar_lr=scalar_lr)
+    for group in muon_groups:
+        group.update({name: True for name in optimizer_components})
     return [build_adamw(adamw_groups), build_muon(muon_groups)]
 
 
@@ -260,5 +289,6 @@ def greedy_samples(model, tokenizer, prompts, max_tokens=16):
 
 
 def config_dict(config):
-    """A GPTConfig as the plain dict stored in checkpoint meta."""
-    return asdict(config)
+    """A GPTConfig as the plain dict stored in checkpoint meta. Components that are off are left out, so a checkpoint
+    of the plain model has the same meta as before components existed (and a missing one reads as off)."""
+    return {name: value for name, value in asdict(config).items() if not (name in COMPONENTS and value is False)}

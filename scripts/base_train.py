@@ -25,13 +25,13 @@ from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (build_optimizers, config_dict, depth_recipe, grad_accum_steps, greedy_samples, lr_multiplier,
-                               muon_momentum, train_step)
+                               muon_momentum, split_components, train_step)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
 # Flags a resumed run must keep: they fix the batches, the optimizer shards or the model, so changing them breaks exactness.
 RESUME_FIXED_FLAGS = ["depth", "aspect_ratio", "head_dim", "num_kv_heads", "max_seq_len", "device_batch_size",
-                      "total_batch_size", "data_source", "seed"]
+                      "total_batch_size", "data_source", "seed", "components"]
 
 
 def parse_args(argv=None):
@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--components", default="", help="comma-separated optional components of the model (value_embeds, "
+                   "residual_scalars, smear, backout) and of Muon (normuon, cautious_wd); README 'Recipe components'")
     # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from the budget flags below)")
     p.add_argument("--target-flops", type=float, default=-1.0)
@@ -92,6 +94,8 @@ def validate_args(args):
         check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
     check_flag(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume_from_step", args.resume_from_step,
                "must be >= 0")
+    model_components, optimizer_components = split_components(args.components)  # an unknown name fails here
+    args.components = ",".join(model_components + optimizer_components)  # one spelling, for the resume check
 
 
 def main(argv=None):
@@ -104,7 +108,8 @@ def main(argv=None):
                           embedding_lr=max(args.embedding_lr, 0), unembedding_lr=max(args.unembedding_lr, 0),
                           matrix_lr=max(args.matrix_lr, 0), weight_decay=None if args.weight_decay < 0 else args.weight_decay,
                           num_iterations=max(args.num_iterations, 0), target_flops=max(args.target_flops, 0),
-                          target_param_data_ratio=max(args.target_param_data_ratio, 0), short_run_lrs=bool(args.short_run_lrs))
+                          target_param_data_ratio=max(args.target_param_data_ratio, 0), short_run_lrs=bool(args.short_run_lrs),
+                          components=split_components(args.components)[0])
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
@@ -124,7 +129,7 @@ def main(argv=None):
     autocast = autocast_for(device)
     use_compile = compile_choice(args.compile, device)
     train_model = torch.compile(model, dynamic=False) if use_compile else model
-    optimizers = build_optimizers(model, **lrs)
+    optimizers = build_optimizers(model, **lrs, optimizer_components=split_components(args.components)[1])
     start, num_iterations = StartPoint(), recipe.num_iterations
     if resume_step is not None:
         start = resume_from(ckpt_dir, resume_step, model, optimizers, model_config, tokenizer.fingerprint(), device)
@@ -155,7 +160,8 @@ def main(argv=None):
     loop = TrainingLoop(settings, model, optimizers, train_loader, start, device, autocast)
     c = recipe.model_config
     loop.announce(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
-                  f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} | T {args.max_seq_len} | device {device.type} x{world_size} "
+                  f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head}{' + ' + args.components if args.components else ''} | "
+                  f"T {args.max_seq_len} | device {device.type} x{world_size} "
                   f"{str(get_compute_dtype(device)).replace('torch.', '')}{' compiled' if use_compile else ''} | batch "
                   f"{args.total_batch_size:,} tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} "
                   f"accum | steps {num_iterations} ({recipe.budget}) = {num_iterations * args.total_batch_size / 1e6:.1f}M "

@@ -110,3 +110,18 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
         bench.main(["quality", "--source=builtin", "--adam-betas", "0.9", "1.0"])
     with pytest.raises(bench.UserError, match="--total-batch-size"):
         bench.main(["quality", "--source=builtin", "--total-batch-size=0"])
+
+
+def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, capsys):
+    bench.main(["quality", "--source=builtin", "--depth=2", "--seq-len=32", "--total-batch-size=128",
+                "--device-batch-size=2", "--steps=3", "--eval-at", "3", "--eval-tokens=256", "--seeds", "1",
+                "--vocab-size=1024", "--variants", "base", "smear,backout", "normuon"])
+    out = capsys.readouterr().out
+    assert "variants against base" in out
+    result = last_json_line(out)
+    base, smear, normuon = result["runs"]
+    assert [r["variant"] for r in result["runs"]] == ["base", "smear,backout", "normuon"]
+    assert smear["flops_per_token"] > base["flops_per_token"] == normuon["flops_per_token"]  # the gate's matmul counts
+    assert len({r["val_bpb"]["3"] for r in result["runs"]}) == 3 and all(r["tok_per_s"] > 0 for r in result["runs"])
+    with pytest.raises(bench.UserError, match="warp"):  # refused before any data is built or any step is taken
+        bench.main(["quality", "--source=builtin", "--variants", "base", "warp"])

@@ -1,5 +1,8 @@
 """
-`bench quality`: val bits per byte after a short from-scratch run of base_train's recipe (all three lrs times a multiplier), on the built-in corpus, the Brown corpus or a source you imported.
+`bench quality`: val bits per byte after a short from-scratch run of base_train's recipe (all three lrs times a multiplier),
+on the built-in corpus, the Brown corpus or a source you imported. With --variants it is the ablation bench of the recipe's
+optional components: each variant (a set of base_train --components) trained with the same seeds, its val bpb, its FLOPs
+per token against the plain model's, and its speed.
 """
 
 import hashlib
@@ -58,31 +61,36 @@ def quality_data(source, vocab_size):
     return base
 
 
-def quality_run(args, seed, lr_mult):
-    """Train from scratch with base_train's recipe (all three lrs times lr_mult); val bpb at each --eval-at step."""
+def quality_run(args, seed, lr_mult, variant="base"):
+    """Train from scratch with base_train's recipe (all three lrs times lr_mult, the variant's components on);
+    val bpb at each --eval-at step."""
     from nanochat.dataloader import DataLoader, eval_batches
     from nanochat.gpt import build_model
     from nanochat.loss_eval import evaluate_bpb
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
-    from nanochat.training import build_optimizers, depth_recipe, grad_accum_steps, lr_multiplier, muon_momentum, train_step
+    from nanochat.training import (SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, lr_multiplier, muon_momentum,
+                                   split_components, train_step)
 
     tokenizer = get_tokenizer()
+    model_components, optimizer_components = split_components("" if variant == "base" else variant)
     recipe = depth_recipe(args.depth, tokenizer.get_vocab_size(), args.seq_len, args.total_batch_size,
                           num_iterations=args.steps, lr_batch_exponent=args.lr_batch_exponent,
                           weight_decay=None if args.weight_decay < 0 else args.weight_decay,
-                          short_run_lrs=bool(args.short_run_lrs))
+                          short_run_lrs=bool(args.short_run_lrs), components=model_components)
     lrs = recipe.lrs()
     for group in args.lr_groups:
         lrs[f"{group}_lr"] *= lr_mult
     device = torch.device("cpu")
     torch.manual_seed(seed)
     model = build_model(recipe.model_config, device)
-    optimizers = build_optimizers(model, **lrs, adam_betas=tuple(args.adam_betas))
+    optimizers = build_optimizers(model, **lrs, adam_betas=tuple(args.adam_betas),
+                                  scalar_lr=SCALAR_LR if args.scalar_lr < 0 else args.scalar_lr,
+                                  optimizer_components=optimizer_components)
     accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.seq_len, 1)
     loader = DataLoader(tokenizer, args.device_batch_size, args.seq_len, split="train", device=device)
     token_bytes = get_token_bytes()
     eval_steps = max(1, args.eval_tokens // (args.device_batch_size * args.seq_len))
-    bpb, t0 = {}, time.perf_counter()
+    bpb, t0, train_seconds = {}, time.perf_counter(), 0.0
     for step in range(args.steps + 1):
         if step in args.eval_at:
             val_loader, batches = eval_batches(tokenizer, args.device_batch_size, args.seq_len, "val", device, 0, 1)
@@ -92,11 +100,15 @@ def quality_run(args, seed, lr_mult):
             val_loader.close()
         if step == args.steps:
             break
-        lrm = lr_multiplier(step, args.steps, args.warmup_ratio, args.warmdown_ratio)
+        lrm = lr_multiplier(step, args.steps, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        t_step = time.perf_counter()
         train_step(model, optimizers, [next(loader) for _ in range(accum)], lambda m, xy: m(*xy), lrm,
                    muon_momentum(step), nullcontext())
+        train_seconds += time.perf_counter() - t_step
     loader.close()
-    return {"seed": seed, "lr_mult": lr_mult, "lrs": lrs, "val_bpb": bpb, "seconds": time.perf_counter() - t0}
+    return {"seed": seed, "lr_mult": lr_mult, "variant": variant, "lrs": lrs, "val_bpb": bpb,
+            "flops_per_token": recipe.flops_per_token, "tok_per_s": args.steps * args.total_batch_size / train_seconds,
+            "seconds": time.perf_counter() - t0}
 
 
 def cmd_quality(args):
@@ -106,23 +118,28 @@ def cmd_quality(args):
         raise UserError(f"--adam-betas must both be in [0, 1) (got {args.adam_betas[0]:g} {args.adam_betas[1]:g})")
     if min(args.total_batch_size, args.device_batch_size, args.seq_len, args.steps, args.depth) < 1:
         raise UserError("--total-batch-size, --device-batch-size, --seq-len, --steps and --depth must be >= 1")
+    from nanochat.training import split_components
+
+    for variant in args.variants:  # an unknown component fails here, before any training
+        split_components("" if variant == "base" else variant)
     # what x1 means in base lrs: the dial's scale for a run this long, as base_train would train it
     base_lr_scale = dial_lr_scale(args.total_batch_size, args.lr_batch_exponent, args.steps if args.short_run_lrs else None)
     args.eval_at = sorted(set(args.eval_at) | {args.steps})
     quality_data(args.source, args.vocab_size)
     runs = []
-    for lr_mult in args.lr_mults:
-        for seed in args.seeds:
-            log(f"bench quality: {args.source} d{args.depth} T={args.seq_len} batch {args.total_batch_size} "
-                f"lr x{lr_mult:g} seed {seed} ...")
-            runs.append(quality_run(args, seed, lr_mult))
-    rows = [[f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at] + [f"{r['seconds']:.0f}"]
-            for r in runs]
+    for variant in args.variants:
+        for lr_mult in args.lr_mults:
+            for seed in args.seeds:
+                log(f"bench quality: {args.source} d{args.depth} T={args.seq_len} batch {args.total_batch_size} "
+                    f"{variant} lr x{lr_mult:g} seed {seed} ...")
+                runs.append(quality_run(args, seed, lr_mult, variant))
+    rows = [[r["variant"], f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at]
+            + [f"{r['flops_per_token']:,}", f"{r['tok_per_s']:,.0f}", f"{r['seconds']:.0f}"] for r in runs]
     print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
                 f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)} (x1 = base lrs x{base_lr_scale:.4g}), "
                 f"wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup {args.warmup_ratio} "
-                f"warmdown {args.warmdown_ratio}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
-                ["lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["s"], rows)
+                f"warmdown {args.warmdown_ratio} to {args.final_lr_frac:g}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
+                ["variant", "lr x", "seed"] + [f"step {s}" for s in args.eval_at] + ["FLOPs/token", "tok/s", "s"], rows)
     final = {}
     for r in runs:
         final.setdefault(r["lr_mult"], []).append(r["val_bpb"][args.steps])
@@ -131,8 +148,32 @@ def cmd_quality(args):
     print("\nmean final val bpb per lr multiplier: " + ", ".join(f"x{m:g} {v:.4f}" for m, v in means.items())
           + f" | best x{best:g}" + (f"; the default (x1) is {100 * (means[1.0] / means[best] - 1):+.2f} % from it"
                                       if 1.0 in means else ""))
+    if len(args.variants) > 1:
+        print_variants(args, runs)
     emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
-               "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,
+               "final_lr_frac": args.final_lr_frac, "variants": args.variants, "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,
                "base_lr_scale": base_lr_scale, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
+
+
+def print_variants(args, runs):
+    """Per variant (at lr x1, or the first multiplier): mean final val bpb over the seeds and its change from the first
+    variant, the seeds' spread, extra FLOPs per token and the speed cost."""
+    lr_mult = 1.0 if 1.0 in args.lr_mults else args.lr_mults[0]
+    by_variant = {}
+    for r in runs:
+        if r["lr_mult"] == lr_mult:
+            by_variant.setdefault(r["variant"], []).append(r)
+    first = by_variant[args.variants[0]]
+    ref_bpb = sum(r["val_bpb"][args.steps] for r in first) / len(first)
+    ref_flops, ref_speed = first[0]["flops_per_token"], sum(r["tok_per_s"] for r in first) / len(first)
+    rows = []
+    for variant, rs in by_variant.items():
+        finals = [r["val_bpb"][args.steps] for r in rs]
+        mean, speed = sum(finals) / len(finals), sum(r["tok_per_s"] for r in rs) / len(rs)
+        rows.append([variant, f"{mean:.4f}", f"{100 * (mean / ref_bpb - 1):+.2f} %", f"{max(finals) - min(finals):.4f}",
+                     f"{100 * (rs[0]['flops_per_token'] / ref_flops - 1):+.2f} %", f"{speed:,.0f}",
+                     f"{100 * (speed / ref_speed - 1):+.1f} %"])
+    print_table(f"variants against {args.variants[0]} (lr x{lr_mult:g}, {len(first)} seed(s), final val bpb)",
+                ["variant", "val bpb", "change", "seed spread", "FLOPs/token", "tok/s", "speed"], rows)

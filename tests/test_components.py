@@ -1,0 +1,253 @@
+"""The optional recipe components (gpt.COMPONENTS, Muon's normuon / cautious_wd): identity at init, the CPU fast
+path's gradients, the KV cache and the engine, the optimizer math, checkpoints and resume."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.engine import Engine, KVCache
+from nanochat.gpt import COMPONENTS, GPT, GPTConfig
+from nanochat.muon import Muon, _normalize_rows
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+ALL_ON = {name: True for name in COMPONENTS}
+
+
+def tiny_config(**overrides):
+    fields = dict(sequence_len=32, vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, n_embd=64)
+    fields.update(overrides)
+    return GPTConfig(**fields)
+
+
+def build(config, seed=0, randomize=True):
+    """Init, then (by default) random weights everywhere, the components' scalars and gates included, so no
+    component is the identity and every gradient is nonzero."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    if randomize:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.5 if p.ndim == 1 else p.shape[1] ** -0.5 if p.shape[0] != config.vocab_size else 1.0)
+    return model.eval()
+
+
+def make_cache(model, batch_size, seq_len):
+    c = model.config
+    return KVCache(batch_size, c.n_kv_head, seq_len, c.n_embd // c.n_head, c.n_layer, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("name", COMPONENTS)
+@torch.no_grad()
+def test_each_component_starts_as_the_identity(name):
+    # Switched on and freshly initialised, a component computes what the plain model computes with the same weights
+    # (a value embedding starts small but not zero: zeroed here, its gate is exactly 1), so an ablation starts from
+    # the same function and only training can tell them apart.
+    plain = build(tiny_config(), randomize=False)
+    model = build(tiny_config(**{name: True}), randomize=False)
+    model.load_state_dict(plain.state_dict(), strict=False)
+    if name == "value_embeds":
+        for embedding in model.value_embeds.values():
+            embedding.weight.zero_()
+        assert sorted(model.value_embeds) == ["0", "2"]  # the last layer and every second one below it
+    for block in plain.transformer.h:  # make the blocks do something, identically in both models
+        block.attn.c_proj.weight.normal_(std=0.1)
+        block.mlp.c_proj.weight.normal_(std=0.1)
+    model.load_state_dict(plain.state_dict(), strict=False)
+    idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(idx), plain(idx), atol=1e-6, rtol=1e-6)
+    assert model.num_params() > plain.num_params()
+
+
+def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
+    # The components run as plain torch ops inside the CPU fast path (cpu_ops); loss and every gradient must equal
+    # the plain path's (NANOCHAT_CPU_OPS=0, what a GPU runs), and every component parameter must learn.
+    model = build(tiny_config(**ALL_ON))
+    model.train()
+    idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(8))
+    targets = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(9))
+    grads = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("NANOCHAT_CPU_OPS", flag)
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, targets)
+        loss.backward()
+        grads[flag] = (loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()})
+    torch.testing.assert_close(grads["1"][0], grads["0"][0], atol=1e-5, rtol=1e-5)
+    for name, grad in grads["1"][1].items():
+        torch.testing.assert_close(grad, grads["0"][1][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert grad.abs().max() > 0, name
+    component_params = {n for n in grads["1"][1] if "lambda" in n or "gate" in n or n.startswith("value_embeds")}
+    assert len(component_params) == 2 + 2 + 2 + 2 + 1  # 2 value embeddings + 2 gates, resid/x0, smear gate/lambda, backout
+
+
+@torch.no_grad()
+def test_kv_cache_with_every_component_matches_the_full_forward():
+    # Smear needs the previous token's embedding at decode, which the cache keeps (and prefill copies to every sample).
+    model = build(tiny_config(**ALL_ON))
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    full = model(idx)
+    cache = make_cache(model, 2, 16)
+    pieces = [model(idx[:, :5], kv_cache=cache), model(idx[:, 5:9], kv_cache=cache)]
+    pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(9, 16)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+    prompt = idx[:1, :7]
+    single = make_cache(model, 1, 7)
+    model(prompt, kv_cache=single)
+    many = make_cache(model, 3, 12)
+    many.prefill(single)
+    next_tokens = torch.tensor([[3], [50], [96]])
+    expected = model(torch.cat([prompt.expand(3, -1), next_tokens], dim=1))[:, -1:]
+    torch.testing.assert_close(model(next_tokens, kv_cache=many), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_greedy_equals_naive_recompute_with_every_component():
+    from nanochat.tokenizer import RustBPETokenizer
+
+    texts = [f"The quick brown fox {i} jumps over the lazy dog {i * 7}." for i in range(200)]
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), 300)
+    model = build(tiny_config(vocab_size=tokenizer.get_vocab_size(), **ALL_ON))
+    prompt = tokenizer.encode("The quick brown", prepend=tokenizer.get_bos_token_id())
+    terminals = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    ids, naive = list(prompt), []
+    with torch.no_grad():
+        while len(naive) < 12:
+            next_id = int(model(torch.tensor([ids]))[0, -1].argmax())
+            ids.append(next_id)
+            naive.append(next_id)
+            if next_id in terminals:
+                break
+    columns = [column for column, _ in Engine(model, tokenizer).generate(prompt, num_samples=2, max_tokens=12, temperature=0)]
+    assert columns == [[t, t] for t in naive]
+
+
+def test_flops_and_scaling_params_leave_out_every_lookup():
+    model = build(tiny_config(**ALL_ON), randomize=False)
+    plain = build(tiny_config(), randomize=False)
+    c = model.config
+    kv_dim = c.n_kv_head * c.n_embd // c.n_head
+    assert model.embedding_params() == c.vocab_size * (c.n_embd + 2 * kv_dim)
+    gates_and_scalars = 2 * 32 * c.n_kv_head + 2 * c.n_layer + 32 + 1 + 1
+    assert model.num_params() - plain.num_params() == 2 * c.vocab_size * kv_dim + gates_and_scalars
+    assert model.estimate_flops() - plain.estimate_flops() == 6 * gates_and_scalars
+
+
+# -----------------------------------------------------------------------------
+# Muon's options
+
+
+def test_normuon_evens_out_the_rows_and_keeps_the_norm():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 10)) for _ in range(2)]
+    updates = torch.randn(2, 6, 10) * torch.linspace(0.1, 3.0, 6).view(1, 6, 1)  # rows of very different sizes
+    state = {p: {} for p in params}
+    out = _normalize_rows(updates, params, state)
+    row_rms = out.square().mean(dim=-1).sqrt()
+    assert (row_rms.max(dim=1).values / row_rms.min(dim=1).values).max() < 1.01  # first step: every row alike
+    torch.testing.assert_close(out.norm(dim=(-2, -1)), updates.norm(dim=(-2, -1)))
+    assert state[params[0]]["row_second_moment"].shape == (6, 1)
+
+
+def test_cautious_weight_decay_only_shrinks_weights_the_update_pushes_toward_zero():
+    weight = torch.nn.Parameter(torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+    weight.grad = torch.tensor([[1.0, -1.0, -1.0, 1.0]])  # the first two point toward zero, the last two away
+    plain, cautious = weight.detach().clone(), None
+    for option in (False, True):
+        p = torch.nn.Parameter(plain.clone())
+        p.grad = weight.grad.clone()
+        opt = Muon([{"params": [p], "lr": 0.1, "weight_decay": 0.5, "cautious_wd": option}], momentum=0.0, nesterov=False)
+        opt.step()
+        if option:
+            cautious = p.detach()
+        else:
+            decayed = p.detach()
+    step = decayed - cautious  # decay shrinks |w| by lr*wd*|w| = 0.05 where it applies
+    torch.testing.assert_close(step, torch.tensor([[0.0, 0.0, -0.05, 0.05]]), atol=1e-6, rtol=0)
+
+
+def test_loss_goes_down_with_every_component_on():
+    from nanochat.training import build_optimizers, train_step
+
+    model = build(tiny_config(**ALL_ON), randomize=False)
+    model.train()
+    optimizers = build_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.1,
+                                  optimizer_components=("normuon", "cautious_wd"))
+    scalars = [g for g in optimizers[0].param_groups if any(p.ndim == 1 for p in g["params"])]
+    assert len(scalars) == 1 and scalars[0]["lr"] == 0.005  # the components' own group, at the scalar lr
+    assert all(g["normuon"] and g["cautious_wd"] for g in optimizers[1].param_groups)
+    batch = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(3))
+    losses = [train_step(model, optimizers, [(batch[:, :-1], batch[:, 1:])], lambda m, xy: m(*xy), 1.0, 0.9,
+                         torch.autocast("cpu", enabled=False)) for _ in range(25)]
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.x0_lambdas.abs().max() > 0 and model.backout_lambda.abs().max() > 0  # the scalars moved
+    moments = [s["row_second_moment"] for s in optimizers[1].state.values()]
+    assert moments and all(m.min() > 0 for m in moments)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints and base_train
+
+
+def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
+    from nanochat.checkpoint_manager import validate_meta
+    from nanochat.training import config_dict
+
+    plain = config_dict(tiny_config())
+    assert set(plain) == {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"}  # as before components
+    with_smear = config_dict(tiny_config(smear=True, backout=True))
+    assert with_smear == {**plain, "smear": True, "backout": True}
+    assert GPTConfig(**with_smear) == tiny_config(smear=True, backout=True)
+    meta = {"step": 3, "model_config": with_smear, "files": {"model.safetensors": "0" * 64}}
+    assert validate_meta(meta) is None
+    assert "components must be true or false" in validate_meta({**meta, "model_config": {**plain, "smear": 1}})
+    assert "may name components" in validate_meta({**meta, "model_config": {**plain, "sliding": True}})
+
+
+def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_base_dir, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_base_dir, base)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base, "NANOCHAT_DATA_SOURCE": "builtin", "OMP_NUM_THREADS": "1"}
+    common = ["--depth=2", "--aspect-ratio=16", "--head-dim=16", "--max-seq-len=32", "--device-batch-size=2",
+              "--total-batch-size=64", "--num-iterations=3", "--eval-every=-1", "--core-metric-every=-1",
+              "--sample-every=-1", "--model-tag=tiny"]
+
+    def train(*extra):
+        return subprocess.run([sys.executable, "-m", "scripts.base_train", *common, *extra], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = train("--components=smear,normuon,value_embeds")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "+ value_embeds,smear,normuon" in first.stdout  # the config line names them, in canonical order
+    step_dir = os.path.join(base, "base_checkpoints", "tiny", "step_000003")
+    with open(os.path.join(step_dir, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["model_config"]["smear"] is True and meta["model_config"]["value_embeds"] is True
+    assert "residual_scalars" not in meta["model_config"]
+
+    from nanochat.checkpoint_manager import load_model
+
+    os.environ["NANOCHAT_BASE_DIR"], saved_env = base, os.environ.get("NANOCHAT_BASE_DIR")
+    try:
+        model, _, _ = load_model("base", "cpu", model_tag="tiny")
+    finally:
+        os.environ.pop("NANOCHAT_BASE_DIR") if saved_env is None else os.environ.update(NANOCHAT_BASE_DIR=saved_env)
+    assert model.config.smear and model.config.value_embeds and not model.config.backout
+
+    for other, named in (("smear,value_embeds", "--components value_embeds,smear,normuon -> value_embeds,smear"),
+                         ("smear,normuon,value_embeds,backout", "'backout': (None, True)")):
+        refused = train(f"--components={other}", "--resume", "--num-iterations=5")
+        assert refused.returncode != 0 and named in refused.stderr, refused.stderr[-1500:]
+    bad = train("--components=smear,warp_drive")
+    assert bad.returncode != 0 and "warp_drive" in bad.stderr and "Traceback" not in bad.stderr
+    resumed = train("--components=normuon,value_embeds,smear", "--resume", "--num-iterations=5")  # same set, any order
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
