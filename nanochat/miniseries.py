@@ -88,7 +88,8 @@ def check_family(directory, settings):
         raise UserError(f"{path} is unreadable ({e}); delete it only if every run under {directory} used the "
                         f"settings you are giving now") from None
     if before is not None:
-        changed = [f"{k}: {before.get(k)!r} then, {v!r} now" for k, v in settings.items() if before.get(k) != v]
+        changed = [f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now" for k in {**before, **settings}
+                   if before.get(k) != settings.get(k)]  # a setting absent on one side (e.g. components) reads as None
         if changed:
             raise UserError(f"miniseries {os.path.basename(directory)} was run with other settings ("
                             f"{'; '.join(changed)}); give this family another --name, or delete {directory}")

@@ -5,6 +5,7 @@ Train a family of base_train runs and fit the scaling laws they trace (nanochat/
     python -m scripts.miniseries --preset=cpu                       # d2..d4 at 1 token/param (a quick look)
     python -m scripts.miniseries --preset=gpu --nproc=8             # d10..d26 on a GPU node (torchrun)
     python -m scripts.miniseries --depths 4 6 8 --ratio=10 --name=ratio10 --data-source=brown
+    python -m scripts.miniseries --mode=isoflop --components=smear,normuon --name=cpu-isoflop-smear   # a recipe variant
     python -m scripts.miniseries --preset=gpu --mode=isoflop --dry-run  # the plan only: sizes, steps, FLOPs
 
 Run it again after a kill or a failure: finished runs are skipped, a killed one resumes, a failed one is retried.
@@ -48,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-bundle", default=None, help="CORE at each run's end: builtin (offline), dclm, a path, or none")
     p.add_argument("--data-source", default=None, help="default: $NANOCHAT_DATA_SOURCE or builtin")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--components", default="", help="base_train --components for every run (a recipe variant's family)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (runs, sizes, steps, FLOPs) and stop")
     args = p.parse_args(argv)
@@ -61,6 +63,9 @@ def parse_args(argv=None):
     args.name = args.name or f"{args.preset}-{args.mode}"
     if min(args.depths) < 1 or (args.mode == "isoflop" and min(args.budgets) <= 0) or args.ratio <= 0:
         raise UserError("--depths must be >= 1, --budgets and --ratio > 0")
+    from nanochat.training import split_components
+
+    args.components = ",".join(sum(split_components(args.components), []))  # an unknown name fails here
     if not ms.plain_name(args.name):
         raise UserError(f"--name {args.name!r}: use letters, digits, '-', '_' and '.'")
     return args
@@ -70,7 +75,7 @@ def main(argv=None):
     args = parse_args(argv)
     from nanochat.dataset import list_parquet_files
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.training import depth_recipe
+    from nanochat.training import depth_recipe, split_components
 
     base_dir = get_base_dir()
     list_parquet_files("train", args.data_source)  # a missing source fails here, before any run
@@ -82,14 +87,16 @@ def main(argv=None):
         budget = {"target_flops": float(spec.budget.split("=")[1])} if args.mode == "isoflop" else \
             {"target_param_data_ratio": args.ratio}
         recipes[spec.name] = r = depth_recipe(spec.depth, vocab_size, args.max_seq_len, args.total_batch_size,
-                                              args.aspect_ratio, args.head_dim, **budget)
+                                              args.aspect_ratio, args.head_dim, **budget,
+                                              components=split_components(args.components)[0])
         if r.num_iterations < 1:
             raise UserError(f"run {spec.name}: its budget is less than one step of {args.total_batch_size:,} tokens; "
                             f"raise --budgets/--ratio or lower --total-batch-size")
     directory = ms.series_dir(args.name)
     data_source = args.data_source or os.environ.get("NANOCHAT_DATA_SOURCE", "builtin")
     total_flops = sum(r.flops_per_token * r.num_iterations * args.total_batch_size for r in recipes.values())
-    print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs | T {args.max_seq_len} | batch "
+    print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs |"
+           f"{' components ' + args.components + ' |' if args.components else ''} T {args.max_seq_len} | batch "
            f"{args.total_batch_size:,} tok | data {data_source} | {total_flops:.3g} FLOPs in all | {directory}")
     for spec in specs:
         r = recipes[spec.name]
@@ -100,7 +107,8 @@ def main(argv=None):
     ms.check_family(directory, {"mode": args.mode, "ratio": args.ratio if args.mode == "series" else None,
                                 "data_source": data_source, "vocab_size": vocab_size, "seed": args.seed,
                                 **{k: getattr(args, k) for k in ("max_seq_len", "total_batch_size", "aspect_ratio",
-                                                                 "head_dim", "eval_tokens", "eval_bundle")}})
+                                                                 "head_dim", "eval_tokens", "eval_bundle")},
+                                **({"components": args.components} if args.components else {})})
     os.makedirs(os.path.join(directory, "runs"), exist_ok=True)
 
     rows, trajectories, previous = [], {}, ms.read_results(directory)
@@ -136,6 +144,7 @@ def run_flags(args, num_iterations):
             f"--total-batch-size={args.total_batch_size}", f"--aspect-ratio={args.aspect_ratio}",
             f"--head-dim={args.head_dim}", f"--eval-every={every}", f"--eval-tokens={args.eval_tokens}",
             f"--save-every={every}", "--sample-every=-1", f"--seed={args.seed}", *core] + \
+        ([f"--components={args.components}"] if args.components else []) + \
         ([f"--data-source={args.data_source}"] if args.data_source else [])
 
 

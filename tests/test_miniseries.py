@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,8 @@ def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(bas
         miniseries.main([a if a != "0.1" else "0.2" for a in SERIES])
     with pytest.raises(UserError, match="seed: 42 then, 7 now"):
         miniseries.main(SERIES + ["--seed", "7"])
+    with pytest.raises(UserError, match="components: None then, 'smear' now"):  # a recipe variant is another family
+        miniseries.main(SERIES + ["--components", "smear"])
     assert "training (" not in capsys.readouterr().out
 
 
@@ -149,6 +152,17 @@ def test_bad_flags_fail_before_any_run_and_a_dry_run_only_plans(base, monkeypatc
     out = capsys.readouterr().out
     assert "4 runs" in out and "C6e09-d2" in out and "FLOPs in all" in out
     assert not os.path.exists(os.path.join(base, "miniseries"))  # nothing trained, nothing written
+    # a recipe variant's family: its components reach the plan (value embeddings add parameters) and base_train's flags
+    miniseries.main(["--depths", "2", "--ratio", "1", "--name", "ve", "--dry-run", "--components", "value_embeds", *TINY])
+    with_ve = capsys.readouterr().out
+    assert "components value_embeds" in with_ve
+    miniseries.main(["--depths", "2", "--ratio", "1", "--name", "plain", "--dry-run", *TINY])
+    plain = capsys.readouterr().out
+    params = [int(re.search(r"params\s+([\d,]+)", out).group(1).replace(",", "")) for out in (with_ve, plain)]
+    assert params[0] > params[1]
+    assert "--components=value_embeds" in miniseries.run_flags(miniseries.parse_args(["--components", "value_embeds"]), 10)
+    with pytest.raises(UserError, match="warp"):
+        miniseries.parse_args(["--components", "warp"])
     # the presets: an isoflop sweep takes the preset's isoflop depths, a series its series depths
     assert miniseries.parse_args(["--mode", "isoflop"]).depths == miniseries.PRESETS["cpu"]["isoflop_depths"]
     assert miniseries.parse_args([]).depths == miniseries.PRESETS["cpu"]["depths"]
