@@ -25,11 +25,15 @@ every step. Two options from the reference project's later recipe, off unless a 
                  mean of its squares (beta NORMUON_BETA2), then the whole update is rescaled to its old norm,
                  so every unit moves by a similar amount
     cautious_wd  weight decay only where the update already pushes the weight toward zero (sign(u) == sign(p))
+    polar_express  each Newton-Schulz step uses its own quintic, the minimax one for where the singular values
+                 are at that step (polar_express_coefficients), instead of one fixed quintic for all five
 A parameter may carry attributes `lr_mul` / `wd_mul` (default 1.0) that scale its lr / decay.
 """
 
+import functools
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,12 +47,49 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NORMUON_BETA2 = 0.95
 
 
-def orthogonalize(G, steps=5, dtype=None):
+@functools.cache
+def polar_express_coefficients(steps, lower=1e-3, safety=1.01):
     """
-    Approximate the orthogonal polar factor U V^T of G (shape (..., rows, cols)) by Newton-Schulz.
+    One odd quintic p_k(x) = a x + b x^3 + c x^5 per step, chosen greedily (the Polar Express idea, Amsel et al. 2025):
+    the singular values start in [lower, 1] after the Frobenius normalisation; step k takes the p_k that is closest to
+    1 in the worst case over where they are now (minimax, by Remez exchange), which puts them in [1 - e_k, 1 + e_k]
+    for the next step. Each interval's top is widened by `safety` so rounding just above it stays in the fitted range.
+    From [1e-3, 1] five steps end in about [0.89, 1.11]; the fixed quintic of NS_COEFFS ends in about [0.47, 1.20].
+    """
+    lo, hi, coefficients = lower, 1.0, []
+    for _ in range(steps):
+        (a, b, c), error = _minimax_odd_quintic(lo, hi * safety)
+        coefficients.append((a, b, c))
+        lo, hi = 1 - error, 1 + error
+    return tuple(coefficients)
+
+
+def _minimax_odd_quintic(lo, hi, rounds=50):
+    """(a, b, c) minimising max |1 - (a x + b x^3 + c x^5)| over [lo, hi], and that error. Remez exchange: the error of
+    the best such quintic alternates in sign at 4 points (the two ends and two interior extremes); solve for the
+    quintic that alternates with equal size on the current 4 points, move them to the error's extremes, repeat."""
+    grid = np.linspace(lo, hi, 4001)
+    points = np.linspace(lo, hi, 4)
+    signs = np.array([1.0, -1.0, 1.0, -1.0])
+    for _ in range(rounds):
+        a, b, c, _ = np.linalg.solve(np.stack([points, points ** 3, points ** 5, signs], axis=1), np.ones(4))
+        error = 1 - (a * grid + b * grid ** 3 + c * grid ** 5)
+        turns = np.flatnonzero((error[1:-1] - error[:-2]) * (error[2:] - error[1:-1]) <= 0) + 1
+        extremes = grid[np.concatenate(([0], turns, [len(grid) - 1]))]
+        if len(extremes) != 4 or np.allclose(extremes, points, rtol=0, atol=1e-12):
+            break
+        points = extremes
+    return (float(a), float(b), float(c)), float(np.abs(error).max())
+
+
+def orthogonalize(G, steps=5, dtype=None, polar_express=False):
+    """
+    Approximate the orthogonal polar factor U V^T of G (shape (..., rows, cols)) by Newton-Schulz, with the fixed
+    quintic NS_COEFFS at every step or (polar_express) the per-step ones of polar_express_coefficients.
     Runs in bf16 where the hardware multiplies bf16 natively and in fp32 elsewhere
     (common.orthogonalization_dtype). Returns a tensor of G's dtype.
     """
+    coefficients = polar_express_coefficients(steps) if polar_express else (NS_COEFFS,) * steps
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix (got shape {tuple(G.shape)})")
     if dtype is None:
@@ -66,27 +107,26 @@ def orthogonalize(G, steps=5, dtype=None):
     # Same iteration either way; the Gram form does fewer FLOPs when cols > 1.5 rows, but it lets
     # rounding errors build up in A, which is fine in fp32 and not trusted in bf16.
     if dtype == torch.float32 and 2 * cols > 3 * rows:
-        X = _newton_schulz_gram(X, steps)
+        X = _newton_schulz_gram(X, coefficients)
     else:
-        X = _newton_schulz(X, steps)
+        X = _newton_schulz(X, coefficients)
     X = X.reshape(*batch_shape, rows, cols)
     if tall:
         X = X.mT
     return X.to(G.dtype)
 
 
-def _newton_schulz(X, steps):
-    """X <- P(A) X with P(A) = a I + b A + c A^2 and A = X X^T, for a batch of wide matrices (n, rows, cols).
-    Per step 4 rows^2 cols + 2 rows^3 FLOPs; baddbmm folds the scalings and sums into the matmuls."""
-    a, b, c = NS_COEFFS
-    for _ in range(steps):
+def _newton_schulz(X, coefficients):
+    """X <- P(A) X with P(A) = a I + b A + c A^2 and A = X X^T, for a batch of wide matrices (n, rows, cols), one
+    (a, b, c) per step. Per step 4 rows^2 cols + 2 rows^3 FLOPs; baddbmm folds the scalings and sums into the matmuls."""
+    for a, b, c in coefficients:
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
         X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
     return X
 
 
-def _newton_schulz_gram(X0, steps):
+def _newton_schulz_gram(X0, coefficients):
     """
     The same iteration carried out on rows x rows matrices only. Every X_k equals M_k X0 for a
     rows x rows M_k, and with P_k = a I + b A_k + c A_k^2:
@@ -97,14 +137,13 @@ def _newton_schulz_gram(X0, steps):
     4 rows^2 cols + 34 rows^3 FLOPs for 5 steps, against 20 rows^2 cols + 10 rows^3 (44 % fewer
     for the MLP's 1:4 matrices).
     """
-    a, b, c = NS_COEFFS
     A = torch.bmm(X0, X0.mT)
     M = None
-    for k in range(steps):
+    for k, (a, b, c) in enumerate(coefficients):
         P = torch.baddbmm(A, A, A, beta=b, alpha=c)
         P.diagonal(dim1=-2, dim2=-1).add_(a)
         M = P if M is None else torch.bmm(P, M)
-        if k + 1 < steps:
+        if k + 1 < len(coefficients):
             A = torch.bmm(torch.bmm(P, A), P)
     return torch.bmm(M, X0)
 
@@ -124,7 +163,7 @@ def _update_matrices(params, grads, state, group):
     torch._foreach_lerp_(buffers, grads, 1 - momentum)
     # Nesterov: step from where the momentum is about to take us, not from where it is.
     directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
-    updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"])
+    updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"], polar_express=group.get("polar_express", False))
     if group.get("normuon"):
         updates = _normalize_rows(updates.float(), params, state).to(updates.dtype)
     rows, cols = params[0].shape[-2:]

@@ -210,7 +210,7 @@ def apply_schedules(optimizers, lrm, momentum=None):
 # Optimizers and one step
 
 
-OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd")  # Muon options (nanochat.muon), off = the plain Muon
+OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd", "polar_express")  # Muon options (nanochat.muon), off = the plain Muon
 
 
 def split_components(text):

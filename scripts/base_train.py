@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--components", default="", help="comma-separated optional components of the model (value_embeds, "
-                   "residual_scalars, smear, backout) and of Muon (normuon, cautious_wd); README 'Recipe components'")
+                   "residual_scalars, smear, backout) and of Muon (normuon, cautious_wd, polar_express); README 'Recipe components'")
     # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from the budget flags below)")
     p.add_argument("--target-flops", type=float, default=-1.0)

@@ -177,10 +177,10 @@ def test_loss_goes_down_with_every_component_on():
     model = build(tiny_config(**ALL_ON), randomize=False)
     model.train()
     optimizers = build_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.1,
-                                  optimizer_components=("normuon", "cautious_wd"))
+                                  optimizer_components=("normuon", "cautious_wd", "polar_express"))
     scalars = [g for g in optimizers[0].param_groups if any(p.ndim == 1 for p in g["params"])]
     assert len(scalars) == 1 and scalars[0]["lr"] == 0.005  # the components' own group, at the scalar lr
-    assert all(g["normuon"] and g["cautious_wd"] for g in optimizers[1].param_groups)
+    assert all(g["normuon"] and g["cautious_wd"] and g["polar_express"] for g in optimizers[1].param_groups)
     batch = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(3))
     losses = [train_step(model, optimizers, [(batch[:, :-1], batch[:, 1:])], lambda m, xy: m(*xy), 1.0, 0.9,
                          torch.autocast("cpu", enabled=False)) for _ in range(25)]

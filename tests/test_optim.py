@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -352,3 +353,44 @@ def test_loading_state_from_another_world_size_is_a_clear_error():
     state["state"][0]["exp_avg_sq"] = state["state"][0]["exp_avg_sq"][:3].clone()
     with pytest.raises(UserError, match="different number of ranks"):
         DistAdamW([p], lr=0.01).load_state_dict(state)
+
+
+def test_polar_express_coefficients_are_minimax_and_end_closer_to_one():
+    # Each step's quintic is the best worst case over where the singular values are: its error equioscillates,
+    # and no small change of its coefficients lowers the worst case.
+    from nanochat.muon import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
+
+    (a, b, c), error = _minimax_odd_quintic(0.1, 1.0)
+    x = np.linspace(0.1, 1.0, 20001)
+    worst = lambda a, b, c: np.abs(1 - (a * x + b * x ** 3 + c * x ** 5)).max()  # noqa: E731
+    assert worst(a, b, c) == pytest.approx(error, rel=1e-4)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        da, db, dc = rng.normal(scale=1e-3, size=3)
+        assert worst(a + da, b + db, c + dc) >= error * (1 - 1e-6)
+    # composed over five steps from [1e-3, 1]: far tighter than the fixed quintic
+    x = np.linspace(1e-3, 1.0, 20001)
+    ours, fixed = x.copy(), x.copy()
+    for (a, b, c) in polar_express_coefficients(5):
+        ours = a * ours + b * ours ** 3 + c * ours ** 5
+    for _ in range(5):
+        fixed = NS_COEFFS[0] * fixed + NS_COEFFS[1] * fixed ** 3 + NS_COEFFS[2] * fixed ** 5
+    assert 0.85 < ours.min() and ours.max() < 1.15
+    assert fixed.min() < 0.5
+
+
+@pytest.mark.parametrize("shape, dtype", [((48, 48), torch.float32), ((32, 128), torch.float32),
+                                          ((128, 32), torch.float32), ((32, 128), torch.bfloat16)])
+def test_orthogonalize_with_polar_express_on_an_ill_conditioned_matrix(shape, dtype):
+    # singular values over 2.7 decades: the fixed quintic leaves the small ones well short of 1, Polar Express does not
+    # (fp32 wide matrices take the Gram form of the iteration, the others the plain one)
+    torch.manual_seed(2)
+    rows, cols = shape
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, k))
+    V, _ = torch.linalg.qr(torch.randn(cols, k))
+    G = U @ torch.diag(torch.logspace(-2.7, 0, k)) @ V.T  # after the Frobenius normalisation the smallest is ~1e-3
+    fixed = torch.linalg.svdvals(orthogonalize(G, steps=5, dtype=dtype))
+    ours = torch.linalg.svdvals(orthogonalize(G, steps=5, dtype=dtype, polar_express=True))
+    assert ours.max() < 1.15 and ours.min() > 0.84, ours
+    assert fixed.min() < 0.56 and fixed.max() > 1.19
