@@ -10,7 +10,8 @@ from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, f
                                          resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
-from nanochat.training import REFERENCE_BATCH, build_optimizers, config_dict, dial_lrs
+from nanochat.training import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs,
+                               optimizer_components_of)
 
 # -----------------------------------------------------------------------------
 # Flags
@@ -150,7 +151,8 @@ def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, 
     """
     settings = RunSettings(name, ckpt_dir, num_iterations, vars(args).copy(), config_dict(model.config),
                            tokenizer.fingerprint(), tokens_per_step, model.estimate_flops(), args.save_every,
-                           args.keep_last, args.run, meta={"lrs": lrs})
+                           args.keep_last, args.run,
+                           meta={"lrs": lrs, "optimizer_components": optimizer_components_of(optimizers)})
     return TrainingLoop(settings, model, optimizers, loader, start, device, autocast_for(device))
 
 
@@ -170,7 +172,8 @@ def stage_steps(loop, eval_every, eval_name, evaluate):
 def start_stage(args, tag, ckpt_dir, device):
     """
     The model the stage trains (the input checkpoint, or this stage's own latest one with --resume), its
-    optimizers at the dial's lrs for its depth times --init-lr-frac, and where the loop starts.
+    optimizers at the dial's lrs for its depth times --init-lr-frac (with the Muon options the input was trained with),
+    and where the loop starts.
     Returns (model, tokenizer, optimizers, lrs, start).
     """
     model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
@@ -179,7 +182,8 @@ def start_stage(args, tag, ckpt_dir, device):
     lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)
            for name in ("embedding_lr", "unembedding_lr", "matrix_lr")}
     lrs["weight_decay"] = dial["weight_decay"] if args.weight_decay < 0 else args.weight_decay
-    optimizers = build_optimizers(model, **lrs)
+    optimizers = build_optimizers(model, **lrs, scalar_lr=SCALAR_LR * args.init_lr_frac,
+                                  optimizer_components=meta.get("optimizer_components", []))
     start = StartPoint()
     if args.resume:
         step = resolve_step(ckpt_dir)

@@ -243,6 +243,12 @@ def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_deca
     return [build_adamw(adamw_groups), build_muon(muon_groups)]
 
 
+def optimizer_components_of(optimizers):
+    """The Muon options (OPTIMIZER_COMPONENTS) these optimizers run with, for checkpoint meta."""
+    return [name for name in OPTIMIZER_COMPONENTS
+            if any(group.get(name) for opt in optimizers for group in opt.param_groups)]
+
+
 def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None):
     """
     One optimizer step: forward + backward of loss_fn(model, batch) / divisor for each micro-batch, then the

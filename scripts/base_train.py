@@ -156,7 +156,8 @@ def main(argv=None):
 
     settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
                            args.total_batch_size, recipe.flops_per_token, args.save_every, args.keep_last, args.run,
-                           meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len})
+                           meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len,
+                                 "optimizer_components": split_components(args.components)[1]})
     loop = TrainingLoop(settings, model, optimizers, train_loader, start, device, autocast)
     c = recipe.model_config
     loop.announce(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "

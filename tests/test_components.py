@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import COMPONENTS, GPT, GPTConfig
@@ -251,3 +250,13 @@ def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_
     assert bad.returncode != 0 and "warp_drive" in bad.stderr and "Traceback" not in bad.stderr
     resumed = train("--components=normuon,value_embeds,smear", "--resume", "--num-iterations=5")  # same set, any order
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert meta["optimizer_components"] == ["normuon"]
+    # a chat stage takes the model's components with the model and Muon's options from the checkpoint's meta
+    mid = subprocess.run([sys.executable, "-m", "scripts.mid_train", "-g", "tiny", "--device-batch-size=2",
+                          "--total-batch-size=512", "--eval-steps=1", "--num-iterations=2"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert mid.returncode == 0, mid.stderr[-2000:]
+    mid_dir = os.path.join(base, "mid_checkpoints", "tiny")
+    with open(os.path.join(mid_dir, sorted(os.listdir(mid_dir))[-1], "meta.json")) as f:
+        mid_meta = json.load(f)
+    assert mid_meta["optimizer_components"] == ["normuon"] and mid_meta["model_config"]["smear"] is True

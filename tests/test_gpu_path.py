@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_base_train import TINY, final_weights, fresh_base, run_train, train_losses, val_bpbs
+from test_base_train import final_weights, fresh_base, run_train, train_losses, val_bpbs
 from test_gpt import build, reference_forward, tiny_config
 
 from nanochat import cpu_ops

@@ -337,7 +337,7 @@ def test_resume_extends_the_budget_and_refuses_changes_that_break_exactness(tiny
 def read_only_command(path, cmd):
     """Run cmd with `path` bind-mounted read-only, in a private user + mount namespace (no root needed)."""
     assert shutil.which("unshare"), "unshare (util-linux) is needed for the read-only mount"
-    script = f'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
     return ["unshare", "-rm", "sh", "-c", script, path] + cmd
 
 

@@ -21,7 +21,6 @@ from conftest import random_tiny_gpt
 
 from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
 from nanochat.dataloader import eval_batches
-from nanochat.gpt import GPTConfig, build_model
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 
