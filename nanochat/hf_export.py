@@ -10,7 +10,11 @@ The directory holds:
     tokenizer.json           byte-level BPE equivalent to our tiktoken encoding, specials at our ids
     tokenizer_config.json    bos/eos, and a chat template that renders exactly like render_for_completion
 
-Anything transformers cannot represent (an unknown config field, an extra parameter, an unconvertible
+A model with a recipe component (gpt.COMPONENTS) has no place in transformers' NanoChat: its export writes our own
+modeling code (nanochat/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and config.json
+points auto_map at it, so it loads with trust_remote_code=True.
+
+Anything else transformers cannot represent (an unknown config field, an extra parameter, an unconvertible
 tokenizer) is refused before a single file is written, and the directory appears only when complete
 (written next to the target, then renamed).
 """
@@ -33,10 +37,11 @@ from nanochat.checkpoint_manager import (
     resolve_step,
 )
 from nanochat.common import UserError, print0
-from nanochat.gpt import COMPONENTS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig
+from nanochat.gpt import COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RECIPE_MODULE = "modeling_nanochat_recipe"  # the name hf_recipe_model.py gets in an export
 BOS_TOKEN = "<|bos|>"
 # The chat models end their turn with <|assistant_end|>: it is the eos transformers' generate stops on.
 # generation_config adds <|bos|>, which ends a document, so base and chat models stop where our Engine does.
@@ -86,16 +91,16 @@ def check_representable(model_config):
     transformers' NanoChat cannot represent. Runs before the model is built: a config from a newer nanochat
     with extra features must be refused with their names, not fail while loading.
     """
-    known_fields = [field.name for field in dataclasses.fields(GPTConfig) if field.name not in COMPONENTS]
-    unknown = [name for name in model_config if name not in known_fields and model_config[name] is not False]
+    known_fields = [field.name for field in dataclasses.fields(GPTConfig)]
+    unknown = [name for name in model_config if name not in known_fields]
     if unknown:
         shown = ", ".join(f"{name}={model_config[name]!r}" for name in unknown)
         raise UserError(f"cannot export: config field(s) {shown} have no equivalent in transformers' NanoChat")
-    missing = [name for name in known_fields if name not in model_config]
+    missing = [name for name in known_fields if name not in model_config and name not in COMPONENTS]
     if missing:
         raise UserError(f"cannot export: the checkpoint's model_config lacks {', '.join(missing)}")
     try:
-        GPTConfig(**{name: value for name, value in model_config.items() if name in known_fields})
+        GPTConfig(**model_config)
     except ValueError as e:
         raise UserError(f"cannot export: {e}") from None
     # Everything a valid GPTConfig can express maps onto NanoChat: grouped-query attention (repeat_kv uses the
@@ -126,14 +131,23 @@ def hf_weight_name(name):
     return f"model.layers.{layer}.{renames[(module, linear)]}.weight"
 
 
+def uses_components(config):
+    return any(getattr(config, name) for name in COMPONENTS)
+
+
 def hf_state_dict(model, vocab_size, dtype):
     """
-    The model's weights under transformers' names, on the CPU in `dtype`, with the embedding and lm_head cut
-    to the tokenizer's `vocab_size` (rows past it are padding no token id can reach).
+    The model's weights under transformers' names (our own names for a model with components, which our modeling code
+    keeps), on the CPU in `dtype`, with every per-token table (embedding, lm_head, value embeddings) cut to the
+    tokenizer's `vocab_size` (rows past it are padding no token id can reach).
     """
     if model.config.vocab_size < vocab_size:
         raise UserError(f"cannot export: the model has {model.config.vocab_size} token rows but the tokenizer "
                         f"has {vocab_size} ids; this checkpoint was trained with another tokenizer")
+    if uses_components(model.config):
+        return {name: (tensor[:vocab_size] if name in ("transformer.wte.weight", "lm_head.weight")
+                       or name.startswith("value_embeds.") else tensor).detach().to(device="cpu", dtype=dtype).contiguous()
+                for name, tensor in model.state_dict().items()}
     unmapped = [name for name in model.state_dict() if hf_weight_name(name) is None]
     if unmapped:
         raise UserError(f"cannot export: parameter(s) {', '.join(unmapped)} have no place in transformers' NanoChat")
@@ -173,9 +187,37 @@ def hf_model_config(config, bos_id, eos_id, vocab_size, dtype_name):
     }
 
 
-def hf_generation_config(bos_id, eos_id):
+def hf_recipe_config(config, bos_id, eos_id, vocab_size, dtype_name):
+    """config.json for our own modeling code (hf_recipe_model.py), for a model with recipe components."""
+    return {
+        "architectures": ["NanoChatRecipeForCausalLM"],
+        "model_type": "nanochat_recipe",
+        "auto_map": {"AutoConfig": f"{RECIPE_MODULE}.NanoChatRecipeConfig",
+                     "AutoModelForCausalLM": f"{RECIPE_MODULE}.NanoChatRecipeForCausalLM"},
+        "vocab_size": vocab_size,
+        "hidden_size": config.n_embd,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "max_position_embeddings": config.sequence_len,
+        "rms_norm_eps": NORM_EPS,
+        "rope_theta": ROPE_THETA,
+        "final_logit_softcapping": LOGIT_SOFTCAP,
+        "gate_channels": GATE_CHANNELS,
+        **{name: getattr(config, name) for name in COMPONENTS},
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": False,
+        "dtype": dtype_name,
+    }
+
+
+def hf_generation_config(bos_id, eos_id, use_cache=True):
     """Plain greedy-or-sampled generation that stops on <|assistant_end|> or <|bos|>, like our Engine."""
-    return {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "pad_token_id": None}
+    return {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "pad_token_id": None,
+            **({} if use_cache else {"use_cache": False})}
 
 
 # -----------------------------------------------------------------------------
@@ -384,7 +426,7 @@ def format_size(num_bytes):
             return f"{num_bytes:.1f} {unit}"
 
 
-def write_export_dir(out_dir, json_files, hf_tokenizer, weights):
+def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
     """Write everything into a temp dir next to out_dir, then rename it into place: never a partial export."""
     from safetensors.torch import save_file
 
@@ -396,6 +438,8 @@ def write_export_dir(out_dir, json_files, hf_tokenizer, weights):
             with open(os.path.join(tmp_dir, name), "w", encoding="utf-8") as f:
                 f.write(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
         hf_tokenizer.save(os.path.join(tmp_dir, "tokenizer.json"))
+        for name, source in (code or {}).items():
+            shutil.copyfile(source, os.path.join(tmp_dir, name))
         save_file(weights, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
         written = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
         if os.path.isdir(out_dir):
@@ -438,13 +482,18 @@ def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="fl
     hf_tokenizer = build_hf_tokenizer(tokenizer)
     check_tokenizer_matches(hf_tokenizer, tokenizer)
     bos_id, eos_id = tokenizer.encode_special(BOS_TOKEN), tokenizer.encode_special(EOS_TOKEN)
+    recipe = uses_components(c)
     json_files = {
-        "config.json": hf_model_config(c, bos_id, eos_id, vocab_size, dtype_name),
-        "generation_config.json": hf_generation_config(bos_id, eos_id),
+        "config.json": (hf_recipe_config if recipe else hf_model_config)(c, bos_id, eos_id, vocab_size, dtype_name),
+        "generation_config.json": hf_generation_config(bos_id, eos_id, use_cache=not recipe),
         "tokenizer_config.json": hf_tokenizer_config(c.sequence_len),
     }
+    code = {f"{RECIPE_MODULE}.py": os.path.join(os.path.dirname(__file__), "hf_recipe_model.py")} if recipe else {}
+    if recipe:
+        print0(f"components {', '.join(n for n in COMPONENTS if getattr(c, n))}: transformers' NanoChat has no place for "
+               f"them; writing our modeling code ({RECIPE_MODULE}.py), load with trust_remote_code=True")
 
-    written = write_export_dir(out_dir, json_files, hf_tokenizer, weights)
+    written = write_export_dir(out_dir, json_files, hf_tokenizer, weights, code)
     for name, size in written.items():
         print0(f"  {name:<24} {format_size(size):>10}")
     print0(f"exported {source}/{model_tag} step {step} to {out_dir}: {len(written)} files, "

@@ -57,7 +57,9 @@ def randomize(model, seed):
     """Weights of a realistic scale everywhere: our init zeroes the output projections and nearly zeroes lm_head."""
     generator = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name == "transformer.wte.weight":
+        if p.ndim == 1:  # a recipe component's scalars: away from their identity values
+            std = 0.5
+        elif name == "transformer.wte.weight":
             std = 1.0
         elif name == "lm_head.weight":
             std = 4.0 * p.size(1) ** -0.5  # logits of std ~4 on normalised inputs: the softcap does something
@@ -109,6 +111,9 @@ def export_base(tiny_base_dir, tmp_path_factory):
         save_tiny_checkpoint("gqa", tiny_config(n_kv_head=2, vocab_size=vocab), seed=1)
         save_tiny_checkpoint("mha", tiny_config(n_kv_head=4, vocab_size=vocab), seed=2, stop_early=True)
         save_tiny_checkpoint("padded", tiny_config(n_kv_head=4, vocab_size=vocab + 64), seed=3)
+        recipe = dataclasses.replace(tiny_config(n_kv_head=2, vocab_size=vocab), n_layer=3, value_embeds=True,
+                                     residual_scalars=True, smear=True, backout=True)
+        save_tiny_checkpoint("recipe", recipe, seed=5)
         unknown = dict(dataclasses.asdict(tiny_config(4, vocab)), window_pattern="SSSL")
         save_tiny_checkpoint("unknown", tiny_config(4, vocab), seed=4, meta_config=unknown)
         yield base
@@ -160,6 +165,34 @@ def random_batches(vocab_size, seed):
 
 # -----------------------------------------------------------------------------
 # The model
+
+
+def test_recipe_components_export_our_modeling_code_with_the_same_logits_and_greedy_tokens(export_base, base_env,
+                                                                                            tmp_path):
+    # transformers' NanoChat has no place for value embeddings, residual scalars, smear or backout: the export ships
+    # our modeling code (auto_map) and the model loads with trust_remote_code=True, same logits, same greedy tokens.
+    out = str(tmp_path / "recipe")
+    p = run_export(export_base, "-g", "recipe", "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert "trust_remote_code=True" in p.stdout and "modeling_nanochat_recipe.py" in p.stdout
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nanochat_recipe.NanoChatRecipeForCausalLM"
+    assert config["smear"] and config["value_embeds"] and config["backout"] and config["residual_scalars"]
+    ours, tokenizer, _ = load_model("base", "cpu", model_tag="recipe")
+    theirs = load_hf_model(out, trust_remote_code=True)
+    with torch.no_grad():
+        for ids in random_batches(tokenizer.get_vocab_size(), seed=3):
+            our_logits, their_logits = ours(ids), theirs(ids).logits
+            assert our_logits.std() > 1.0
+            assert (our_logits - their_logits).abs().max().item() < FP32_TOLERANCE
+    prompt = chat_prompt(tokenizer)
+    results, _ = Engine(ours, tokenizer).generate_batch(prompt, num_samples=1, max_tokens=16, temperature=0)
+    with torch.no_grad():
+        output = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+    if output[-1] in {tokenizer.encode_special(name) for name in TERMINALS}:
+        output = output[:-1]
+    assert output == results[0] and len(output) > len(prompt)
+
 
 
 @pytest.mark.parametrize("tag", ["gqa", "mha"])
