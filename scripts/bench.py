@@ -7,6 +7,7 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
     python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
     python -m scripts.bench quality --source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
+    python -m scripts.bench quality --source=brown --variants base smear value_embeds,normuon   # recipe components
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
