@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from nanochat.engine import Engine, KVCache
-from nanochat.gpt import COMPONENTS, GPT, GPTConfig
+from nanochat.gpt import COMPONENTS, GPTConfig
 from nanochat.muon import Muon, _normalize_rows
+
+from test_gpt import build  # noqa: E402 (random weights everywhere, the components' scalars included)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 ALL_ON = {name: True for name in COMPONENTS}
@@ -19,21 +21,6 @@ def tiny_config(**overrides):
     fields = dict(sequence_len=32, vocab_size=97, n_layer=3, n_head=4, n_kv_head=2, n_embd=64)
     fields.update(overrides)
     return GPTConfig(**fields)
-
-
-def build(config, seed=0, randomize=True):
-    """Init, then (by default) random weights everywhere, the components' scalars and gates included, so no
-    component is the identity and every gradient is nonzero."""
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    if randomize:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.5 if p.ndim == 1 else p.shape[1] ** -0.5 if p.shape[0] != config.vocab_size else 1.0)
-    return model.eval()
 
 
 def make_cache(model, batch_size, seq_len):

@@ -21,7 +21,7 @@ def tiny_config(**overrides):
 
 def build(config, seed=0, randomize=True):
     """Meta-device build + init, then (by default) random weights everywhere, so that the
-    zero-initialised output projections don't make every block the identity."""
+    zero-initialised output projections (and the recipe components' identity starts) don't hide anything."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = GPT(config)
@@ -29,8 +29,9 @@ def build(config, seed=0, randomize=True):
     model.init_weights()
     if randomize:
         with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, p.shape[1] ** -0.5 if p is not model.transformer.wte.weight else 1.0)
+            tables = {id(model.transformer.wte.weight)} | {id(p) for n, p in model.named_parameters() if n.startswith("value_embeds.")}
+            for p in model.parameters():  # recipe components' scalars (1-D) away from their identity values too
+                p.normal_(0.0, 1.0 if id(p) in tables else 0.5 if p.ndim == 1 else p.shape[1] ** -0.5)
     model.eval()
     return model
 
