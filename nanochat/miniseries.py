@@ -354,6 +354,48 @@ def plot_all(directory, mode, rows, trajectories, isoflop, power_law):
     return plots
 
 
+def best_per_budget(rows):
+    """{budget: (val bpb, run)}: the best finished run of each budget, the isoflop frontier of a family."""
+    best = {}
+    for r in rows:
+        if r.get("status") == "done" and r.get("val_bpb") is not None:
+            if r["budget"] not in best or r["val_bpb"] < best[r["budget"]][0]:
+                best[r["budget"]] = (r["val_bpb"], r["run"])
+    return best
+
+
+def compare_families(directories, out_path):
+    """
+    Families side by side (e.g. a recipe variant against the plain recipe, same budgets): each one's best val bpb per
+    budget and its change from the first family's, and a plot of every run against FLOPs with each family's isoflop
+    frontier. Returns the table's rows [(budget, [(bpb, run) or None per family])].
+    """
+    families = []
+    for directory in directories:
+        rows = list(read_results(directory).values())
+        if not rows:
+            raise UserError(f"no results.json in {directory}; run that family first")
+        families.append((os.path.basename(directory), rows, best_per_budget(rows)))
+    budgets = sorted({b for _, _, best in families for b in best}, key=lambda b: float(b.split("=")[1]))
+    table = [(b, [best.get(b) for _, _, best in families]) for b in budgets]
+    try:
+        from nanochat.report import _new_figure, _save_png
+    except ImportError:
+        return table
+    fig = _new_figure(7, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, (name, rows, best) in enumerate(families):
+        done = [r for r in rows if r.get("status") == "done" and r.get("val_bpb") is not None]
+        ax.plot([r["flops"] for r in done], [r["val_bpb"] for r in done], "o", color=f"C{i}", alpha=0.35)
+        front = [(next(r["flops"] for r in done if r["run"] == best[b][1]), best[b][0]) for b in budgets if b in best]
+        ax.plot([p[0] for p in front], [p[1] for p in front], "-", marker="s", color=f"C{i}", label=name)
+    ax.set_xscale("log")
+    ax.set(xlabel="training FLOPs", ylabel="val bpb", title="isoflop frontiers (best run per budget; dots: every run)")
+    ax.legend(fontsize=7)
+    _save_png(fig, out_path)
+    return table
+
+
 def summary_markdown(name, mode, rows, isoflop, power_law, plots, directory):
     """The report section's text: the results table, the fits, the plots."""
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -6,6 +6,7 @@ Train a family of base_train runs and fit the scaling laws they trace (nanochat/
     python -m scripts.miniseries --preset=gpu --nproc=8             # d10..d26 on a GPU node (torchrun)
     python -m scripts.miniseries --depths 4 6 8 --ratio=10 --name=ratio10 --data-source=brown
     python -m scripts.miniseries --mode=isoflop --components=smear,normuon --name=cpu-isoflop-smear   # a recipe variant
+    python -m scripts.miniseries --compare cpu-isoflop cpu-isoflop-smear    # their isoflop frontiers side by side
     python -m scripts.miniseries --preset=gpu --mode=isoflop --dry-run  # the plan only: sizes, steps, FLOPs
 
 Run it again after a kill or a failure: finished runs are skipped, a killed one resumes, a failed one is retried.
@@ -52,7 +53,13 @@ def parse_args(argv=None):
     p.add_argument("--components", default="", help="base_train --components for every run (a recipe variant's family)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (runs, sizes, steps, FLOPs) and stop")
+    p.add_argument("--compare", nargs="+", default=None, metavar="NAME",
+                   help="train nothing: set the finished families NAME... side by side (best val bpb per budget, plot)")
     args = p.parse_args(argv)
+    if args.compare is not None:
+        if len(args.compare) < 2 or not all(ms.plain_name(n) for n in args.compare):
+            raise UserError("--compare takes two or more family names (letters, digits, '-', '_', '.')")
+        return args
     for key, value in PRESETS[args.preset].items():
         if key in ("depths", "isoflop_depths"):
             continue
@@ -73,6 +80,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.compare is not None:
+        return compare(args.compare)
     from nanochat.dataset import list_parquet_files
     from nanochat.tokenizer import get_tokenizer
     from nanochat.training import depth_recipe, split_components
@@ -133,6 +142,24 @@ def main(argv=None):
         ms.write_results(directory, rows)
 
     finish(args, directory, rows, trajectories)
+
+
+def compare(names):
+    """Families side by side: a markdown table of each one's best val bpb per budget, a PNG, and a JSON line."""
+    directories = [ms.series_dir(name) for name in names]
+    out_path = os.path.join(directories[-1], f"compare-{'-vs-'.join(names)}.png")
+    table = ms.compare_families(directories, out_path)
+    lines = ["| budget | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for budget, cells in table:
+        first = cells[0][0] if cells[0] else None
+        shown = [("—" if c is None else f"{c[0]:.4f} ({c[1].split('-')[-1]}"
+                  + (f", {100 * (c[0] / first - 1):+.2f} %" if first and i else "") + ")") for i, c in enumerate(cells)]
+        lines.append(f"| {budget.split('=')[1]} | " + " | ".join(shown) + " |")
+    print0("\n".join(lines))
+    if os.path.exists(out_path):
+        print0(f"plot: {out_path}")
+    print0(json.dumps({"miniseries_compare": names, "best_per_budget": [
+        {"budget": b, **{n: (c[0] if c else None) for n, c in zip(names, cells)}} for b, cells in table]}))
 
 
 def run_flags(args, num_iterations):

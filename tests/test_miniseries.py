@@ -166,3 +166,26 @@ def test_bad_flags_fail_before_any_run_and_a_dry_run_only_plans(base, monkeypatc
     # the presets: an isoflop sweep takes the preset's isoflop depths, a series its series depths
     assert miniseries.parse_args(["--mode", "isoflop"]).depths == miniseries.PRESETS["cpu"]["isoflop_depths"]
     assert miniseries.parse_args([]).depths == miniseries.PRESETS["cpu"]["depths"]
+
+
+def test_compare_sets_two_families_side_by_side(base, capsys):
+    # two finished families written directly (no training): the best run per budget of each, the change, a plot
+    def family(name, bpbs):
+        rows = [{"run": f"C{b}-d{d}", "depth": d, "budget": f"flops={b}", "status": "done", "flops": float(b),
+                 "val_bpb": bpb} for (b, d), bpb in bpbs.items()]
+        directory = ms.series_dir(name)
+        os.makedirs(directory)
+        ms.write_results(directory, rows)
+
+    family("old", {("1e12", 2): 0.50, ("1e12", 3): 0.55, ("3e12", 2): 0.45, ("3e12", 3): 0.40})
+    family("new", {("1e12", 2): 0.45, ("1e12", 3): 0.48, ("3e12", 3): 0.38})
+    capsys.readouterr()
+    miniseries.main(["--compare", "old", "new"])
+    out = capsys.readouterr().out
+    assert "| 1e12 | 0.5000 (d2) | 0.4500 (d2, -10.00 %) |" in out
+    assert "| 3e12 | 0.4000 (d3) | 0.3800 (d3, -5.00 %) |" in out
+    assert os.path.getsize(os.path.join(base, "miniseries", "new", "compare-old-vs-new.png")) > 1000
+    with pytest.raises(UserError, match="two or more"):
+        miniseries.main(["--compare", "old"])
+    with pytest.raises(UserError, match="no results.json"):
+        miniseries.main(["--compare", "old", "missing"])
