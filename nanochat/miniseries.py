@@ -374,7 +374,9 @@ def compare_families(directories, out_path):
     for directory in directories:
         rows = list(read_results(directory).values())
         if not rows:
-            raise UserError(f"no results.json in {directory}; run that family first")
+            path = os.path.join(directory, "results.json")
+            raise UserError(f"{path} is unreadable or empty; rerun that family (finished runs are skipped)"
+                            if os.path.exists(path) else f"no results.json in {directory}; run that family first")
         families.append((os.path.basename(directory), rows, best_per_budget(rows)))
     budgets = sorted({b for _, _, best in families for b in best}, key=lambda b: float(b.split("=")[1]))
     table = [(b, [best.get(b) for _, _, best in families]) for b in budgets]

@@ -189,3 +189,7 @@ def test_compare_sets_two_families_side_by_side(base, capsys):
         miniseries.main(["--compare", "old"])
     with pytest.raises(UserError, match="no results.json"):
         miniseries.main(["--compare", "old", "missing"])
+    with open(os.path.join(base, "miniseries", "new", "results.json"), "w") as f:
+        f.write("{truncated")
+    with pytest.raises(UserError, match="unreadable or empty; rerun"):
+        miniseries.main(["--compare", "old", "new"])
