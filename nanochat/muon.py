@@ -18,8 +18,8 @@ equal share of the global batch, and gradients are averaged across ranks, which 
 gradient of the mean loss over the whole global batch.
 
 Param groups: {"params": [...], "lr", "weight_decay", optional "momentum", "nesterov",
-"ns_steps", "initial_lr", "normuon", "cautious_wd"}; the training loop may rewrite "lr" and "momentum"
-every step. Two options from the reference project's later recipe, off unless a group sets them:
+"ns_steps", "initial_lr", "normuon", "cautious_wd", "polar_express"}; the loop may rewrite "lr" and "momentum"
+every step. Three options from the reference project's later recipe, off unless a group sets them:
 
     normuon      each row (output unit) of the orthogonalised update is divided by the root of a running
                  mean of its squares (beta NORMUON_BETA2), then the whole update is rescaled to its old norm,
