@@ -8,6 +8,8 @@
 #   FORCE=1 bash speedrun.sh              # redo every stage, even finished ones
 #   NANOCHAT_RL=0|1 bash speedrun.sh      # skip or run chat_rl (default: on for gpu, off for cpu, where it does not pay)
 #   NANOCHAT_SEED=43 bash speedrun.sh     # another initialisation of the base model
+#   NANOCHAT_COMPONENTS=none bash speedrun.sh  # base_train --components: 'none' = the plain recipe, or a list
+#                                              # (default: base_train's, README "Recipe components")
 #   NANOCHAT_DEVICE_BATCH=8 bash speedrun.sh   # gpu preset: rows per GPU per micro-step (default 16; less memory, same run)
 #   NANOCHAT_DATA_SOURCE=mine bash speedrun.sh  # pretrain on your own text, imported first with
 #                                               # python -m nanochat.dataset import mine FILES... (README: "Your own data")
@@ -20,6 +22,7 @@ cd "$(dirname "$0")"
 
 RUN="${NANOCHAT_RUN:-dummy}"
 SEED="${NANOCHAT_SEED:-42}"  # the base model's initialisation
+COMPONENTS="${NANOCHAT_COMPONENTS:-}"  # the base model's recipe components; empty = base_train's default
 DRY_RUN="${DRY_RUN:-0}"
 FORCE="${FORCE:-0}"
 BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -186,6 +189,7 @@ else
     # A base dir holds one speedrun: continuing it with another preset or seed would mix their stages silently.
     SIGNATURE="preset=$PRESET seed=$SEED"  # RL may be added later: it only appends stages
     if [ "$SOURCE" != "$DEFAULT_SOURCE" ]; then SIGNATURE="$SIGNATURE source=$SOURCE"; fi
+    if [ -n "$COMPONENTS" ]; then SIGNATURE="$SIGNATURE components=$COMPONENTS"; fi
     if [ "$FORCE" != 1 ] && [ -f "$BASE_DIR/speedrun_config.txt" ] && [ "$(cat "$BASE_DIR/speedrun_config.txt")" != "$SIGNATURE" ]; then
         echo "$BASE_DIR holds a speedrun with $(cat "$BASE_DIR/speedrun_config.txt"), not $SIGNATURE: rerun with those" \
              "settings to continue it, FORCE=1 to redo everything here, or point NANOCHAT_BASE_DIR elsewhere" >&2
@@ -220,7 +224,7 @@ if [ "$SOURCE_KIND" = hub ] && [ "$DRY_RUN" != 1 ]; then
 fi
 
 train_stage "base_train" base_checkpoints base-model-training \
-    $LAUNCH scripts.base_train $BASE_FLAGS --model-tag=$TAG --seed=$SEED --run="$RUN"
+    $LAUNCH scripts.base_train $BASE_FLAGS --model-tag=$TAG --seed=$SEED ${COMPONENTS:+--components=$COMPONENTS} --run="$RUN"
 stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
 stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
 if [ -n "$BASE_CHAT_EVAL" ]; then

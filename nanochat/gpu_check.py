@@ -112,13 +112,15 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     Muon + AdamW, on random tokens, `steps` whole optimizer steps. Returns {fits, peak_gib, step_s}.
     """
     from nanochat.gpt import build_model
-    from nanochat.training import build_optimizers, depth_recipe, train_step
+    from nanochat.training import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components, train_step
 
-    recipe = depth_recipe(depth, vocab_size, seq_len, device_batch_size * seq_len, num_iterations=1)
+    model_components, optimizer_components = split_components(DEFAULT_COMPONENTS)  # base_train's model and optimizer
+    recipe = depth_recipe(depth, vocab_size, seq_len, device_batch_size * seq_len, num_iterations=1,
+                          components=model_components)
     try:
         model = build_model(recipe.model_config, device)
         train_model = torch.compile(model, dynamic=False)
-        optimizers = build_optimizers(model, **recipe.lrs())
+        optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
         batch = torch.randint(0, vocab_size, (device_batch_size, seq_len + 1), device=device)
         micro_batches = [(batch[:, :-1], batch[:, 1:])]
         autocast = autocast_for(device)

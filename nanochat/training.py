@@ -211,11 +211,15 @@ def apply_schedules(optimizers, lrm, momentum=None):
 
 
 OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd", "polar_express")  # Muon options (nanochat.muon), off = the plain Muon
+# What a new base model gets unless --components says otherwise: the components that lowered real-text val bpb at equal
+# FLOPs beyond seed noise at d4 and d6 (BENCHMARKS "Recipe components, one at a time"). 'none' asks for the plain recipe.
+DEFAULT_COMPONENTS = "value_embeds,residual_scalars,smear,normuon"
 
 
 def split_components(text):
-    """'a,b,c' -> (model components, optimizer components), each in its canonical order; an unknown name is refused."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    """'a,b,c' -> (model components, optimizer components), each in its canonical order; 'none' (or '') is the plain
+    recipe; an unknown name is refused."""
+    names = [name.strip() for name in text.split(",") if name.strip() and name.strip() != "none"]
     unknown = sorted(set(names) - set(COMPONENTS) - set(OPTIMIZER_COMPONENTS))
     if unknown:
         raise UserError(f"--components: unknown component(s) {', '.join(unknown)}; known: "

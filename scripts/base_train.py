@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, refuse_to_overwrite, resolve_step
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_to_overwrite,
+                                        resolve_step)
 from nanochat.common import (UserError, autocast_for, compile_choice, compute_cleanup, compute_init, get_compute_dtype,
                              keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
@@ -24,8 +25,8 @@ from nanochat.loss_eval import evaluate_bpb
 from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.training import (build_optimizers, config_dict, depth_recipe, grad_accum_steps, greedy_samples, lr_multiplier,
-                               muon_momentum, split_components, train_step)
+from nanochat.training import (DEFAULT_COMPONENTS, build_optimizers, config_dict, depth_recipe, grad_accum_steps,
+                               greedy_samples, lr_multiplier, muon_momentum, split_components, train_step)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
@@ -47,8 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--components", default="", help="comma-separated optional components of the model (value_embeds, "
-                   "residual_scalars, smear, backout) and of Muon (normuon, cautious_wd, polar_express); README 'Recipe components'")
+    p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
+                   "residual_scalars, smear, backout) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
+                   f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); README 'Recipe components'")
     # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from the budget flags below)")
     p.add_argument("--target-flops", type=float, default=-1.0)
@@ -94,12 +96,28 @@ def validate_args(args):
         check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
     check_flag(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume_from_step", args.resume_from_step,
                "must be >= 0")
-    model_components, optimizer_components = split_components(args.components)  # an unknown name fails here
-    args.components = ",".join(model_components + optimizer_components)  # one spelling, for the resume check
+    if args.components is not None:  # one spelling ('' = plain), for the resume check; an unknown name fails here
+        args.components = ",".join(sum(split_components(args.components), []))
+
+
+def resolve_components(args, ckpt_dir):
+    """--components unless given: a resume keeps its checkpoint's (a checkpoint from before components existed is the
+    plain recipe), a new run gets DEFAULT_COMPONENTS. Given on a resume, it must be the checkpoint's."""
+    if not (args.resume or args.resume_from_step >= 0):
+        return args.components if args.components is not None else DEFAULT_COMPONENTS
+    step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
+    saved = load_meta(ckpt_dir, step)["user_config"].get("components", "")
+    if args.components is not None and args.components != saved:
+        raise UserError(f"cannot resume {ckpt_dir} exactly with changed --components {saved or 'none'} -> "
+                        f"{args.components or 'none'}; drop --components to keep the checkpoint's, or start a new run "
+                        "under another --model-tag")
+    return saved
 
 
 def main(argv=None):
     args = parse_args(argv)
+    ckpt_dir = checkpoint_dir("base", args.model_tag or f"d{args.depth}")
+    args.components = resolve_components(args, ckpt_dir)
     user_config = vars(args).copy()
     device_type = resolve_device_type(args.device_type)
     tokenizer = get_tokenizer()
@@ -113,7 +131,6 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
-    ckpt_dir = checkpoint_dir("base", args.model_tag or f"d{args.depth}")
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
     if args.resume or args.resume_from_step >= 0:
@@ -161,7 +178,7 @@ def main(argv=None):
     loop = TrainingLoop(settings, model, optimizers, train_loader, start, device, autocast)
     c = recipe.model_config
     loop.announce(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
-                  f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head}{' + ' + args.components if args.components else ''} | "
+                  f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} + {args.components or 'none (plain recipe)'} | "
                   f"T {args.max_seq_len} | device {device.type} x{world_size} "
                   f"{str(get_compute_dtype(device)).replace('torch.', '')}{' compiled' if use_compile else ''} | batch "
                   f"{args.total_batch_size:,} tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} "

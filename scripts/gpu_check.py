@@ -27,7 +27,7 @@ import torch
 from nanochat import gpu_check as check
 from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
 from nanochat.corpus import ensure_builtin_workspace, holds_training_data
-from nanochat.training import depth_recipe
+from nanochat.training import DEFAULT_COMPONENTS, depth_recipe, split_components
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,7 +182,8 @@ def main(argv=None):
     if cuda:
         log(f"largest device batch at the speedrun's depth {check.SPEEDRUN['depth']} (compiled bf16 training steps)")
         results["batch_probe"] = probe_batches(args, root, log)
-        recipe = depth_recipe(check.SPEEDRUN["depth"], check.SPEEDRUN["vocab_size"], check.SPEEDRUN["seq_len"], 2**19)
+        recipe = depth_recipe(check.SPEEDRUN["depth"], check.SPEEDRUN["vocab_size"], check.SPEEDRUN["seq_len"], 2**19,
+                              components=split_components(DEFAULT_COMPONENTS)[0])
         matrices = recipe.scaling_params - recipe.model_config.vocab_size * recipe.model_config.n_embd
         results["disk_needed_gib"] = check.speedrun_disk_gib(recipe.num_params, matrices)
     last = results["smokes"][next(reversed(smokes))]

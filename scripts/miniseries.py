@@ -5,7 +5,7 @@ Train a family of base_train runs and fit the scaling laws they trace (nanochat/
     python -m scripts.miniseries --preset=cpu                       # d2..d4 at 1 token/param (a quick look)
     python -m scripts.miniseries --preset=gpu --nproc=8             # d10..d26 on a GPU node (torchrun)
     python -m scripts.miniseries --depths 4 6 8 --ratio=10 --name=ratio10 --data-source=brown
-    python -m scripts.miniseries --mode=isoflop --components=smear,normuon --name=cpu-isoflop-smear   # a recipe variant
+    python -m scripts.miniseries --mode=isoflop --components=none --name=cpu-isoflop-plain   # another recipe (here the plain one)
     python -m scripts.miniseries --compare cpu-isoflop cpu-isoflop-smear    # their isoflop frontiers side by side
     python -m scripts.miniseries --preset=gpu --mode=isoflop --dry-run  # the plan only: sizes, steps, FLOPs
 
@@ -50,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-bundle", default=None, help="CORE at each run's end: builtin (offline), dclm, a path, or none")
     p.add_argument("--data-source", default=None, help="default: $NANOCHAT_DATA_SOURCE or builtin")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--components", default="", help="base_train --components for every run (a recipe variant's family)")
+    p.add_argument("--components", default=None, help="base_train --components for every run, 'none' for the plain "
+                   "recipe (default: base_train's, nanochat.training.DEFAULT_COMPONENTS)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (runs, sizes, steps, FLOPs) and stop")
     p.add_argument("--compare", nargs="+", default=None, metavar="NAME",
@@ -70,9 +71,10 @@ def parse_args(argv=None):
     args.name = args.name or f"{args.preset}-{args.mode}"
     if min(args.depths) < 1 or (args.mode == "isoflop" and min(args.budgets) <= 0) or args.ratio <= 0:
         raise UserError("--depths must be >= 1, --budgets and --ratio > 0")
-    from nanochat.training import split_components
+    from nanochat.training import DEFAULT_COMPONENTS, split_components
 
-    args.components = ",".join(sum(split_components(args.components), []))  # an unknown name fails here
+    components = DEFAULT_COMPONENTS if args.components is None else args.components
+    args.components = ",".join(sum(split_components(components), []))  # '' = plain; an unknown name fails here
     if not ms.plain_name(args.name):
         raise UserError(f"--name {args.name!r}: use letters, digits, '-', '_' and '.'")
     return args
@@ -105,7 +107,7 @@ def main(argv=None):
     data_source = args.data_source or os.environ.get("NANOCHAT_DATA_SOURCE", "builtin")
     total_flops = sum(r.flops_per_token * r.num_iterations * args.total_batch_size for r in recipes.values())
     print0(f"miniseries {args.name} | {args.mode} | {len(specs)} runs |"
-           f"{' components ' + args.components + ' |' if args.components else ''} T {args.max_seq_len} | batch "
+           f" components {args.components or 'none (plain recipe)'} | T {args.max_seq_len} | batch "
            f"{args.total_batch_size:,} tok | data {data_source} | {total_flops:.3g} FLOPs in all | {directory}")
     for spec in specs:
         r = recipes[spec.name]
@@ -171,7 +173,7 @@ def run_flags(args, num_iterations):
             f"--total-batch-size={args.total_batch_size}", f"--aspect-ratio={args.aspect_ratio}",
             f"--head-dim={args.head_dim}", f"--eval-every={every}", f"--eval-tokens={args.eval_tokens}",
             f"--save-every={every}", "--sample-every=-1", f"--seed={args.seed}", *core] + \
-        ([f"--components={args.components}"] if args.components else []) + \
+        [f"--components={args.components or 'none'}"] + \
         ([f"--data-source={args.data_source}"] if args.data_source else [])
 
 

@@ -246,7 +246,7 @@ def test_sigterm_saves_and_stops_and_nan_refuses(tiny_base_dir, tmp_path):
 
     # a learning rate that overflows the weights: the run stops at the first non-finite loss and names the step
     shutil.rmtree(os.path.join(base, "base_checkpoints"))
-    huge = ["--num-iterations=20", "--eval-every=-1", "--embedding-lr=1e30", "--unembedding-lr=1e30"]
+    huge = ["--num-iterations=20", "--eval-every=-1", "--embedding-lr=1e30", "--unembedding-lr=1e30", "--components=none"]
     p = run_train(base, huge, check=False)
     assert p.returncode == 1 and "loss is nan at step" in p.stderr.lower(), p.stderr[-2000:]
     assert not list_steps(os.path.join(base, "base_checkpoints", "tiny"))

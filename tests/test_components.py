@@ -211,14 +211,14 @@ def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_
         return subprocess.run([sys.executable, "-m", "scripts.base_train", *common, *extra], env=env,
                               capture_output=True, text=True, timeout=300)
 
-    first = train("--components=smear,normuon,value_embeds")
+    first = train()  # the default recipe: DEFAULT_COMPONENTS
     assert first.returncode == 0, first.stderr[-2000:]
-    assert "+ value_embeds,smear,normuon" in first.stdout  # the config line names them, in canonical order
+    assert "+ value_embeds,residual_scalars,smear,normuon" in first.stdout  # the config line names them, canonical order
     step_dir = os.path.join(base, "base_checkpoints", "tiny", "step_000003")
     with open(os.path.join(step_dir, "meta.json")) as f:
         meta = json.load(f)
-    assert meta["model_config"]["smear"] is True and meta["model_config"]["value_embeds"] is True
-    assert "residual_scalars" not in meta["model_config"]
+    assert all(meta["model_config"][name] is True for name in ("value_embeds", "residual_scalars", "smear"))
+    assert "backout" not in meta["model_config"]
 
     from nanochat.checkpoint_manager import load_model
 
@@ -229,14 +229,15 @@ def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_
         os.environ.pop("NANOCHAT_BASE_DIR") if saved_env is None else os.environ.update(NANOCHAT_BASE_DIR=saved_env)
     assert model.config.smear and model.config.value_embeds and not model.config.backout
 
-    for other, named in (("smear,value_embeds", "--components value_embeds,smear,normuon -> value_embeds,smear"),
-                         ("smear,normuon,value_embeds,backout", "'backout': (None, True)")):
+    for other, named in (("smear,value_embeds", "--components value_embeds,residual_scalars,smear,normuon -> "
+                                                "value_embeds,smear"),
+                         ("none", "-> none")):
         refused = train(f"--components={other}", "--resume", "--num-iterations=5")
         assert refused.returncode != 0 and named in refused.stderr, refused.stderr[-1500:]
     bad = train("--components=smear,warp_drive")
     assert bad.returncode != 0 and "warp_drive" in bad.stderr and "Traceback" not in bad.stderr
-    resumed = train("--components=normuon,value_embeds,smear", "--resume", "--num-iterations=5")  # same set, any order
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    resumed = train("--components=normuon,smear,value_embeds,residual_scalars", "--resume", "--num-iterations=5")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]  # the same set, in any order
     assert meta["optimizer_components"] == ["normuon"]
     # a chat stage takes the model's components with the model and Muon's options from the checkpoint's meta
     mid = subprocess.run([sys.executable, "-m", "scripts.mid_train", "-g", "tiny", "--device-batch-size=2",
@@ -247,3 +248,39 @@ def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_
     with open(os.path.join(mid_dir, sorted(os.listdir(mid_dir))[-1], "meta.json")) as f:
         mid_meta = json.load(f)
     assert mid_meta["optimizer_components"] == ["normuon"] and mid_meta["model_config"]["smear"] is True
+
+
+def test_old_recipe_checkpoints_resume_as_the_plain_recipe(tiny_base_dir, tmp_path):
+    # A checkpoint from before --components existed has no "components" in its flags: a resume without the flag keeps
+    # the plain recipe (not today's default), and one that names any component, Muon's included, is refused.
+    import shutil
+    import subprocess
+    import sys
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_base_dir, base)
+    env = {**os.environ, "NANOCHAT_BASE_DIR": base, "NANOCHAT_DATA_SOURCE": "builtin", "OMP_NUM_THREADS": "1"}
+    common = ["--depth=2", "--aspect-ratio=16", "--head-dim=16", "--max-seq-len=32", "--device-batch-size=2",
+              "--total-batch-size=64", "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--model-tag=old"]
+
+    def train(*extra):
+        return subprocess.run([sys.executable, "-m", "scripts.base_train", *common, *extra], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = train("--components=none", "--num-iterations=2")
+    assert first.returncode == 0 and "+ none (plain recipe)" in first.stdout, first.stderr[-2000:]
+    meta_path = os.path.join(base, "base_checkpoints", "old", "step_000002", "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert set(meta["model_config"]) == {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"}
+    assert meta["optimizer_components"] == []
+    del meta["user_config"]["components"]  # as written before the flag existed
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    refused = train("--components=normuon", "--resume", "--num-iterations=3")
+    assert refused.returncode != 0 and "--components none -> normuon" in refused.stderr, refused.stderr[-1500:]
+    resumed = train("--resume", "--num-iterations=3")
+    assert resumed.returncode == 0 and "+ none (plain recipe)" in resumed.stdout, resumed.stderr[-2000:]
+    with open(os.path.join(base, "base_checkpoints", "old", "step_000003", "meta.json")) as f:
+        after = json.load(f)
+    assert after["model_config"] == meta["model_config"] and after["optimizer_components"] == []

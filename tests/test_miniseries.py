@@ -13,6 +13,7 @@ import pytest
 
 from nanochat import miniseries as ms
 from nanochat.common import UserError
+from nanochat.training import DEFAULT_COMPONENTS
 from scripts import miniseries
 
 from conftest import REPO_ROOT  # noqa: E402
@@ -62,7 +63,7 @@ def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(bas
         miniseries.main([a if a != "0.1" else "0.2" for a in SERIES])
     with pytest.raises(UserError, match="seed: 42 then, 7 now"):
         miniseries.main(SERIES + ["--seed", "7"])
-    with pytest.raises(UserError, match="components: None then, 'smear' now"):  # a recipe variant is another family
+    with pytest.raises(UserError, match="components: 'value_embeds,residual_scalars,smear,normuon' then, 'smear' now"):  # a recipe variant is another family
         miniseries.main(SERIES + ["--components", "smear"])
     assert "training (" not in capsys.readouterr().out
 
@@ -156,11 +157,15 @@ def test_bad_flags_fail_before_any_run_and_a_dry_run_only_plans(base, monkeypatc
     miniseries.main(["--depths", "2", "--ratio", "1", "--name", "ve", "--dry-run", "--components", "value_embeds", *TINY])
     with_ve = capsys.readouterr().out
     assert "components value_embeds" in with_ve
-    miniseries.main(["--depths", "2", "--ratio", "1", "--name", "plain", "--dry-run", *TINY])
+    miniseries.main(["--depths", "2", "--ratio", "1", "--name", "plain", "--dry-run", "--components", "none", *TINY])
     plain = capsys.readouterr().out
+    assert "components none (plain recipe)" in plain
     params = [int(re.search(r"params\s+([\d,]+)", out).group(1).replace(",", "")) for out in (with_ve, plain)]
     assert params[0] > params[1]
     assert "--components=value_embeds" in miniseries.run_flags(miniseries.parse_args(["--components", "value_embeds"]), 10)
+    # base_train's default recipe unless named; the plain one spelled out, since base_train's default is not plain
+    assert f"--components={DEFAULT_COMPONENTS}" in miniseries.run_flags(miniseries.parse_args([]), 10)
+    assert "--components=none" in miniseries.run_flags(miniseries.parse_args(["--components", "none"]), 10)
     with pytest.raises(UserError, match="warp"):
         miniseries.parse_args(["--components", "warp"])
     # the presets: an isoflop sweep takes the preset's isoflop depths, a series its series depths

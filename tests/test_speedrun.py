@@ -96,6 +96,11 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
                        env=dict(os.environ, DRY_RUN="1", NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0", NANOCHAT_RL="1",
                                 NANOCHAT_BASE_DIR=str(tmp_path / "base")))
     assert [m.split(".")[-1] for m, _, _ in commands(p.stdout) if m.split(".")[-1] in TRAINING] == TRAINING
+    # the recipe's components: base_train's default unless NANOCHAT_COMPONENTS names others ('none' = plain)
+    assert not any(f.startswith("--components") for _, _, flags in cmds for f in flags)
+    plain = commands(dry_run(tmp_path, "cpu", 0, NANOCHAT_COMPONENTS="none").stdout)
+    assert [(m, f) for m, _, flags in plain for f in flags if f.startswith("--components")] == \
+        [("scripts.base_train", "--components=none")]
     p = dry_run(tmp_path, "gpu", 0)
     assert p.returncode == 1 and "no CUDA GPU" in p.stderr
 
