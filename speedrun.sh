@@ -55,12 +55,14 @@ fi
 
 if [ "$PRESET" = gpu ]; then
     # GPT-2 grade in a few hours on one 8xH100 node, every number scaled from the reasoning here:
-    # - depth 24: n_embd 1536, 12 heads, ~730M parameters that cost FLOPs (the reference reaches CORE ~0.26 there).
+    # - depth 24: n_embd 1536, 12 heads, ~730M parameters that cost FLOPs (the reference reaches CORE ~0.26 there),
+    #   plus base_train's default components: 12 value-embedding tables, 0.6B parameters that cost memory, not FLOPs.
     # - 10 tokens per parameter (--target-param-data-ratio): ~7.3B tokens, ~14,000 steps of 2^19 tokens.
     # - 150 climbmix shards (~60M tokens each, ~9B tokens) cover the budget without repeating data; 8 go first
     #   for the tokenizer, the rest download in the background while it trains.
-    # - device batch 16 x 2048 tokens fits an 80 GB H100 at d24 in bf16; gradient accumulation makes up the
-    #   2^19-token batch on any GPU count: 2^19 / (16 x 2048 x NGPU) = 16 / NGPU micro-steps (exact for 1, 2, 4, 8).
+    # - device batch 16 x 2048 tokens fits an 80 GB H100 at d24 in bf16 (estimated; not yet run on a GPU with the
+    #   value embeddings); gradient accumulation makes up the 2^19-token batch on any GPU count:
+    #   2^19 / (16 x 2048 x NGPU) = 16 / NGPU micro-steps (exact for 1, 2, 4, 8).
     #   A GPU with less memory takes a smaller NANOCHAT_DEVICE_BATCH (python -m scripts.gpu_check says which fits);
     #   the global batch, and so the run, stays the same.
     export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-climbmix}"
