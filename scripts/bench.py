@@ -107,7 +107,8 @@ def parse_args(argv=None):
     q.add_argument("--warmdown-ratio", type=float, default=0.4)
     q.add_argument("--final-lr-frac", type=float, default=0.0)
     q.add_argument("--variants", nargs="+", default=["base"],
-                   help="recipe variants to compare, each 'base' or a comma list of components (base_train --components)")
+                   help="recipe variants to compare, each 'base' (the plain model, whatever base_train's default) or a comma list of "
+                   "components (base_train --components)")
     q.add_argument("--scalar-lr", type=float, default=-1.0, help="AdamW lr of the components' scalars (-1 = the default)")
     q.add_argument("--adam-betas", type=float, nargs=2, default=[0.8, 0.95], help="AdamW's beta1 beta2 (embedding, lm_head)")
     q.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
