@@ -39,6 +39,11 @@ model above, which is what transformers' NanoChat describes); each starts as the
     smear              each position's embedding gets a gated share of the previous token's:
                        e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1)
     backout            before the final norm: x <- x - backout_lambda * (the residual after layer n_layer // 2)
+    sliding_window     every layer but the last and every fourth one below it attends only to the last
+                       sequence_len // 2 positions (itself included): less attention work at long context. Compiled
+                       (torch.compile, a GPU's training path) it runs as FlexAttention with a block mask that skips
+                       the blocks outside the band; on the CPU training path cpu_ops' block attention skips them;
+                       anywhere else (eager, decoding with the KV cache) it is SDPA with a boolean band mask.
 
 Inference goes through `forward(idx, kv_cache=cache)`: the model writes the new keys and values into
 the cache's per-layer (B, seq_len, n_kv_head, head_dim) tensors at `cache.get_pos()`, attends to
@@ -61,7 +66,7 @@ LOGIT_SOFTCAP = 15.0
 ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation can run past the training length
 GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (cheap, and enough to decide)
 # The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
-COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout")
+COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout", "sliding_window")
 
 
 @dataclass
@@ -77,6 +82,7 @@ class GPTConfig:
     residual_scalars: bool = False
     smear: bool = False
     backout: bool = False
+    sliding_window: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -129,6 +135,51 @@ def has_value_embed(config, layer_idx):
     return config.value_embeds and (config.n_layer - 1 - layer_idx) % 2 == 0
 
 
+def attention_window(config, layer_idx):
+    """
+    How many positions (itself included) a query of this layer sees, or None for all of them. With sliding_window
+    the last layer and every fourth one below it keep full attention (the short layers' reach adds up through
+    them) and the others see the last sequence_len // 2 positions.
+    """
+    if not config.sliding_window or (config.n_layer - 1 - layer_idx) % 4 == 0:
+        return None
+    return max(1, config.sequence_len // 2)
+
+
+def band_mask(n_queries, n_keys, window, device):
+    """
+    Boolean (n_queries, n_keys) mask, True = may attend, for the last n_queries positions of n_keys: causal, and
+    within `window` positions when window is not None. None when no window cuts and either nothing is cached
+    (is_causal gives it) or there is one query (it sees every key): the common cases need no mask.
+    """
+    prefix = n_keys - n_queries
+    if (window is None or window >= n_keys) and (prefix == 0 or n_queries == 1):
+        return None
+    key_pos = torch.arange(n_keys, device=device)
+    query_pos = torch.arange(prefix, n_keys, device=device)[:, None]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed = allowed & (key_pos > query_pos - window)
+    return allowed
+
+
+def flex_band_attention(q, k, v, window):
+    """
+    Causal attention of (B, H, T, D) q and (B, H_kv, T, D) k, v within `window` positions, by FlexAttention: blocks
+    entirely outside the band are skipped, which is where sliding windows save time. Meant for the compiled CUDA
+    path: the block mask is built inside the graph every step (a cheap pass over T x T, no Python-side cache for
+    dynamo to guard on), and eager FlexAttention would materialise the full score matrix.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def in_band(batch, head, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    T = q.size(2)
+    block_mask = create_block_mask(in_band, None, None, T, T, device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -141,6 +192,7 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.window = attention_window(config, layer_idx)
         if has_value_embed(config, layer_idx):
             self.ve_gate = nn.Linear(min(GATE_CHANNELS, config.n_embd), self.n_kv_head, bias=False)
 
@@ -156,25 +208,21 @@ class CausalSelfAttention(nn.Module):
         q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)  # rotary first, then QK-norm
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
 
-        mask, is_causal = None, True
         if kv_cache is not None:
             k, v = self._cached_keys_values(kv_cache, k, v)  # everything so far, (B, H_kv, T_cache, D) views
-            prefix = k.size(2) - T
-            if prefix > 0:
-                is_causal = False
-                if T > 1:
-                    # New query i sits at position prefix+i: it sees the whole prefix and new keys up to itself.
-                    # (is_causal would align the mask top-left, which is wrong when there are fewer queries than keys.)
-                    key_pos = torch.arange(k.size(2), device=q.device)
-                    query_pos = torch.arange(prefix, prefix + T, device=q.device)
-                    mask = key_pos[None, :] <= query_pos[:, None]
+        # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
+        # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
         if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_fp32_training(q, k, v):
-            y = cpu_ops.block_causal_attention(q, k, v)
+            y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
         else:
-            # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
-            # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                               enable_gqa=self.n_kv_head != self.n_head)
+            mask = band_mask(T, k.size(2), self.window, q.device)
+            if mask is not None and kv_cache is None and q.is_cuda and torch.compiler.is_compiling():
+                y = flex_band_attention(q, k, v, self.window)
+            else:
+                # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
+                # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                   enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -199,7 +247,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        if cpu_ops.is_cpu_fp32(x):
+        if cpu_ops.is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
             return cpu_ops.relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
@@ -319,12 +367,14 @@ class GPT(nn.Module):
         matmul and counts; a component's scalars count 6 each, a slight overcount of their elementwise work).
         Attention adds two matmuls per layer that have no parameters, QK^T and AV, each
         2 * n_head * head_dim * T FLOPs per token forward (counted over the full T, not the
-        causal half), times 3 for forward + backward: 12 * n_head * head_dim * T per layer.
+        causal half), times 3 for forward + backward: 12 * n_head * head_dim * T per layer, where a
+        sliding-window layer counts its window instead of T.
         """
         c = self.config
         head_dim = c.n_embd // c.n_head
         matmul_params = self.num_params() - self.embedding_params()
-        return 6 * matmul_params + 12 * c.n_layer * c.n_head * head_dim * c.sequence_len
+        keys_seen = sum(min(attention_window(c, i) or c.sequence_len, c.sequence_len) for i in range(c.n_layer))
+        return 6 * matmul_params + 12 * c.n_head * head_dim * keys_seen
 
     def setup_optimizers(self, unembedding_lr, embedding_lr, matrix_lr, weight_decay=0.0, adam_betas=(0.8, 0.95),
                          scalar_lr=0.005):

@@ -37,7 +37,7 @@ from nanochat.checkpoint_manager import (
     resolve_step,
 )
 from nanochat.common import UserError, print0
-from nanochat.gpt import COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig
+from nanochat.gpt import COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig, attention_window
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -204,7 +204,9 @@ def hf_recipe_config(config, bos_id, eos_id, vocab_size, dtype_name):
         "rope_theta": ROPE_THETA,
         "final_logit_softcapping": LOGIT_SOFTCAP,
         "gate_channels": GATE_CHANNELS,
-        **{name: getattr(config, name) for name in COMPONENTS},
+        **{name: getattr(config, name) for name in COMPONENTS if name != "sliding_window"},
+        # each layer's window, spelled out (0 = full attention) so the modeling code needs no rule of its own
+        "attention_windows": [attention_window(config, i) or 0 for i in range(config.n_layer)],
         "tie_word_embeddings": False,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,

@@ -23,12 +23,14 @@ class NanoChatRecipeConfig(PretrainedConfig):
     def __init__(self, vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=6,
                  num_key_value_heads=6, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                  final_logit_softcapping=15.0, gate_channels=32, value_embeds=False, residual_scalars=False,
-                 smear=False, backout=False, **kwargs):
+                 smear=False, backout=False, attention_windows=None, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
         self.max_position_embeddings, self.rms_norm_eps, self.rope_theta = max_position_embeddings, rms_norm_eps, rope_theta
         self.final_logit_softcapping, self.gate_channels = final_logit_softcapping, gate_channels
         self.value_embeds, self.residual_scalars, self.smear, self.backout = value_embeds, residual_scalars, smear, backout
+        # per layer, how many positions (itself included) a query sees; 0 = all of them (nanochat's sliding_window)
+        self.attention_windows = list(attention_windows or [0] * num_hidden_layers)
         kwargs.setdefault("use_cache", False)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
@@ -52,6 +54,7 @@ class _Attention(nn.Module):
         self.c_k = nn.Linear(c.hidden_size, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(c.hidden_size, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
+        self.window = c.attention_windows[layer]
         if _has_value_embed(c, layer):
             self.ve_gate = nn.Linear(min(c.gate_channels, c.hidden_size), self.n_kv_head, bias=False)
 
@@ -70,8 +73,12 @@ class _Attention(nn.Module):
             return _norm(torch.cat((t1 * cos + t2 * sin, t2 * cos - t1 * sin), dim=-1), self.eps)
 
         q, k = rotate_then_norm(q), rotate_then_norm(k)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        mask = None
+        if 0 < self.window < T:  # causal within the window: query t sees keys (t - window, t]
+            distance = torch.arange(T, device=x.device)[:, None] - torch.arange(T, device=x.device)[None, :]
+            mask = (distance >= 0) & (distance < self.window)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -227,6 +227,12 @@ def split_components(text):
     return [n for n in COMPONENTS if n in names], [n for n in OPTIMIZER_COMPONENTS if n in names]
 
 
+def canonical_components(text):
+    """One spelling of a components list, canonical order, '' for the plain recipe ('smear,value_embeds' and
+    'value_embeds,smear' are the same recipe); an unknown name is refused."""
+    return ",".join(sum(split_components(text), []))
+
+
 def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_decay, adam_betas=(0.8, 0.95),
                      scalar_lr=SCALAR_LR, optimizer_components=()):
     """

@@ -22,17 +22,19 @@ from nanochat.gpt import build_model
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.fp8 import convert_to_fp8, fp8_available
 from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
 from nanochat.training import (DEFAULT_COMPONENTS, build_optimizers, config_dict, depth_recipe, grad_accum_steps,
-                               greedy_samples, lr_multiplier, muon_momentum, split_components, train_step)
+                               greedy_samples, lr_multiplier, muon_momentum, split_components, train_step,
+                               canonical_components)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
 # Flags a resumed run must keep: they fix the batches, the optimizer shards or the model, so changing them breaks exactness.
 RESUME_FIXED_FLAGS = ["depth", "aspect_ratio", "head_dim", "num_kv_heads", "max_seq_len", "device_batch_size",
-                      "total_batch_size", "data_source", "seed", "components"]
+                      "total_batch_size", "data_source", "seed", "components", "fp8"]
 
 
 def parse_args(argv=None):
@@ -49,8 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
-                   "residual_scalars, smear, backout) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
+                   "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
                    f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); README 'Recipe components'")
+    p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
+                   "(torch._scaled_mm: H100/Ada GPUs, and CPU; elsewhere emulated); README 'Recipe components'")
     # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from the budget flags below)")
     p.add_argument("--target-flops", type=float, default=-1.0)
@@ -97,7 +101,7 @@ def validate_args(args):
     check_flag(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume_from_step", args.resume_from_step,
                "must be >= 0")
     if args.components is not None:  # one spelling ('' = plain), for the resume check; an unknown name fails here
-        args.components = ",".join(sum(split_components(args.components), []))
+        args.components = canonical_components(args.components)
 
 
 def resolve_components(args, ckpt_dir):
@@ -142,6 +146,10 @@ def main(argv=None):
     seed_everything(args.seed)
 
     model = build_model(recipe.model_config, device)
+    if args.fp8:  # before compile, and before the optimizers (the same Parameters either way)
+        converted = convert_to_fp8(model.transformer.h)
+        print0(f"fp8: {converted} block linears run their matmuls with fp8 operands where the shapes allow ("
+               f"{'torch._scaled_mm' if fp8_available(device) else 'emulated in fp32: for checking numerics, not speed'})")
     model_config, lrs = config_dict(recipe.model_config), recipe.lrs()
     autocast = autocast_for(device)
     use_compile = compile_choice(args.compile, device)

@@ -71,10 +71,9 @@ def parse_args(argv=None):
     args.name = args.name or f"{args.preset}-{args.mode}"
     if min(args.depths) < 1 or (args.mode == "isoflop" and min(args.budgets) <= 0) or args.ratio <= 0:
         raise UserError("--depths must be >= 1, --budgets and --ratio > 0")
-    from nanochat.training import DEFAULT_COMPONENTS, split_components
+    from nanochat.training import DEFAULT_COMPONENTS, canonical_components
 
-    components = DEFAULT_COMPONENTS if args.components is None else args.components
-    args.components = ",".join(sum(split_components(components), []))  # '' = plain; an unknown name fails here
+    args.components = canonical_components(DEFAULT_COMPONENTS if args.components is None else args.components)
     if not ms.plain_name(args.name):
         raise UserError(f"--name {args.name!r}: use letters, digits, '-', '_' and '.'")
     return args

@@ -48,7 +48,13 @@ def test_each_component_starts_as_the_identity(name):
     model.load_state_dict(plain.state_dict(), strict=False)
     idx = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(idx), plain(idx), atol=1e-6, rtol=1e-6)
-    assert model.num_params() > plain.num_params()
+    if name == "sliding_window":  # no parameters; the same while a sequence fits in the window (16), not beyond it
+        assert model.num_params() == plain.num_params()
+        longer = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(model(longer)[:, :16], plain(longer)[:, :16], atol=1e-6, rtol=1e-6)
+        assert (model(longer)[:, 16:] - plain(longer)[:, 16:]).abs().max() > 1e-3
+    else:
+        assert model.num_params() > plain.num_params()
 
 
 def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
@@ -73,10 +79,47 @@ def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
     assert len(component_params) == 2 + 2 + 2 + 2 + 1  # 2 value embeddings + 2 gates, resid/x0, smear gate/lambda, backout
 
 
+@pytest.mark.parametrize("window", [64, 200, None])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_cpu_block_attention_with_a_window_equals_masked_sdpa_and_flex(window):
+    # cpu_ops' block attention skips the blocks left of the band (T=300 spans three 128-query blocks); its output and
+    # gradients must equal SDPA with the boolean band mask (the eager and decode path), and FlexAttention (the compiled
+    # CUDA path; forward only, it has no CPU backward) must give the same output.
+    from nanochat import cpu_ops
+    from nanochat.gpt import band_mask, flex_band_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 300, 16, generator=generator, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(2, 3, 300, 16, generator=generator)
+    ours = cpu_ops.block_causal_attention(q, k, v, window=window)
+    mask = band_mask(300, 300, window, "cpu")
+    assert (mask is None) == (window is None)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    torch.testing.assert_close(ours, reference, atol=2e-6, rtol=1e-5)
+    for g, g_ref in zip(torch.autograd.grad(ours, (q, k, v), grad_out), torch.autograd.grad(reference, (q, k, v), grad_out)):
+        torch.testing.assert_close(g, g_ref, atol=2e-5, rtol=1e-4)
+    if window is not None:
+        q, k, v = q.detach(), k[:, :1].detach(), v[:, :1].detach()  # one kv head for three query heads (GQA)
+        flex = flex_band_attention(q, k, v, window)
+        gqa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(flex, gqa, atol=2e-6, rtol=1e-5)
+
+
+def test_flex_band_attention_compiles_into_one_graph():
+    # On CUDA the compiled model runs flex_band_attention; the block mask is built inside the graph, so dynamo must
+    # trace all of it without a break (a break per layer would split the compiled model into pieces).
+    from nanochat.gpt import flex_band_attention
+
+    q, kv = torch.randn(1, 2, 256, 16), torch.randn(1, 1, 256, 16)
+    explained = torch._dynamo.explain(flex_band_attention)(q, kv, kv, 64)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
 @torch.no_grad()
 def test_kv_cache_with_every_component_matches_the_full_forward():
-    # Smear needs the previous token's embedding at decode, which the cache keeps (and prefill copies to every sample).
-    model = build(tiny_config(**ALL_ON))
+    # Smear needs the previous token's embedding at decode, which the cache keeps (and prefill copies to every sample);
+    # the 16 tokens run past the short layers' 8-position window, so decoding must cut the cached keys too.
+    model = build(tiny_config(sequence_len=16, **ALL_ON))
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
     full = model(idx)
     cache = make_cache(model, 2, 16)
@@ -99,7 +142,7 @@ def test_engine_greedy_equals_naive_recompute_with_every_component():
 
     texts = [f"The quick brown fox {i} jumps over the lazy dog {i * 7}." for i in range(200)]
     tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), 300)
-    model = build(tiny_config(vocab_size=tokenizer.get_vocab_size(), **ALL_ON))
+    model = build(tiny_config(vocab_size=tokenizer.get_vocab_size(), sequence_len=16, **ALL_ON))  # 8-token windows
     prompt = tokenizer.encode("The quick brown", prepend=tokenizer.get_bos_token_id())
     terminals = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
     ids, naive = list(prompt), []
@@ -122,7 +165,9 @@ def test_flops_and_scaling_params_leave_out_every_lookup():
     assert model.embedding_params() == c.vocab_size * (c.n_embd + 2 * kv_dim)
     gates_and_scalars = 2 * 32 * c.n_kv_head + 2 * c.n_layer + 32 + 1 + 1
     assert model.num_params() - plain.num_params() == 2 * c.vocab_size * kv_dim + gates_and_scalars
-    assert model.estimate_flops() - plain.estimate_flops() == 6 * gates_and_scalars
+    # two of the three layers see 16 of the 32 positions: their attention matmuls count 16 keys, not 32
+    attention_saved = 2 * 12 * c.n_head * (c.n_embd // c.n_head) * (32 - 16)
+    assert model.estimate_flops() - plain.estimate_flops() == 6 * gates_and_scalars - attention_saved
 
 
 # -----------------------------------------------------------------------------

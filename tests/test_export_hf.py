@@ -112,7 +112,7 @@ def export_base(tiny_base_dir, tmp_path_factory):
         save_tiny_checkpoint("mha", tiny_config(n_kv_head=4, vocab_size=vocab), seed=2, stop_early=True)
         save_tiny_checkpoint("padded", tiny_config(n_kv_head=4, vocab_size=vocab + 64), seed=3)
         recipe = dataclasses.replace(tiny_config(n_kv_head=2, vocab_size=vocab), n_layer=3, value_embeds=True,
-                                     residual_scalars=True, smear=True, backout=True)
+                                     residual_scalars=True, smear=True, backout=True, sliding_window=True)
         save_tiny_checkpoint("recipe", recipe, seed=5)
         unknown = dict(dataclasses.asdict(tiny_config(4, vocab)), window_pattern="SSSL")
         save_tiny_checkpoint("unknown", tiny_config(4, vocab), seed=4, meta_config=unknown)
@@ -169,7 +169,7 @@ def random_batches(vocab_size, seed):
 
 def test_recipe_components_export_our_modeling_code_with_the_same_logits_and_greedy_tokens(export_base, base_env,
                                                                                             tmp_path):
-    # transformers' NanoChat has no place for value embeddings, residual scalars, smear or backout: the export ships
+    # transformers' NanoChat has no place for value embeddings, residual scalars, smear, backout or sliding windows: the export ships
     # our modeling code (auto_map) and the model loads with trust_remote_code=True, same logits, same greedy tokens.
     out = str(tmp_path / "recipe")
     p = run_export(export_base, "-g", "recipe", "--out", out)
@@ -178,6 +178,7 @@ def test_recipe_components_export_our_modeling_code_with_the_same_logits_and_gre
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_nanochat_recipe.NanoChatRecipeForCausalLM"
     assert config["smear"] and config["value_embeds"] and config["backout"] and config["residual_scalars"]
+    assert config["attention_windows"] == [SEQUENCE_LEN // 2, SEQUENCE_LEN // 2, 0]  # the 64-token batch crosses them
     ours, tokenizer, _ = load_model("base", "cpu", model_tag="recipe")
     theirs = load_hf_model(out, trust_remote_code=True)
     with torch.no_grad():
