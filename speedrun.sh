@@ -184,6 +184,14 @@ train_stage() {  # train_stage NAME STAGE_DIR SECTION COMMAND...: fresh, resumed
 # The pipeline
 
 echo "speedrun: preset $PRESET, $NGPU GPU(s), base dir $BASE_DIR, wandb run $RUN"
+if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || command -v uv >/dev/null 2>&1; }; then
+    # a typo fails here, not in base_train after the data stages, with the base dir's signature recording it
+    $PY -c "import sys
+from nanochat.common import UserError
+from nanochat.training import canonical_components
+try: canonical_components(sys.argv[1])
+except UserError as e: sys.exit(f'NANOCHAT_COMPONENTS: {e}')" "$COMPONENTS" || exit 1
+fi
 if [ "$DRY_RUN" = 1 ]; then
     echo "export NANOCHAT_BASE_DIR=$BASE_DIR NANOCHAT_DATA_SOURCE=$NANOCHAT_DATA_SOURCE"
 else

@@ -101,6 +101,8 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
     plain = commands(dry_run(tmp_path, "cpu", 0, NANOCHAT_COMPONENTS="none").stdout)
     assert [(m, f) for m, _, flags in plain for f in flags if f.startswith("--components")] == \
         [("scripts.base_train", "--components=none")]
+    typo = dry_run(tmp_path, "cpu", 0, NANOCHAT_COMPONENTS="smear,warp_drive")  # refused before any stage
+    assert typo.returncode == 1 and "unknown component(s) warp_drive" in typo.stderr and "scripts." not in typo.stdout
     p = dry_run(tmp_path, "gpu", 0)
     assert p.returncode == 1 and "no CUDA GPU" in p.stderr
 
