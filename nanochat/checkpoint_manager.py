@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0
-from nanochat.gpt import COMPONENTS
+from nanochat.gpt import COMPONENTS, VALUE_EMBED_LAYERS
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
@@ -91,13 +91,16 @@ def validate_meta(meta):
     if not isinstance(meta.get("step"), int) or meta["step"] < 0:
         return "no integer 'step'"
     config = meta.get("model_config")
-    if not isinstance(config, dict) or not set(MODEL_CONFIG_FIELDS) <= set(config) <= set(MODEL_CONFIG_FIELDS + COMPONENTS):
+    optional = COMPONENTS + ("value_embed_layers",)
+    if not isinstance(config, dict) or not set(MODEL_CONFIG_FIELDS) <= set(config) <= set(MODEL_CONFIG_FIELDS + optional):
         return (f"'model_config' must have the fields {', '.join(MODEL_CONFIG_FIELDS)} and may name components "
-                f"{', '.join(COMPONENTS)}")
+                f"{', '.join(optional)}")
     if not all(isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] > 0 for k in MODEL_CONFIG_FIELDS):
         return "'model_config' shape values must be positive integers"
     if not all(isinstance(config[k], bool) for k in set(config) & set(COMPONENTS)):
         return "'model_config' components must be true or false"
+    if config.get("value_embed_layers", VALUE_EMBED_LAYERS[0]) not in VALUE_EMBED_LAYERS:
+        return f"'model_config' value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)}"
     files = meta.get("files")
     if not isinstance(files, dict) or "model.safetensors" not in files:
         return "no 'files' list with the sha256 of model.safetensors (every file is verified against it on load)"

@@ -33,8 +33,8 @@ what `build_model(config, device)` at the bottom of this file does:
 Components of the reference project's later recipe are options of GPTConfig, all off by default (off is the
 model above, which is what transformers' NanoChat describes); each starts as the identity, or nearly so:
 
-    value_embeds       on alternating layers (the last, then every second one down) a per-token embedding
-                       is added to attention's values, v += 2 sigmoid(W x[:32]) * ve[token], one gate per kv head
+    value_embeds       on the lower half of the layers a per-token embedding is added to attention's values,
+                       v += 2 sigmoid(W x[:32]) * ve[token], one gate per kv head (value_embed_layers below)
     residual_scalars   before block i: x <- resid_lambdas[i] * x + x0_lambdas[i] * x0, x0 the normed embedding
     smear              each position's embedding gets a gated share of the previous token's:
                        e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1)
@@ -67,6 +67,7 @@ ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation 
 GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (cheap, and enough to decide)
 # The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
 COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout", "sliding_window")
+VALUE_EMBED_LAYERS = ("lower_half", "alternating")  # GPTConfig.value_embed_layers
 
 
 @dataclass
@@ -83,6 +84,11 @@ class GPTConfig:
     smear: bool = False
     backout: bool = False
     sliding_window: bool = False
+    # Where value embeddings sit: "lower_half" (layers below n_layer // 2, at least layer 0), or "alternating" (the
+    # last layer and every second one below it), where checkpoints saved before this field existed have them. On the
+    # last layer a value embedding lets the final attention copy a context token straight to the output: at seed 43
+    # the CPU speedrun's base model then echoed the subject for "X borders ..." (BENCHMARKS "value embedding placement").
+    value_embed_layers: str = "lower_half"
 
     def __post_init__(self):
         self.validate()
@@ -96,6 +102,9 @@ class GPTConfig:
         for name in COMPONENTS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be true or false (got {getattr(self, name)!r})")
+        if self.value_embed_layers not in VALUE_EMBED_LAYERS:
+            raise ValueError(f"GPTConfig.value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)} "
+                             f"(got {self.value_embed_layers!r})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head != 0:
@@ -131,8 +140,21 @@ def rotary_norm(x, cos, sin):
     return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
 
 def has_value_embed(config, layer_idx):
-    """Value embeddings sit on the last layer and every second one below it."""
-    return config.value_embeds and (config.n_layer - 1 - layer_idx) % 2 == 0
+    """Whether this layer has a value embedding: per config.value_embed_layers (GPTConfig)."""
+    if not config.value_embeds:
+        return False
+    if config.value_embed_layers == "alternating":
+        return (config.n_layer - 1 - layer_idx) % 2 == 0
+    return layer_idx < max(1, config.n_layer // 2)
+
+
+def config_from_dict(fields):
+    """GPTConfig from a checkpoint's model_config. Value embeddings saved before value_embed_layers existed sat on
+    alternating layers; a new model names its placement."""
+    fields = dict(fields)
+    if fields.get("value_embeds") and "value_embed_layers" not in fields:
+        fields["value_embed_layers"] = "alternating"
+    return GPTConfig(**fields)
 
 
 def attention_window(config, layer_idx):
@@ -488,7 +510,7 @@ class GPT(nn.Module):
 def build_model(config, device):
     """A freshly initialised GPT on `device` from a GPTConfig or its dict (built on meta, then materialised)."""
     if not isinstance(config, GPTConfig):
-        config = GPTConfig(**config)
+        config = config_from_dict(config)
     cpu_ops.enabled()  # a bad NANOCHAT_CPU_OPS is refused here, before any compute, not inside the first forward
     with torch.device("meta"):
         model = GPT(config)

@@ -37,7 +37,8 @@ from nanochat.checkpoint_manager import (
     resolve_step,
 )
 from nanochat.common import UserError, print0
-from nanochat.gpt import COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig, attention_window
+from nanochat.gpt import (COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig, attention_window,
+                          config_from_dict, has_value_embed)
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,11 +97,12 @@ def check_representable(model_config):
     if unknown:
         shown = ", ".join(f"{name}={model_config[name]!r}" for name in unknown)
         raise UserError(f"cannot export: config field(s) {shown} have no equivalent in transformers' NanoChat")
-    missing = [name for name in known_fields if name not in model_config and name not in COMPONENTS]
+    missing = [name for name in known_fields if name not in model_config and name not in COMPONENTS
+               and name != "value_embed_layers"]
     if missing:
         raise UserError(f"cannot export: the checkpoint's model_config lacks {', '.join(missing)}")
     try:
-        GPTConfig(**model_config)
+        config_from_dict(model_config)
     except ValueError as e:
         raise UserError(f"cannot export: {e}") from None
     # Everything a valid GPTConfig can express maps onto NanoChat: grouped-query attention (repeat_kv uses the
@@ -205,8 +207,9 @@ def hf_recipe_config(config, bos_id, eos_id, vocab_size, dtype_name):
         "final_logit_softcapping": LOGIT_SOFTCAP,
         "gate_channels": GATE_CHANNELS,
         **{name: getattr(config, name) for name in COMPONENTS if name != "sliding_window"},
-        # each layer's window, spelled out (0 = full attention) so the modeling code needs no rule of its own
-        "attention_windows": [attention_window(config, i) or 0 for i in range(config.n_layer)],
+        # per layer, spelled out so the modeling code needs no rule of its own (nor a version of one)
+        "value_embed_layers": [i for i in range(config.n_layer) if has_value_embed(config, i)],
+        "attention_windows": [attention_window(config, i) or 0 for i in range(config.n_layer)],  # 0 = full
         "tie_word_embeddings": False,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,

@@ -23,12 +23,13 @@ class NanoChatRecipeConfig(PretrainedConfig):
     def __init__(self, vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=6,
                  num_key_value_heads=6, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                  final_logit_softcapping=15.0, gate_channels=32, value_embeds=False, residual_scalars=False,
-                 smear=False, backout=False, attention_windows=None, **kwargs):
+                 smear=False, backout=False, value_embed_layers=None, attention_windows=None, **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
         self.max_position_embeddings, self.rms_norm_eps, self.rope_theta = max_position_embeddings, rms_norm_eps, rope_theta
         self.final_logit_softcapping, self.gate_channels = final_logit_softcapping, gate_channels
         self.value_embeds, self.residual_scalars, self.smear, self.backout = value_embeds, residual_scalars, smear, backout
+        self.value_embed_layers = list(value_embed_layers or [])  # the layers with a value embedding (if value_embeds)
         # per layer, how many positions (itself included) a query sees; 0 = all of them (nanochat's sliding_window)
         self.attention_windows = list(attention_windows or [0] * num_hidden_layers)
         kwargs.setdefault("use_cache", False)
@@ -41,7 +42,7 @@ def _norm(x, eps):
 
 
 def _has_value_embed(config, layer):
-    return config.value_embeds and (config.num_hidden_layers - 1 - layer) % 2 == 0
+    return config.value_embeds and layer in config.value_embed_layers
 
 
 class _Attention(nn.Module):

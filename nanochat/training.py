@@ -306,5 +306,7 @@ def greedy_samples(model, tokenizer, prompts, max_tokens=16):
 
 def config_dict(config):
     """A GPTConfig as the plain dict stored in checkpoint meta. Components that are off are left out, so a checkpoint
-    of the plain model has the same meta as before components existed (and a missing one reads as off)."""
-    return {name: value for name, value in asdict(config).items() if not (name in COMPONENTS and value is False)}
+    of the plain model has the same meta as before components existed (and a missing one reads as off); so is the
+    value embeddings' placement when there are none."""
+    return {name: value for name, value in asdict(config).items() if not (name in COMPONENTS and value is False)
+            and not (name == "value_embed_layers" and not config.value_embeds)}

@@ -41,7 +41,7 @@ def test_each_component_starts_as_the_identity(name):
     if name == "value_embeds":
         for embedding in model.value_embeds.values():
             embedding.weight.zero_()
-        assert sorted(model.value_embeds) == ["0", "2"]  # the last layer and every second one below it
+        assert sorted(model.value_embeds) == ["0"]  # the lower half of the layers (at least the first)
     for block in plain.transformer.h:  # make the blocks do something, identically in both models
         block.attn.c_proj.weight.normal_(std=0.1)
         block.mlp.c_proj.weight.normal_(std=0.1)
@@ -76,7 +76,7 @@ def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
         torch.testing.assert_close(grad, grads["0"][1][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
         assert grad.abs().max() > 0, name
     component_params = {n for n in grads["1"][1] if "lambda" in n or "gate" in n or n.startswith("value_embeds")}
-    assert len(component_params) == 2 + 2 + 2 + 2 + 1  # 2 value embeddings + 2 gates, resid/x0, smear gate/lambda, backout
+    assert len(component_params) == 1 + 1 + 2 + 2 + 1  # a value embedding + its gate, resid/x0, smear gate/lambda, backout
 
 
 @pytest.mark.parametrize("window", [64, 200, None])
@@ -162,9 +162,9 @@ def test_flops_and_scaling_params_leave_out_every_lookup():
     plain = build(tiny_config(), randomize=False)
     c = model.config
     kv_dim = c.n_kv_head * c.n_embd // c.n_head
-    assert model.embedding_params() == c.vocab_size * (c.n_embd + 2 * kv_dim)
-    gates_and_scalars = 2 * 32 * c.n_kv_head + 2 * c.n_layer + 32 + 1 + 1
-    assert model.num_params() - plain.num_params() == 2 * c.vocab_size * kv_dim + gates_and_scalars
+    assert model.embedding_params() == c.vocab_size * (c.n_embd + kv_dim)  # one value embedding, on layer 0
+    gates_and_scalars = 32 * c.n_kv_head + 2 * c.n_layer + 32 + 1 + 1
+    assert model.num_params() - plain.num_params() == c.vocab_size * kv_dim + gates_and_scalars
     # two of the three layers see 16 of the 32 positions: their attention matmuls count 16 keys, not 32
     attention_saved = 2 * 12 * c.n_head * (c.n_embd // c.n_head) * (32 - 16)
     assert model.estimate_flops() - plain.estimate_flops() == 6 * gates_and_scalars - attention_saved
@@ -226,6 +226,22 @@ def test_loss_goes_down_with_every_component_on():
 # Checkpoints and base_train
 
 
+@pytest.mark.parametrize("n_layer, lower_half, alternating", [(1, ["0"], ["0"]), (4, ["0", "1"], ["1", "3"]),
+                                                               (6, ["0", "1", "2"], ["1", "3", "5"])])
+def test_value_embeddings_sit_on_the_lower_half_and_old_checkpoints_keep_theirs(n_layer, lower_half, alternating):
+    # New models put them below the middle, off the last layer; a checkpoint saved before value_embed_layers existed
+    # had them on the last layer and every second one below, and must load onto those layers.
+    from nanochat.gpt import build_model
+    from nanochat.training import config_dict
+
+    saved = config_dict(tiny_config(n_layer=n_layer, value_embeds=True))
+    assert saved["value_embed_layers"] == "lower_half"
+    assert sorted(build_model(saved, "meta").value_embeds) == lower_half
+    legacy = {k: v for k, v in saved.items() if k != "value_embed_layers"}
+    assert sorted(build_model(legacy, "meta").value_embeds) == alternating
+    assert "value_embed_layers" not in config_dict(tiny_config(n_layer=n_layer, smear=True))  # plain meta unchanged
+
+
 def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
     from nanochat.checkpoint_manager import validate_meta
     from nanochat.training import config_dict
@@ -239,6 +255,7 @@ def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
     assert validate_meta(meta) is None
     assert "components must be true or false" in validate_meta({**meta, "model_config": {**plain, "smear": 1}})
     assert "may name components" in validate_meta({**meta, "model_config": {**plain, "sliding": True}})
+    assert "value_embed_layers must be" in validate_meta({**meta, "model_config": {**plain, "value_embed_layers": "top"}})
 
 
 def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_base_dir, tmp_path):
