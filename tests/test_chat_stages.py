@@ -6,6 +6,7 @@ that hold nothing to learn); the report's per-stage sections; and chat_eval's ar
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -209,22 +210,30 @@ def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir
 
 
 def test_bad_chat_stage_flags_give_one_line_before_any_work(tmp_path):
-    # An empty base dir: each refusal must come from the flags alone, before a model, data or checkpoint is looked at.
+    # Each refusal comes from the flags alone (parse_args), before a model, data or checkpoint is looked at; one per
+    # script also runs for real in an empty base dir, to show the user one line and no traceback.
+    import importlib
+
+    from nanochat.common import UserError
+
     base = str(tmp_path)
-    for script, flag, words in [
-        ("mid_train", "--init-lr-frac=0", "--init-lr-frac=0.0 is not valid"),
-        ("mid_train", "--warmup-ratio=1.5", "--warmup-ratio=1.5 is not valid"),
-        ("chat_sft", "--num-iterations=0", "--num-iterations=0 is not valid"),
-        ("chat_sft", "--max-seq-len=4", "--max-seq-len=4 is not valid"),
-        ("chat_sft", "--matrix-lr=-0.1", "--matrix-lr=-0.1 is not valid"),
-        ("chat_rl", "--temperature=0", "--temperature=0.0 is not valid"),
-        ("chat_rl", "--num-samples=0", "--num-samples=0 is not valid"),
-        ("chat_rl", "--keep-last=0", "--keep-last=0 is not valid"),
+    for script, flag, words, for_real in [
+        ("mid_train", "--init-lr-frac=0", "--init-lr-frac=0.0 is not valid", True),
+        ("mid_train", "--warmup-ratio=1.5", "--warmup-ratio=1.5 is not valid", False),
+        ("chat_sft", "--num-iterations=0", "--num-iterations=0 is not valid", True),
+        ("chat_sft", "--max-seq-len=4", "--max-seq-len=4 is not valid", False),
+        ("chat_sft", "--matrix-lr=-0.1", "--matrix-lr=-0.1 is not valid", False),
+        ("chat_rl", "--temperature=0", "--temperature=0.0 is not valid", True),
+        ("chat_rl", "--num-samples=0", "--num-samples=0 is not valid", False),
+        ("chat_rl", "--keep-last=0", "--keep-last=0 is not valid", False),
     ]:
-        p = run(base, script, [flag], check=False)
-        err = p.stderr.strip()
-        assert p.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, (script, flag, err)
-        assert words in err, (script, flag, err)
+        with pytest.raises(UserError, match=re.escape(words)):
+            importlib.import_module(f"scripts.{script}").parse_args([flag])
+        if for_real:
+            p = run(base, script, [flag], check=False)
+            err = p.stderr.strip()
+            assert p.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, (script, flag, err)
+            assert words in err, (script, flag, err)
 
 
 def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trained_base, tmp_path):
