@@ -258,7 +258,9 @@ def test_bf16_compiled_two_ranks_equal_one(runs, tiny_base_dir, tmp_path):
     assert "[__graph_breaks]" not in p.stderr and "[__recompiles]" not in p.stderr, p.stderr[-3000:]
     one, two = val_bpbs(runs["compiled"]), val_bpbs(two)
     assert abs(one[0] - two[0]) < 1e-4  # the same evaluation tokens whatever the world size
-    assert abs(one[N] - two[N]) / one[N] < 0.01, (one[N], two[N])  # same global batch, other row groups per rank
+    # same global batch, other row groups per rank: sampling noise, 0.95 % in fp32 and 1.3 % in bf16 with the default
+    # components at this size (test_base_train's one-vs-two-ranks test says where the exact checks are)
+    assert abs(one[N] - two[N]) / one[N] < 0.02, (one[N], two[N])
 
 
 # -----------------------------------------------------------------------------
