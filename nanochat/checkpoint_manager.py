@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0
-from nanochat.gpt import COMPONENTS, VALUE_EMBED_LAYERS
+from nanochat.gpt import COMPONENTS, OPTIONAL_FIELDS, VALUE_EMBED_LAYERS
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
@@ -91,10 +91,9 @@ def validate_meta(meta):
     if not isinstance(meta.get("step"), int) or meta["step"] < 0:
         return "no integer 'step'"
     config = meta.get("model_config")
-    optional = COMPONENTS + ("value_embed_layers",)
-    if not isinstance(config, dict) or not set(MODEL_CONFIG_FIELDS) <= set(config) <= set(MODEL_CONFIG_FIELDS + optional):
+    if not isinstance(config, dict) or not set(MODEL_CONFIG_FIELDS) <= set(config) <= set(MODEL_CONFIG_FIELDS + OPTIONAL_FIELDS):
         return (f"'model_config' must have the fields {', '.join(MODEL_CONFIG_FIELDS)} and may name components "
-                f"{', '.join(optional)}")
+                f"{', '.join(OPTIONAL_FIELDS)}")
     if not all(isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] > 0 for k in MODEL_CONFIG_FIELDS):
         return "'model_config' shape values must be positive integers"
     if not all(isinstance(config[k], bool) for k in set(config) & set(COMPONENTS)):

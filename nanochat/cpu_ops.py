@@ -147,7 +147,6 @@ class _BlockCausalAttention(torch.autograd.Function):
         q3, k3, v3 = (t.reshape(B * H, T, D) for t in (q, k, v))
         out = torch.empty_like(q3)
         future = torch.ones(ATTENTION_BLOCK, ATTENTION_BLOCK, dtype=torch.bool, device=q.device).triu_(1)
-        positions = torch.arange(T, device=q.device)
         probs = []
         for start in range(0, T, ATTENTION_BLOCK):
             end = min(start + ATTENTION_BLOCK, T)
@@ -156,7 +155,8 @@ class _BlockCausalAttention(torch.autograd.Function):
             if window >= end:  # no query here reaches past its window: only the diagonal block has future keys
                 scores[:, :, start - first:].masked_fill_(future[:end - start, :end - start], float("-inf"))
             else:  # ATTENTION_BLOCK x (ATTENTION_BLOCK + window) at most
-                query_pos, key_pos = positions[start:end, None], positions[None, first:end]
+                query_pos = torch.arange(start, end, device=q.device)[:, None]
+                key_pos = torch.arange(first, end, device=q.device)[None, :]
                 scores.masked_fill_((key_pos > query_pos) | (key_pos <= query_pos - window), float("-inf"))
             p = torch.softmax(scores, dim=-1)
             torch.bmm(p, v3[:, first:end], out=out[:, start:end])

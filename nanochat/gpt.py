@@ -68,6 +68,8 @@ GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (ch
 # The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
 COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout", "sliding_window")
 VALUE_EMBED_LAYERS = ("lower_half", "alternating")  # GPTConfig.value_embed_layers
+# GPTConfig fields a checkpoint's model_config may leave out (a missing one reads as the plain model's / the old default)
+OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",)
 
 
 @dataclass

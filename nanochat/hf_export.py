@@ -37,8 +37,8 @@ from nanochat.checkpoint_manager import (
     resolve_step,
 )
 from nanochat.common import UserError, print0
-from nanochat.gpt import (COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, ROPE_THETA, GPTConfig, attention_window,
-                          config_from_dict, has_value_embed)
+from nanochat.gpt import (COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, OPTIONAL_FIELDS, ROPE_THETA, GPTConfig,
+                          attention_window, config_from_dict, has_value_embed)
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -97,8 +97,7 @@ def check_representable(model_config):
     if unknown:
         shown = ", ".join(f"{name}={model_config[name]!r}" for name in unknown)
         raise UserError(f"cannot export: config field(s) {shown} have no equivalent in transformers' NanoChat")
-    missing = [name for name in known_fields if name not in model_config and name not in COMPONENTS
-               and name != "value_embed_layers"]
+    missing = [name for name in known_fields if name not in model_config and name not in OPTIONAL_FIELDS]
     if missing:
         raise UserError(f"cannot export: the checkpoint's model_config lacks {', '.join(missing)}")
     try:
