@@ -8,6 +8,7 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
     python -m scripts.bench quality --source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
     python -m scripts.bench quality --source=brown --variants base smear value_embeds,normuon   # recipe components
+    python -m scripts.bench kernels        # a GPU: fp8 linear and sliding-window attention, numerics and speed
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -28,7 +29,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from nanochat.bench import dataloader, engine, quality, tokenizer, train
+from nanochat.bench import dataloader, engine, kernels, quality, tokenizer, train
 from nanochat.bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -86,6 +87,11 @@ def parse_args(argv=None):
     e.add_argument("--length-steps", type=int, default=30, help="decode steps timed per cache fill level")
     e.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     e.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    g = sub.add_parser("kernels", help="fp8 linear and sliding-window attention against what they replace (a GPU)")
+    g.add_argument("--square", type=int, default=8192, help="side of the square fwd+bwd linear timed in fp8 and bf16")
+    g.add_argument("--seq-len", type=int, default=0, help="attention length (default 2048 on CUDA, 256 elsewhere)")
+    g.add_argument("--repeats", type=int, default=20)
+    g.add_argument("--device-type", default="", help="cuda|cpu (default: autodetect)")
     q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
     q.add_argument("--source", default="builtin",
                    help="builtin, brown, or a source you imported (python -m nanochat.dataset import NAME ...)")
@@ -119,7 +125,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "quality": quality.cmd_quality}
+                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "quality": quality.cmd_quality}
     commands[args.command](args)
 
 

@@ -30,6 +30,8 @@ from nanochat.corpus import ensure_builtin_workspace, holds_training_data
 from nanochat.training import DEFAULT_COMPONENTS, depth_recipe, split_components
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The subprocesses find this repo first, and keep whatever the user's PYTHONPATH adds (packages installed with --target).
+CHILD_PYTHONPATH = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 def parse_args(argv=None):
@@ -78,12 +80,15 @@ def run_smoke(name, command, workspace, root):
     os.makedirs(base)
     for entry in ("tokenizer", "base_data"):
         os.symlink(os.path.join(workspace["base_dir"], entry), os.path.join(base, entry))
-    env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE=workspace["source"], PYTHONPATH=REPO_ROOT)
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE=workspace["source"], PYTHONPATH=CHILD_PYTHONPATH)
     t0 = time.time()
     p = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+    with open(os.path.join(base, "output.log"), "w") as f:  # the whole run's output, for when a smoke fails
+        f.write(p.stdout + p.stderr)
     if p.returncode != 0:
         errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")] or p.stderr.strip().splitlines()[-1:]
-        return {"error": errors[0].removeprefix("error: ")[:300] if errors else f"exit code {p.returncode}", "base_dir": base}
+        error = errors[0].removeprefix("error: ")[:300] if errors else f"exit code {p.returncode}"
+        return {"error": f"{error} (whole output: {base}/output.log)", "base_dir": base}
     return {**check.curve_summary(base), "seconds": time.time() - t0, "base_dir": base}
 
 
@@ -94,7 +99,7 @@ def probe_batches(args, workspace_dir, log):
     tried, batch = {}, args.speedrun_batch
     while 1 <= batch <= most and batch not in tried:
         p = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--worker=probe", f"--probe-batch={batch}"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                           cwd=REPO_ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH))
         result = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"fits": False, "error": p.stderr[-300:]}
         tried[batch] = result
         log(f"  device batch {batch}: " + (f"fits, peak {result['peak_gib']:.1f} GiB, {result['step_s']:.2f} s/step"
@@ -176,7 +181,7 @@ def main(argv=None):
                 f"{args.smoke_steps} steps: {'agree' if agreement['agrees'] else 'DISAGREE'}")
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                             "-m", "scripts.gpu_check", "--worker=allreduce"], cwd=REPO_ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                           env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH))
         results["allreduce_busbw_gbs"] = json.loads(p.stdout.strip().splitlines()[-1])["busbw_gbs"] if p.returncode == 0 else None
         log(f"  all-reduce bus bandwidth {results['allreduce_busbw_gbs'] or 0:.1f} GB/s")
     if cuda:

@@ -67,6 +67,18 @@ def test_tokenizer_reports_train_and_encode_speed(tiny_env, capsys):
     assert "1" in result["encode_mb_per_s"] and all(v > 0 for v in result["encode_mb_per_s"].values())
 
 
+def test_kernels_checks_fp8_and_the_flex_band_against_their_references(capsys):
+    bench.main(["kernels", "--device-type=cpu", "--seq-len=64"])
+    out = capsys.readouterr().out
+    assert "fp8 grad_w" in out and "flex band out" in out
+    result = last_json_line(out)
+    assert result["bench"] == "kernels" and result["fp8_native"] is False  # the CPU emulates
+    # e4m3/e5m2 with per-tensor scales: a few percent from fp32, far from a broken quantisation (~1)
+    for name in ("y", "grad_x", "grad_w"):
+        assert 0 < result[f"fp8_emulated_vs_fp32_{name}"] < 0.1
+    assert result["flex_vs_masked_sdpa_out"] < 1e-5  # the same band as gpt.band_mask
+
+
 @pytest.mark.parametrize("flag", ["--probe-seconds=-1", "--peak-seconds=0"])
 def test_train_refuses_bad_timing_flags_before_any_work(flag):
     with pytest.raises(bench.UserError, match="probe-seconds"):
