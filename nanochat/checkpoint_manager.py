@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0
-from nanochat.gpt import COMPONENTS, OPTIONAL_FIELDS, VALUE_EMBED_LAYERS
+from nanochat.gpt import OPTIONAL_FIELDS, config_from_dict
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
@@ -96,10 +96,10 @@ def validate_meta(meta):
                 f"{', '.join(OPTIONAL_FIELDS)}")
     if not all(isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] > 0 for k in MODEL_CONFIG_FIELDS):
         return "'model_config' shape values must be positive integers"
-    if not all(isinstance(config[k], bool) for k in set(config) & set(COMPONENTS)):
-        return "'model_config' components must be true or false"
-    if config.get("value_embed_layers", VALUE_EMBED_LAYERS[0]) not in VALUE_EMBED_LAYERS:
-        return f"'model_config' value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)}"
+    try:
+        config_from_dict(config)  # every field's type and range, as building the model would check them
+    except (TypeError, ValueError) as e:
+        return f"'model_config' is not a model this code can build ({e})"
     files = meta.get("files")
     if not isinstance(files, dict) or "model.safetensors" not in files:
         return "no 'files' list with the sha256 of model.safetensors (every file is verified against it on load)"
@@ -143,7 +143,7 @@ def list_steps(ckpt_dir):
     return sorted(steps)
 
 
-def _sha256(path):
+def sha256_of(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -231,7 +231,7 @@ def _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, os.path.join(tmp_dir, "model.safetensors"))
         meta = dict(meta, step=step, world_size=world_size, saved_at=time.strftime("%Y-%m-%d %H:%M:%S"))
-        meta["files"] = {name: _sha256(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+        meta["files"] = {name: sha256_of(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
         for name in os.listdir(tmp_dir):  # make the bytes durable before the rename makes them visible
@@ -290,7 +290,7 @@ def _verified_path(step_dir, name, meta):
     if expected is None:
         raise UserError(f"checkpoint file {path} is not listed in {step_dir}/meta.json, so it cannot be verified; "
                         "delete that step directory and use an older one")
-    if _sha256(path) != expected:
+    if sha256_of(path) != expected:
         raise UserError(f"checkpoint file {path} is corrupt (sha256 mismatch); delete {step_dir} and resume from an older step")
     return path
 
@@ -306,6 +306,10 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
     except Exception as e:
         raise UserError(f"cannot read {step_dir}/model.safetensors ({e}); delete {step_dir} and use an older step") from e
     optim_states = None
+    if load_optimizer and meta.get("imported_from"):
+        raise UserError(f"{step_dir} was imported from {meta['imported_from'].get('source')}: it has no optimizer state "
+                        "or data position to resume; fine-tune it with mid_train or chat_sft (-i this stage), which start "
+                        "their own")
     if load_optimizer:
         tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
         json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)

@@ -67,9 +67,14 @@ ROTARY_LENGTH_FACTOR = 10  # rotary tables cover 10x sequence_len so generation 
 GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (cheap, and enough to decide)
 # The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
 COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout", "sliding_window")
-VALUE_EMBED_LAYERS = ("lower_half", "alternating")  # GPTConfig.value_embed_layers
+VALUE_EMBED_LAYERS = ("lower_half", "alternating")  # GPTConfig.value_embed_layers, besides an explicit "0,2,5" list
+# Exact-math options (GPTConfig, below): other projects' variants of this model, which scripts.import_model sets to
+# reproduce a checkpoint's logits. Their defaults are this model, and a checkpoint's meta leaves a default out.
+VARIANT_DEFAULTS = {"rope_theta": ROPE_THETA, "rotary_bf16": False, "norm_eps": NORM_EPS, "qk_scale": 1.0,
+                    "logit_softcap": LOGIT_SOFTCAP, "ve_gate_channels": GATE_CHANNELS, "ve_gate_scale": 2.0,
+                    "smear_gate_channels": GATE_CHANNELS, "backout_layer": None, "attention_windows": None}
 # GPTConfig fields a checkpoint's model_config may leave out (a missing one reads as the plain model's / the old default)
-OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",)
+OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",) + tuple(VARIANT_DEFAULTS)
 
 
 @dataclass
@@ -92,6 +97,18 @@ class GPTConfig:
     # the CPU speedrun's base model then echoed the subject for "X borders ..." (BENCHMARKS "Where the value
     # embeddings sit").
     value_embed_layers: str = "lower_half"
+    # Exact-math variants (VARIANT_DEFAULTS; README "Bring your model"), for imported checkpoints:
+    rope_theta: float = ROPE_THETA
+    rotary_bf16: bool = False  # rotary tables rounded to bf16 whatever the compute dtype (nanochat before March 2026)
+    norm_eps: float | None = NORM_EPS  # None: torch's default, the machine epsilon of the activations' dtype
+    qk_scale: float = 1.0  # q and k are multiplied by this after the QK-norm
+    logit_softcap: float | None = LOGIT_SOFTCAP  # None: no cap
+    ve_gate_channels: int = GATE_CHANNELS  # value embeddings' gate: ve_gate_scale * sigmoid(W x[:ve_gate_channels])
+    ve_gate_scale: float = 2.0
+    smear_gate_channels: int = GATE_CHANNELS
+    backout_layer: int | None = None  # the block whose output backout subtracts; None: block n_layer // 2 - 1
+    # per layer, how many positions (itself included) a query sees, 0 = all; None: sliding_window's rule
+    attention_windows: list | None = None
 
     def __post_init__(self):
         self.validate()
@@ -105,9 +122,30 @@ class GPTConfig:
         for name in COMPONENTS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be true or false (got {getattr(self, name)!r})")
-        if self.value_embed_layers not in VALUE_EMBED_LAYERS:
-            raise ValueError(f"GPTConfig.value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)} "
-                             f"(got {self.value_embed_layers!r})")
+        if self.value_embed_layers not in VALUE_EMBED_LAYERS and explicit_layers(self.value_embed_layers, self.n_layer) is None:
+            raise ValueError(f"GPTConfig.value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)} or a comma "
+                             f"list of layer indices below n_layer (got {self.value_embed_layers!r})")
+        for name in ("rope_theta", "qk_scale", "ve_gate_scale") + (("norm_eps",) if self.norm_eps is not None else ()) \
+                + (("logit_softcap",) if self.logit_softcap is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive number (got {value!r})")
+        if not isinstance(self.rotary_bf16, bool):
+            raise ValueError(f"GPTConfig.rotary_bf16 must be true or false (got {self.rotary_bf16!r})")
+        for name in ("ve_gate_channels", "smear_gate_channels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer (got {value!r})")
+        if self.backout_layer is not None and (isinstance(self.backout_layer, bool) or not isinstance(self.backout_layer, int)
+                                               or not 0 <= self.backout_layer < self.n_layer):
+            raise ValueError(f"GPTConfig.backout_layer must be a layer index below n_layer or null (got {self.backout_layer!r})")
+        windows = self.attention_windows
+        if windows is not None and (not isinstance(windows, (list, tuple)) or len(windows) != self.n_layer or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in windows)):
+            raise ValueError(f"GPTConfig.attention_windows must list n_layer={self.n_layer} whole numbers >= 0 (0 = all "
+                             f"positions) or be null (got {windows!r})")
+        if windows is not None:
+            self.attention_windows = list(windows)
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head != 0:
@@ -123,24 +161,37 @@ class GPTConfig:
 # the plain torch expressions below run.
 
 
-def norm(x):
-    """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + NORM_EPS)."""
+def norm(x, eps=NORM_EPS):
+    """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps); eps None is torch's default, the
+    machine epsilon of x's dtype (GPTConfig.norm_eps)."""
     if cpu_ops.is_cpu_fp32(x):
-        return cpu_ops.rms_norm(x, NORM_EPS)
-    return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+        return cpu_ops.rms_norm(x, torch.finfo(x.dtype).eps if eps is None else eps)
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
-def rotary_norm(x, cos, sin):
+def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
     """
     Rotary embedding, then RMSNorm (the QK-norm), of (B, T, H, D) queries or keys. The first and second
     halves of D form the pairs (not interleaved), and the sign convention is the one transformers'
-    NanoChat uses: first half gets +x2*sin, second half gets -x1*sin.
+    NanoChat uses: first half gets +x2*sin, second half gets -x1*sin. cpu_ops' fused version takes the norm before
+    rotating, which only a length-preserving rotation allows: not bf16-rounded tables (exact_rotation=False).
     """
-    if cpu_ops.is_cpu_fp32(x):
-        return cpu_ops.rotary_norm(x, cos, sin, NORM_EPS)
+    if cpu_ops.is_cpu_fp32(x) and exact_rotation:
+        return cpu_ops.rotary_norm(x, cos, sin, torch.finfo(x.dtype).eps if eps is None else eps)
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
-    return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
+    return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1), eps)
+
+def explicit_layers(text, n_layer):
+    """The layer indices of a value_embed_layers like "1,3,5" (sorted, distinct, each below n_layer), else None."""
+    if not isinstance(text, str) or text in VALUE_EMBED_LAYERS:
+        return None
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return layers if layers == sorted(set(layers)) and all(0 <= i < n_layer for i in layers) else None
+
 
 def has_value_embed(config, layer_idx):
     """Whether this layer has a value embedding: per config.value_embed_layers (GPTConfig)."""
@@ -148,7 +199,9 @@ def has_value_embed(config, layer_idx):
         return False
     if config.value_embed_layers == "alternating":
         return (config.n_layer - 1 - layer_idx) % 2 == 0
-    return layer_idx < max(1, config.n_layer // 2)
+    if config.value_embed_layers == "lower_half":
+        return layer_idx < max(1, config.n_layer // 2)
+    return layer_idx in explicit_layers(config.value_embed_layers, config.n_layer)
 
 
 def config_from_dict(fields):
@@ -166,6 +219,8 @@ def attention_window(config, layer_idx):
     the last layer and every fourth one below it keep full attention (the short layers' reach adds up through
     them) and the others see the last sequence_len // 2 positions.
     """
+    if config.attention_windows is not None:
+        return config.attention_windows[layer_idx] or None
     if not config.sliding_window or (config.n_layer - 1 - layer_idx) % 4 == 0:
         return None
     return max(1, config.sequence_len // 2)
@@ -219,7 +274,9 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.window = attention_window(config, layer_idx)
         if has_value_embed(config, layer_idx):
-            self.ve_gate = nn.Linear(min(GATE_CHANNELS, config.n_embd), self.n_kv_head, bias=False)
+            self.ve_gate = nn.Linear(min(config.ve_gate_channels, config.n_embd), self.n_kv_head, bias=False)
+        self.eps, self.qk_scale, self.ve_gate_scale = config.norm_eps, config.qk_scale, config.ve_gate_scale
+        self.rotary_bf16 = config.rotary_bf16
 
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
         B, T, C = x.shape
@@ -227,10 +284,13 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if value_embed is not None:  # gate in (0, 2), 1 at init (zero gate weights)
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
+            gate = self.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
-        q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)  # rotary first, then QK-norm
+        exact = not self.rotary_bf16
+        q, k = rotary_norm(q, cos, sin, self.eps, exact), rotary_norm(k, cos, sin, self.eps, exact)  # rotary, then QK-norm
+        if self.qk_scale != 1.0:
+            q, k = q * self.qk_scale, k * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
 
         if kv_cache is not None:
@@ -282,10 +342,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
+        self.eps = config.norm_eps
 
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
-        x = x + self.attn(norm(x), cos, sin, kv_cache, value_embed)
-        x = x + self.mlp(norm(x))
+        x = x + self.attn(norm(x, self.eps), cos, sin, kv_cache, value_embed)
+        x = x + self.mlp(norm(x, self.eps))
         return x
 
 
@@ -310,7 +371,7 @@ class GPT(nn.Module):
             self.resid_lambdas = nn.Parameter(torch.empty(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.empty(config.n_layer))
         if config.smear:
-            self.smear_gate = nn.Linear(min(GATE_CHANNELS, config.n_embd), 1, bias=False)
+            self.smear_gate = nn.Linear(min(config.smear_gate_channels, config.n_embd), 1, bias=False)
             self.smear_lambda = nn.Parameter(torch.empty(1))
         if config.backout:
             self.backout_lambda = nn.Parameter(torch.empty(1))
@@ -363,12 +424,16 @@ class GPT(nn.Module):
         head_dim = self.config.n_embd // self.config.n_head
         rotary_len = self.cos.size(1)
         # Same arithmetic as transformers: inv_freq = theta^-(2i/d), angles = position * inv_freq in fp32.
-        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                                                     / head_dim))
         positions = torch.arange(rotary_len, device=device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
         dtype = get_compute_dtype(device)
-        self.cos = angles.cos().to(dtype)[None, :, None, :]
-        self.sin = angles.sin().to(dtype)[None, :, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if self.config.rotary_bf16:  # the values another project's tables had (an imported checkpoint's exact math)
+            cos, sin = cos.bfloat16(), sin.bfloat16()
+        self.cos = cos.to(dtype)[None, :, None, :]
+        self.sin = sin.to(dtype)[None, :, None, :]
 
     def get_device(self):
         return self.transformer.wte.weight.device
@@ -439,7 +504,8 @@ class GPT(nn.Module):
 
     def _softcap_logits(self, x):
         logits = self.lm_head(x).float()
-        return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def _smear(self, x, kv_cache):
         """e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1). The first position of a sequence has no previous
@@ -468,7 +534,7 @@ class GPT(nn.Module):
         cos, sin = self.cos[:, start:start + T], self.sin[:, start:start + T]
 
         c = self.config
-        x = norm(self.transformer.wte(idx))
+        x = norm(self.transformer.wte(idx), c.norm_eps)
         if c.smear:
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None
@@ -477,11 +543,11 @@ class GPT(nn.Module):
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             value_embed = self.value_embeds[str(i)](idx) if has_value_embed(c, i) else None
             x = block(x, cos, sin, kv_cache, value_embed)
-            if c.backout and i == c.n_layer // 2 - 1:
+            if c.backout and i == (c.n_layer // 2 - 1 if c.backout_layer is None else c.backout_layer):
                 x_mid = x
         if c.backout:
             x = x - self.backout_lambda * (x_mid if x_mid is not None else x0)  # one layer: the mid point is the input
-        x = norm(x)
+        x = norm(x, c.norm_eps)
         if kv_cache is not None:
             kv_cache.advance(T)
         if targets is not None and loss_reduction not in ("mean", "sum", "none"):
@@ -490,8 +556,9 @@ class GPT(nn.Module):
 
         # CPU fp32 training: the loss in chunks, never holding the full (B*T, V) logits (memory-bound on a CPU).
         # Anywhere else the plain path runs: on a GPU torch.compile fuses it, and inference needs the logits.
-        if targets is not None and loss_reduction != "none" and cpu_ops.cpu_fp32_training(x, self.lm_head.weight):
-            total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, LOGIT_SOFTCAP)
+        if targets is not None and loss_reduction != "none" and c.logit_softcap is not None \
+                and cpu_ops.cpu_fp32_training(x, self.lm_head.weight):
+            total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
             if targets is None:
                 return self._softcap_logits(x)

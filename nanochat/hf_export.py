@@ -37,8 +37,8 @@ from nanochat.checkpoint_manager import (
     resolve_step,
 )
 from nanochat.common import UserError, print0
-from nanochat.gpt import (COMPONENTS, GATE_CHANNELS, LOGIT_SOFTCAP, NORM_EPS, OPTIONAL_FIELDS, ROPE_THETA, GPTConfig,
-                          attention_window, config_from_dict, has_value_embed)
+from nanochat.gpt import (COMPONENTS, OPTIONAL_FIELDS, VARIANT_DEFAULTS, GPTConfig, attention_window, config_from_dict,
+                          has_value_embed)
 from nanochat.tokenizer import SPECIAL_TOKENS
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -132,8 +132,19 @@ def hf_weight_name(name):
     return f"model.layers.{layer}.{renames[(module, linear)]}.weight"
 
 
+# The exact-math variants (gpt.VARIANT_DEFAULTS) NanoChat's config has fields for; any other needs our modeling code.
+NANOCHAT_VARIANTS = ("rope_theta", "norm_eps", "logit_softcap")
+
+
 def uses_components(config):
-    return any(getattr(config, name) for name in COMPONENTS)
+    """Whether the export needs our modeling code: a recipe component, or a variant NanoChat has no field for."""
+    return any(getattr(config, name) for name in COMPONENTS) or any(
+        getattr(config, name) != default for name, default in VARIANT_DEFAULTS.items() if name not in NANOCHAT_VARIANTS)
+
+
+def norm_eps_for_export(config):
+    """RMSNorm's eps as a number: the default (None) is torch's fp32 machine epsilon, which both models' fp32 norm uses."""
+    return torch.finfo(torch.float32).eps if config.norm_eps is None else config.norm_eps
 
 
 def hf_state_dict(model, vocab_size, dtype):
@@ -174,9 +185,9 @@ def hf_model_config(config, bos_id, eos_id, vocab_size, dtype_name):
         "head_dim": config.n_embd // config.n_head,
         "max_position_embeddings": config.sequence_len,
         "hidden_act": "relu2",
-        "rms_norm_eps": NORM_EPS,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
-        "final_logit_softcapping": LOGIT_SOFTCAP,
+        "rms_norm_eps": norm_eps_for_export(config),
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "final_logit_softcapping": config.logit_softcap,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
@@ -201,10 +212,15 @@ def hf_recipe_config(config, bos_id, eos_id, vocab_size, dtype_name):
         "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_kv_head,
         "max_position_embeddings": config.sequence_len,
-        "rms_norm_eps": NORM_EPS,
-        "rope_theta": ROPE_THETA,
-        "final_logit_softcapping": LOGIT_SOFTCAP,
-        "gate_channels": GATE_CHANNELS,
+        "rms_norm_eps": config.norm_eps,  # null: torch's default for the dtype, as in the model it came from
+        "rope_theta": config.rope_theta,
+        "rotary_bf16": config.rotary_bf16,
+        "qk_scale": config.qk_scale,
+        "final_logit_softcapping": config.logit_softcap,
+        "ve_gate_channels": config.ve_gate_channels,
+        "ve_gate_scale": config.ve_gate_scale,
+        "smear_gate_channels": config.smear_gate_channels,
+        "backout_layer": config.n_layer // 2 - 1 if config.backout_layer is None else config.backout_layer,
         **{name: getattr(config, name) for name in COMPONENTS if name != "sliding_window"},
         # per layer, spelled out so the modeling code needs no rule of its own (nor a version of one)
         "value_embed_layers": [i for i in range(config.n_layer) if has_value_embed(config, i)],
@@ -494,8 +510,8 @@ def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="fl
     }
     code = {f"{RECIPE_MODULE}.py": os.path.join(os.path.dirname(__file__), "hf_recipe_model.py")} if recipe else {}
     if recipe:
-        print0(f"components {', '.join(n for n in COMPONENTS if getattr(c, n))}: transformers' NanoChat has no place for "
-               f"them; writing our modeling code ({RECIPE_MODULE}.py), load with trust_remote_code=True")
+        print0(f"components or exact-math variants transformers' NanoChat has no place for: writing our modeling code "
+               f"({RECIPE_MODULE}.py), load with trust_remote_code=True")
 
     written = write_export_dir(out_dir, json_files, hf_tokenizer, weights, code)
     for name, size in written.items():

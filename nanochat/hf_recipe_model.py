@@ -23,7 +23,9 @@ class NanoChatRecipeConfig(PretrainedConfig):
     def __init__(self, vocab_size=32768, hidden_size=768, num_hidden_layers=12, num_attention_heads=6,
                  num_key_value_heads=6, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                  final_logit_softcapping=15.0, gate_channels=32, value_embeds=False, residual_scalars=False,
-                 smear=False, backout=False, value_embed_layers=None, attention_windows=None, **kwargs):
+                 smear=False, backout=False, value_embed_layers=None, attention_windows=None, rotary_bf16=False,
+                 qk_scale=1.0, ve_gate_channels=None, ve_gate_scale=2.0, smear_gate_channels=None, backout_layer=None,
+                 **kwargs):
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, hidden_size, num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
         self.max_position_embeddings, self.rms_norm_eps, self.rope_theta = max_position_embeddings, rms_norm_eps, rope_theta
@@ -32,6 +34,12 @@ class NanoChatRecipeConfig(PretrainedConfig):
         self.value_embed_layers = list(value_embed_layers or [])  # the layers with a value embedding (if value_embeds)
         # per layer, how many positions (itself included) a query sees; 0 = all of them (nanochat's sliding_window)
         self.attention_windows = list(attention_windows or [0] * num_hidden_layers)
+        # exact-math variants of an imported model (nanochat.gpt.GPTConfig): rotary tables rounded to bf16, q and k
+        # scaled after their norm, the gates' width and range, and which block's output backout subtracts
+        self.rotary_bf16, self.qk_scale, self.ve_gate_scale = rotary_bf16, qk_scale, ve_gate_scale
+        self.ve_gate_channels = gate_channels if ve_gate_channels is None else ve_gate_channels
+        self.smear_gate_channels = gate_channels if smear_gate_channels is None else smear_gate_channels
+        self.backout_layer = num_hidden_layers // 2 - 1 if backout_layer is None else backout_layer
         kwargs.setdefault("use_cache", False)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
@@ -50,6 +58,7 @@ class _Attention(nn.Module):
         super().__init__()
         c = config
         self.n_head, self.n_kv_head, self.eps = c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps
+        self.qk_scale, self.ve_gate_scale = c.qk_scale, c.ve_gate_scale
         self.head_dim = c.hidden_size // c.num_attention_heads
         self.c_q = nn.Linear(c.hidden_size, self.n_head * self.head_dim, bias=False)
         self.c_k = nn.Linear(c.hidden_size, self.n_kv_head * self.head_dim, bias=False)
@@ -57,7 +66,7 @@ class _Attention(nn.Module):
         self.c_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
         self.window = c.attention_windows[layer]
         if _has_value_embed(c, layer):
-            self.ve_gate = nn.Linear(min(c.gate_channels, c.hidden_size), self.n_kv_head, bias=False)
+            self.ve_gate = nn.Linear(min(c.ve_gate_channels, c.hidden_size), self.n_kv_head, bias=False)
 
     def forward(self, x, cos, sin, value_embed):
         B, T, C = x.shape
@@ -65,7 +74,7 @@ class _Attention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if value_embed is not None:
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
+            gate = self.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
             v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head, self.head_dim)
 
         def rotate_then_norm(t):  # rotary on split halves, then QK-norm
@@ -73,7 +82,7 @@ class _Attention(nn.Module):
             t1, t2 = t[..., :d], t[..., d:]
             return _norm(torch.cat((t1 * cos + t2 * sin, t2 * cos - t1 * sin), dim=-1), self.eps)
 
-        q, k = rotate_then_norm(q), rotate_then_norm(k)
+        q, k = rotate_then_norm(q) * self.qk_scale, rotate_then_norm(k) * self.qk_scale
         mask = None
         if 0 < self.window < T:  # causal within the window: query t sees keys (t - window, t]
             distance = torch.arange(T, device=x.device)[:, None] - torch.arange(T, device=x.device)[None, :]
@@ -124,7 +133,7 @@ class NanoChatRecipeForCausalLM(PreTrainedModel, GenerationMixin):
             self.resid_lambdas = nn.Parameter(torch.ones(c.num_hidden_layers))
             self.x0_lambdas = nn.Parameter(torch.zeros(c.num_hidden_layers))
         if c.smear:
-            self.smear_gate = nn.Linear(min(c.gate_channels, c.hidden_size), 1, bias=False)
+            self.smear_gate = nn.Linear(min(c.smear_gate_channels, c.hidden_size), 1, bias=False)
             self.smear_lambda = nn.Parameter(torch.zeros(1))
         if c.backout:
             self.backout_lambda = nn.Parameter(torch.zeros(1))
@@ -146,7 +155,10 @@ class NanoChatRecipeForCausalLM(PreTrainedModel, GenerationMixin):
                                            / head_dim))
         angles = torch.outer(torch.arange(T, device=input_ids.device, dtype=torch.float32), inv_freq)
         dtype = self.transformer.wte.weight.dtype
-        cos, sin = angles.cos().to(dtype)[None, :, None, :], angles.sin().to(dtype)[None, :, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if c.rotary_bf16:
+            cos, sin = cos.bfloat16(), sin.bfloat16()
+        cos, sin = cos.to(dtype)[None, :, None, :], sin.to(dtype)[None, :, None, :]
 
         x = _norm(self.transformer.wte(input_ids), c.rms_norm_eps)
         if c.smear:
@@ -158,13 +170,14 @@ class NanoChatRecipeForCausalLM(PreTrainedModel, GenerationMixin):
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             value_embed = self.value_embeds[str(i)](input_ids) if _has_value_embed(c, i) else None
             x = block(x, cos, sin, value_embed)
-            if c.backout and i == c.num_hidden_layers // 2 - 1:
+            if c.backout and i == c.backout_layer:
                 x_mid = x
         if c.backout:
             x = x - self.backout_lambda * (x_mid if x_mid is not None else x0)
         x = _norm(x, c.rms_norm_eps)
         cap = c.final_logit_softcapping
-        logits = cap * torch.tanh(self.lm_head(x).float() / cap)
+        logits = self.lm_head(x).float()
+        logits = logits if cap is None else cap * torch.tanh(logits / cap)
         loss = None
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nanochat.common import UserError, all_reduce_mean
-from nanochat.gpt import COMPONENTS, GPT, GPTConfig
+from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -307,6 +307,7 @@ def greedy_samples(model, tokenizer, prompts, max_tokens=16):
 def config_dict(config):
     """A GPTConfig as the plain dict stored in checkpoint meta. Components that are off are left out, so a checkpoint
     of the plain model has the same meta as before components existed (and a missing one reads as off); so is the
-    value embeddings' placement when there are none."""
+    value embeddings' placement when there are none, and an exact-math variant at its default (gpt.VARIANT_DEFAULTS)."""
     return {name: value for name, value in asdict(config).items() if not (name in COMPONENTS and value is False)
-            and not (name == "value_embed_layers" and not config.value_embeds)}
+            and not (name == "value_embed_layers" and not config.value_embeds)
+            and not (name in VARIANT_DEFAULTS and value == VARIANT_DEFAULTS[name])}

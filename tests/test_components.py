@@ -253,7 +253,8 @@ def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
     assert GPTConfig(**with_smear) == tiny_config(smear=True, backout=True)
     meta = {"step": 3, "model_config": with_smear, "files": {"model.safetensors": "0" * 64}}
     assert validate_meta(meta) is None
-    assert "components must be true or false" in validate_meta({**meta, "model_config": {**plain, "smear": 1}})
+    assert "smear must be true or false" in validate_meta({**meta, "model_config": {**plain, "smear": 1}})
+    assert "qk_scale must be a positive number" in validate_meta({**meta, "model_config": {**plain, "qk_scale": "big"}})
     assert "may name components" in validate_meta({**meta, "model_config": {**plain, "sliding": True}})
     assert "value_embed_layers must be" in validate_meta({**meta, "model_config": {**plain, "value_embed_layers": "top"}})
 

@@ -10,7 +10,6 @@ file lock); the others wait and then read what it fetched. $HF_ENDPOINT points a
 
 import json
 import os
-import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,14 +17,11 @@ from filelock import FileLock
 
 from nanochat.common import UserError, atomic_write_text, get_base_dir, print0
 from nanochat.download import DownloadError, download_file
+from nanochat.hub import fetch_json, hub_endpoint
 
 MANIFEST = "files.json"
 LIST_ATTEMPTS = 3
 LIST_BACKOFF_SECONDS = 1.0  # doubled after each failed attempt to list a split
-
-
-def hub_endpoint():
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
 def listing_url(repo, config, split):
@@ -57,27 +53,13 @@ def local_parquet_files(repo, config, split):
 def _list_parquet_urls(label, repo, config, split, how_to_fix):
     """The split's parquet URLs, from the hub's listing: fetched like every file (download_file's retries)."""
     url = listing_url(repo, config, split)
-    urls = []
-
-    def read_listing(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        try:
-            listed = json.loads(text)
-        except ValueError:
-            listed = None
-        if not (isinstance(listed, list) and listed and all(isinstance(u, str) for u in listed)):
-            # an answer, just not a usable one: asking again would get the same
+    try:
+        urls, text = fetch_json(url, attempts=LIST_ATTEMPTS, backoff=LIST_BACKOFF_SECONDS)
+        if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
             raise DownloadError(f"expected a non-empty JSON list of parquet URLs, got {text[:200]!r}")
-        urls.extend(listed)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            download_file(url, os.path.join(tmp, "listing.json"), max_attempts=LIST_ATTEMPTS,
-                          backoff=LIST_BACKOFF_SECONDS, max_bytes=16 << 20, validate=read_listing)
-        except DownloadError as e:
-            raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: {e}; "
-                            f"{how_to_fix}") from None
+    except DownloadError as e:
+        raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: {e}; "
+                        f"{how_to_fix}") from None
     return urls
 
 
