@@ -512,7 +512,10 @@ def resolve_source(source, step):
         tokenizers = [n for n in (f"{prefix}tokenizer.pkl", "tokenizer/tokenizer.pkl", "tokenizer.pkl") if n in names]
         return wanted + tokenizers[:1]
 
-    paths = fetch_model_files(repo, revision, choose)
+    try:
+        paths = fetch_model_files(repo, revision, choose)
+    except UserError as e:
+        raise UserError(f"{source} is no local directory, and as a hub repo: {e}") from None
     any_model = next((p for n, p in paths.items() if MODEL_FILE_RE.match(os.path.basename(n)) or n == "config.json"), None)
     if any_model is None:
         raise UserError(f"the cached download of {repo}@{revision} holds no model files; delete "

@@ -9,6 +9,7 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
     python -m scripts.bench quality --source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
     python -m scripts.bench quality --source=brown --variants base smear value_embeds,normuon   # recipe components
     python -m scripts.bench kernels        # a GPU: fp8 linear and sliding-window attention, numerics and speed
+    python -m scripts.bench import --depth=20   # scripts.import_model on a d20 karpathy/nanochat checkpoint: time, memory
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -29,7 +30,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from nanochat.bench import dataloader, engine, kernels, quality, tokenizer, train
+from nanochat.bench import dataloader, engine, importing, kernels, quality, tokenizer, train
 from nanochat.bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -92,6 +93,12 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=int, default=0, help="attention length (default 2048 on CUDA, 256 elsewhere)")
     g.add_argument("--repeats", type=int, default=20)
     g.add_argument("--device-type", default="", help="cuda|cpu (default: autodetect)")
+    m = sub.add_parser("import", help="scripts.import_model's time and peak memory on a karpathy/nanochat checkpoint")
+    m.add_argument("--depth", type=int, default=20, help="depth of the source model (width 64 x depth, head dim 128)")
+    m.add_argument("--vocab-size", type=int, default=32768)
+    m.add_argument("--seq-len", type=int, default=2048)
+    m.add_argument("--repeats", type=int, default=2, help="imports timed, each into a fresh base dir")
+    m.add_argument("--work-dir", default="", help="where the source and the imports go (default: the temp dir)")
     q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
     q.add_argument("--source", default="builtin",
                    help="builtin, brown, or a source you imported (python -m nanochat.dataset import NAME ...)")
@@ -125,7 +132,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "quality": quality.cmd_quality}
+                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "quality": quality.cmd_quality}
     commands[args.command](args)
 
 

@@ -79,6 +79,17 @@ def test_kernels_checks_fp8_and_the_flex_band_against_their_references(capsys):
     assert result["flex_vs_masked_sdpa_out"] < 1e-5  # the same band as gpt.band_mask
 
 
+def test_import_times_a_real_import_of_a_karpathy_format_checkpoint(tmp_path, capsys):
+    bench.main(["import", "--depth=2", "--vocab-size=400", "--seq-len=64", "--repeats=1", f"--work-dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "peak RSS" in out
+    result = last_json_line(out)
+    (run,) = result["runs"]
+    assert result["bench"] == "import" and result["params"] > 0 and run["seconds"] > 0 and run["peak_rss_bytes"] > 0
+    assert run["written_bytes"] > 4 * result["params"]  # fp32 weights, plus meta and the tokenizer
+    assert os.listdir(tmp_path) == []  # the work dir is cleaned up
+
+
 @pytest.mark.parametrize("flag", ["--probe-seconds=-1", "--peak-seconds=0"])
 def test_train_refuses_bad_timing_flags_before_any_work(flag):
     with pytest.raises(bench.UserError, match="probe-seconds"):

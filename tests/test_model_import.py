@@ -542,6 +542,8 @@ def test_sft_from_an_imported_model_on_custom_conversations_resumes_exactly(tmp_
     assert any(not torch.equal(a[k], imported[k]) for k in a)  # it trained
     p = run(straight, "chat_cli", ["-i", "sft", "-p", "Who are you?", "--max-tokens=6"])
     assert p.stdout.strip()
+    p = run(straight, "chat_eval", ["-i", "sft", "-a", "Arithmetic|WorldQA", "-x", "2", "--max-new-tokens=4"])
+    assert "Arithmetic" in p.stdout and "WorldQA" in p.stdout
 
 
 def test_imported_checkpoint_cannot_be_resumed_by_base_train_and_says_why(tmp_path, target):
