@@ -30,7 +30,7 @@ def synthetic_encoding(vocab_size):
     every multi-byte token is the merge of two tokens ranked before it), then the nine specials."""
     ranks = {bytes([b]): b for b in range(256)}
     for i in range(vocab_size - len(SPECIAL_TOKENS) - 256):
-        ranks[bytes([97 + i // 256 % 26, i % 256])] = len(ranks)
+        ranks[bytes([i // 256, i % 256])] = len(ranks)
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     return tiktoken.Encoding(name="rustbpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
 
