@@ -96,7 +96,7 @@ def write_brown(data_root=None):
         manifest = build_source("brown", [package], ImportOptions(val_docs=VAL_DOCS, max_doc_chars=PIECE_CHARS,
                                                                     max_seq_len=256),
                                 document_source=lambda item, stats: iter(documents), data_root=data_root,
-                                command="python -m nanochat.brown", reserved_ok=True)
+                                command="python -m nanochat.brown")
     if not manifest["unchanged"]:
         print_summary(manifest, os.path.join(data_root, "brown"))
     return manifest

@@ -383,7 +383,7 @@ def import_main(argv):
     if not args.hf_repo and not args.inputs:
         raise UserError("nothing to import: pass files, folders or globs, or --hf-repo owner/name")
     if not ti.is_plain_name(args.name) or args.name in SOURCES:
-        ti.build_source(args.name, [], options)  # refuses the name with its reason, before reading any input
+        ti.build_source(args.name, [], options, reserved=list(SOURCES))  # refuses the name, before reading any input
     ensure_writable(os.path.join(get_base_dir(), "base_data"), f"the {args.name} source")
     inputs = [ti.hub_input(args.hf_repo, args.config, args.split)] if args.hf_repo else ti.local_inputs(args.inputs)
     print(f"import {args.name}: {sum(len(i.files) for i in inputs)} file(s) from {len(inputs)} input(s), "
@@ -391,7 +391,7 @@ def import_main(argv):
           f"max doc chars {args.max_doc_chars or 'none'}", flush=True)
     command = "python -m nanochat.dataset import " + " ".join(
         [args.name] + (args.inputs or [f"--hf-repo {args.hf_repo} --config {args.config} --split {args.split}"]))
-    manifest = ti.build_source(args.name, inputs, options, command=command)
+    manifest = ti.build_source(args.name, inputs, options, command=command, reserved=list(SOURCES))
     if not manifest["unchanged"]:
         ti.print_summary(manifest, os.path.join(get_base_dir(), "base_data", args.name))
 

@@ -460,20 +460,19 @@ def crop_fraction(token_counts, max_seq_len):
     return cropped / total if total else 0.0
 
 
-def build_source(name, inputs, options, document_source=None, data_root=None, command=None, reserved_ok=False,
+def build_source(name, inputs, options, document_source=None, data_root=None, command=None, reserved=(),
                  shard_chars=SHARD_CHARS):
     """
     Build (or confirm unchanged) the source `name` under data_root (default <base_dir>/base_data) from `inputs`,
-    reading their documents with document_source(input, stats) (default: the files' documents). Returns the
-    manifest dict; manifest["unchanged"] is True when nothing was rebuilt.
+    reading their documents with document_source(input, stats) (default: the files' documents). `reserved` names the
+    sources that may not be overwritten (the dataset registry's). Returns the manifest dict; manifest["unchanged"] is
+    True when nothing was rebuilt.
     """
-    from nanochat.dataset import SOURCES
-
     if not is_plain_name(name):
         raise UserError(f"{name!r} is not a plain source name: use letters, digits, '-', '_' and '.', starting with a "
                         f"letter or digit (at most 64 characters)")
-    if name in SOURCES and not reserved_ok:
-        raise UserError(f"{name!r} is a built-in source ({', '.join(SOURCES)}); pick another name for your data")
+    if name in reserved:
+        raise UserError(f"{name!r} is a built-in source ({', '.join(reserved)}); pick another name for your data")
     if options.max_doc_chars is not None and options.max_doc_chars < 1:
         raise UserError(f"--max-doc-chars must be at least 1 (got {options.max_doc_chars})")
     if options.val_frac is not None and not 0 < options.val_frac < 1:
@@ -604,7 +603,7 @@ def print_summary(manifest, data_dir):
 
 def hub_input(repo, config, split):
     """A Hugging Face dataset split as an input: its parquet files, fetched once through the hub's parquet API."""
-    from nanochat.tasks.hub import fetch_parquet_files
+    from nanochat.hub import fetch_parquet_files
 
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo or ""):
         raise UserError(f"--hf-repo must be owner/name (got {repo!r})")

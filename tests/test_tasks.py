@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
+from nanochat import hub
 from nanochat.builtin.world import RELATIONS
 from nanochat.common import UserError
 from nanochat.engine import use_calculator
 from nanochat.tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
-                            TaskSequence, WorldQA, get_task, hub, humaneval, validate_conversation)
+                            TaskSequence, WorldQA, get_task, humaneval, validate_conversation)
 from nanochat.tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, SFT_IDENTITY_QUESTIONS, \
     SFT_QUESTIONS
 from nanochat.tasks.gsm8k import answer_parts

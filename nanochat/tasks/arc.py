@@ -4,7 +4,7 @@ ARC-Challenge. Categorical: the assistant answers with the label of the right ch
 """
 
 from nanochat.tasks.base import CategoricalTask, multiple_choice_conversation
-from nanochat.tasks.hub import load_table, table_row
+from nanochat.hub import load_table, table_row
 
 REPO = "allenai/ai2_arc"
 SUBSETS = ("ARC-Easy", "ARC-Challenge")
