@@ -23,12 +23,13 @@ import torch
 
 
 class ConversationStream:
-    """Example indices of a task in order, forever: (epoch, position) names where it stands."""
+    """Example indices of a task in order, forever (or once, single_pass: then None): (epoch, position) names where
+    it stands."""
 
-    def __init__(self, task, tokenizer, max_tokens, state=None):
+    def __init__(self, task, tokenizer, max_tokens, state=None, single_pass=False):
         if task.num_examples() == 0:
             raise ValueError(f"task {getattr(task, 'name', task)} has no examples")
-        self.task, self.tokenizer, self.max_tokens = task, tokenizer, max_tokens
+        self.task, self.tokenizer, self.max_tokens, self.single_pass = task, tokenizer, max_tokens, single_pass
         state = state or {}
         self.epoch, self.position = state.get("epoch", 0), state.get("position", 0)
 
@@ -37,6 +38,8 @@ class ConversationStream:
         return self.tokenizer.render_conversation(self.task.get_example(index), max_tokens=self.max_tokens)
 
     def next_index(self):
+        if self.single_pass and self.epoch > 0:
+            return None
         index = self.position
         self.position += 1
         if self.position == self.task.num_examples():
@@ -67,12 +70,13 @@ class PackedConversations:
     """
 
     def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
-                 buffer_size=64):
+                 buffer_size=64, single_pass=False):
         self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
         self.device, self.buffer_size = torch.device(device), buffer_size
         self.bos = tokenizer.get_bos_token_id()
         state = resume_state or {}
-        self.stream = ConversationStream(task, tokenizer, T + 1, state.get("stream"))
+        # single_pass (evaluation): every conversation once, then padding rows, then StopIteration
+        self.stream = ConversationStream(task, tokenizer, T + 1, state.get("stream"), single_pass)
         # the buffer holds (length, arrival, example index, ids); arrival numbers keep the order stable
         self.buffer, self.arrival = [], 0
         for index in state.get("buffer", []):
@@ -90,8 +94,14 @@ class PackedConversations:
         row, padded = [], 0
         while len(row) < self.T + 1:
             while len(self.buffer) < self.buffer_size:
-                self._add(self.stream.next_index())
+                index = self.stream.next_index()
+                if index is None:
+                    break
+                self._add(index)
             space = self.T + 1 - len(row)
+            if not self.buffer:  # a single pass has placed every conversation
+                padded = space
+                break
             if not row:
                 i = min(range(len(self.buffer)), key=lambda j: self.buffer[j][1])  # no conversation starves
             else:
@@ -108,17 +118,20 @@ class PackedConversations:
         return self
 
     def __next__(self):
-        micro_batches = []
+        micro_batches, empty = [], True
         for m in range(self.grad_accum * self.world_size):
             rows = [self._row() for _ in range(self.B)]
+            empty = empty and all(padded == self.T + 1 for _, padded in rows)
             if m % self.world_size != self.rank:
                 continue
             tokens = torch.tensor([r for r, _ in rows], dtype=torch.long)
             x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             for b, (_, padded) in enumerate(rows):
                 if padded:
-                    y[b, self.T - padded:] = -1
+                    y[b, max(0, self.T - padded):] = -1
             micro_batches.append((x.to(self.device), y.to(self.device)))
+        if empty:  # the single pass is over (every rank sees the same rows, so every rank stops here)
+            raise StopIteration
         return micro_batches
 
     def padding_fraction(self):
@@ -140,19 +153,23 @@ class ConversationBatches:
     shape (B, L) with L <= T the longest conversation of that micro-batch. y is -1 where nothing is learned.
     """
 
-    def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None):
+    def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
+                 single_pass=False):
         self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
         self.device = torch.device(device)
         self.bos = tokenizer.get_bos_token_id()
-        self.stream = ConversationStream(task, tokenizer, T + 1, (resume_state or {}).get("stream"))
+        # single_pass (evaluation): every conversation once, then rows with nothing to learn, then StopIteration
+        self.stream = ConversationStream(task, tokenizer, T + 1, (resume_state or {}).get("stream"), single_pass)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        micro_batches = []
+        micro_batches, empty = [], True
         for m in range(self.grad_accum * self.world_size):
-            rendered = [self.stream.render(self.stream.next_index()) for _ in range(self.B)]
+            indices = [self.stream.next_index() for _ in range(self.B)]
+            empty = empty and all(i is None for i in indices)
+            rendered = [self.stream.render(i) if i is not None else ([self.bos, self.bos], [0, 0]) for i in indices]
             if m % self.world_size != self.rank:
                 continue
             ids = _pad_rows([r for r, _ in rendered], self.bos)
@@ -160,6 +177,8 @@ class ConversationBatches:
             x, y = ids[:, :-1].contiguous(), ids[:, 1:].clone()
             y[mask[:, 1:] == 0] = -1  # learn only what the assistant writes; padding has mask 0 too
             micro_batches.append((x.to(self.device), y.to(self.device)))
+        if empty:  # the single pass is over, on every rank alike
+            raise StopIteration
         return micro_batches
 
     def state_dict(self):

@@ -59,7 +59,8 @@ class DataLoader:
     """
 
     def __init__(self, tokenizer, B, T, split="train", device="cpu", rank=0, world_size=1, source=None,
-                 resume_state=None, buffer_size=1000, tokenizer_threads=4, prefetch_batches=4, record_docs=False):
+                 resume_state=None, buffer_size=1000, tokenizer_threads=4, prefetch_batches=4, record_docs=False,
+                 single_pass=False):
         if B <= 0 or T <= 0:
             raise UserError(f"batch size and sequence length must be positive (got B={B}, T={T})")
         if split not in ("train", "val"):
@@ -71,6 +72,10 @@ class DataLoader:
         self.tokenizer_threads = tokenizer_threads
         self.bos = tokenizer.get_bos_token_id()
         self.record_docs = record_docs
+        # Evaluation reads the split once: the last batch's unfilled positions have target -1 (and input 0), and
+        # then the iteration ends, rather than wrapping around to documents it already saw.
+        self.single_pass = single_pass
+        self._finished = False
 
         all_row_groups = list_row_groups(split, source)
         self.row_groups = all_row_groups[rank::world_size]
@@ -117,12 +122,15 @@ class DataLoader:
         return self
 
     def __next__(self):
+        if self._finished:
+            raise StopIteration
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, daemon=True)
             self._thread.start()
             _live_loaders.add(self)
         item = self._queue.get()
         if isinstance(item, BaseException):
+            self._finished = isinstance(item, StopIteration)
             self.close()
             raise item
         rows, state, docs = item
@@ -131,7 +139,8 @@ class DataLoader:
         self._state = state
         if self.record_docs:
             self.docs_seen.extend(docs)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        inputs = rows[:, :-1].clamp(min=0) if self.single_pass else rows[:, :-1].contiguous()
+        return inputs, rows[:, 1:].contiguous()
 
     def close(self):
         self._stop.set()
@@ -204,9 +213,11 @@ class DataLoader:
         for ref, tokens in self._restore_buffer(state["buffer"]):
             add(ref, tokens)
 
+        exhausted = False  # single pass: every row group has been read once
+
         def refill():
-            nonlocal epoch, pos
-            while len(docs) < self.buffer_size:
+            nonlocal epoch, pos, exhausted
+            while len(docs) < self.buffer_size and not exhausted:
                 texts = read_row_group_texts(*self.row_groups[pos])
                 for row, tokens in enumerate(self._tokenize(texts)):
                     add((epoch, pos, row), tokens)
@@ -215,6 +226,7 @@ class DataLoader:
                 pos += 1
                 if pos == len(self.row_groups):
                     epoch, pos = epoch + 1, 0
+                    exhausted = self.single_pass
 
         pin = self.device.type == "cuda"
         while not self._stop.is_set():
@@ -224,6 +236,9 @@ class DataLoader:
                 row, filled = batch[b], 0
                 while filled < row_len:
                     refill()
+                    if not keys:  # a single pass has placed every document: the rest of the batch is padding
+                        row[filled:] = -1
+                        break
                     space = row_len - filled
                     if filled == 0:
                         # The oldest document opens each row, so none can starve in the buffer (best fit alone
@@ -245,6 +260,9 @@ class DataLoader:
             # relative (length, arrival) keys, hence the same choices.
             arrival = sorted(range(len(keys)), key=lambda j: keys[j][1])
             snapshot = {"epoch": epoch, "pos": pos, "buffer": [docs[j][0] for j in arrival], **counters}
+            if not placed:  # the single pass is over
+                self._put(StopIteration())
+                return
             if not self._put((batch, snapshot, placed)):
                 return
 
@@ -260,6 +278,7 @@ def rank_slices(loader, rank, world_size):
 
 
 def eval_batches(tokenizer, B, T, split, device, rank, world_size, source=None):
-    """(loader, batches): a world-size-invariant stream of per-rank (B, T) batches for evaluation."""
-    loader = DataLoader(tokenizer, B * world_size, T, split=split, device=device, source=source)
+    """(loader, batches): a world-size-invariant stream of per-rank (B, T) batches for evaluation, one pass over the
+    split at most (then it ends; every rank gets the same number of batches)."""
+    loader = DataLoader(tokenizer, B * world_size, T, split=split, device=device, source=source, single_pass=True)
     return loader, rank_slices(loader, rank, world_size)

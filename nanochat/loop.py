@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
 from nanochat.common import (UserError, dist_rank_world, format_duration, get_peak_flops, peak_memory_mib, print0,
                              set_memory_advice)
+from nanochat.loss_eval import describe_eval
 from nanochat.report import get_report
 
 # -----------------------------------------------------------------------------
@@ -249,15 +250,19 @@ class TrainingLoop:
         return self.step == self.num_iterations or self.step % every == 0
 
     def evaluate(self, name, fn, fmt="{:.4f}"):
-        """Run fn() (a number, in eval mode under autocast), time it, print and log it, remember the last and best."""
+        """
+        Run fn() in eval mode under autocast, time it, print and log it, remember the last and best. fn returns a
+        number, or (number, tokens, ran_out) from loss_eval, whose reach is printed too.
+        """
         t0 = time.time()
         self.model.eval()
         with self.autocast:
-            value = fn()
+            result = fn()
         self.model.train()
+        value, reach = (result[0], f" | {describe_eval(*result[1:])}") if isinstance(result, tuple) else (result, "")
         self.last[name] = value
         self.best[name] = min(value, self.best.get(name, math.inf))
-        print0(f"step {self.step:05d} | {name} {fmt.format(value)} | ({time.time() - t0:.1f}s)")
+        print0(f"step {self.step:05d} | {name} {fmt.format(value)}{reach} | ({time.time() - t0:.1f}s)")
         self.wandb.log({"step": self.step, name: value})
         self.report.log_curve(self.name, {"step": self.step, name: value})
         return value

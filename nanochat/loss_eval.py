@@ -17,40 +17,60 @@ from nanochat.common import dist_rank_world
 
 @torch.no_grad()
 def evaluate_loss(model, batches, steps):
-    """Mean cross-entropy per valid target (targets of -1 ignored) over `steps` next() calls of batches, each giving
-    a list of (x, y) micro-batches; summed across ranks, so every rank returns the same number."""
+    """
+    Mean cross-entropy per valid target (targets of -1 ignored) over at most `steps` next() calls of batches, each
+    giving a list of (x, y) micro-batches; fewer when the stream ends (a single pass over a held-out set). Summed
+    across ranks, so every rank returns the same (loss, targets evaluated, whether the stream ran out first).
+    """
     device = model.get_device()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, counted targets
+    ran_out = False
     for _ in range(steps):
-        for x, y in next(batches):
+        try:
+            micro_batches = next(batches)
+        except StopIteration:
+            ran_out = True
+            break
+        for x, y in micro_batches:
             total += torch.stack([model(x, y, loss_reduction="sum").double(), (y != -1).sum().double()])
     if dist_rank_world()[1] > 1:
         dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item()
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), ran_out
 
 
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes):
     """
     model(x, y, loss_reduction="none") -> per-token loss; batches yields (x, y); token_bytes[id] = bytes of id.
-    Targets of -1 are ignored. Sums are all-reduced so every rank returns the same number.
+    Targets of -1 are ignored. At most `steps` batches, fewer when the stream ends (eval_batches reads a split
+    once). Sums are all-reduced, so every rank returns the same (bpb, targets evaluated, whether the stream ran out).
     """
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
-    total_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    totals = torch.zeros(2, dtype=torch.int64, device=device)  # bytes, targets
     batch_iter = iter(batches)
+    ran_out = False
     for _ in range(steps):
-        x, y = next(batch_iter)
+        try:
+            x, y = next(batch_iter)
+        except StopIteration:
+            ran_out = True
+            break
         loss = model(x, y, loss_reduction="none").reshape(-1).double()
         y = y.reshape(-1)
         valid = y >= 0
         nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], torch.zeros_like(y))
         counted = nbytes > 0
         total_nats += (loss * counted).sum().to(device)
-        total_bytes += nbytes.sum().to(device)
+        totals += torch.stack([nbytes.sum(), valid.sum()]).to(device)
     if dist_rank_world()[1] > 1:
         dist.all_reduce(total_nats)
-        dist.all_reduce(total_bytes)
-    if total_bytes.item() == 0:
-        return float("inf")
-    return total_nats.item() / (math.log(2) * total_bytes.item())
+        dist.all_reduce(totals)
+    total_bytes, targets = (int(v) for v in totals.tolist())
+    bpb = float("inf") if total_bytes == 0 else total_nats.item() / (math.log(2) * total_bytes)
+    return bpb, targets, ran_out
+
+
+def describe_eval(tokens, ran_out, split="val"):
+    """How much an evaluation read: the tokens, and whether that was the whole split (asked for more)."""
+    return f"{tokens:,} tokens" + (f", the whole {split} split once (asked for more)" if ran_out else "")

@@ -11,7 +11,7 @@ import time
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.dataloader import eval_batches
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.loss_eval import describe_eval, evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import greedy_samples
@@ -39,7 +39,8 @@ def main():
     autocast = autocast_for(device)
     token_bytes = get_token_bytes(device=device)
     steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
-    print0(f"base_loss | step {meta['step']} | {steps} batches of {args.device_batch_size}x{T}x{world_size} tokens per split")
+    print0(f"base_loss | step {meta['step']} | up to {steps} batches of {args.device_batch_size}x{T}x{world_size} tokens "
+           "per split (one pass at most)")
 
     results = {}
     for split in ("train", "val"):
@@ -47,9 +48,10 @@ def main():
         loader, batches = eval_batches(tokenizer, args.device_batch_size, T, split, device, rank, world_size,
                                        source=args.data_source)
         with autocast:
-            results[f"{split} bpb"] = evaluate_bpb(model, batches, steps, token_bytes)
+            results[f"{split} bpb"], tokens, ran_out = evaluate_bpb(model, batches, steps, token_bytes)
         loader.close()
-        print0(f"{split} bpb: {results[f'{split} bpb']:.4f} ({time.time() - t0:.1f}s)")
+        print0(f"{split} bpb: {results[f'{split} bpb']:.4f} over {describe_eval(tokens, ran_out, split)} "
+               f"({time.time() - t0:.1f}s)")
     samples = []
     if rank == 0:
         with autocast:

@@ -175,9 +175,9 @@ def main(argv=None):
         steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size))
         loader, batches = eval_batches(tokenizer, args.device_batch_size, args.max_seq_len, "val", device, rank, world_size,
                                        source=args.data_source)
-        bpb = evaluate_bpb(model, batches, steps, token_bytes)
+        result = evaluate_bpb(model, batches, steps, token_bytes)  # (bpb, tokens, ran out of val split)
         loader.close()
-        return bpb
+        return result
 
     settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
                            args.total_batch_size, recipe.flops_per_token, args.save_every, args.keep_last, args.run,

@@ -72,7 +72,8 @@ def main(argv=None):
                                  resume_state=start.loader_state)
 
     def val_loss():  # per supervised token of held-out conversations
-        batches = ConversationBatches(val_mix, tokenizer, args.device_batch_size, T, 1, rank, world_size, device)
+        batches = ConversationBatches(val_mix, tokenizer, args.device_batch_size, T, 1, rank, world_size, device,
+                                      single_pass=True)
         return evaluate_loss(model, batches, args.eval_steps)
 
     loop = stage_loop("chat_sft", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device)

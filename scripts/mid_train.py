@@ -64,7 +64,8 @@ def main(argv=None):
         num_iterations = max(1, -(-tokens // args.total_batch_size))
 
     def val_loss():  # per token of held-out packed conversations
-        batches = PackedConversations(val_mix, tokenizer, args.device_batch_size, T, 1, rank, world_size, device)
+        batches = PackedConversations(val_mix, tokenizer, args.device_batch_size, T, 1, rank, world_size, device,
+                                      single_pass=True)
         return evaluate_loss(model, batches, args.eval_steps)
 
     loop = stage_loop("mid_train", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,

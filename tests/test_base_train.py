@@ -5,6 +5,7 @@ middle of a checkpoint save, 1-rank vs 2-rank vs 2-node agreement, learning, and
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -139,12 +140,16 @@ def test_kill_during_checkpoint_save_keeps_previous_checkpoint(tiny_base_dir, tm
 
 
 def test_one_rank_two_ranks_and_two_nodes_agree(tiny_base_dir, tmp_path):
-    args = ["--num-iterations=30", "--eval-every=30", "--eval-tokens=8192"]
+    # --eval-tokens far past the tiny val split: each evaluation reads it once, and says so
+    args = ["--num-iterations=30", "--eval-every=30", "--eval-tokens=100000000"]
     one = fresh_base(tiny_base_dir, tmp_path, "one")
-    run_train(one, args)
+    p1 = run_train(one, args)
     two = fresh_base(tiny_base_dir, tmp_path, "two")
     p = run_train(two, args, nproc=2)
     assert "x2" in p.stdout  # really two ranks (DistMuon/DistAdamW steps, tested exactly in test_optim)
+    reach = [re.findall(r"^step 00000 \| val_bpb [0-9.]+ \| ([0-9,]+) tokens, the whole val split once", out.stdout, re.M)
+             for out in (p1, p)]
+    assert len(reach[0]) == 1 and reach[0] == reach[1], reach  # the same tokens, once, on one rank and on two
     # evaluation packs the same tokens whatever the world size, so step 0 agrees to rounding ...
     assert abs(val_bpbs(one)[0] - val_bpbs(two)[0]) < 1e-4
     # ... and after training on the same global batch size within 2 %: the ranks read other row groups than one rank

@@ -209,6 +209,40 @@ def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir
     assert rows == 12 * 2 * 3
 
 
+def test_validation_batches_read_their_conversations_once_then_end(tiny_base_dir):
+    """mid/SFT validation (single_pass): every conversation once, the same tokens on one rank or split over two, then
+    StopIteration on every rank at the same step, however many steps were asked for."""
+    from nanochat.chat_data import ConversationBatches, PackedConversations
+    from nanochat.tasks import TaskMixture, get_task
+
+    tokenizer = tokenizer_of(tiny_base_dir)
+    task = TaskMixture([get_task("WorldQA", "sft", stop=13), get_task("Arithmetic", "train", stop=8)], seed=1)
+    supervised = sum(sum(tokenizer.render_conversation(task.get_example(i), max_tokens=65)[1][1:])
+                     for i in range(task.num_examples()))
+    for cls, expect in ((ConversationBatches, supervised), (PackedConversations, None)):
+        counts = {}
+        for world_size, B in ((1, 4), (2, 2)):
+            loaders = [cls(task, tokenizer, B, 64, 1, rank=r, world_size=world_size, single_pass=True)
+                       for r in range(world_size)]
+            steps, targets = 0, 0
+            for _ in range(100):  # 21 conversations end long before this
+                try:
+                    batches = [next(loader) for loader in loaders]
+                except StopIteration:
+                    for loader in loaders:  # every rank's stream has ended at the same step
+                        with pytest.raises(StopIteration):
+                            next(loader)
+                    break
+                steps += 1
+                targets += sum(int((y != -1).sum()) for micro in batches for _, y in micro)
+            else:
+                pytest.fail(f"{cls.__name__} kept going past its single pass")
+            counts[world_size] = (steps, targets)
+        assert counts[1] == counts[2] and counts[1][0] >= 2, (cls.__name__, counts)
+        if expect is not None:
+            assert counts[1][1] == expect  # each conversation's supervised tokens, once
+
+
 def test_bad_chat_stage_flags_give_one_line_before_any_work(tmp_path):
     # Each refusal comes from the flags alone (parse_args), before a model, data or checkpoint is looked at; one per
     # script also runs for real in an empty base dir, to show the user one line and no traceback.

@@ -146,3 +146,28 @@ def test_bad_input_is_a_clear_error(tiny_env):
         DataLoader(tok, B=2, T=32, resume_state=state)
     with pytest.raises(UserError, match="ranks"):
         DataLoader(tok, B=2, T=64, rank=9_999, world_size=10_000)
+
+
+def test_a_single_pass_places_every_document_once_then_ends(tiny_env):
+    """Evaluation's loader (eval_batches): each val document exactly once, the last batch padded with -1 targets, then
+    StopIteration, and the same rows whatever the batch size (rows are packed one after another)."""
+    from nanochat.dataset import read_row_group_texts
+
+    tok = get_tokenizer()
+    groups = list_row_groups("val")
+    every_doc = {(0, pos, row) for pos, group in enumerate(groups) for row in range(len(read_row_group_texts(*group)))}
+    rows_by_batch_size = {}
+    for B in (3, 8):
+        loader = DataLoader(tok, B=B, T=64, split="val", single_pass=True, record_docs=True)
+        batches = list(loader)
+        with pytest.raises(StopIteration):
+            next(loader)
+        assert sorted(loader.docs_seen) == sorted(every_doc) and len(loader.docs_seen) == len(every_doc)
+        ys = torch.cat([y for _, y in batches])
+        xs = torch.cat([x for x, _ in batches])
+        padded = (ys == -1).nonzero()
+        assert len(padded) and padded[:, 0].min() >= (len(batches) - 1) * B  # padding only in the last batch
+        assert (xs >= 0).all()  # padding is never an input id the model could not embed
+        real = ys[ys != -1]
+        rows_by_batch_size[B] = (real.numel(), int(real.sum()))
+    assert rows_by_batch_size[3] == rows_by_batch_size[8]

@@ -245,7 +245,7 @@ def test_checkpoints_evaluate_the_same_in_either_dtype(runs, monkeypatch):
         model, tokenizer, _ = load_model("base", "cpu", model_tag="tiny", step=N)
         loader, batches = eval_batches(tokenizer, 2, 64, "val", torch.device("cpu"), 0, 1, source="builtin")
         with torch.no_grad(), autocast_for("cpu"):
-            bpb = evaluate_bpb(model, batches, 8192 // (2 * 64), get_token_bytes("cpu"))
+            bpb, _, _ = evaluate_bpb(model, batches, 8192 // (2 * 64), get_token_bytes("cpu"))
         loader.close()
         own = val_bpbs(runs[trained_in])[N]  # what base_train measured in the dtype it trained in
         assert bpb != own and abs(bpb - own) / own < 0.01, (trained_in, evaluate_in, bpb, own)

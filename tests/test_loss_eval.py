@@ -22,7 +22,7 @@ from conftest import random_tiny_gpt
 from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
 from nanochat.dataloader import eval_batches
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T = 2, 64
@@ -77,13 +77,16 @@ def test_evaluate_bpb_matches_hand_computation(tiny_env, single_torch_thread):
 
     by_hand = bpb_by_hand(model, batches, byte_lengths)
     token_bytes = get_token_bytes("cpu")
-    got = evaluate_bpb(model, batches, len(batches), token_bytes)
+    got, tokens, ran_out = evaluate_bpb(model, batches, len(batches), token_bytes)
     assert abs(got - by_hand) <= 1e-6 * by_hand, (got, by_hand)
+    assert tokens == int((targets != -1).sum()) and not ran_out
     # the check is sharp enough to see the BOS targets' loss wrongly counted (at zero bytes)
     assert abs(bpb_by_hand(model, batches, byte_lengths, count_zero_byte_targets=True) - by_hand) > 1e-4 * by_hand
     # steps bounds how many batches are read
-    first_two = evaluate_bpb(model, iter(batches), 2, token_bytes)
+    first_two, _, _ = evaluate_bpb(model, iter(batches), 2, token_bytes)
     assert abs(first_two - bpb_by_hand(model, batches[:2], byte_lengths)) <= 1e-6 * first_two
+    # a stream that ends before `steps` (a split smaller than asked for) ends the evaluation and says so
+    assert evaluate_bpb(model, iter(batches), 10, token_bytes) == (got, tokens, True)
 
 
 def test_base_loss_script_reports_hand_computed_bpb(tiny_base_dir, tmp_path, monkeypatch, single_torch_thread):
@@ -124,3 +127,23 @@ def test_base_loss_script_reports_hand_computed_bpb(tiny_base_dir, tmp_path, mon
     assert reported["step"] == 1
     for split in ("train", "val"):
         assert abs(reported[f"{split} bpb"] - by_hand[split]) <= 1e-6 * by_hand[split], (split, reported, by_hand)
+
+
+def test_base_loss_past_the_split_evaluates_it_once_on_one_rank_and_two(tiny_base_dir, tmp_path):
+    """--split-tokens far beyond the tiny val split: each split is read once and the output says so; 1 rank with
+    device batch 4 and 2 ranks with 2 (the same global batch) evaluate the same tokens to the same bpb."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base, ignore=shutil.ignore_patterns("base_checkpoints", "report"))
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
+    tokenizer = RustBPETokenizer.from_directory(str(base / "tokenizer"))
+    model = tiny_gpt(tokenizer.get_vocab_size())
+    meta = {"model_config": dataclasses.asdict(model.config), "tokenizer_hash": tokenizer.fingerprint()}
+    save_checkpoint(str(base / "base_checkpoints" / "tiny"), 1, model, [], meta)
+    outputs = []
+    for launch, batch in (([sys.executable, "-m"], 4),
+                          ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"], 2)):
+        p = subprocess.run(launch + ["scripts.base_loss", f"--device-batch-size={batch}", "--split-tokens=100000000",
+                                     "--model-tag=tiny"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        outputs.append(re.findall(r"^val bpb: ([0-9.]+) over ([0-9,]+) tokens, the whole val split once", p.stdout, re.M))
+    assert len(outputs[0]) == 1 and outputs[0] == outputs[1], outputs

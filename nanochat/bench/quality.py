@@ -95,7 +95,7 @@ def quality_run(args, seed, lr_mult, variant="base"):
         if step in args.eval_at:
             val_loader, batches = eval_batches(tokenizer, args.device_batch_size, args.seq_len, "val", device, 0, 1)
             model.eval()
-            bpb[step] = evaluate_bpb(model, batches, eval_steps, token_bytes)
+            bpb[step] = evaluate_bpb(model, batches, eval_steps, token_bytes)[0]
             model.train()
             val_loader.close()
         if step == args.steps:
