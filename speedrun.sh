@@ -9,10 +9,10 @@
 #   NANOCHAT_RL=0|1 bash speedrun.sh      # skip or run chat_rl (default: on for gpu, off for cpu, where it does not pay)
 #   NANOCHAT_SEED=43 bash speedrun.sh     # another initialisation of the base model
 #   NANOCHAT_COMPONENTS=none bash speedrun.sh  # base_train --components: 'none' = the plain recipe, or a list
-#                                              # (default: base_train's, README "Recipe components")
+#                                              # (default: base_train's, docs/pretraining.md "Recipe components")
 #   NANOCHAT_DEVICE_BATCH=8 bash speedrun.sh   # gpu preset: rows per GPU per micro-step (default 16; less memory, same run)
 #   NANOCHAT_DATA_SOURCE=mine bash speedrun.sh  # pretrain on your own text, imported first with
-#                                               # python -m nanochat.dataset import mine FILES... (README: "Your own data")
+#                                               # python -m nanochat.dataset import mine FILES... (docs/data.md)
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -89,7 +89,7 @@ if [ "$PRESET" = gpu ]; then
     RUN_RL="${NANOCHAT_RL:-1}"  # GSM8K rewards what SFT leaves unsolved
 else
     # The cpu preset: the built-in corpus about an invented world, no network, the whole pipeline in
-    # about 20 minutes on 2 cores; the model is small but visibly learns its world (README: "CPU preset").
+    # about 20 minutes on 2 cores; the model is small but visibly learns its world (docs/speedrun.md: "The CPU preset").
     export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-builtin}"
     SHARDS=8  # only if NANOCHAT_DATA_SOURCE names a hub source
     DEPTH=4; TAG=d4
@@ -101,7 +101,7 @@ else
     EVAL_FLAGS="--eval-bundle=builtin --max-per-task=100"
     # Mid-training and SFT at a fraction of the base lrs: at the full lrs, 120 steps of conversations about the SFT
     # subjects overwrite what pretraining taught about the held-out ones (held-out QA 21-34 % after SFT, against
-    # 58-69 % at 0.05-0.2; README "The CPU preset").
+    # 58-69 % at 0.05-0.2; docs/speedrun.md "The CPU preset").
     MID_STEPS=120; MID_FLAGS="--device-batch-size=8 --total-batch-size=4096 --init-lr-frac=0.2 --save-every=60 --eval-steps=4"
     SFT_STEPS=150; SFT_FLAGS="--device-batch-size=16 --total-batch-size=32 --init-lr-frac=0.05 --save-every=50"
     RL_STEPS=30; RL_FLAGS="--total-batch-size=8 --num-samples=8 --device-batch-size=16 --max-new-tokens=48 --save-every=10 \
@@ -109,7 +109,7 @@ else
     CHAT_EVAL_FLAGS="-x 200 --max-new-tokens=48"
     BASE_CHAT_EVAL="WorldFacts"  # the base model completing facts in the wordings it read
     # RL does not pay here: SFT already solves 98 % of the built-in arithmetic, and 30 steps on the spelling task moved
-    # nothing measurable (README). NANOCHAT_RL=1 runs it anyway.
+    # nothing measurable (docs/speedrun.md). NANOCHAT_RL=1 runs it anyway.
     RUN_RL="${NANOCHAT_RL:-0}"
 fi
 
@@ -123,7 +123,7 @@ case "$SOURCE" in
         SOURCE_KIND=imported
         if [ "$DRY_RUN" != 1 ] && [ ! -f "$BASE_DIR/base_data/$SOURCE/import.json" ]; then
             echo "NANOCHAT_DATA_SOURCE=$SOURCE is not a source in $BASE_DIR/base_data: import your text first with" \
-                 "python -m nanochat.dataset import $SOURCE FILES_OR_FOLDERS... (README: \"Your own data\")" >&2
+                 "python -m nanochat.dataset import $SOURCE FILES_OR_FOLDERS... (docs/data.md)" >&2
             exit 1
         fi ;;
 esac

@@ -286,6 +286,26 @@ def compile_choice(flag, device):
     return True
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
+def compile_backend():
+    """
+    torch.compile's backend: inductor (generated kernels: what a GPU trains with), or with NANOCHAT_COMPILE_BACKEND=
+    aot_eager the same dynamo capture and AOT autograd graphs run on eager kernels, without the C++/Triton code
+    generation that costs minutes on a machine whose compile cache is empty (the test suite uses it).
+    """
+    backend = os.environ.get("NANOCHAT_COMPILE_BACKEND", "inductor")
+    if backend not in COMPILE_BACKENDS:
+        raise UserError(f"NANOCHAT_COMPILE_BACKEND must be one of {', '.join(COMPILE_BACKENDS)} (got {backend!r})")
+    return backend
+
+
+def compile_model(model):
+    """The model as training runs it when compiled: static shapes, compile_backend()'s backend."""
+    return torch.compile(model, dynamic=False, backend=compile_backend())
+
+
 def autocast_for(device):
     """The autocast context for this device's compute dtype: bf16 autocast on CUDA SM80+, a no-op in fp32."""
     from contextlib import nullcontext

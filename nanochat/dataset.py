@@ -354,7 +354,7 @@ def import_main(argv):
 
     parser = argparse.ArgumentParser(prog="python -m nanochat.dataset import",
                                      description="Build a data source NAME from your own text (files, folders, globs "
-                                                 "or a Hugging Face dataset); README: 'Your own data'.")
+                                                 "or a Hugging Face dataset); docs/data.md.")
     parser.add_argument("name", help="the source's name: then --data-source NAME or NANOCHAT_DATA_SOURCE=NAME")
     parser.add_argument("inputs", nargs="*", help=".txt/.md, .jsonl/.json, .parquet files (optionally .gz/.zst), "
                                                   "folders (searched recursively) or quoted globs")

@@ -97,7 +97,7 @@ class GPTConfig:
     # the CPU speedrun's base model then echoed the subject for "X borders ..." (BENCHMARKS "Where the value
     # embeddings sit").
     value_embed_layers: str = "lower_half"
-    # Exact-math variants (VARIANT_DEFAULTS; README "Bring your model"), for imported checkpoints:
+    # Exact-math variants (VARIANT_DEFAULTS; docs/import.md), for imported checkpoints:
     rope_theta: float = ROPE_THETA
     rotary_bf16: bool = False  # rotary tables rounded to bf16 whatever the compute dtype (nanochat before March 2026)
     norm_eps: float | None = NORM_EPS  # None: torch's default, the machine epsilon of the activations' dtype

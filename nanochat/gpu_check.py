@@ -15,11 +15,12 @@ import time
 
 import torch
 
-from nanochat.common import autocast_for
+from nanochat.common import autocast_for, compile_model
+from nanochat.training import REFERENCE_BATCH
 
 # The speedrun's base model (speedrun.sh, gpu preset): depth 24, 2^19 tokens per step of 2048-token rows, 10 tokens per
 # parameter, vocabulary 32768, device batch 16 unless NANOCHAT_DEVICE_BATCH says otherwise.
-SPEEDRUN = {"depth": 24, "seq_len": 2048, "total_batch": 2**19, "tokens_per_param": 10, "vocab_size": 32768,
+SPEEDRUN = {"depth": 24, "seq_len": 2048, "total_batch": REFERENCE_BATCH, "tokens_per_param": 10, "vocab_size": 32768,
             "device_batch": 16, "shards": 150}
 SHARD_GIB = 0.1  # an assumption: a climbmix shard of ~60M tokens as zstd parquet (fineweb-edu's are ~0.1 GiB)
 # 1 GPU and 2 GPUs on the same global batch: val bpb within 0.1 % at step 0 (the same evaluation tokens) and within 3 %
@@ -119,7 +120,7 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
                           components=model_components)
     try:
         model = build_model(recipe.model_config, device)
-        train_model = torch.compile(model, dynamic=False)
+        train_model = compile_model(model)
         optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
         batch = torch.randint(0, vocab_size, (device_batch_size, seq_len + 1), device=device)
         micro_batches = [(batch[:, :-1], batch[:, 1:])]

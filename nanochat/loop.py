@@ -208,10 +208,12 @@ class TrainingLoop:
             self.report.truncate_curve(s.name, self.start_step)  # the steps after it will be logged again
 
     def announce(self, summary):
-        """Print the run's one-line config: the stage's summary, then its lrs and where it resumes."""
+        """Print the run's one-line config: the stage's summary, its lrs, where it resumes, and the flags the device's
+        preset filled (presets.fill_from_preset)."""
         lrs = " ".join(f"{k} {v:.4g}" for k, v in self.meta.get("lrs", {}).items())
         resume = f" | resuming at step {self.start_step}" if self.start_step else ""
-        print0(f"{summary}{' | ' + lrs if lrs else ''}{resume}")
+        preset = self.user_config.get("preset")
+        print0(f"{summary}{' | ' + lrs if lrs else ''}{resume}{' | ' + preset if preset else ''}")
 
     # -- the iteration -------------------------------------------------------------------
 

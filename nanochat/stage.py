@@ -10,6 +10,7 @@ from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, f
                                          resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
+from nanochat.presets import PRESETS, fill_from_preset, preset_help
 from nanochat.training import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs,
                                optimizer_components_of)
 
@@ -17,25 +18,34 @@ from nanochat.training import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, con
 # Flags
 
 
-def add_stage_flags(parser, source, lr_frac, num_iterations, device_batch_size, total_batch_size, batch_unit,
-                    conversation_data=True):
+def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
     """
-    The flags of a chat stage. source: the stage it starts from by default; batch_unit: what a batch counts;
-    conversation_data: the stage trains on a mixture of conversations (mid, SFT), with its row length and validation.
+    The flags of a chat stage. stage: its name in presets.PRESETS, whose flags default to the device's preset (the
+    script calls presets.fill_from_preset after parsing); source: the stage it starts from by default; batch_unit: what
+    a batch counts; conversation_data: the stage trains on a mixture of conversations (mid, SFT), with its row length
+    and validation.
     """
     p = parser
+
+    def preset_default(flag, default):  # (default, help suffix): None means "the preset's"
+        return (None, f" {preset_help(stage, flag)}") if flag in PRESETS[stage]["cpu"] else (default, "")
+
     p.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
     p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
     p.add_argument("-i", "--source", default=source, choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
     p.add_argument("-g", "--model-tag", default=None, help="tag of the input checkpoint, also the output's (default: latest)")
     p.add_argument("-s", "--step", type=int, default=None, help="step of the input checkpoint (default: latest)")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--num-iterations", type=int, default=num_iterations, help="optimizer steps (-1 = one epoch of the data)")
-    p.add_argument("--device-batch-size", type=int, default=device_batch_size, help=f"{batch_unit} per micro-batch")
-    p.add_argument("--total-batch-size", type=int, default=total_batch_size, help=f"{batch_unit} per optimizer step")
-    p.add_argument("--init-lr-frac", type=float, default=lr_frac, help="the depth dial's lrs are scaled by this")
+    for flag, default, text in (("num_iterations", -1, "optimizer steps (-1 = one epoch of the data)"),
+                                ("device_batch_size", 4, f"{batch_unit} per micro-batch"),
+                                ("total_batch_size", 32, f"{batch_unit} per optimizer step"),
+                                ("init_lr_frac", 1.0, "the depth dial's lrs are scaled by this")):
+        default, suffix = preset_default(flag, default)
+        p.add_argument(f"--{flag.replace('_', '-')}", type=float if flag == "init_lr_frac" else int, default=default,
+                       help=text + suffix)
     add_optimization_flags(p, weight_decay=0.0, warmdown_ratio=0.5)
-    p.add_argument("--eval-every", type=int, default=-1, help="-1 = only at the start and the end")
+    default, suffix = preset_default("eval_every", -1)
+    p.add_argument("--eval-every", type=int, default=default, help="-1 = only at the start and the end" + suffix)
     p.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end (and on a stop signal)")
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue this stage's latest checkpoint")
@@ -44,7 +54,9 @@ def add_stage_flags(parser, source, lr_frac, num_iterations, device_batch_size, 
         p.add_argument("--mixture", default="", choices=["", "builtin", "hub"],
                        help="builtin (offline) or hub data (default: builtin when $NANOCHAT_DATA_SOURCE is builtin or unset)")
         p.add_argument("--identity-file", default=None, help="a JSONL file of identity conversations (CustomJSON)")
-        p.add_argument("--eval-steps", type=int, default=8, help="validation batches per evaluation")
+        default, suffix = preset_default("eval_steps", 8)
+        p.add_argument("--eval-steps", type=int, default=default, help="validation batches per evaluation (at most one "
+                       "pass of the validation conversations)" + suffix)
 
 
 def add_optimization_flags(parser, weight_decay, warmdown_ratio):
@@ -95,7 +107,9 @@ def validate_training_flags(args):
         check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
 
 
-def validate_stage_flags(args):
+def validate_stage_flags(args, stage):
+    """Fill what was not given from the device's preset, then check every flag."""
+    fill_from_preset(args, stage)
     validate_training_flags(args)
     check_flag(args.num_iterations == -1 or args.num_iterations >= 1, "num_iterations", args.num_iterations,
                "must be >= 1, or -1 for one epoch")

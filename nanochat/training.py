@@ -72,7 +72,7 @@ def batch_lr_scale(total_batch_size, exponent=0.0):
     """
     How the base learning rates (tuned at 2^19 tokens per step) change with the batch size: lr *= (batch/2^19)^exponent.
     The common square-root rule (exponent 0.5) leaves small-batch runs badly undertrained. Measured on the CPU preset
-    (d4, 200 steps of 2,048 tokens, built-in corpus; README "The depth dial at small batch"): val_bpb 1.22 with
+    (d4, 200 steps of 2,048 tokens, built-in corpus; docs/pretraining.md "The depth dial at small batch"): val_bpb 1.22 with
     exponent 0.5, 0.73 with 0.25, 0.54 with 0, so the default keeps the base lrs at every batch size (exponent 0);
     every rule agrees at 2^19, so the GPU recipe is unchanged.
     """
@@ -92,7 +92,7 @@ def short_run_lr_scale(num_iterations):
     """
     How much hotter than the base lrs a run of this many optimizer steps trains: 1 from 700 steps up, 2 at 100 steps
     and below, log-linear in the step count between (1.56 at 200 steps). The best lr depends on the horizon: measured
-    with `bench quality` (README "The depth dial at small batch"), 1x the base lrs is 11 % worse than 2x in a 100-step
+    with `bench quality` (docs/pretraining.md "The depth dial at small batch"), 1x the base lrs is 11 % worse than 2x in a 100-step
     d6 run (built-in corpus) and 2x is 2 % worse than 1x in a 700-step d4 run of Brown; 4x is worse again at 100 steps,
     and 1.56x beats both 1x and 2x at 200 steps. Every recipe of 700 steps or more, the GPU speedrun's and the CPU
     preset's base_train included, keeps the base lrs.

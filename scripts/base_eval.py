@@ -19,6 +19,7 @@ from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import (UserError, atomic_write_text, autocast_for, compute_cleanup, compute_init, ensure_writable,
                              get_base_dir, print0, run_main)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
+from nanochat.presets import fill_from_preset, preset_help
 from nanochat.report import get_report
 
 
@@ -28,13 +29,13 @@ def parse_args(argv=None):
                         help="which stage's checkpoints to load")
     parser.add_argument("--model-tag", type=str, default=None, help="checkpoint tag (default: the stage's default)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--max-per-task", type=int, default=-1,
-                        help="examples per task, -1 = all (a smaller number is a quick, noisier look)")
+    parser.add_argument("--max-per-task", type=int, default=None, help="examples per task, -1 = all (a smaller number is a "
+                        f"quick, noisier look) {preset_help('base_eval', 'max_per_task')}")
     parser.add_argument("--eval-bundle", type=str, default="dclm",
                         help="dclm (the published CORE bundle, downloaded once) | builtin (tasks about the built-in "
                              "corpus's world, written by `python -m nanochat.corpus`) | a folder holding core.yaml")
     parser.add_argument("--device-type", type=str, default="", help="cuda|mps|cpu (default: autodetect)")
-    args = parser.parse_args(argv)
+    args = fill_from_preset(parser.parse_args(argv), "base_eval")
     if args.max_per_task == 0 or args.max_per_task < -1:
         raise UserError(f"--max-per-task must be -1 (all) or a positive number (got {args.max_per_task})")
     return args
@@ -77,7 +78,7 @@ def main(argv=None):
         step = meta.get("step", args.step)
         autocast = autocast_for(device)  # the precision of training: bf16 where it is fast, plain fp32 elsewhere
         print0(f"CORE evaluation of {args.source} checkpoint {model_tag} step {step} on {world_size} rank(s), "
-               f"eval bundle {args.eval_bundle} ({bundle_dir})")
+               f"eval bundle {args.eval_bundle} ({bundle_dir})" + (f" | {args.preset}" if args.preset else ""))
 
         t0 = time.time()
         with autocast:

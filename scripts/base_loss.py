@@ -12,6 +12,7 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.dataloader import eval_batches
 from nanochat.loss_eval import describe_eval, evaluate_bpb
+from nanochat.presets import fill_from_preset, preset_help
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
 from nanochat.training import greedy_samples
@@ -19,18 +20,24 @@ from nanochat.training import greedy_samples
 PROMPTS = ["The capital of", "The river", "12 + 7 =", "The word apple is spelled", "Once upon a time"]
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train/val bits per byte and samples of a base checkpoint.")
     p.add_argument("--model-tag", default=None)
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--device-type", default="")
-    p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--split-tokens", type=int, default=20 * 2**19, help="tokens evaluated per split (as base_train's --eval-tokens)")
+    p.add_argument("--device-batch-size", type=int, default=None, help=preset_help("base_loss", "device_batch_size"))
+    p.add_argument("--split-tokens", type=int, default=None, help="tokens evaluated per split, at most one pass "
+                   f"(as base_train's --eval-tokens) {preset_help('base_loss', 'split_tokens')}")
     p.add_argument("--data-source", default=None)
-    args = p.parse_args()
+    args = fill_from_preset(p.parse_args(argv), "base_loss")
     if args.device_batch_size < 1 or args.split_tokens < 1:
         raise UserError(f"--device-batch-size and --split-tokens must be >= 1 (got {args.device_batch_size}, "
                         f"{args.split_tokens})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     get_report()  # proves the report directory is writable before any compute
 
     _, rank, _, world_size, device = compute_init(args.device_type)
@@ -40,7 +47,7 @@ def main():
     token_bytes = get_token_bytes(device=device)
     steps = max(1, args.split_tokens // (args.device_batch_size * T * world_size))
     print0(f"base_loss | step {meta['step']} | up to {steps} batches of {args.device_batch_size}x{T}x{world_size} tokens "
-           "per split (one pass at most)")
+           "per split (one pass at most)" + (f" | {args.preset}" if args.preset else ""))
 
     results = {}
     for split in ("train", "val"):

@@ -11,18 +11,19 @@ Resume after a crash or a stop with the same command plus --resume (or --resume-
 import argparse
 import time
 
-import torch
 
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_to_overwrite,
                                         resolve_step)
-from nanochat.common import (UserError, autocast_for, compile_choice, compute_cleanup, compute_init, get_compute_dtype,
-                             keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
+from nanochat.common import (UserError, autocast_for, compile_backend, compile_choice, compile_model, compute_cleanup,
+                             compute_init, get_compute_dtype, keep_freed_memory_in_process, print0, resolve_device_type,
+                             run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.gpt import build_model
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.fp8 import convert_to_fp8, fp8_available
+from nanochat.presets import fill_from_preset, preset_help
 from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
@@ -45,42 +46,54 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-source", default=None, help="data source (default: $NANOCHAT_DATA_SOURCE or builtin)")
     # model
-    p.add_argument("--depth", type=int, default=20, help="number of layers; sets width, heads, lrs, weight decay, budget")
+    p.add_argument("--depth", type=int, default=None,
+                   help=f"number of layers; sets width, heads, lrs, weight decay, budget {preset_help('base_train', 'depth')}")
     p.add_argument("--aspect-ratio", type=int, default=64, help="n_embd = aspect_ratio * depth (rounded to head dim)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=None, help=preset_help("base_train", "max_seq_len"))
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
                    "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
-                   f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); README 'Recipe components'")
+                   f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); docs/pretraining.md 'Recipe components'")
     p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
-                   "(torch._scaled_mm: H100/Ada GPUs, and CPU; elsewhere emulated); README 'Recipe components'")
+                   "(torch._scaled_mm: H100/Ada GPUs, and CPU; elsewhere emulated); docs/pretraining.md 'Recipe components'")
     # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
-    p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from the budget flags below)")
+    p.add_argument("--num-iterations", type=int, default=None, help="optimizer steps (-1 = from the budget flags below; "
+                   "default: from them on a GPU or when one is given, else 700 on a CPU)")
     p.add_argument("--target-flops", type=float, default=-1.0)
-    p.add_argument("--target-param-data-ratio", type=float, default=20.0, help="training tokens per parameter")
+    p.add_argument("--target-param-data-ratio", type=float, default=None, help="training tokens per parameter (default 20)")
     # batch
-    p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--total-batch-size", type=int, default=2**19, help="tokens per optimizer step")
+    p.add_argument("--device-batch-size", type=int, default=None, help=preset_help("base_train", "device_batch_size"))
+    p.add_argument("--total-batch-size", type=int, default=None,
+                   help=f"tokens per optimizer step {preset_help('base_train', 'total_batch_size')}")
     # optimization
     add_optimization_flags(p, weight_decay=-1.0, warmdown_ratio=0.4)
     p.add_argument("--lr-batch-exponent", type=float, default=0.0, help="lrs scale as (total_batch/2^19)^this")
     p.add_argument("--short-run-lrs", type=int, default=1, choices=[0, 1],
-                   help="1: a run under 700 steps trains at up to 2x the dial's lrs (README); 0: the dial's lrs at any length")
+                   help="1: a run under 700 steps trains at up to 2x the dial's lrs (docs/pretraining.md); 0: the dial's lrs at any length")
     p.add_argument("--grad-clip", type=float, default=0.0, help="max grad norm (0 = off)")
     # evaluation and checkpoints
-    p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = never)")
-    p.add_argument("--eval-tokens", type=int, default=20 * 2**19)
-    p.add_argument("--core-metric-every", type=int, default=2000, help="-1 = never")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"val bpb every N steps, -1 = never {preset_help('base_train', 'eval_every')}")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help=f"at most, one pass of the val split {preset_help('base_train', 'eval_tokens')}")
+    p.add_argument("--core-metric-every", type=int, default=None,
+                   help=f"-1 = never {preset_help('base_train', 'core_metric_every')}")
     p.add_argument("--core-metric-max-per-task", type=int, default=500)
     p.add_argument("--eval-bundle", default="dclm", help="CORE bundle: dclm (downloaded), builtin (offline), or a path")
-    p.add_argument("--sample-every", type=int, default=2000, help="-1 = never")
+    p.add_argument("--sample-every", type=int, default=None, help=f"-1 = never {preset_help('base_train', 'sample_every')}")
     p.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end (and on a stop signal)")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep (the newest is never deleted)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of --model-tag")
     p.add_argument("--resume-from-step", type=int, default=-1)
     p.add_argument("--compile", default="auto", choices=["auto", "0", "1"], help="torch.compile (auto: on for CUDA)")
     args = p.parse_args(argv)
+    if args.num_iterations is None and (args.resume or args.resume_from_step >= 0 or args.target_flops > 0
+                                        or args.target_param_data_ratio is not None):
+        args.num_iterations = -1  # a resume finishes its own run; a budget given is the budget
+    if args.target_param_data_ratio is None:
+        args.target_param_data_ratio = 20.0
+    fill_from_preset(args, "base_train")
     validate_args(args)
     return args
 
@@ -100,6 +113,8 @@ def validate_args(args):
         check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
     check_flag(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume_from_step", args.resume_from_step,
                "must be >= 0")
+    if args.compile != "0":
+        compile_backend()  # a bad NANOCHAT_COMPILE_BACKEND is refused here, not at the first step
     if args.components is not None:  # one spelling ('' = plain), for the resume check; an unknown name fails here
         args.components = canonical_components(args.components)
 
@@ -118,6 +133,31 @@ def resolve_components(args, ckpt_dir):
     return saved
 
 
+def recipe_from_flags(args, vocab_size):
+    """The depth dial's whole run, with every lr, decay and budget flag the user gave winning over it."""
+    return depth_recipe(args.depth, vocab_size, args.max_seq_len, args.total_batch_size, args.aspect_ratio, args.head_dim,
+                        args.num_kv_heads or None, args.lr_batch_exponent, embedding_lr=max(args.embedding_lr, 0),
+                        unembedding_lr=max(args.unembedding_lr, 0), matrix_lr=max(args.matrix_lr, 0),
+                        weight_decay=None if args.weight_decay < 0 else args.weight_decay,
+                        num_iterations=max(args.num_iterations, 0), target_flops=max(args.target_flops, 0),
+                        target_param_data_ratio=max(args.target_param_data_ratio, 0),
+                        short_run_lrs=bool(args.short_run_lrs), components=split_components(args.components)[0])
+
+
+def describe_run(args, recipe, device, world_size, grad_accum, use_compile, num_iterations):
+    """The run's one-line config."""
+    c, tokens = recipe.model_config, num_iterations * args.total_batch_size
+    dtype = str(get_compute_dtype(device)).replace("torch.", "")
+    backend = compile_backend()
+    compiled = f" compiled{'' if backend == 'inductor' else f' ({backend})'}" if use_compile else ""
+    return (f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
+            f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} + {args.components or 'none (plain recipe)'} | "
+            f"T {args.max_seq_len} | device {device.type} x{world_size} {dtype}{compiled} | "
+            f"batch {args.total_batch_size:,} tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} "
+            f"accum | steps {num_iterations} ({recipe.budget}) = {tokens / 1e6:.1f}M tokens, "
+            f"{tokens / recipe.scaling_params:.1f} tok/param")
+
+
 def main(argv=None):
     args = parse_args(argv)
     ckpt_dir = checkpoint_dir("base", args.model_tag or f"d{args.depth}")
@@ -125,13 +165,7 @@ def main(argv=None):
     user_config = vars(args).copy()
     device_type = resolve_device_type(args.device_type)
     tokenizer = get_tokenizer()
-    recipe = depth_recipe(args.depth, tokenizer.get_vocab_size(), args.max_seq_len, args.total_batch_size, args.aspect_ratio,
-                          args.head_dim, args.num_kv_heads or None, args.lr_batch_exponent,
-                          embedding_lr=max(args.embedding_lr, 0), unembedding_lr=max(args.unembedding_lr, 0),
-                          matrix_lr=max(args.matrix_lr, 0), weight_decay=None if args.weight_decay < 0 else args.weight_decay,
-                          num_iterations=max(args.num_iterations, 0), target_flops=max(args.target_flops, 0),
-                          target_param_data_ratio=max(args.target_param_data_ratio, 0), short_run_lrs=bool(args.short_run_lrs),
-                          components=split_components(args.components)[0])
+    recipe = recipe_from_flags(args, tokenizer.get_vocab_size())
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
@@ -153,7 +187,7 @@ def main(argv=None):
     model_config, lrs = config_dict(recipe.model_config), recipe.lrs()
     autocast = autocast_for(device)
     use_compile = compile_choice(args.compile, device)
-    train_model = torch.compile(model, dynamic=False) if use_compile else model
+    train_model = compile_model(model) if use_compile else model
     optimizers = build_optimizers(model, **lrs, optimizer_components=split_components(args.components)[1])
     start, num_iterations = StartPoint(), recipe.num_iterations
     if resume_step is not None:
@@ -184,14 +218,7 @@ def main(argv=None):
                            meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len,
                                  "optimizer_components": split_components(args.components)[1]})
     loop = TrainingLoop(settings, model, optimizers, train_loader, start, device, autocast)
-    c = recipe.model_config
-    loop.announce(f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
-                  f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} + {args.components or 'none (plain recipe)'} | "
-                  f"T {args.max_seq_len} | device {device.type} x{world_size} "
-                  f"{str(get_compute_dtype(device)).replace('torch.', '')}{' compiled' if use_compile else ''} | batch "
-                  f"{args.total_batch_size:,} tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} "
-                  f"accum | steps {num_iterations} ({recipe.budget}) = {num_iterations * args.total_batch_size / 1e6:.1f}M "
-                  f"tokens, {num_iterations * args.total_batch_size / recipe.scaling_params:.1f} tok/param")
+    loop.announce(describe_run(args, recipe, device, world_size, grad_accum, use_compile, num_iterations))
 
     for step in loop.steps():
         if loop.due(args.eval_every):

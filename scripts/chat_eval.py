@@ -14,6 +14,7 @@ import argparse
 from nanochat.chat_eval import chatcore, evaluate_tasks
 from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
+from nanochat.presets import fill_from_preset, preset_help
 from nanochat.report import get_report
 from nanochat.stage import mixture_kind
 from nanochat.tasks import canonical_name, get_task
@@ -30,16 +31,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a chat model; ChatCORE over the tasks.")
     p.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"])
     p.add_argument("-a", "--tasks", default="", help="task names separated by | (default: the whole suite)")
-    p.add_argument("-x", "--max-problems", type=int, default=-1, help="problems per task (-1 = all)")
+    p.add_argument("-x", "--max-problems", type=int, default=None,
+                   help=f"problems per task, -1 = all {preset_help('chat_eval', 'max_problems')}")
     p.add_argument("-g", "--model-tag", default=None)
     p.add_argument("-s", "--step", type=int, default=None)
     p.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature for generative tasks")
     p.add_argument("-k", "--top-k", type=int, default=50)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=None, help=preset_help("chat_eval", "max_new_tokens"))
     p.add_argument("--batch-size", type=int, default=8, help="problems per forward pass for categorical tasks")
     p.add_argument("--suite", default="", choices=["", "builtin", "hub"], help="default: from $NANOCHAT_DATA_SOURCE")
     p.add_argument("--device-type", default="")
-    args = p.parse_args(argv)
+    args = fill_from_preset(p.parse_args(argv), "chat_eval")
     for flag in ("max_new_tokens", "batch_size", "top_k"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')}={getattr(args, flag)} is not valid: must be >= 1")
@@ -63,7 +65,8 @@ def main(argv=None):
     tag = args.model_tag or find_latest_tag(args.source)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=args.step)
     print0(f"chat_eval | {args.source} {tag} step {meta['step']} | {world_size} rank(s) | tasks {', '.join(names)} | "
-           f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}")
+           f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}"
+           + (f" | {args.preset}" if args.preset else ""))
     with autocast_for(device):
         accuracies, baselines, tool_rates = evaluate_tasks(model, tokenizer, tasks, None if args.max_problems < 0 else args.max_problems,
                                                batch_size=args.batch_size, max_tokens=args.max_new_tokens,

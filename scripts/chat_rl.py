@@ -20,6 +20,7 @@ from nanochat.chat_data import ProblemSchedule
 from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
+from nanochat.presets import preset_help
 from nanochat.stage import (add_stage_flags, check_flag, micro_steps, mixture_kind, output_dir, stage_loop, stage_steps,
                             start_stage, validate_stage_flags)
 from nanochat.tasks import TaskMixture, get_task
@@ -28,17 +29,18 @@ from nanochat.training import lr_multiplier, muon_momentum, train_step
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Policy-gradient RL on problems with checkable answers.")
-    add_stage_flags(p, source="sft", lr_frac=0.05, num_iterations=-1, device_batch_size=8, total_batch_size=16,
-                    batch_unit="problems", conversation_data=False)
+    add_stage_flags(p, "chat_rl", source="sft", batch_unit="problems", conversation_data=False)
     p.add_argument("--task", default="", help="GSM8K, Arithmetic, SpellingBee, or several joined by | (default: Arithmetic "
                                               "when $NANOCHAT_DATA_SOURCE is builtin or unset, else GSM8K)")
-    p.add_argument("--num-samples", type=int, default=16, help="replies sampled per problem")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--num-samples", type=int, default=None,
+                   help=f"replies sampled per problem {preset_help('chat_rl', 'num_samples')}")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=preset_help("chat_rl", "max_new_tokens"))
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--eval-problems", type=int, default=200, help="test problems for the periodic pass@1")
+    p.add_argument("--eval-problems", type=int, default=None,
+                   help=f"test problems for the periodic pass@1 {preset_help('chat_rl', 'eval_problems')}")
     args = p.parse_args(argv)
-    validate_stage_flags(args)
+    validate_stage_flags(args, "chat_rl")
     for flag in ("num_samples", "max_new_tokens", "top_k", "eval_problems"):
         check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
     check_flag(0 < args.temperature <= 2, "temperature", args.temperature, "must be in (0, 2]: RL needs sampling")

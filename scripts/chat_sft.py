@@ -41,10 +41,9 @@ def mixtures(kind, identity_file=None):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Supervised fine-tuning on conversations (loss on the assistant's tokens).")
-    add_stage_flags(p, source="mid", lr_frac=0.02, num_iterations=-1, device_batch_size=4, total_batch_size=32,
-                    batch_unit="conversations")
+    add_stage_flags(p, "chat_sft", source="mid", batch_unit="conversations")
     args = p.parse_args(argv)
-    validate_stage_flags(args)
+    validate_stage_flags(args, "chat_sft")
     return args
 
 

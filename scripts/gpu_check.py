@@ -187,7 +187,7 @@ def main(argv=None):
     if cuda:
         log(f"largest device batch at the speedrun's depth {check.SPEEDRUN['depth']} (compiled bf16 training steps)")
         results["batch_probe"] = probe_batches(args, root, log)
-        recipe = depth_recipe(check.SPEEDRUN["depth"], check.SPEEDRUN["vocab_size"], check.SPEEDRUN["seq_len"], 2**19,
+        recipe = depth_recipe(check.SPEEDRUN["depth"], check.SPEEDRUN["vocab_size"], check.SPEEDRUN["seq_len"], check.SPEEDRUN["total_batch"],
                               components=split_components(DEFAULT_COMPONENTS)[0])
         matrices = recipe.scaling_params - recipe.model_config.vocab_size * recipe.model_config.n_embd
         results["disk_needed_gib"] = check.speedrun_disk_gib(recipe.num_params, matrices)

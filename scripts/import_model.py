@@ -6,7 +6,7 @@ becomes an ordinary checkpoint of this base dir, with the same logits.
   python -m scripts.import_model karpathy/nanochat-d32 --as sft                         # a hub repo (HF_ENDPOINT honoured)
   python -m scripts.import_model ./hf/d20 --as base --model-tag d20                     # a transformers directory
 
-The logic lives in nanochat/model_import.py; README "Bring your model" says what is checked and what each era maps to.
+The logic lives in nanochat/model_import.py; docs/import.md says what is checked and what each era maps to.
 """
 
 import argparse

@@ -38,10 +38,9 @@ def mixtures(kind, identity_file=None):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Mid-train a base model on packed conversations.")
-    add_stage_flags(p, source="base", lr_frac=1.0, num_iterations=-1, device_batch_size=32, total_batch_size=2**19,
-                    batch_unit="tokens")
+    add_stage_flags(p, "mid_train", source="base", batch_unit="tokens")
     args = p.parse_args(argv)
-    validate_stage_flags(args)
+    validate_stage_flags(args, "mid_train")
     return args
 
 

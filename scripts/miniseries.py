@@ -20,6 +20,7 @@ import os
 from nanochat import miniseries as ms
 from nanochat.common import UserError, get_base_dir, print0, run_main
 from nanochat.report import get_report
+from nanochat.training import REFERENCE_BATCH
 
 PRESETS = {
     # 2 cores, the CPU preset's sequence and batch (T=256, 2,048 tokens per step), CORE on the built-in bundle at each
@@ -31,8 +32,8 @@ PRESETS = {
             "eval_bundle": "builtin", "aspect_ratio": 32, "head_dim": 32},
     # a GPU node, the speedrun's geometry, the dial's 20 tokens per parameter
     "gpu": {"depths": [10, 14, 18, 22, 26], "budgets": [1e18, 3e18, 1e19], "isoflop_depths": [8, 10, 12, 14, 16, 20],
-            "ratio": 20.0, "max_seq_len": 2048, "device_batch_size": 16, "total_batch_size": 2**19,
-            "eval_tokens": 10 * 2**19, "eval_bundle": "dclm", "aspect_ratio": 64, "head_dim": 128},
+            "ratio": 20.0, "max_seq_len": 2048, "device_batch_size": 16, "total_batch_size": REFERENCE_BATCH,
+            "eval_tokens": 10 * REFERENCE_BATCH, "eval_bundle": "dclm", "aspect_ratio": 64, "head_dim": 128},
 }
 
 

@@ -273,3 +273,26 @@ def test_samples_and_core_metric_during_training(tiny_base_dir, tmp_path):
     core = {r["step"]: r["core_metric"] for r in curve(base) if "core_metric" in r}
     assert sorted(core) == [2, 4] and all(-1.0 <= v <= 1.0 for v in core.values())
     assert f"core_metric {core[4]:.4f}" in p.stdout and "world_capital" in p.stdout  # per-task lines of the bundle
+
+
+def test_flags_not_given_come_from_the_devices_preset_and_the_config_line_says_so(tiny_base_dir, tmp_path):
+    """On a CPU, base_train without size flags runs the cpu preset's d4 on 256-token rows (the config line names every
+    flag the preset filled); the chat stages, the evaluations and base_loss take their cpu sizes the same way."""
+    base = fresh_base(tiny_base_dir, tmp_path, "preset")
+    p = subprocess.run(train_cmd(1) + ["--num-iterations=1", "--eval-every=-1", "--model-tag=p", "--device-type=cpu"],
+                       env=env_for(base),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    config = next(line for line in p.stdout.splitlines() if line.startswith("base_train |"))
+    assert "layers 4 " in config and "T 256" in config and "batch 2,048 tok = 8x256x1x1" in config, config
+    assert config.endswith("cpu preset: --depth=4 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 "
+                           "--eval-tokens=32768 --core-metric-every=-1 --sample-every=350"), config
+    from scripts import base_loss, chat_eval, chat_rl, chat_sft, mid_train
+
+    cpu = ["--device-type=cpu"]  # (a GPU would pick the gpu preset)
+    assert vars(mid_train.parse_args(cpu))["total_batch_size"] == 4096
+    sft = chat_sft.parse_args(cpu + ["--total-batch-size=64"])  # a flag given wins; the rest from the preset
+    assert (sft.total_batch_size, sft.device_batch_size, sft.num_iterations) == (64, 16, 150)
+    assert "--total-batch-size" not in sft.preset and "--device-batch-size=16" in sft.preset
+    assert (chat_rl.parse_args(cpu).num_samples, chat_eval.parse_args(cpu).max_problems) == (8, 200)
+    assert (base_loss.parse_args(cpu).split_tokens, base_loss.parse_args(cpu + ["--split-tokens=7"]).split_tokens) == (65536, 7)

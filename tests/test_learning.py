@@ -2,7 +2,7 @@
 Learning, measured (slow: a few minutes on 2 cores; `uv run pytest -m slow`): on the built-in world a small base
 model is pretrained for real, then SFT must raise its accuracy on held-out questions (subjects SFT never asks
 about, in wordings it never uses) far above the base model's, and RL must raise the reward on the built-in
-arithmetic over its SFT start. Margins are set well inside what two seeds gave (README, "The CPU preset").
+arithmetic over its SFT start. Margins are set well inside what two seeds gave (docs/speedrun.md, "The CPU preset").
 """
 
 import json

@@ -36,7 +36,8 @@ def commands(stdout):
 
 
 @pytest.mark.parametrize("ngpu, device_batch", [(8, "16"), (1, "16"), (8, "4")])
-def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu, device_batch):
+def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu, device_batch, monkeypatch):
+    from nanochat import presets
     from nanochat.stage import micro_steps
     from nanochat.training import grad_accum_steps
     from scripts import base_train, chat_rl, chat_sft, mid_train
@@ -47,6 +48,7 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
     modules = [m for m, _, _ in cmds]
     assert [m for i, m in enumerate(modules) if i == 0 or m != modules[i - 1]] == ORDER, modules
     assert not os.path.exists(tmp_path / "base" / "report"), "a dry run must not run anything"
+    monkeypatch.setattr(presets, "preset_for", lambda device_type="": "gpu")  # parse the flags as a GPU node would
     parsers = {"base_train": base_train.parse_args, "mid_train": mid_train.parse_args, "chat_sft": chat_sft.parse_args,
                "chat_rl": chat_rl.parse_args}
     seen = set()
@@ -96,6 +98,19 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
                        env=dict(os.environ, DRY_RUN="1", NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0", NANOCHAT_RL="1",
                                 NANOCHAT_BASE_DIR=str(tmp_path / "base")))
     assert [m.split(".")[-1] for m, _, _ in commands(p.stdout) if m.split(".")[-1] in TRAINING] == TRAINING
+    # a stage run alone on a CPU gets the numbers this preset passes (presets.PRESETS): no flag here contradicts them
+    from nanochat.presets import PRESETS
+
+    checked = 0
+    for module, _, flags in commands(p.stdout):
+        preset = PRESETS.get(module.split(".")[-1], {}).get("cpu", {})
+        for flag in flags:
+            name, _, value = flag.lstrip("-").partition("=")
+            name = {"x": "max_problems"}.get(name, name.replace("-", "_"))
+            if name in preset and value:
+                assert type(preset[name])(value) == preset[name], (module, flag, preset[name])
+                checked += 1
+    assert checked >= 20, checked
     # the recipe's components: base_train's default unless NANOCHAT_COMPONENTS names others ('none' = plain)
     assert not any(f.startswith("--components") for _, _, flags in cmds for f in flags)
     plain = commands(dry_run(tmp_path, "cpu", 0, NANOCHAT_COMPONENTS="none").stdout)
