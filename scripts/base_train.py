@@ -11,7 +11,6 @@ Resume after a crash or a stop with the same command plus --resume (or --resume-
 import argparse
 import time
 
-
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_to_overwrite,
                                         resolve_step)
 from nanochat.common import (UserError, autocast_for, compile_backend, compile_choice, compile_model, compute_cleanup,
