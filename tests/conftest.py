@@ -20,6 +20,10 @@ sys.dont_write_bytecode = False
 # Subprocesses (scripts, torchrun workers) import nanochat from the repository root, like `python -m scripts.X` does.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+# Compiled runs trace with dynamo and run AOT autograd on eager kernels: what the tests check of them (no graph break
+# or recompile, bf16, exact resume, 2 ranks) needs no inductor code generation, which costs minutes on a machine whose
+# compile cache is empty. test_gpu_path's inductor smoke compiles for real; set the variable to choose otherwise.
+os.environ.setdefault("NANOCHAT_COMPILE_BACKEND", "aot_eager")
 
 
 def random_tiny_gpt(vocab_size, sequence_len, seed=0, n_layer=2, n_embd=64):

@@ -104,7 +104,7 @@ def start_and_kill_after_save(base, args, kill_after_step, nproc=1):
     assert any(marker in line for line in seen), "".join(seen[-40:])
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: 17 s, slow
 def test_resume_after_sigkill_is_exact(tiny_base_dir, tmp_path, nproc):
     n, half = 8, 4
     common = [f"--num-iterations={n}", "--save-every=2", "--eval-every=4"]
@@ -121,6 +121,7 @@ def test_resume_after_sigkill_is_exact(tiny_base_dir, tmp_path, nproc):
     assert val_bpbs(straight)[n] == val_bpbs(killed)[n]
 
 
+@pytest.mark.slow  # 20 s; a save that fails leaves the previous checkpoint in the default run (test_hardening's full disk)
 def test_kill_during_checkpoint_save_keeps_previous_checkpoint(tiny_base_dir, tmp_path):
     from nanochat.checkpoint_manager import list_steps
 

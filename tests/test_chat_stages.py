@@ -117,8 +117,11 @@ def start_and_kill_after_save(base, script, args, step):
 
 @pytest.mark.parametrize("script, args, before", [
     ("mid_train", MID + ["--num-iterations=4"], []),
-    ("chat_sft", SFT + ["--num-iterations=4"], [("mid_train", MID + ["--num-iterations=2"])]),
-    ("chat_rl", RL + ["--num-iterations=4", "--temperature=1.0"], [("chat_sft", SFT + ["--num-iterations=2", "-i", "base"])]),
+    # ~19 s each; SFT's exact resume stays in the default run through test_model_import and test_gpu_path
+    pytest.param("chat_sft", SFT + ["--num-iterations=4"], [("mid_train", MID + ["--num-iterations=2"])],
+                 marks=pytest.mark.slow),
+    pytest.param("chat_rl", RL + ["--num-iterations=4", "--temperature=1.0"],
+                 [("chat_sft", SFT + ["--num-iterations=2", "-i", "base"])], marks=pytest.mark.slow),
 ])
 def test_kill_9_and_resume_is_exact(trained_base, tmp_path, script, args, before):
     straight = copy_base(trained_base, tmp_path, "straight")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_base_train import fresh_base
 
 from nanochat import gpu_check as check
@@ -33,6 +34,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert os.listdir(tmp_path) == []  # nothing built, nothing run
 
 
+@pytest.mark.slow  # 18 s; gpu_check's pieces are tested one by one in the default run
 def test_cpu_run_checks_what_a_cpu_can_apart_from_the_users_runs(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "user")
     rows_file = tmp_path / "BENCHMARKS.md"

@@ -6,6 +6,8 @@ normally runs cpu_ops' hand-written fp32 Functions, so without these tests nothi
 Tolerances, measured on tiny models here: fp32 plain ops equal the hand-written reference to float rounding (2e-5);
 bf16 autocast moves the loss by < 1 % and leaves every gradient's direction within cos 0.99 of fp32's; over 12
 training steps bf16 (compiled or not) stays within 2 % of the fp32 run's losses, and compiled within 1 % of eager.
+The compiled runs use dynamo and AOT autograd on eager kernels (aot_eager, set in conftest.py); one run compiles with
+inductor, within 1 % of those.
 """
 
 import os
@@ -197,7 +199,7 @@ def runs(tiny_base_dir, tmp_path_factory):
     bases = {name: fresh_base(tiny_base_dir, tmp, name) for name in ("fp32", "compiled", "eager")}
     run_train(bases["fp32"], RUN_ARGS)
     p = run_train(bases["compiled"], RUN_ARGS + ["--compile=1"], env_extra={**BF16, **COMPILE_LOGS})
-    assert "cpu x1 bfloat16 compiled" in p.stdout, p.stdout[:2000]
+    assert "cpu x1 bfloat16 compiled (aot_eager)" in p.stdout, p.stdout[:2000]  # dynamo + AOT autograd (conftest.py)
     assert "[__graph_breaks]" not in p.stderr and "[__recompiles]" not in p.stderr, p.stderr[-3000:]
     bases["resumed"] = str(tmp / "resumed")
     shutil.copytree(bases["compiled"], bases["resumed"])
@@ -217,9 +219,25 @@ def test_bf16_compiled_base_train_learns_and_follows_fp32(runs):
     for step in fp32:
         assert abs(compiled[step] - fp32[step]) / fp32[step] < 0.02, (step, compiled[step], fp32[step])
         assert abs(compiled[step] - eager[step]) / eager[step] < 0.01, (step, compiled[step], eager[step])
-    assert compiled != fp32 and compiled != eager  # really other arithmetic, not the same run three times
+    # bf16 is other arithmetic than fp32; aot_eager runs the captured graphs on eager kernels, so compiled may equal
+    # eager to the bit (the inductor smoke below is the run with kernels of its own)
+    assert compiled != fp32
     for name in ("compiled", "eager"):
         assert abs(val_bpbs(runs[name])[N] - val_bpbs(runs["fp32"])[N]) / val_bpbs(runs["fp32"])[N] < 0.01, name
+
+
+def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, tiny_base_dir, tmp_path):
+    """The one run through inductor's code generation (the suite's other compiled runs use aot_eager, conftest.py):
+    the same dynamo capture with no graph break or recompile, and losses within 1 % of the aot_eager run's."""
+    base = fresh_base(tiny_base_dir, tmp_path, "inductor")
+    p = run_train(base, RUN_ARGS + ["--compile=1"],
+                  env_extra={**BF16, **COMPILE_LOGS, "NANOCHAT_COMPILE_BACKEND": "inductor"})
+    assert "cpu x1 bfloat16 compiled |" in p.stdout, p.stdout[:2000]  # inductor, not "(aot_eager)"
+    assert "[__graph_breaks]" not in p.stderr and "[__recompiles]" not in p.stderr, p.stderr[-3000:]
+    inductor, traced = train_losses(base), train_losses(runs["compiled"])
+    assert sorted(inductor) == list(range(1, N + 1)) and inductor != traced  # its own kernels, not the same arithmetic
+    for step in inductor:
+        assert abs(inductor[step] - traced[step]) / traced[step] < 0.01, (step, inductor[step], traced[step])
 
 
 def test_bf16_compiled_base_train_resumes_exactly(runs):

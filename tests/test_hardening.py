@@ -308,6 +308,7 @@ def test_bad_flag_in_a_real_process_exits_1_with_no_traceback(tiny_base_dir, tmp
 # 4. Resume with changed flags
 
 
+@pytest.mark.slow  # 22 s; exact resume itself is in the default run (test_base_train, test_chat_stages)
 def test_resume_extends_the_budget_and_refuses_changes_that_break_exactness(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "extend")
     run_train(base, ["--num-iterations=5", "--eval-every=-1"])
@@ -373,6 +374,7 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_base_dir, tm
 # 6. Damaged checkpoint directories
 
 
+@pytest.mark.slow  # 15 s; a corrupt checkpoint file is refused in the default run (test_base_train)
 def test_damaged_step_dirs_are_named_and_skipped(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "damaged")
     run_train(base, ["--num-iterations=4", "--eval-every=-1", "--save-every=2", "--keep-last=5"])

@@ -91,6 +91,7 @@ def test_isoflop_sweep_records_a_failed_run_and_completes_the_others(base, monke
     assert "no compute-optimal ratio" in open(os.path.join(base, "report", "miniseries-iso.md")).read()
 
 
+@pytest.mark.slow  # 17 s; a rerun that skips finished runs is in the default run
 def test_a_series_killed_mid_run_resumes_that_run(base):
     args = [sys.executable, "-m", "scripts.miniseries", "--depths", "1", "2", "--ratio", "0.5", "--name", "killed", *TINY]
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
