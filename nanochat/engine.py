@@ -9,8 +9,8 @@ prompt decode together as one batch; a safe calculator runs the model's tool cal
     results, masks = engine.generate_batch(prompt_ids, num_samples=4, max_tokens=64)
 
 The engine needs only this from the model: `config` (n_layer, n_head, n_kv_head, n_embd, sequence_len),
-`get_device()` and `forward(ids, kv_cache=cache)` returning logits (B, T, V) and advancing the cache by
-T; and from the tokenizer: `encode_special`, `get_bos_token_id`, `encode(text, prepend=)`, `decode`.
+`get_device()` and `forward(ids, kv_cache=cache, logits_at=positions)` returning the logits (B, 1, V) at those
+positions of each row (B, T) and advancing the cache by T; and from the tokenizer: `encode_special`, `get_bos_token_id`, `encode(text, prepend=)`, `decode`.
 Prompt plus generated tokens never exceed `config.sequence_len`. StreamDecoder turns the tokens
 of one row into text pieces for a chat UI without splitting a UTF-8 character.
 """
@@ -202,13 +202,42 @@ def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=Non
 # The engine
 
 
-class _Row:
-    """Where one sample stands: finished or not, the tool call it is writing, the tokens still to force."""
+class ChatTokens:
+    """The special token ids generation acts on: the two that end a reply and the calculator's four."""
+
+    def __init__(self, tokenizer):
+        special = tokenizer.encode_special
+        self.terminals = {special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
+        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+
+
+class ToolState:
+    """
+    Where one sample stands: finished or not, the tool call it is writing, the tokens still to force. take() turns the
+    token the model sampled into the one the sample gets: a forced one (the calculator's answer) while any is waiting.
+    """
 
     def __init__(self):
         self.finished_with = None  # the terminal token once the row has stopped
         self.python_tokens = None  # a list while inside <|python_start|> ... <|python_end|>
         self.forced = deque()
+
+    def take(self, sampled, ids, tokenizer):
+        """(token, mask): mask 1 for a sampled token, 0 for a forced one; the row finishes on a terminal token."""
+        token, mask = (self.forced.popleft(), 0) if self.forced else (sampled, 1)
+        if token in ids.terminals:
+            self.finished_with = token
+        elif token == ids.python_start:
+            self.python_tokens = []
+        elif token == ids.python_end and self.python_tokens is not None:
+            result = use_calculator(tokenizer.decode(self.python_tokens))
+            self.python_tokens = None
+            if result is not None:
+                self.forced.extend([ids.output_start, *tokenizer.encode(result), ids.output_end])
+        elif self.python_tokens is not None:
+            self.python_tokens.append(token)
+        return token, mask
 
 
 class Engine:
@@ -243,10 +272,7 @@ class Engine:
                              f"(got {num_samples}, {temperature}, {max_tokens})")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
-        special = self.tokenizer.encode_special
-        terminals = {special("<|assistant_end|>"), self.tokenizer.get_bos_token_id()}
-        python_start, python_end = special("<|python_start|>"), special("<|python_end|>")
-        output_start, output_end = special("<|output_start|>"), special("<|output_end|>")
+        ids = ChatTokens(self.tokenizer)
 
         steps = context - len(tokens) if max_tokens is None else min(max_tokens, context - len(tokens))
         if steps == 0:
@@ -263,33 +289,16 @@ class Engine:
             del prompt_cache
             logits = logits.expand(num_samples, -1)  # each row then draws its own first token
 
-        rows = [_Row() for _ in range(num_samples)]
+        rows = [ToolState() for _ in range(num_samples)]
         for step in range(steps):
             with torch.inference_mode():
                 sampled = sample_next_tokens(logits, generator, temperature, top_k, top_p).tolist()
             column, masks = [], []
             for row, sampled_token in zip(rows, sampled):
-                if row.finished_with is not None:
-                    token, mask = row.finished_with, 0
-                elif row.forced:
-                    token, mask = row.forced.popleft(), 0
-                else:
-                    token, mask = sampled_token, 1
+                token, mask = (row.finished_with, 0) if row.finished_with is not None else \
+                    row.take(sampled_token, ids, self.tokenizer)
                 column.append(token)
                 masks.append(mask)
-                if row.finished_with is not None:
-                    continue
-                if token in terminals:
-                    row.finished_with = token
-                elif token == python_start:
-                    row.python_tokens = []
-                elif token == python_end and row.python_tokens is not None:
-                    result = use_calculator(self.tokenizer.decode(row.python_tokens))
-                    row.python_tokens = None
-                    if result is not None:
-                        row.forced.extend([output_start, *self.tokenizer.encode(result), output_end])
-                elif row.python_tokens is not None:
-                    row.python_tokens.append(token)
             yield column, masks
             if step == steps - 1 or all(row.finished_with is not None for row in rows):
                 return
@@ -327,7 +336,8 @@ class Engine:
         """Logits (B, V) for the position after ids, the cache advanced past them."""
         # autocast is entered per call, never held across a yield, where it would leak into the caller
         with autocast_for(device):
-            return self.model.forward(ids, kv_cache=cache)[:, -1, :]
+            last = torch.full((ids.size(0),), ids.size(1) - 1, dtype=torch.long, device=ids.device)
+            return self.model.forward(ids, kv_cache=cache, logits_at=last)[:, -1, :]
 
 
 # -----------------------------------------------------------------------------

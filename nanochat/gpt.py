@@ -47,7 +47,10 @@ model above, which is what transformers' NanoChat describes); each starts as the
 
 Inference goes through `forward(idx, kv_cache=cache)`: the model writes the new keys and values into
 the cache's per-layer (B, seq_len, n_kv_head, head_dim) tensors at `cache.get_pos()`, attends to
-everything cached so far, and advances the position by the number of tokens it consumed.
+everything cached so far, and advances the position by the number of tokens it consumed. A cache with
+`per_row` set (batch_engine.RowView) holds independent sequences at their own lengths: it gives each row's
+positions, writes and reads the rows' keys and the mask each row attends with. `logits_at` asks for one
+position's logits per row, as a prefill needs.
 """
 
 import math
@@ -293,14 +296,18 @@ class CausalSelfAttention(nn.Module):
             q, k = q * self.qk_scale, k * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
 
-        if kv_cache is not None:
+        row_mask = None
+        if kv_cache is not None and getattr(kv_cache, "per_row", False):
+            # a batch of independent sequences (engine.RowKVCache): each row at its own length, its own mask
+            k, v, row_mask = kv_cache.update(self.layer_idx, k, v, self.window)
+        elif kv_cache is not None:
             k, v = self._cached_keys_values(kv_cache, k, v)  # everything so far, (B, H_kv, T_cache, D) views
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
         if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_fp32_training(q, k, v):
             y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
         else:
-            mask = band_mask(T, k.size(2), self.window, q.device)
+            mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
             if mask is not None and kv_cache is None and q.is_cuda and torch.compiler.is_compiling():
                 y = flex_band_attention(q, k, v, self.window)
             else:
@@ -511,27 +518,38 @@ class GPT(nn.Module):
         """e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1). The first position of a sequence has no previous
         token; at decode the previous token is the last one the cache saw, whose embedding the cache keeps."""
         previous = x.new_zeros(x.size(0), 1, x.size(2))
-        if kv_cache is not None and kv_cache.get_pos() > 0:
-            previous = kv_cache.last_embedding.to(x.dtype)
-        if kv_cache is not None:
+        if kv_cache is not None and getattr(kv_cache, "per_row", False):
+            previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
+        elif kv_cache is not None:
+            if kv_cache.get_pos() > 0:
+                previous = kv_cache.last_embedding.to(x.dtype)
             kv_cache.last_embedding = x[:, -1:].clone()
         previous = torch.cat((previous, x[:, :-1]), dim=1)
         gate = torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))
         return x + self.smear_lambda * gate * previous
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
         """
-        idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size). With targets (B, T):
+        idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size), or with logits_at, a (B,) tensor of
+        positions, only those: (B, 1, vocab_size) (a prefill needs the last position's, and the head over every
+        position of a prompt would cost a quarter of a small model's prefill). With targets (B, T):
         cross-entropy ignoring -1, reduced by "mean" (over valid targets; 0 if there are none),
         "sum", or "none" (a (B, T) tensor, 0 where ignored).
         With a kv_cache, positions start at kv_cache.get_pos(), the new tokens attend to everything
         cached plus causally among themselves, and the cache advances by T.
         """
         B, T = idx.shape
-        start = kv_cache.get_pos() if kv_cache is not None else 0
-        if start + T > self.cos.size(1):
-            raise ValueError(f"position {start + T} is beyond the rotary table ({self.cos.size(1)} positions)")
-        cos, sin = self.cos[:, start:start + T], self.sin[:, start:start + T]
+        if kv_cache is not None and getattr(kv_cache, "per_row", False):
+            positions = kv_cache.positions(T)  # (B, T): each row continues from its own length
+            if kv_cache.max_position(T) > self.cos.size(1):
+                raise ValueError(f"position {kv_cache.max_position(T)} is beyond the rotary table ({self.cos.size(1)} "
+                                 "positions)")
+            cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
+        else:
+            start = kv_cache.get_pos() if kv_cache is not None else 0
+            if start + T > self.cos.size(1):
+                raise ValueError(f"position {start + T} is beyond the rotary table ({self.cos.size(1)} positions)")
+            cos, sin = self.cos[:, start:start + T], self.sin[:, start:start + T]
 
         c = self.config
         x = norm(self.transformer.wte(idx), c.norm_eps)
@@ -550,6 +568,10 @@ class GPT(nn.Module):
         x = norm(x, c.norm_eps)
         if kv_cache is not None:
             kv_cache.advance(T)
+        if logits_at is not None:
+            if targets is not None:
+                raise ValueError("logits_at is for inference: it cannot be combined with targets")
+            return self._softcap_logits(x[torch.arange(B, device=x.device), logits_at][:, None])
         if targets is not None and loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
         flat_targets = targets.reshape(-1) if targets is not None else None

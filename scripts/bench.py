@@ -10,6 +10,7 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
     python -m scripts.bench quality --source=brown --variants base smear value_embeds,normuon   # recipe components
     python -m scripts.bench kernels        # a GPU: fp8 linear and sliding-window attention, numerics and speed
     python -m scripts.bench import --depth=20   # scripts.import_model on a d20 karpathy/nanochat checkpoint: time, memory
+    python -m scripts.bench serve -i sft --max-batch 1 64   # chat_web under 1..64 concurrent openai clients
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -30,7 +31,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from nanochat.bench import dataloader, engine, importing, kernels, quality, tokenizer, train
+from nanochat.bench import dataloader, engine, importing, kernels, quality, serve, tokenizer, train
 from nanochat.bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -99,6 +100,16 @@ def parse_args(argv=None):
     m.add_argument("--seq-len", type=int, default=2048)
     m.add_argument("--repeats", type=int, default=2, help="imports timed, each into a fresh base dir")
     m.add_argument("--work-dir", default="", help="where the source and the imports go (default: the temp dir)")
+    v = sub.add_parser("serve", help="chat_web under concurrent openai clients: tok/s, first-token and total latency")
+    v.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"], help="which stage's model")
+    v.add_argument("-g", "--model-tag", default=None, help="checkpoint tag (default: the latest)")
+    v.add_argument("--fresh", action="store_true", help="serve a fresh random d4 instead of a checkpoint")
+    v.add_argument("--max-batch", type=int, nargs="+", default=[1, 64], help="a server for each (1 = one at a time)")
+    v.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="clients at once, per level")
+    v.add_argument("--requests", type=int, default=32, help="requests per level (at least the concurrency)")
+    v.add_argument("--seconds", type=float, default=120.0, help="no new request of a level starts after this")
+    v.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
+    v.add_argument("--threads", type=int, default=0, help="the server's torch threads (0 = chat_web's default)")
     q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
     q.add_argument("--source", default="builtin",
                    help="builtin, brown, or a source you imported (python -m nanochat.dataset import NAME ...)")
@@ -132,7 +143,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "quality": quality.cmd_quality}
+                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "serve": serve.cmd_serve, "quality": quality.cmd_quality}
     commands[args.command](args)
 
 

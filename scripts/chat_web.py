@@ -12,12 +12,15 @@ Endpoints:
     POST /v1/chat/completions   the OpenAI chat completions API, streaming or not (the `openai` client works)
     GET  /v1/models             the one model served, id "nanochat-<source>-<tag>"
 
-One worker per GPU (one on CPU) holds a model; requests wait in a queue for a free worker, and one that waits
-longer than --queue-timeout gets a 503. The server itself (workers, queue, cancellation, both APIs) is
-nanochat/serve.py; request limits are the constants at the top of nanochat/chat.py.
+One worker per GPU (one on CPU) holds a model and decodes every request it has in one batch (continuous batching,
+nanochat/batch_engine.py): new requests join between steps, up to --max-batch sequences; one that waits longer than
+--queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
+`Authorization: Bearer KEY`. The server itself (workers, batching, cancellation, both APIs) is nanochat/serve.py;
+request limits are the constants at the top of nanochat/chat.py.
 """
 
 import argparse
+import os
 
 import uvicorn
 
@@ -32,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("-g", "--model-tag", default=None, help="model tag (default: the latest)")
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 serves every network: no auth!)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 serves every network: use --api-key)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--num-gpus", "--workers", dest="workers", type=int, default=0, metavar="N",
                    help="workers, one model replica each: on CUDA one per GPU (default: every GPU); on CPU they share "
@@ -41,7 +44,17 @@ def parse_args(argv=None):
     p.add_argument("-k", "--top-k", type=int, default=50, help="default top-k of a request")
     p.add_argument("--max-tokens", type=int, default=512, help="default reply length limit of a request")
     p.add_argument("--queue-timeout", type=float, default=30.0,
-                   help="seconds a request may wait for a free worker before it gets a 503")
+                   help="seconds a request may wait for a row of the batch before it gets a 503")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="sequences each worker decodes together (fewer if their KV cache would not fit --kv-memory-gib)")
+    p.add_argument("--kv-memory-gib", type=float, default=None,
+                   help="memory for each worker's KV cache (default: half the GPU's free memory; on a CPU a quarter "
+                        "of the RAM, at most 4 GiB)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default on a CPU: one fewer than its cores, at least 1, so the server's own "
+                        "thread and the clients keep a core; $OMP_NUM_THREADS also sets it)")
+    p.add_argument("--api-key", default=os.environ.get("NANOCHAT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but / and /health (default: $NANOCHAT_API_KEY)")
     args = p.parse_args(argv)
     try:
         check_number("--temperature", args.temperature, *TEMPERATURE_RANGE)
@@ -49,6 +62,12 @@ def parse_args(argv=None):
         check_number("--max-tokens", args.max_tokens, *MAX_TOKENS_RANGE, integer=True)
         check_number("--queue-timeout", args.queue_timeout, 0.0, 3600.0, low_open=True)
         check_number("--port", args.port, 0, 65535, integer=True)
+        check_number("--max-batch", args.max_batch, 1, 4096, integer=True)
+        check_number("--threads", args.threads, 0, 4096, integer=True)
+        if args.kv_memory_gib is not None:
+            check_number("--kv-memory-gib", args.kv_memory_gib, 0.0, 1e6, low_open=True)
+        if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
+            raise RequestError("--api-key", "must be a non-empty key without surrounding spaces")
     except RequestError as e:
         raise UserError(str(e)) from None
     return args
@@ -57,17 +76,19 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     sock = bind_socket(args.host, args.port)
-    workers, tokenizer, info = load_workers(args.source, args.model_tag, args.step, args.device_type, args.workers)
+    workers, tokenizer, info = load_workers(args.source, args.model_tag, args.step, args.device_type, args.workers,
+                                            args.max_batch, args.kv_memory_gib, threads=args.threads)
     if args.source == "base":
         print0("note: a base model was never taught the chat format; expect it to ramble "
                "(chat_cli -i base continues plain text)")
     pool = WorkerPool(workers, args.queue_timeout)
     defaults = {"temperature": args.temperature, "top_k": args.top_k, "max_tokens": args.max_tokens}
-    app = create_app(pool, tokenizer, info, defaults)
+    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key)
     host, port = sock.getsockname()[:2]
     shown_host = {"0.0.0.0": "localhost", "::": "localhost"}.get(host, f"[{host}]" if ":" in host else host)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print0(f"warning: listening on {args.host}: anyone who can reach this machine can use the model (no auth)")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print0(f"warning: listening on {args.host} without --api-key: anyone who can reach this address can use the "
+               "model")
     url = f"http://{shown_host}:{port}/"
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

@@ -147,11 +147,11 @@ class ScriptedModel:
     def get_device(self):
         return torch.device("cpu")
 
-    def forward(self, ids, kv_cache):
+    def forward(self, ids, kv_cache, logits_at=None):
         B, T = ids.shape
         position = kv_cache.get_pos() + T - self.prompt_len  # index of the reply token to predict
         kv_cache.advance(T)
-        logits = torch.full((B, T, self.vocab_size), -100.0)
+        logits = torch.full((B, 1 if logits_at is not None else T, self.vocab_size), -100.0)  # the engine asks for the last
         logits[:, -1, self.script[min(position, len(self.script) - 1)]] = 100.0
         return logits
 

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from nanochat.bench.serve import ChatWeb
 from tests.test_chat_cli import REPO_ROOT, build_chat_checkpoint
 
 CONTEXT = 2048  # room for a reply long enough to take seconds
@@ -27,39 +28,16 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 HELLO = [{"role": "user", "content": "Hello! What is the capital of the river country?"}]
 
 
-class Server:
-    """python -m scripts.chat_web on a free port; its output is drained on a thread so the pipe never fills."""
+class Server(ChatWeb):
+    """python -m scripts.chat_web on a free port, on the CPU with one thread, answering /health."""
 
     def __init__(self, base_dir, *flags):
-        env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "scripts.chat_web", "--port", "0", "--device-type", "cpu",
-                   "--max-tokens", str(DEFAULT_MAX_TOKENS), *flags]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        cwd=REPO_ROOT, env=env)
-        self.lines, self.url = [], None
-        started = threading.Event()
-
-        def drain():
-            for line in self.process.stdout:
-                self.lines.append(line)
-                if line.startswith("serving at "):
-                    self.url = line.split()[2].rstrip("/")
-                    started.set()
-            started.set()  # the process ended
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not started.wait(60) or self.url is None:
-            self.stop()
-            pytest.fail("chat_web did not start:\n" + "".join(self.lines))
-        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health answering")
-
-    def stop(self):
-        self.process.terminate()
         try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            super().__init__(base_dir, ["--device-type", "cpu", "--max-tokens", str(DEFAULT_MAX_TOKENS), *flags],
+                             threads=1, timeout=60)
+        except RuntimeError as e:
+            pytest.fail(str(e))
+        wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health answering")
 
 
 def wait_until(condition, seconds, what):
@@ -152,9 +130,9 @@ def test_nanochat_endpoint_streams_tokens_then_done(server, tokenizer):
     with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=30) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response)
-    tokens = [e["token"] for e in events if "token" in e]
+    tokens = [e["token"] for e in events if "token" in e]  # a few steps' tokens may come as one event
     done = events[-1]
-    assert len(tokens) >= 3 and "".join(tokens)
+    assert tokens and "".join(tokens)
     assert done["done"] is True and done["finish_reason"] == "length"
     assert done["usage"]["prompt_tokens"] == len(tokenizer.render_for_completion({"messages": HELLO}))
     assert done["usage"]["completion_tokens"] == 10
@@ -332,7 +310,7 @@ def test_a_client_that_disconnects_frees_its_worker(server, client):
 
 
 def test_queue_timeout_gives_503_not_a_hang(web_base_dir):
-    busy = Server(web_base_dir, "--workers", "1", "--queue-timeout", "0.5")
+    busy = Server(web_base_dir, "--workers", "1", "--max-batch", "1", "--queue-timeout", "0.5")  # one row in all
     try:
         body, short = {"messages": HELLO, "max_tokens": LONG_REPLY}, {"messages": HELLO, "max_tokens": 4}
         with httpx.Client(timeout=30) as http:
@@ -352,6 +330,112 @@ def test_queue_timeout_gives_503_not_a_hang(web_base_dir):
         assert httpx.post(f"{busy.url}/v1/chat/completions", json=short, timeout=30).status_code == 200
     finally:
         busy.stop()
+
+
+# -----------------------------------------------------------------------------
+# Continuous batching: many requests in one batch
+
+
+def test_concurrent_greedy_replies_equal_the_same_requests_alone(server, client):
+    """Conversations of different lengths (one with a calculator call in its history), asked one at a time and then
+    all at once: the same greedy replies, and the batch really held several of them at once."""
+    conversations = [[{"role": "user", "content": "hi"}],
+                     HELLO,
+                     [{"role": "user", "content": "What is 12*3? " * 6},
+                      {"role": "assistant", "content": [{"type": "text", "text": "Let me see. "},
+                                                        {"type": "python", "text": "12*3"},
+                                                        {"type": "python_output", "text": "36"},
+                                                        {"type": "text", "text": "It is 36."}]},
+                      {"role": "user", "content": "and 7*8?"}],
+                     [{"role": "user", "content": "tell me about the river country " * 12}]]
+
+    def ask(messages, max_tokens):
+        reply = client.chat.completions.create(model="nanochat", messages=messages, max_tokens=max_tokens, temperature=0.0)
+        return reply.choices[0].message.content, reply.usage.completion_tokens
+
+    lengths = [40, 24, 32, 16]
+    one_at_a_time = [ask(m, n) for m, n in zip(conversations, lengths)]
+    peak = {"active": 0}
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            peak["active"] = max(peak["active"], httpx.get(f"{server.url}/stats").json()["batch"]["active"])
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
+            together = list(pool.map(ask, conversations, lengths))
+    finally:
+        watching.set()
+        watcher.join()
+    assert together == one_at_a_time and [n for _, n in together] == lengths
+    assert peak["active"] >= 2, peak  # they decoded together, not one after another
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row_and_the_others_go_on(server, client):
+    body = {"model": "nanochat", "messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=LONG_REPLY))
+        wait_until(lambda: httpx.get(f"{server.url}/stats").json()["batch"]["active"] == 1, 30, "the other request")
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/chat/completions",
+                                                            json=body) as response:
+            lines = response.iter_lines()
+            assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 2
+            assert httpx.get(f"{server.url}/stats").json()["batch"]["active"] == 2
+        # the stream's connection is closed: its row goes at the server's next step, long before 2000 tokens
+        left = time.monotonic()
+        wait_until(lambda: httpx.get(f"{server.url}/stats").json()["batch"]["active"] <= 1, 5, "its row to be freed")
+        assert time.monotonic() - left < 2
+        reply = other.result(timeout=60)
+    assert reply.usage.completion_tokens == LONG_REPLY and reply.choices[0].finish_reason == "length"
+
+
+def test_each_row_leaves_at_its_own_max_tokens(server, client):
+    def ask(max_tokens):
+        return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=max_tokens, temperature=0.7,
+                                              stream=True, stream_options={"include_usage": True})
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        streams = list(pool.map(ask, [3, 40, 200]))
+        usages = list(pool.map(lambda chunks: [c for c in chunks][-1].usage.completion_tokens, streams))
+    assert usages == [3, 40, 200]
+
+
+# -----------------------------------------------------------------------------
+# An API key
+
+
+def test_an_api_key_guards_every_route_but_the_page_and_health(web_base_dir):
+    keyed = Server(web_base_dir, "--api-key", "s3cret-key")
+    try:
+        assert httpx.get(f"{keyed.url}/health").json()["auth_required"] is True
+        assert httpx.get(f"{keyed.url}/").status_code == 200  # the page asks for the key itself
+        for headers, reason in (({}, "missing"), ({"Authorization": "Bearer wrong"}, "wrong"),
+                                ({"Authorization": "s3cret-key"}, "wrong")):
+            for method, path in (("GET", "/v1/models"), ("GET", "/stats"), ("POST", "/chat/completions"),
+                                 ("POST", "/v1/chat/completions")):
+                r = httpx.request(method, f"{keyed.url}{path}", headers=headers, json={"messages": HELLO}, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)
+                assert r.json()["error"]["message"].startswith(reason) and r.headers["www-authenticate"] == "Bearer"
+        good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="s3cret-key", max_retries=0, timeout=60)
+        assert good.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=3).usage.completion_tokens == 3
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        keyed.stop()
+
+
+def test_a_bad_max_batch_is_refused_before_the_model_loads(web_base_dir):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=web_base_dir)
+    for flags, reason in ((["--max-batch", "0"], "--max-batch"), (["--kv-memory-gib", "-1"], "--kv-memory-gib"),
+                          (["--api-key", " "], "--api-key")):
+        p = subprocess.run([sys.executable, "-m", "scripts.chat_web", "--port", "0", *flags], capture_output=True,
+                           text=True, cwd=REPO_ROOT, env=env, timeout=60)
+        lines = (p.stdout + p.stderr).strip().splitlines()
+        assert p.returncode == 1 and len(lines) == 1 and reason in lines[0] and "loading" not in p.stdout, lines
 
 
 # -----------------------------------------------------------------------------
@@ -442,13 +526,43 @@ def test_ui_in_a_browser_streams_regenerates_and_edits(server, browser):
     browser.execute_script(f"document.getElementById('max-tokens').value = '{LONG_REPLY}'")
     box.send_keys("Tell me a long story", Keys.ENTER)
     wait.until(lambda d: replies() and len(replies()[0]) > 0)
-    seen = len(replies()[0])
-    wait.until(lambda d: len(replies()[0]) > seen)
     assert state() == "generating"
-    browser.find_element(By.ID, "stop").click()
+    # clicked from the page's script: a 2000-token reply takes about a second here, and a stop button that the
+    # browser is still laying out could miss a WebDriver click
+    browser.execute_script("document.getElementById('stop').click()")
     wait.until(lambda d: state() == "idle")
     assert browser.find_element(By.ID, "status").text == "stopped" and replies()[0]
     wait_until(lambda: httpx.get(f"{server.url}/stats").json()["workers"]["free"] == 1, 5, "the worker to be freed")
+
+
+def test_ui_with_an_api_key_asks_for_it_once_per_session(web_base_dir, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    keyed = Server(web_base_dir, "--api-key", "s3cret-key")
+    try:
+        wait = WebDriverWait(browser, 30)
+        status = lambda: browser.find_element(By.ID, "status").text  # noqa: E731
+        replies = lambda: browser.execute_script(  # noqa: E731
+            "return Array.from(document.querySelectorAll('.message.assistant .bubble')).map(e => e.textContent)")
+        browser.get(keyed.url + "/")
+        wait.until(lambda d: d.find_element(By.ID, "key-bar").is_displayed())  # /health says a key is needed
+        browser.find_element(By.ID, "input").send_keys("Hello there", Keys.ENTER)
+        wait.until(lambda d: "needs its API key" in status())
+        key_box = browser.find_element(By.ID, "api-key")
+        key_box.send_keys("wrong", Keys.ENTER)  # saved, and the reply is tried again: refused
+        wait.until(lambda d: "the key was refused" in status() and d.find_element(By.ID, "key-bar").is_displayed())
+        key_box.send_keys("s3cret-key", Keys.ENTER)
+        wait.until(lambda d: replies() and replies()[0].strip() and "tokens" in status())
+        assert not browser.find_element(By.ID, "key-bar").is_displayed()
+        browser.refresh()  # the same tab: the key is remembered for the session
+        wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+        browser.find_element(By.ID, "input").send_keys("Again", Keys.ENTER)
+        wait.until(lambda d: replies() and replies()[0].strip() and "tokens" in status())
+        assert not browser.find_element(By.ID, "key-bar").is_displayed()
+    finally:
+        keyed.stop()
 
 
 # -----------------------------------------------------------------------------

@@ -164,7 +164,7 @@ class ScriptedModel(nn.Module):
     def get_device(self):
         return torch.device("cpu")
 
-    def forward(self, ids, kv_cache=None):
+    def forward(self, ids, kv_cache=None, logits_at=None):
         rows = ids.tolist()
         if kv_cache.get_pos() == 0:
             self.history, self.prompt_len = rows, len(rows[0])
@@ -173,8 +173,8 @@ class ScriptedModel(nn.Module):
                 self.history = [list(self.history[0]) for _ in rows]
             self.history = [h + r for h, r in zip(self.history, rows)]
         kv_cache.advance(ids.size(1))
-        logits = torch.full((len(rows), ids.size(1), self.vocab_size), -100.0)
-        for i, history in enumerate(self.history):
+        logits = torch.full((len(rows), 1 if logits_at is not None else ids.size(1), self.vocab_size), -100.0)
+        for i, history in enumerate(self.history):  # the next token's logits at the last position (what is asked)
             choice = self.choose(history, self.prompt_len)
             logits[i, -1, choice if isinstance(choice, list) else [choice]] = 0.0
         return logits

@@ -343,3 +343,16 @@ def test_setup_optimizers_param_groups():
     # deterministic: a second call lists the same parameters in the same order
     again = model.setup_optimizers(0.004, 0.2, 0.02)[1]
     assert [[id(p) for p in g["params"]] for g in again] == [[id(p) for p in g["params"]] for g in muon_groups]
+
+
+def test_logits_at_gives_just_those_positions_logits():
+    """forward(logits_at=positions): what the full logits hold at one position per row (the prefill's last)."""
+    model = build(tiny_config(), seed=3)
+    idx = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        full = model(idx)
+        some = model(idx, logits_at=torch.tensor([3, 8]))
+    assert some.shape == (2, 1, model.config.vocab_size)
+    assert torch.allclose(some[:, 0], full[torch.arange(2), torch.tensor([3, 8])], atol=1e-6)
+    with pytest.raises(ValueError, match="cannot be combined with targets"):
+        model(idx, targets=idx, logits_at=torch.tensor([0, 0]))

@@ -1,0 +1,329 @@
+"""
+Continuous batching: many independent sequences decode together, one forward pass per step for all of them, and
+join or leave between steps. chat_web serves with it; Engine (engine.py) still decodes the samples of one prompt.
+
+    engine = BatchEngine(model, tokenizer, max_batch=32)
+    a = engine.add(prompt_ids, Sampling(temperature=0.0, max_tokens=64))            # waits for a free row
+    b, c = engine.add_group(other_prompt, [Sampling(seed=1), Sampling(seed=2)])     # n samples of one prompt
+    while engine.busy():
+        for seq, token, mask in engine.step():   # each running sequence's next token (mask 0: the calculator's)
+            ...                                  # seq.finished: None, or "stop" / "length" once it has ended
+    engine.cancel(a)                             # its row is free for the next step
+
+Each sequence gets a row of a RowKVCache: its own length, so its own rotary positions and causal (and sliding-window)
+mask, and prompts of any length mix. Sampling (temperature, top-k, top-p, a generator seeded per sequence),
+<|assistant_end|>/<|bos|>, the calculator's forced output and max_tokens are per row. A step prefills at most
+`prefill_chunk` prompt tokens, so a long prompt is spread over steps and never stalls the rows already decoding.
+The cache is allocated once, for max_batch rows of the model's context, and reused.
+"""
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from nanochat.common import autocast_for, get_compute_dtype
+from nanochat.engine import ChatTokens, ToolState, sample_next_tokens
+
+
+class RowKVCache:
+    """
+    Keys and values of up to max_batch independent sequences: (num_layers, max_batch, seq_len, kv_heads, head_dim),
+    each row with its own length. rows(indices) is what the model's forward takes: it writes the new keys of those
+    rows at their own lengths, attends each row to its own prefix, and advances only them.
+    """
+
+    def __init__(self, max_batch, num_heads, seq_len, head_dim, num_layers, n_embd, device, dtype):
+        shape = (num_layers, max_batch, seq_len, num_heads, head_dim)
+        # zeros, not empty: a row's attention reads up to the longest row and masks the rest with weight 0, and
+        # 0 * (a NaN left in uninitialised memory) would still be NaN
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.last_embedding = torch.zeros(max_batch, 1, n_embd, device=device, dtype=dtype)  # for smear
+        self.lengths = [0] * max_batch  # host-side: no device sync to read a row's length
+        self.seq_len, self.device = seq_len, torch.device(device)
+
+    def rows(self, indices, new_lengths=None):
+        return RowView(self, list(indices), new_lengths)
+
+    def reset(self, row):
+        self.lengths[row] = 0
+
+    def copy_row(self, source, target):
+        """Give row `target` the cache of row `source` (n samples of one prompt share its prefill)."""
+        n = self.lengths[source]
+        self.k_cache[:, target, :n] = self.k_cache[:, source, :n]
+        self.v_cache[:, target, :n] = self.v_cache[:, source, :n]
+        self.last_embedding[target] = self.last_embedding[source]
+        self.lengths[target] = n
+
+    def nbytes(self):
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+
+class RowView:
+    """
+    Some rows of a RowKVCache, as one forward pass sees them (per_row tells the model to use this protocol). The pass
+    feeds T tokens per row, of which new_lengths[i] are real for row i (prompts of several lengths prefilled in one
+    pass, padded at the end): only those are written to the cache and counted, and a padded position's output is
+    never used.
+    """
+
+    per_row = True
+
+    def __init__(self, cache, indices, new_lengths=None):
+        self.cache, self.indices, self.new_lengths = cache, indices, new_lengths
+        self.lengths = [cache.lengths[i] for i in indices]
+        device = cache.device
+        self.length_tensor = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
+        # a run of rows is a slice (views, no copy); scattered rows are gathered
+        self.select = slice(indices[0], indices[0] + len(indices)) if contiguous else \
+            torch.tensor(indices, dtype=torch.long, device=device)
+        self.plan, self.masks = None, {}  # worked out at the first layer, shared by the others
+
+    def positions(self, T):
+        """(B, T) positions of the new tokens: each row continues from its own length."""
+        return self.length_tensor[:, None] + torch.arange(T, device=self.length_tensor.device)[None, :]
+
+    def max_position(self, T):
+        """One past the last position written: padding is never written, so it needs no room."""
+        if self.new_lengths is None:
+            return max(self.lengths) + T
+        return max(length + new for length, new in zip(self.lengths, self.new_lengths))
+
+    def update(self, layer, k, v, window):
+        """
+        Write the rows' new (B, H_kv, T, D) keys and values at their lengths and return what attention reads: keys and
+        values up to the longest row, (B, H_kv, L, D), and the (B, 1, T, L) mask of what each new query may see (its
+        own row's keys up to itself, within the window).
+        """
+        B, H, T, D = k.shape
+        if self.plan is None:
+            self.plan = self._plan(B, T, k.device)
+        write_rows, write_positions, real, end, positions = self.plan
+        k_new, v_new = k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D)
+        if real is not None:  # only the real tokens of padded prompts
+            k_new, v_new = k_new[real], v_new[real]
+        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        k_cache.index_put_((write_rows, write_positions), k_new)
+        v_cache.index_put_((write_rows, write_positions), v_new)
+        if window not in self.masks:  # one mask per window size a forward pass uses, not one per layer
+            key_pos = torch.arange(end, device=k.device)[None, None, :]
+            query_pos = positions[:, :, None]
+            allowed = key_pos <= query_pos
+            if window is not None:
+                allowed = allowed & (key_pos > query_pos - window)
+            self.masks[window] = allowed[:, None]
+        keys, values = k_cache[self.select, :end], v_cache[self.select, :end]
+        return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
+
+    def _plan(self, B, T, device):
+        """What every layer's update shares, worked out once per forward pass: where the new tokens go (flattened),
+        which of them are real, how far attention reads, and the new tokens' positions."""
+        end = self.max_position(T)
+        if end > self.cache.seq_len:
+            raise ValueError(f"RowKVCache holds {self.cache.seq_len} positions but {end} are needed")
+        positions = self.positions(T)
+        rows = torch.as_tensor(self.indices, device=device)[:, None].expand(B, T).reshape(-1)
+        flat_positions, real = positions.reshape(-1), None
+        if self.new_lengths is not None:
+            real = (torch.arange(T, device=device)[None, :] <
+                    torch.as_tensor(self.new_lengths, device=device)[:, None]).reshape(-1)
+            rows, flat_positions = rows[real], flat_positions[real]
+        return rows, flat_positions, real, end, positions
+
+    def swap_last_embedding(self, x):
+        """The previous token's embedding of each row (zeros for a row with nothing cached), then keep the embedding
+        of each row's last real new token of x (B, T, C)."""
+        stored = self.cache.last_embedding[self.select]
+        previous = torch.where(self.length_tensor[:, None, None] > 0, stored, torch.zeros_like(stored))
+        if self.new_lengths is None:
+            last = x[:, -1:]
+        else:
+            last = x[torch.arange(x.size(0), device=x.device), torch.as_tensor(self.new_lengths, device=x.device) - 1][:, None]
+        self.cache.last_embedding[self.select] = last.to(stored.dtype)
+        return previous
+
+    def advance(self, T):
+        for i, new in zip(self.indices, self.new_lengths or [T] * len(self.indices)):
+            self.cache.lengths[i] += new
+
+
+# -----------------------------------------------------------------------------
+# Sequences and the engine
+
+
+@dataclass
+class Sampling:
+    """One sequence's settings: temperature 0 is greedy; seed makes its samples reproducible."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    max_tokens: int = 256
+    seed: int = 42
+
+
+@dataclass
+class Sequence:
+    prompt: list
+    sampling: Sampling
+    row: int | None = None
+    leader: "Sequence | None" = None  # n samples of one prompt: only the leader prefills, the others copy its row
+    prefilled: int = 0
+    generated: int = 0
+    finished: str | None = None  # "stop" (it wrote <|assistant_end|> or <|bos|>), "length", or "cancelled"
+    tool: ToolState = field(default_factory=ToolState)
+    generator: torch.Generator | None = None
+    logits: torch.Tensor | None = None  # the next token's logits, waiting to be sampled
+    next_input: int | None = None  # the token to feed at the next decode step
+
+
+class BatchEngine:
+    def __init__(self, model, tokenizer, max_batch, prefill_chunk=256):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch and prefill_chunk must be >= 1 (got {max_batch}, {prefill_chunk})")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        c = model.config
+        self.context = c.sequence_len
+        self.device = model.get_device()
+        self.cache = RowKVCache(max_batch, c.n_kv_head, c.sequence_len, c.n_embd // c.n_head, c.n_layer, c.n_embd,
+                                self.device, get_compute_dtype(self.device))
+        self.ids = ChatTokens(tokenizer)
+        self.free_rows = list(range(max_batch))  # a heap: the lowest free row first, so running rows stay compact
+        self.waiting = deque()  # groups (lists of sequences) not yet given rows
+        self.running = []  # sequences holding a row, in admission order
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add(self, prompt, sampling):
+        return self.add_group(prompt, [sampling])[0]
+
+    def add_group(self, prompt, samplings):
+        """n sequences of one prompt (one per Sampling): they get rows together, and the prompt is prefilled once."""
+        prompt = [int(t) for t in prompt]
+        if not prompt or len(prompt) >= self.context:
+            raise ValueError(f"a prompt needs 1 to {self.context - 1} tokens (got {len(prompt)}): the reply needs room")
+        if len(samplings) > self.max_batch:
+            raise ValueError(f"{len(samplings)} samples of one prompt need more than the {self.max_batch} rows")
+        group = [Sequence(prompt, s) for s in samplings]
+        for seq in group:
+            seq.leader = group[0]
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(seq.sampling.seed)
+        self.waiting.append(group)
+        return group
+
+    def cancel(self, seq):
+        """Stop a sequence now: its row is free for the next step."""
+        if seq.finished is None:
+            seq.finished = "cancelled"
+        self.waiting = deque(kept for kept in ([s for s in group if s is not seq] for group in self.waiting) if kept)
+        if seq.leader is seq and seq.prefilled < len(seq.prompt):  # its samples still need the prompt: one of them
+            rest = [s for s in self.running if s.leader is seq and s is not seq and s.finished is None]
+            for other in rest:  # prefills it instead
+                other.leader = rest[0]
+        self._release(seq)
+
+    def busy(self):
+        return bool(self.waiting or self.running)
+
+    def occupancy(self):
+        return {"rows": self.max_batch, "active": len(self.running), "waiting": sum(len(g) for g in self.waiting)}
+
+    # -- one step ----------------------------------------------------------------------
+
+    def step(self):
+        """
+        Admit what fits, prefill up to prefill_chunk prompt tokens, give every sequence whose next-token logits are
+        ready its token, and run one decode forward for all the sequences that go on. Returns [(seq, token, mask)].
+        """
+        self._admit()
+        with torch.inference_mode():
+            self._prefill()
+            emitted, to_feed = self._sample()
+            to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
+            if to_feed:
+                ids = torch.tensor([[seq.next_input] for seq in to_feed], dtype=torch.long, device=self.device)
+                with autocast_for(self.device):
+                    logits = self.model.forward(ids, kv_cache=self.cache.rows(seq.row for seq in to_feed))[:, -1, :]
+                for i, seq in enumerate(to_feed):
+                    seq.logits = logits[i:i + 1]
+        return emitted
+
+    def _admit(self):
+        while self.waiting and len(self.waiting[0]) <= len(self.free_rows):
+            for seq in self.waiting.popleft():
+                seq.row = heapq.heappop(self.free_rows)
+                self.cache.reset(seq.row)
+                self.running.append(seq)
+        # rows stay in admission order, so a decode step's rows are often one contiguous run (a slice, no gather)
+
+    def _prefill(self):
+        """Up to prefill_chunk prompt tokens, from the oldest sequences first, in one forward pass: each row its own
+        chunk, padded to the longest (the padding is neither written nor used)."""
+        budget, chunks = self.prefill_chunk, []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.leader is seq and seq.prefilled < len(seq.prompt) and seq.finished is None:
+                chunk = seq.prompt[seq.prefilled:seq.prefilled + budget]
+                chunks.append((seq, chunk))
+                budget -= len(chunk)
+        if not chunks:
+            return
+        width = max(len(chunk) for _, chunk in chunks)
+        ids = torch.tensor([chunk + [0] * (width - len(chunk)) for _, chunk in chunks], dtype=torch.long,
+                           device=self.device)
+        lengths = [len(chunk) for _, chunk in chunks]
+        with autocast_for(self.device):
+            view = self.cache.rows([seq.row for seq, _ in chunks], new_lengths=lengths)
+            last = self.model.forward(ids, kv_cache=view,
+                                      logits_at=torch.tensor(lengths, device=self.device) - 1)[:, 0]
+        for i, (seq, chunk) in enumerate(chunks):
+            seq.prefilled += len(chunk)
+            if seq.prefilled == len(seq.prompt):
+                seq.logits = last[i:i + 1]
+                for follower in self.running:  # the other samples of this prompt take a copy of its row
+                    if follower.leader is seq and follower is not seq and follower.finished is None:
+                        self.cache.copy_row(seq.row, follower.row)
+                        follower.prefilled, follower.logits = seq.prefilled, seq.logits
+
+    def _sample(self):
+        emitted, to_feed = [], []
+        ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
+        greedy = [seq for seq in ready if seq.sampling.temperature == 0]
+        if greedy:  # one argmax for every greedy row
+            tokens = torch.cat([seq.logits for seq in greedy]).argmax(dim=-1).tolist()
+            sampled = dict(zip(map(id, greedy), tokens))
+        else:
+            sampled = {}
+        for seq in ready:
+            if id(seq) not in sampled:
+                s = seq.sampling
+                sampled[id(seq)] = int(sample_next_tokens(seq.logits, seq.generator, s.temperature, s.top_k, s.top_p))
+        for seq in ready:
+            token, mask = seq.tool.take(sampled[id(seq)], self.ids, self.tokenizer)
+            seq.generated += 1
+            seq.logits = None
+            if seq.tool.finished_with is not None:
+                seq.finished = "stop"
+            elif seq.generated >= seq.sampling.max_tokens or len(seq.prompt) + seq.generated >= self.context:
+                seq.finished = "length"
+            emitted.append((seq, token, mask))
+            if seq.finished is None:
+                seq.next_input = token
+                to_feed.append(seq)
+        for seq, _, _ in emitted:
+            if seq.finished is not None:
+                self._release(seq)
+        return emitted, to_feed
+
+    def _release(self, seq):
+        if seq in self.running:
+            self.running.remove(seq)
+            heapq.heappush(self.free_rows, seq.row)
+            self.cache.reset(seq.row)

@@ -1,0 +1,199 @@
+"""
+Continuous batching (nanochat/batch_engine.py): sequences of different prompt lengths decode together, join and leave
+at any step, and each row's tokens are what decoding it alone gives; prefill is chunked without stalling the others;
+per-row sampling, stop tokens, max_tokens and calculator output; one KV cache, reused.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+from test_engine import tool_script, tokenizer  # noqa: F401 (a fixture)
+
+from nanochat.batch_engine import BatchEngine, Sampling
+from nanochat.engine import Engine
+from nanochat.gpt import GPTConfig, build_model
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+CONTEXT = 64  # with sliding_window the short layers see 32 positions: these prompts and replies cross that
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):  # noqa: F811
+    """Every component on (value embeddings, lambdas, smear, backout, sliding windows), GQA, random weights."""
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=CONTEXT, vocab_size=tokenizer.get_vocab_size(), n_layer=4, n_head=4, n_kv_head=2,
+                       n_embd=32, value_embeds=True, residual_scalars=True, smear=True, backout=True, sliding_window=True)
+    model = build_model(config, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 1.0 if p.ndim < 2 or p is model.transformer.wte.weight else p.shape[1] ** -0.5)
+    return model.eval()
+
+
+def prompts(tokenizer, lengths):  # noqa: F811
+    text = tokenizer.encode("The quick brown fox jumps over the lazy dog. What is 12*3? It is 36. " * 4)
+    return [[tokenizer.get_bos_token_id()] + text[:n - 1] for n in lengths]
+
+
+def alone(model, tokenizer, prompt, max_tokens, **sampling):  # noqa: F811
+    return [column[0] for column, _ in Engine(model, tokenizer).generate(prompt, max_tokens=max_tokens, **sampling)]
+
+
+def run(engine, joins):
+    """Step the engine to the end; joins = {step: [(prompt, Sampling), ...]} adds sequences before that step.
+    Returns ({id(seq): tokens}, sequences in order added, [(step, seqs emitting)])."""
+    tokens, seqs, trace, step = {}, [], [], 0
+    while engine.busy() or any(s >= step for s in joins):
+        for prompt, sampling in joins.get(step, []):
+            seq = engine.add(prompt, sampling)
+            tokens[id(seq)] = []
+            seqs.append(seq)
+        emitted = engine.step()
+        trace.append([seq for seq, _, _ in emitted])
+        for seq, token, _ in emitted:
+            tokens[id(seq)].append(token)
+        step += 1
+        assert step < 500
+    return tokens, seqs, trace
+
+
+def test_rows_decode_together_exactly_as_each_alone(model, tokenizer):  # noqa: F811
+    """Prompts of 1 to 40 tokens, joining at different steps, a 40-token prompt prefilled 8 tokens a step: every
+    row's greedy tokens equal Engine.generate on that prompt alone, across the sliding window."""
+    ps = prompts(tokenizer, [1, 5, 17, 40])
+    greedy = Sampling(temperature=0.0, max_tokens=20)
+    engine = BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8)
+    tokens, seqs, trace = run(engine, {0: [(ps[0], greedy), (ps[1], greedy)], 3: [(ps[2], greedy)], 6: [(ps[3], greedy)]})
+    for prompt, seq in zip(ps, seqs):
+        expected = alone(model, tokenizer, prompt, 20, temperature=0.0)
+        assert tokens[id(seq)] == expected and seq.finished in ("stop", "length")
+    assert max(len(p) for p in ps) + 20 > 32  # the window really cuts
+    # while the 40-token prompt took its 5 prefill steps, the rows already running wrote a token at every one
+    running_then = seqs[:2]
+    for step in range(6, 11):
+        assert all(seq in trace[step] for seq in running_then if len(tokens[id(seq)]) > step)
+
+
+def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer):  # noqa: F811
+    ps = prompts(tokenizer, [6, 11])
+    def sampled(seed):
+        return Sampling(temperature=1.0, top_k=20, max_tokens=12, seed=seed)
+    single = BatchEngine(model, tokenizer, max_batch=1)
+    by_itself, seqs, _ = run(single, {0: [(ps[0], sampled(7))]})
+    together, pair, _ = run(BatchEngine(model, tokenizer, max_batch=4), {0: [(ps[1], sampled(3)), (ps[0], sampled(7))]})
+    assert together[id(pair[1])] == by_itself[id(seqs[0])]
+    other, seqs_other, _ = run(BatchEngine(model, tokenizer, max_batch=1), {0: [(ps[0], sampled(8))]})
+    assert other[id(seqs_other[0])] != by_itself[id(seqs[0])]
+
+
+def test_rows_leave_at_max_tokens_or_on_cancel_and_the_rest_go_on(model, tokenizer):  # noqa: F811
+    ps = prompts(tokenizer, [3, 9, 14])
+    engine = BatchEngine(model, tokenizer, max_batch=3)
+    short, long_, cancelled = (engine.add(ps[0], Sampling(temperature=0.0, max_tokens=3)),
+                               engine.add(ps[1], Sampling(temperature=0.0, max_tokens=25)),
+                               engine.add(ps[2], Sampling(temperature=0.0, max_tokens=25)))
+    tokens = {id(s): [] for s in (short, long_, cancelled)}
+    step = 0
+    while engine.busy():
+        if step == 5:
+            engine.cancel(cancelled)
+            assert engine.occupancy()["active"] == 1 and cancelled.row is not None  # freed before the next step
+        for seq, token, _ in engine.step():
+            tokens[id(seq)].append(token)
+        if step == 2:  # the short row wrote its third token at step 2: its row is free for the next step
+            assert short.finished == "length" and engine.occupancy()["active"] == 2
+        step += 1
+    assert tokens[id(short)] == alone(model, tokenizer, ps[0], 3, temperature=0.0)
+    assert tokens[id(long_)] == alone(model, tokenizer, ps[1], 25, temperature=0.0)
+    assert len(tokens[id(cancelled)]) == 5 and cancelled.finished == "cancelled"
+    assert engine.occupancy() == {"rows": 3, "active": 0, "waiting": 0} and sorted(engine.free_rows) == [0, 1, 2]
+
+
+def test_samples_of_one_prompt_share_one_prefill_and_a_full_batch_waits(model, tokenizer):  # noqa: F811
+    calls = []
+    original = model.forward
+
+    def counting(ids, **kwargs):
+        calls.append(tuple(ids.shape))
+        return original(ids, **kwargs)
+
+    prompt = prompts(tokenizer, [12])[0]
+    engine = BatchEngine(model, tokenizer, max_batch=3)
+    model.forward = counting
+    try:
+        group = engine.add_group(prompt, [Sampling(temperature=0.0, max_tokens=6)] * 3)
+        waiting = engine.add(prompt, Sampling(temperature=0.0, max_tokens=6))  # no row left: it waits its turn
+        tokens = {id(s): [] for s in group + [waiting]}
+        while engine.busy():
+            for seq, token, _ in engine.step():
+                tokens[id(seq)].append(token)
+            if waiting.row is None:
+                assert engine.occupancy()["waiting"] == 1
+    finally:
+        model.forward = original
+    expected = alone(model, tokenizer, prompt, 6, temperature=0.0)
+    assert all(tokens[id(s)] == expected for s in group + [waiting])
+    assert calls.count((1, len(prompt))) == 2  # one prefill for the group of three, one for the late request
+
+
+class RowScriptedModel(nn.Module):
+    """The per-row cache protocol with scripted outputs: row r's next token is choose[r](its history, prompt_len)."""
+
+    def __init__(self, vocab_size, chooses):
+        super().__init__()
+        self.config = SimpleNamespace(n_layer=1, n_head=1, n_kv_head=1, n_embd=2, sequence_len=64)
+        self.vocab_size, self.chooses = vocab_size, chooses
+        self.histories, self.prompt_lens = {}, {}
+
+    def get_device(self):
+        return torch.device("cpu")
+
+    def forward(self, ids, kv_cache, logits_at=None):
+        logits = torch.full((ids.size(0), ids.size(1), self.vocab_size), -100.0)
+        real = kv_cache.new_lengths or [ids.size(1)] * ids.size(0)  # prompts prefilled together are padded
+        for i, (row, length) in enumerate(zip(kv_cache.indices, kv_cache.lengths)):
+            if length == 0:  # a new sequence in this row: these are its prompt (one chunk: the prompts are short)
+                self.histories[row], self.prompt_lens[row] = [], real[i]
+            self.histories[row] = self.histories[row] + ids[i, :real[i]].tolist()
+            logits[i, real[i] - 1, self.chooses[row](self.histories[row], self.prompt_lens[row])] = 0.0
+        kv_cache.advance(ids.size(1))
+        return logits if logits_at is None else logits[torch.arange(ids.size(0)), logits_at][:, None]
+
+
+def test_a_tool_call_in_one_row_forces_its_answer_there_only(tokenizer):  # noqa: F811
+    special = tokenizer.encode_special
+    script, filler, tool = tool_script(tokenizer, "12*3")
+    plain = tokenizer.encode("a")[0]
+    model = RowScriptedModel(tokenizer.get_vocab_size(), {0: tool, 1: lambda history, prompt_len: plain})
+    engine = BatchEngine(model, tokenizer, max_batch=2)
+    bos = tokenizer.get_bos_token_id()
+    calc, other = engine.add([bos, 5, 6], Sampling(temperature=0.0, max_tokens=30)), \
+        engine.add([bos], Sampling(temperature=0.0, max_tokens=8))
+    out = {id(calc): [], id(other): []}
+    while engine.busy():
+        for seq, token, mask in engine.step():
+            out[id(seq)].append((token, mask))
+    forced = [special("<|output_start|>"), *tokenizer.encode("36"), special("<|output_end|>")]
+    end = special("<|assistant_end|>")
+    assert out[id(calc)] == [(t, 1) for t in script] + [(t, 0) for t in forced] + [(end, 1)]
+    assert calc.finished == "stop"
+    assert out[id(other)] == [(plain, 1)] * 8 and other.finished == "length"
+    assert model.histories[0][3:] == script + forced  # the answer went through the model in its own row
+
+
+def test_the_kv_cache_is_allocated_once_and_its_rows_reused(model, tokenizer):  # noqa: F811
+    engine = BatchEngine(model, tokenizer, max_batch=2)
+    pointer = engine.cache.k_cache.data_ptr()
+    ps = prompts(tokenizer, [4, 8, 12, 16, 20])
+    for batch in (ps[:2], ps[2:4], ps[4:]):
+        tokens, seqs, _ = run(engine, {0: [(p, Sampling(temperature=0.0, max_tokens=5)) for p in batch]})
+        for prompt, seq in zip(batch, seqs):
+            assert tokens[id(seq)] == alone(model, tokenizer, prompt, 5, temperature=0.0)  # a reused row is clean
+    assert engine.cache.k_cache.data_ptr() == pointer and sorted(engine.free_rows) == [0, 1]
+    with pytest.raises(ValueError, match="prompt needs 1 to"):
+        engine.add(list(range(1, CONTEXT + 1)), Sampling())
+    with pytest.raises(ValueError, match="more than the 2 rows"):
+        engine.add_group(ps[0], [Sampling()] * 3)
