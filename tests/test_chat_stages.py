@@ -320,8 +320,8 @@ class ScriptedModel(torch.nn.Module):
     def get_device(self):
         return self.anchor.device
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        logits = torch.zeros(idx.size(0), idx.size(1), self.vocab_size)
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
+        logits = torch.zeros(idx.size(0), 1 if logits_at is not None else idx.size(1), self.vocab_size)
         logits[:, :, self.favourite] = 5.0
         if kv_cache is not None:
             kv_cache.advance(idx.size(1))
