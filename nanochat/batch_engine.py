@@ -196,6 +196,7 @@ class BatchEngine:
         self.free_rows = list(range(max_batch))  # a heap: the lowest free row first, so running rows stay compact
         self.waiting = deque()  # groups (lists of sequences) not yet given rows
         self.running = []  # sequences holding a row, in admission order
+        self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
 
     # -- requests ----------------------------------------------------------------------
 
@@ -232,7 +233,8 @@ class BatchEngine:
         return bool(self.waiting or self.running)
 
     def occupancy(self):
-        return {"rows": self.max_batch, "active": len(self.running), "waiting": sum(len(g) for g in self.waiting)}
+        return {"rows": self.max_batch, "active": len(self.running), "waiting": sum(len(g) for g in self.waiting),
+                "shared_steps": self.shared_steps}
 
     # -- one step ----------------------------------------------------------------------
 
@@ -247,6 +249,7 @@ class BatchEngine:
             emitted, to_feed = self._sample()
             to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
             if to_feed:
+                self.shared_steps += len(to_feed) > 1
                 ids = torch.tensor([[seq.next_input] for seq in to_feed], dtype=torch.long, device=self.device)
                 with autocast_for(self.device):
                     logits = self.model.forward(ids, kv_cache=self.cache.rows(seq.row for seq in to_feed))[:, -1, :]

@@ -221,7 +221,8 @@ class WorkerPool:
         return {
             "queue_depth": sum(o["waiting"] for o in occupancy) + sum(w.inbox.qsize() for w in self.workers),
             "workers": {"total": len(self.workers), "busy": busy, "free": len(self.workers) - busy},
-            "batch": {"rows": rows, "active": active, "occupancy": round(active / rows, 3)},
+            "batch": {"rows": rows, "active": active, "occupancy": round(active / rows, 3),
+                      "shared_steps": sum(o["shared_steps"] for o in occupancy)},
             "requests_served": self.requests_served,
             "requests_cancelled": self.requests_cancelled,
             "requests_rejected": self.requests_rejected,

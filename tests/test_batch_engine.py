@@ -109,7 +109,10 @@ def test_rows_leave_at_max_tokens_or_on_cancel_and_the_rest_go_on(model, tokeniz
     assert tokens[id(short)] == alone(model, tokenizer, ps[0], 3, temperature=0.0)
     assert tokens[id(long_)] == alone(model, tokenizer, ps[1], 25, temperature=0.0)
     assert len(tokens[id(cancelled)]) == 5 and cancelled.finished == "cancelled"
-    assert engine.occupancy() == {"rows": 3, "active": 0, "waiting": 0} and sorted(engine.free_rows) == [0, 1, 2]
+    occupancy = engine.occupancy()
+    assert occupancy["shared_steps"] > 0  # the three decoded together while they all ran
+    assert occupancy == {"rows": 3, "active": 0, "waiting": 0, "shared_steps": occupancy["shared_steps"]}
+    assert sorted(engine.free_rows) == [0, 1, 2]
 
 
 def test_samples_of_one_prompt_share_one_prefill_and_a_full_batch_waits(model, tokenizer):  # noqa: F811
