@@ -54,6 +54,9 @@ def parse_args(argv=None):
     t.add_argument("--probe-seconds", type=float, default=0.2,
                    help="peak-matmul probe after every timed step, for the interleaved MFU (0: none)")
     t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
+    t.add_argument("--components", nargs="+", default=["none", "default"],
+                   help="recipes to time, each a comma list of components, 'none' (the plain recipe) or 'default' "
+                        "(base_train's default set); default: both")
 
     d = sub.add_parser("dataloader", help="packing throughput, cropped fraction, data wait")
     d.add_argument("--tokens", type=int, default=1_000_000, help="tokens per throughput / crop measurement")

@@ -24,7 +24,7 @@ def last_json_line(stdout):
 def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
     cmd = [sys.executable, "-m", "scripts.bench", "train", "--depth=1", "--seq-len=32", "--device-batch-size=2",
            "--compile=0", "--steps=2", "--warmup=1", "--breakdown-steps=1", "--peak-seconds=0.05", "--probe-seconds=0.02",
-           "--vocab-size=1024", "--threads=1", "--device-type=cpu"]
+           "--vocab-size=1024", "--threads=1", "--device-type=cpu", "--components", "default"]
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ms/step" in proc.stdout and "MFU" in proc.stdout
@@ -32,6 +32,7 @@ def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
     assert result["bench"] == "train"
     (run,) = result["runs"]
     assert (run["depth"], run["seq_len"], run["device_batch_size"], run["compile"]) == (1, 32, 2, False)
+    assert run["components"] == "value_embeds,residual_scalars,smear,normuon"  # 'default' is base_train's set
     for key in ("ms_per_step", "tok_per_s", "model_flops_per_s", "peak_flops", "mfu", "peak_mem_mib", "first_step_s"):
         assert run[key] > 0, key
     assert set(run["breakdown_ms"]) == {"data", "forward", "backward", "optimizer"}

@@ -12,6 +12,7 @@ import torch
 
 from nanochat.bench.common import (BENCH_TOKENIZER_VOCAB, OtherLoad, emit_json, ensure_data, log, machine_info,
                                    print_table)
+from nanochat.training import DEFAULT_COMPONENTS, canonical_components
 from nanochat.common import (UserError, autocast_for, compute_init, describe_peak_flops, get_compute_dtype,
                              keep_freed_memory_in_process, measure_matmul_flops, peak_memory_mib, resolve_device_type)
 
@@ -22,11 +23,11 @@ GPU_CONFIGS = [(12, 2048, 32), (20, 2048, 32)]
 class Run:
     """Everything one base_train step needs, built exactly as base_train builds it."""
 
-    def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile):
+    def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile, components):
         from nanochat.dataloader import DataLoader
         from nanochat.gpt import build_model
         from nanochat.tokenizer import get_tokenizer
-        from nanochat.training import build_optimizers, depth_recipe
+        from nanochat.training import build_optimizers, depth_recipe, split_components
 
         tokenizer = get_tokenizer()
         if tokenizer.get_vocab_size() > vocab_size:
@@ -36,14 +37,16 @@ class Run:
         self.device = device
         self.tokens_per_step = batch * seq_len
         # base_train's recipe for this batch (grad_accum = 1, so the total batch is B * T)
-        recipe = depth_recipe(depth, vocab_size, seq_len, self.tokens_per_step, num_iterations=1)
+        model_components, optimizer_components = split_components(components)
+        recipe = depth_recipe(depth, vocab_size, seq_len, self.tokens_per_step, num_iterations=1,
+                              components=model_components)
         self.config = recipe.model_config
         self.model = build_model(self.config, device)
         self.flops_per_token = recipe.flops_per_token
         self.dtype = get_compute_dtype(device)
         self.autocast = autocast_for(device)
         self.train_model = torch.compile(self.model, dynamic=False) if use_compile else self.model
-        self.optimizers = build_optimizers(self.model, **recipe.lrs())
+        self.optimizers = build_optimizers(self.model, **recipe.lrs(), optimizer_components=optimizer_components)
         self.loader = DataLoader(tokenizer, batch, seq_len, split="train", device=device)
         self.step = 0
 
@@ -93,12 +96,12 @@ class Run:
         self.loader.close()
 
 
-def bench_train_one(args, depth, seq_len, batch, use_compile):
+def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     """Time one (config, compile) run in this process; returns its result dict."""
     _, _, _, _, device = compute_init(args.device_type)  # as base_train: picks the device, tf32 on CUDA
     vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
     ensure_data(vocab_size)
-    run = Run(depth, seq_len, batch, vocab_size, device, use_compile)
+    run = Run(depth, seq_len, batch, vocab_size, device, use_compile, components)
     # The peak is measured before and after the timed steps and the higher value kept: on a shared VM the
     # speed of the same matmul drifts by 10-20 % over seconds, and the higher value gives the lower, honest MFU.
     with OtherLoad() as peak_other:
@@ -134,6 +137,7 @@ def bench_train_one(args, depth, seq_len, batch, use_compile):
     peak_mem_mib = peak_memory_mib(device)
     return {
         "depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
+        "components": components or "none",
         "compile": bool(use_compile), "device": device.type, "dtype": str(run.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "params": run.model.num_params(), "flops_per_token": run.flops_per_token,
         "steps": args.steps, "ms_per_step": step_s * 1000, "ms_per_step_min": min(step_times) * 1000,
@@ -154,7 +158,8 @@ def train_table(runs):
         b = r["breakdown_ms"]
         total = sum(b.values()) or 1.0
         rows.append([
-            f"d{r['depth']}", r["seq_len"], r["device_batch_size"], "yes" if r["compile"] else "no",
+            f"d{r['depth']}", r["seq_len"], r["device_batch_size"], r.get("components", "none"),
+            "yes" if r["compile"] else "no",
             f"{r['ms_per_step']:.1f}", f"{r['tok_per_s']:,.0f}", f"{r['model_flops_per_s'] / 1e9:.1f}",
             f"{r['peak_flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}%",
             f"{100 * r['mfu_interleaved']:.1f}%" if r.get("mfu_interleaved") else "-", f"{r['peak_mem_mib']:.0f}",
@@ -163,7 +168,7 @@ def train_table(runs):
             + f" ({100 * b.get('data', 0) / total:.1f}% data)",
         ])
     print_table("train: median of the timed steps (real base_train step, grad_accum=1)",
-                ["model", "T", "B", "compile", "ms/step", "tok/s", "GFLOP/s", "peak GFLOP/s", "MFU", "MFU interleaved", "peak MiB",
+                ["model", "T", "B", "components", "compile", "ms/step", "tok/s", "GFLOP/s", "peak GFLOP/s", "MFU", "MFU interleaved", "peak MiB",
                  "1st step s", "other load", "data/fwd/bwd/opt ms"], rows)
 
 
@@ -182,7 +187,8 @@ def cmd_train(args):
         configs = [(args.depth or default[0], args.seq_len or default[1], args.device_batch_size or default[2])]
     else:
         configs = GPU_CONFIGS if device_type == "cuda" else CPU_CONFIGS
-    jobs = [(d, t, b, c) for d, t, b in configs for c in compile_modes(args.compile)]
+    components = [canonical_components(DEFAULT_COMPONENTS if spec == "default" else spec) for spec in args.components]
+    jobs = [(d, t, b, c, comp) for d, t, b in configs for c in compile_modes(args.compile) for comp in components]
 
     if len(jobs) == 1:
         runs = [bench_train_one(args, *jobs[0])]
@@ -190,13 +196,13 @@ def cmd_train(args):
         # One fresh process per run: its peak memory is its own, and one run's caches do not help the next.
         ensure_data(args.vocab_size or (32768 if device_type == "cuda" else BENCH_TOKENIZER_VOCAB))
         runs = []
-        for d, t, b, c in jobs:
-            log(f"bench train: d{d} T={t} B={b} compile={int(c)} ...")
+        for d, t, b, c, comp in jobs:
+            log(f"bench train: d{d} T={t} B={b} compile={int(c)} components={comp or 'none'} ...")
             cmd = [sys.executable, "-m", "scripts.bench", "train", f"--depth={d}", f"--seq-len={t}",
                    f"--device-batch-size={b}", f"--compile={int(c)}", f"--steps={args.steps}", f"--warmup={args.warmup}",
                    f"--breakdown-steps={args.breakdown_steps}", f"--peak-seconds={args.peak_seconds}",
                    f"--probe-seconds={args.probe_seconds}",
-                   f"--vocab-size={args.vocab_size}", f"--threads={args.threads}"]
+                   f"--vocab-size={args.vocab_size}", f"--threads={args.threads}", f"--components={comp or 'none'}"]
             if args.device_type:
                 cmd.append(f"--device-type={args.device_type}")
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
