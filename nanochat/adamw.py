@@ -25,6 +25,9 @@ import torch.distributed as dist
 from nanochat.common import UserError, dist_rank_world
 
 
+FUSED = hasattr(torch, "_fused_adamw_")  # a module flag, so a test can run the unfused math beside it
+
+
 def _is_sharded(p, world):
     return world > 1 and p.ndim >= 1 and p.shape[0] % world == 0
 
@@ -41,6 +44,14 @@ def _adamw_update(p, grad, state, group, lr_mul, wd_mul):
     lr = group["lr"] * lr_mul
     wd = group["weight_decay"] * wd_mul
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    if FUSED and p.device.type in ("cpu", "cuda") and grad.dtype == p.dtype:
+        # torch's fused kernel: the same math as below in one pass over memory instead of seven (on a CPU the
+        # separate passes cost ~1.5 ms per million parameters, the d4 value embeddings' tables are two million).
+        # It reads the step from a tensor and leaves it alone; the state keeps the int.
+        torch._fused_adamw_([p], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step), device=p.device)],
+                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
+                            maximize=False)
+        return
     if wd != 0:
         p.mul_(1 - lr * wd)
     exp_avg.lerp_(grad, 1 - beta1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from nanochat import adamw  # noqa: E402
 from nanochat.adamw import DistAdamW, build_adamw  # noqa: E402
 from nanochat import common  # noqa: E402
 from nanochat.common import UserError  # noqa: E402
@@ -36,7 +37,9 @@ def load_worker():
 # AdamW
 
 
-def test_adamw_matches_torch_adamw():
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_matches_torch_adamw(fused, monkeypatch):
+    monkeypatch.setattr(adamw, "FUSED", fused)  # torch's one-pass kernel, and the separate passes beside it
     torch.manual_seed(0)
     shapes = [(7, 5), (12,), ()]
     ours = [nn.Parameter(torch.randn(s)) for s in shapes]
