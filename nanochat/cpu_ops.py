@@ -194,6 +194,77 @@ class _BlockCausalAttention(torch.autograd.Function):
         return grad_q.view(B, H, T, D), grad_k.view(B, H, T, D), grad_v.view(B, H, T, D), None
 
 
+class _GatedAdd(torch.autograd.Function):
+    """
+    out = v + scale * sigmoid(logits) * ve: a value embedding joining attention's (B, T, H, D) values through its
+    (B, T, H) gate. One pass forward where autograd takes two (and a temporary), and backward reads grad once for
+    each of d(ve) = grad * gate and d(logits) = rowsum(grad * ve) * gate (1 - gate / scale); d(v) is grad itself.
+    """
+
+    @staticmethod
+    def forward(ctx, v, ve, logits, scale):
+        gate = torch.sigmoid(logits).mul_(scale)
+        ctx.scale = scale
+        ctx.save_for_backward(ve, gate)
+        return torch.addcmul(v, gate.unsqueeze(-1), ve)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ve, gate = ctx.saved_tensors
+        grad_logits = torch.linalg.vecdot(grad, ve, dim=-1).mul_(gate).mul_(1 - gate / ctx.scale)
+        return grad, grad * gate.unsqueeze(-1), grad_logits, None
+
+
+class _ResidualMix(torch.autograd.Function):
+    """
+    out = a * x + b * x0 with a, b 0-dim tensors (the residual scalars before a block). Forward in two passes where
+    autograd takes three, and backward without autograd's two (N, C) temporaries for the scalars' gradients: they are
+    dot products, da = <grad, x>, db = <grad, x0>.
+    """
+
+    @staticmethod
+    def forward(ctx, x, x0, a, b):
+        ctx.save_for_backward(x, x0, a, b)
+        return torch.mul(x, a).addcmul_(x0, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, x0, a, b = ctx.saved_tensors
+        flat = grad.reshape(-1)
+        grad_a = torch.dot(flat, x.reshape(-1)).view_as(a)
+        grad_b = torch.dot(flat, x0.reshape(-1)).view_as(b)
+        return grad * a, grad * b, grad_a, grad_b
+
+
+class _Smear(torch.autograd.Function):
+    """
+    out_t = x_t + lam * sigmoid(logits_t) * x_(t-1) along dim 1 of (B, T, C) x, the first position unchanged (smear:
+    each token's embedding gets a gated share of the previous one's). Forward is a copy and one pass over T - 1 rows,
+    with no shifted copy of x; backward reads grad once more for d(x) and once for d(logits) and d(lam).
+    """
+
+    @staticmethod
+    def forward(ctx, x, logits, lam):
+        gate = torch.sigmoid(logits)  # (B, T, 1)
+        coef = gate[:, 1:] * lam
+        out = x.clone()
+        out[:, 1:].addcmul_(x[:, :-1], coef)
+        ctx.save_for_backward(x, gate, coef, lam)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate, coef, lam = ctx.saved_tensors
+        grad_x = grad.clone()
+        grad_x[:, :-1].addcmul_(grad[:, 1:], coef)
+        grad_coef = torch.linalg.vecdot(grad[:, 1:], x[:, :-1], dim=-1).unsqueeze(-1)  # (B, T - 1, 1)
+        grad_lam = torch.dot(grad_coef.reshape(-1), gate[:, 1:].reshape(-1)).view_as(lam)
+        gate_rest = gate[:, 1:]
+        grad_logits = torch.zeros_like(gate)
+        grad_logits[:, 1:] = grad_coef * lam * gate_rest * (1 - gate_rest)
+        return grad_x, grad_logits, grad_lam
+
+
 LOSS_CHUNK_ROWS = 512  # rows of logits per chunk in the chunked loss: (512, V) fp32, a few MB
 
 
@@ -281,6 +352,21 @@ def block_causal_attention(q, k, v, window=None):
     """Causal attention of (B, H, T, D) q, k, v with n_kv_head == n_head, each query seeing the last `window` positions
     (itself included; None = all before it); returns (B, H, T, D)."""
     return _BlockCausalAttention.apply(q, k, v, q.size(2) if window is None else window)
+
+
+def gated_add(v, ve, logits, scale):
+    """v + scale * sigmoid(logits)[..., None] * ve for (B, T, H, D) v and ve and (B, T, H) logits."""
+    return _GatedAdd.apply(v, ve, logits, scale)
+
+
+def residual_mix(x, x0, a, b):
+    """a * x + b * x0 for same-shape x, x0 and 0-dim a, b."""
+    return _ResidualMix.apply(x, x0, a, b)
+
+
+def smear(x, logits, lam):
+    """x_t + lam * sigmoid(logits_t) * x_(t-1) for (B, T, C) x, (B, T, 1) logits and a one-element lam; x_0 unchanged."""
+    return _Smear.apply(x, logits, lam)
 
 
 def softcap_cross_entropy_sum(x, weight, targets, softcap):

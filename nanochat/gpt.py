@@ -287,8 +287,12 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if value_embed is not None:  # gate in (0, 2), 1 at init (zero gate weights)
-            gate = self.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))
-            v = v + gate.unsqueeze(-1) * value_embed.view(B, T, self.n_kv_head, self.head_dim)
+            logits = self.ve_gate(x[..., :self.ve_gate.in_features])
+            value_embed = value_embed.view(B, T, self.n_kv_head, self.head_dim)
+            if cpu_ops.is_cpu_fp32(v):
+                v = cpu_ops.gated_add(v, value_embed, logits, self.ve_gate_scale)
+            else:
+                v = v + (self.ve_gate_scale * torch.sigmoid(logits)).unsqueeze(-1) * value_embed
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
         exact = not self.rotary_bf16
         q, k = rotary_norm(q, cos, sin, self.eps, exact), rotary_norm(k, cos, sin, self.eps, exact)  # rotary, then QK-norm
@@ -517,6 +521,8 @@ class GPT(nn.Module):
     def _smear(self, x, kv_cache):
         """e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1). The first position of a sequence has no previous
         token; at decode the previous token is the last one the cache saw, whose embedding the cache keeps."""
+        if kv_cache is None and cpu_ops.is_cpu_fp32(x):
+            return cpu_ops.smear(x, self.smear_gate(x[..., :self.smear_gate.in_features]), self.smear_lambda)
         previous = x.new_zeros(x.size(0), 1, x.size(2))
         if kv_cache is not None and getattr(kv_cache, "per_row", False):
             previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
@@ -557,7 +563,9 @@ class GPT(nn.Module):
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None
         for i, block in enumerate(self.transformer.h):
-            if c.residual_scalars:
+            if c.residual_scalars and cpu_ops.is_cpu_fp32(x):
+                x = cpu_ops.residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+            elif c.residual_scalars:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             value_embed = self.value_embeds[str(i)](idx) if has_value_embed(c, i) else None
             x = block(x, cos, sin, kv_cache, value_embed)

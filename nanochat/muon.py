@@ -164,33 +164,43 @@ def _update_matrices(params, grads, state, group):
     # Nesterov: step from where the momentum is about to take us, not from where it is.
     directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
     updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"], polar_express=group.get("polar_express", False))
-    if group.get("normuon"):
-        updates = _normalize_rows(updates.float(), params, state).to(updates.dtype)
+    row_scales = _normuon_row_scales(updates, params, state) if group.get("normuon") else [None] * len(params)
     rows, cols = params[0].shape[-2:]
     shape_scale = max(1.0, rows / cols) ** 0.5
-    for p, u in zip(params, updates):
+    for p, u, row_scale in zip(params, updates, row_scales):
         lr = group["lr"] * getattr(p, "lr_mul", 1.0)
         wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
         if wd != 0 and group.get("cautious_wd"):
+            if row_scale is not None:
+                u, row_scale = u * row_scale, None
             p.sub_(p * (u * p > 0), alpha=lr * wd)
         elif wd != 0:
             p.mul_(1 - lr * wd)
-        p.add_(u.to(p.dtype), alpha=-lr * shape_scale)
+        if row_scale is None:
+            p.add_(u.to(p.dtype), alpha=-lr * shape_scale)
+        else:  # NorMuon's factors ride along in the update's one pass
+            p.addcmul_(u, row_scale, value=-lr * shape_scale)
 
 
-def _normalize_rows(updates, params, state):
-    """NorMuon: (n, rows, cols) updates with every row divided by the root of its running mean square, each matrix
-    then rescaled to its norm before (the running means live in the optimizer state, one (rows, 1) per matrix)."""
+def _normuon_row_scales(updates, params, state):
+    """
+    NorMuon for (n, rows, cols) updates, as an (n, rows, 1) factor to multiply them by: every row divided by the root
+    of its running mean square, each matrix then rescaled to its norm before (the running means live in the optimizer
+    state, one (rows, 1) per matrix). Both norms come from the rows' sums of squares, so the normalised update is
+    never built: one pass over the updates, where building it took six.
+    """
     for p in params:
         if "row_second_moment" not in state[p]:
             state[p]["row_second_moment"] = torch.zeros(p.size(-2), 1, device=p.device, dtype=torch.float32)
+    row_sums = torch.linalg.vector_norm(updates, dim=-1, keepdim=True, dtype=torch.float32).square_()
     moments = torch.stack([state[p]["row_second_moment"] for p in params])
-    moments.lerp_(updates.square().mean(dim=-1, keepdim=True), 1 - NORMUON_BETA2)
+    moments.lerp_(row_sums / updates.size(-1), 1 - NORMUON_BETA2)
     for p, m in zip(params, moments):
         state[p]["row_second_moment"].copy_(m)
-    normalized = updates / (moments.sqrt() + 1e-10)
-    scale = updates.norm(dim=(-2, -1), keepdim=True) / (normalized.norm(dim=(-2, -1), keepdim=True) + 1e-10)
-    return normalized * scale
+    factors = 1.0 / (moments.sqrt() + 1e-10)
+    norms = row_sums.sum(dim=(-2, -1), keepdim=True).sqrt()
+    normalized_norms = (row_sums * factors.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return factors * (norms / (normalized_norms + 1e-10))
 
 
 def _check_matrices(param_groups, name):

@@ -10,7 +10,7 @@ import torch
 from nanochat.common import UserError
 from nanochat.engine import Engine, KVCache
 from nanochat.gpt import COMPONENTS, GPTConfig
-from nanochat.muon import Muon, _normalize_rows
+from nanochat.muon import NORMUON_BETA2, Muon, _normuon_row_scales
 
 from test_gpt import build  # noqa: E402 (random weights everywhere, the components' scalars included)
 
@@ -57,9 +57,46 @@ def test_each_component_starts_as_the_identity(name):
         assert model.num_params() > plain.num_params()
 
 
+def plain_gated_add(v, ve, logits, scale):
+    return v + (scale * torch.sigmoid(logits)).unsqueeze(-1) * ve
+
+
+def plain_residual_mix(x, x0, a, b):
+    return a * x + b * x0
+
+
+def plain_smear(x, logits, lam):
+    previous = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+    return x + lam * torch.sigmoid(logits) * previous
+
+
+@pytest.mark.parametrize("name", ["gated_add", "residual_mix", "smear"])
+def test_each_fused_component_function_equals_the_plain_math(name):
+    # cpu_ops' Functions for the components: output and every input's gradient against the torch expressions
+    # gpt.py runs elsewhere, in fp32, with inputs away from the identity (gates far from 0, scalars not 1 / 0).
+    from nanochat import cpu_ops
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, D = 2, 9, 3, 8
+    inputs = {
+        "gated_add": ((B, T, H, D), (B, T, H, D), (B, T, H)),
+        "residual_mix": ((B, T, H * D), (B, T, H * D), (), ()),
+        "smear": ((B, T, H * D), (B, T, 1), (1,)),
+    }[name]
+    args = [(2 * torch.randn(shape, generator=g)).requires_grad_() for shape in inputs]
+    extra = (1.7,) if name == "gated_add" else ()  # the gate's scale
+    fused = getattr(cpu_ops, name)(*args, *extra)
+    plain = globals()[f"plain_{name}"](*args, *extra)
+    torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
+    grad_out = torch.randn(fused.shape, generator=g)
+    for got, want in zip(torch.autograd.grad(fused, args, grad_out), torch.autograd.grad(plain, args, grad_out)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
-    # The components run as plain torch ops inside the CPU fast path (cpu_ops); loss and every gradient must equal
-    # the plain path's (NANOCHAT_CPU_OPS=0, what a GPU runs), and every component parameter must learn.
+    # The components run as cpu_ops' Functions in the CPU fast path; loss and every gradient must equal the plain
+    # path's (NANOCHAT_CPU_OPS=0, what a GPU runs), and every component parameter must learn.
     model = build(tiny_config(**ALL_ON))
     model.train()
     idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(8))
@@ -179,7 +216,11 @@ def test_normuon_evens_out_the_rows_and_keeps_the_norm():
     params = [torch.nn.Parameter(torch.randn(6, 10)) for _ in range(2)]
     updates = torch.randn(2, 6, 10) * torch.linspace(0.1, 3.0, 6).view(1, 6, 1)  # rows of very different sizes
     state = {p: {} for p in params}
-    out = _normalize_rows(updates, params, state)
+    out = updates * _normuon_row_scales(updates, params, state)
+    # the definition, spelled out: rows over the root of their running mean square, then the matrix at its old norm
+    normalized = updates / ((1 - NORMUON_BETA2) * updates.square().mean(dim=-1, keepdim=True)).sqrt()
+    torch.testing.assert_close(out, normalized * updates.norm(dim=(-2, -1), keepdim=True)
+                               / normalized.norm(dim=(-2, -1), keepdim=True))
     row_rms = out.square().mean(dim=-1).sqrt()
     assert (row_rms.max(dim=1).values / row_rms.min(dim=1).values).max() < 1.01  # first step: every row alike
     torch.testing.assert_close(out.norm(dim=(-2, -1)), updates.norm(dim=(-2, -1)))
