@@ -24,7 +24,7 @@ BASE = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=128", 
 MID = ["--device-batch-size=2", "--total-batch-size=512", "--eval-steps=1"]
 SFT = ["--device-batch-size=2", "--total-batch-size=4", "--eval-steps=1"]
 RL = ["--total-batch-size=2", "--num-samples=2", "--device-batch-size=2", "--max-new-tokens=12", "--eval-problems=2"]
-STAGE_DIRS = {"mid_train": "mid_checkpoints", "chat_sft": "chatsft_checkpoints", "chat_rl": "chatrl_checkpoints"}
+STAGE_DIRS = {"base_train": "base_checkpoints", "mid_train": "mid_checkpoints", "chat_sft": "chatsft_checkpoints", "chat_rl": "chatrl_checkpoints"}
 
 
 def env_for(base):
@@ -150,8 +150,13 @@ def test_one_rank_equals_two_ranks(trained_base, tmp_path, script, args):
     p = run(two, script, args, nproc=2)
     assert "x2x" in p.stdout  # really two ranks, one micro-batch each
     a, b = weights(one, script, 3), weights(two, script, 3)
+    start = weights(one, "base_train", 30)  # what trained_base saved
     for k in a:
-        assert torch.isfinite(b[k]).all() and torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4), k
+        # Two ranks add the micro-batches' gradients in another order; bf16 Newton-Schulz turns those last-bit
+        # differences into up to ~5 % of what 3 steps moved a tensor (measured), so the bound is relative to that move.
+        # A rank whose gradients are lost or double-counted moves tensors in another direction: O(1) of it.
+        moved = (a[k] - start[k]).abs().max()
+        assert torch.isfinite(b[k]).all() and (a[k] - b[k]).abs().max() <= 0.15 * moved, (k, (a[k] - b[k]).abs().max(), moved)
     la = [r["train_loss"] for r in curve(one, script) if "train_loss" in r]
     lb = [r["train_loss"] for r in curve(two, script) if "train_loss" in r]
     assert all(torch.isfinite(torch.tensor(lb))) and torch.allclose(torch.tensor(la), torch.tensor(lb), rtol=1e-4)
