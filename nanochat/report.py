@@ -549,11 +549,17 @@ class Report:
                 parts.append(f.read())
 
         table = self.summary_table(sections)
-        columns = [col for col, _ in SUMMARY_COLUMNS]
-        parts += ["## Summary", "", "| Metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-        for metric in SUMMARY_METRICS:
-            cells = [f"{table[metric][c]:.4f}" if _is_number(table[metric][c]) else "-" for c in columns]
-            parts.append(f"| {metric} | " + " | ".join(cells) + " |")
+        # only what this run measured: the offline preset has no hub-task rows, a run without RL no RL column
+        metrics = [m for m in SUMMARY_METRICS if any(_is_number(v) for v in table[m].values())]
+        columns = [col for col, _ in SUMMARY_COLUMNS if any(_is_number(table[m][col]) for m in metrics)]
+        parts += ["## Summary", ""]
+        if metrics:
+            parts += ["| Metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+            for metric in metrics:
+                cells = [f"{table[metric][c]:.4f}" if _is_number(table[metric][c]) else "-" for c in columns]
+                parts.append(f"| {metric} | " + " | ".join(cells) + " |")
+        else:
+            parts.append("No evaluation has run yet.")
         parts.append("")
 
         parts += self._time_and_cost(header, sections, end_time, hourly_price_usd)
