@@ -79,6 +79,8 @@ def parse_args(argv=None):
     e = sub.add_parser("engine", help="inference: prefill, decode at batch 1 and N, against a naive recompute loop")
     e.add_argument("--depth", type=int, default=4, help="depth of the random-init model (without --source)")
     e.add_argument("--seq-len", type=int, default=512, help="context of the random-init model")
+    e.add_argument("--components", default="default",
+                   help="recipe components of the random-init model: 'default' (base_train's), 'none' (plain) or a list")
     e.add_argument("--source", default="", help="time a checkpoint instead: base|mid|sft|rl")
     e.add_argument("--model-tag", default="", help="checkpoint tag (default: the latest)")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last)")

@@ -309,6 +309,8 @@ def test_bench_engine_runs_and_ends_with_its_json_line(tiny_env, capsys):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["bench"] == "engine"
     assert result["same_tokens"] is True  # the engine's greedy tokens are the naive loop's
+    config = result["model_config"]  # base_train's default components, as a user's model has them
+    assert config["value_embeds"] and config["smear"] and config["residual_scalars"], config
     assert result["prefill_tok_per_s"] > 0 and result["speedup_vs_naive"] > 0
     assert set(result["decode"]) == {"1", "2"} and result["decode"]["2"]["tok_per_s"] > 0
     assert set(result["step_ms_by_cached_length"]) == {"8", "16"}

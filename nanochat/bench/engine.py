@@ -20,15 +20,18 @@ def engine_model(args, device):
         return model, tokenizer, f"{args.source}/{meta['model_tag']}"
     from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.training import depth_recipe
+    from nanochat.training import DEFAULT_COMPONENTS, depth_recipe, split_components
 
     ensure_data(BENCH_TOKENIZER_VOCAB)
     tokenizer = get_tokenizer()
     if tokenizer.get_vocab_size() > BENCH_TOKENIZER_VOCAB:
         raise UserError(f"the tokenizer in $NANOCHAT_BASE_DIR has more than {BENCH_TOKENIZER_VOCAB} tokens")
-    recipe = depth_recipe(args.depth, BENCH_TOKENIZER_VOCAB, args.seq_len, 2048, num_iterations=1)
+    model_components, _ = split_components(DEFAULT_COMPONENTS if args.components == "default" else args.components)
+    recipe = depth_recipe(args.depth, BENCH_TOKENIZER_VOCAB, args.seq_len, 2048, num_iterations=1,
+                          components=model_components)
     torch.manual_seed(42)
-    return build_model(recipe.model_config, device), tokenizer, f"d{args.depth} random init"
+    named = ",".join(model_components) or "plain"
+    return build_model(recipe.model_config, device), tokenizer, f"d{args.depth} random init ({named})"
 
 
 def time_engine_run(engine, prompt, num_samples, max_tokens, temperature, sync):
@@ -53,6 +56,7 @@ def decode_step_ms(model, cached_len, batch, steps, device, sync):
         cache.k_cache.normal_()
         cache.v_cache.normal_()
         cache.advance(cached_len)
+        cache.last_embedding = torch.randn(batch, 1, c.n_embd, device=device)  # what smear reads back at decode
         ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         model.forward(ids, kv_cache=cache)
         model.forward(ids, kv_cache=cache)
