@@ -1,7 +1,7 @@
 """
 Scoring a chat model on tasks: categorical tasks by the logits of the answer letters alone (batched),
-generative tasks by sampling a reply with the Engine and letting the task judge it (completion tasks, for base
-models, the same from a plain-text prompt); under torchrun each
+generative tasks by sampling a reply to every problem, many decoded together (BatchEngine), and letting the task
+judge it (completion tasks, for base models, the same from a plain-text prompt); under torchrun each
 rank takes every world_size-th problem and the counts are summed, so every rank returns the same numbers.
 
 ChatCORE sums a model up in one number: the mean over tasks of (accuracy - baseline) / (1 - baseline),
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import dist_rank_world, print0
-from nanochat.engine import Engine
+from nanochat.batch_engine import BatchEngine, Sampling
 
 
 def _reduce_counts(counts, device):
@@ -47,33 +47,45 @@ def categorical_accuracy(model, tokenizer, task, indices, batch_size=8):
     return correct, len(indices)
 
 
-def generate_reply(engine, tokenizer, conversation, max_tokens, temperature=0.0, top_k=None, seed=42):
-    """
-    The model's reply as text (tool calls and outputs included), or None if the prompt leaves no room. A chat
-    conversation is rendered for the assistant's turn; a base-model problem with a `text_prompt` is plain text
-    after <|bos|>.
-    """
+def completion_prompt(tokenizer, conversation):
+    """The tokens a reply continues: a chat conversation rendered for the assistant's turn, or a base-model problem's
+    `text_prompt` as plain text after <|bos|>."""
     if "text_prompt" in conversation:
-        prompt = tokenizer.encode(conversation["text_prompt"], prepend=tokenizer.get_bos_token_id())
-    else:
-        prompt = tokenizer.render_for_completion(conversation)
-    room = engine.model.config.sequence_len - len(prompt)
-    if room < 1:
-        return None
-    results, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=min(max_tokens, room), temperature=temperature,
-                                       top_k=top_k, seed=seed)
-    return tokenizer.decode(results[0][len(prompt):])
+        return tokenizer.encode(conversation["text_prompt"], prepend=tokenizer.get_bos_token_id())
+    return tokenizer.render_for_completion(conversation)
+
+
+def generate_replies(model, tokenizer, conversations, max_tokens, temperature=0.0, top_k=None, seeds=None, max_batch=32):
+    """
+    The model's reply to each conversation as text (tool calls and outputs included), or None where the prompt leaves
+    no room; all of them decoded together, up to max_batch at a time (BatchEngine), each with its own seed.
+    """
+    engine = BatchEngine(model, tokenizer, max_batch=max_batch)
+    terminals = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    seeds = list(range(len(conversations))) if seeds is None else seeds
+    replies, tokens = [None] * len(conversations), {}
+    for i, (conversation, seed) in enumerate(zip(conversations, seeds)):
+        prompt = completion_prompt(tokenizer, conversation)
+        room = model.config.sequence_len - len(prompt)
+        if room >= 1:
+            seq = engine.add(prompt, Sampling(temperature=temperature, top_k=top_k, max_tokens=min(max_tokens, room),
+                                              seed=seed))
+            tokens[id(seq)] = (i, [])
+    while engine.busy():
+        for seq, token, _ in engine.step():
+            if token not in terminals:  # the reply ends before its terminal token, as Engine.generate_batch's
+                tokens[id(seq)][1].append(token)
+    for i, reply in tokens.values():
+        replies[i] = tokenizer.decode(reply)
+    return replies
 
 
 def generative_accuracy(model, tokenizer, task, indices, max_tokens=256, temperature=0.0, top_k=None):
     """Sample a reply per problem and let the task judge it; (correct, total, replies calling the calculator) here."""
-    engine = Engine(model, tokenizer)
-    correct = tool_calls = 0
-    for i in indices:
-        conversation = task.get_example(i)
-        reply = generate_reply(engine, tokenizer, conversation, max_tokens, temperature, top_k, seed=i)
-        correct += reply is not None and bool(task.evaluate(conversation, reply))
-        tool_calls += reply is not None and "<|python_start|>" in reply
+    conversations = [task.get_example(i) for i in indices]
+    replies = generate_replies(model, tokenizer, conversations, max_tokens, temperature, top_k, seeds=indices)
+    correct = sum(reply is not None and bool(task.evaluate(c, reply)) for c, reply in zip(conversations, replies))
+    tool_calls = sum(reply is not None and "<|python_start|>" in reply for reply in replies)
     return correct, len(indices), tool_calls
 
 

@@ -385,3 +385,33 @@ def test_out_of_memory_in_a_chat_stage_names_it_and_the_batch_to_try(trained_bas
     assert lines == ["error: out of memory in chat_sft (depth 2, --device-batch-size=4): try --device-batch-size=2; "
                      "gradient accumulation keeps the global batch (--total-batch-size=8) with 2x the micro-steps per "
                      "optimizer step"], lines
+
+
+def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(trained_base):
+    """chat_eval's generative tasks decode many problems at once (BatchEngine): every greedy reply, the calculator's
+    output included, is the one Engine gives that problem alone, and a prompt with no room gets None."""
+    import torch
+
+    from nanochat.chat_eval import completion_prompt, generate_replies
+    from nanochat.checkpoint_manager import load_model
+    from nanochat.engine import Engine
+    from nanochat.tasks import get_task
+
+    os.environ["NANOCHAT_BASE_DIR"] = trained_base
+    try:
+        model, tokenizer, _ = load_model("base", torch.device("cpu"), model_tag="tiny")
+    finally:
+        del os.environ["NANOCHAT_BASE_DIR"]
+    arithmetic, world = get_task("Arithmetic", "test"), get_task("WorldQA", "eval")
+    conversations = [arithmetic.get_example(i) for i in range(6)] + [world.get_example(i) for i in range(6)]
+    conversations.append({"messages": [{"role": "user", "content": "word " * 400},
+                                       {"role": "assistant", "content": "-"}]})  # longer than the context
+    together = generate_replies(model, tokenizer, conversations, max_tokens=24, seeds=list(range(len(conversations))),
+                                max_batch=5)
+    engine = Engine(model, tokenizer)
+    for conversation, reply in zip(conversations[:-1], together):
+        prompt = completion_prompt(tokenizer, conversation)
+        alone, _ = engine.generate_batch(prompt, num_samples=1, max_tokens=24, temperature=0.0)
+        assert reply == tokenizer.decode(alone[0][len(prompt):])
+    assert together[-1] is None
+    assert any(reply for reply in together[:-1])  # the tiny model says something
