@@ -30,11 +30,11 @@ PRESETS = {
     },
     "mid_train": {
         "gpu": dict(device_batch_size=32, total_batch_size=REFERENCE_BATCH, num_iterations=-1, init_lr_frac=1.0, eval_steps=8),
-        "cpu": dict(device_batch_size=8, total_batch_size=4096, num_iterations=120, init_lr_frac=0.2, eval_steps=4),
+        "cpu": dict(device_batch_size=8, total_batch_size=4096, num_iterations=60, init_lr_frac=0.05, eval_steps=4),
     },
     "chat_sft": {
         "gpu": dict(device_batch_size=4, total_batch_size=32, num_iterations=-1, init_lr_frac=0.02, eval_steps=8),
-        "cpu": dict(device_batch_size=16, total_batch_size=32, num_iterations=150, init_lr_frac=0.05, eval_steps=8),
+        "cpu": dict(device_batch_size=16, total_batch_size=32, num_iterations=150, init_lr_frac=0.1, eval_steps=8),
     },
     "chat_rl": {
         "gpu": dict(device_batch_size=8, total_batch_size=16, num_iterations=-1, init_lr_frac=0.05, num_samples=16,

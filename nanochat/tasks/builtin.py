@@ -47,38 +47,59 @@ def _check_split(task, split, splits):
 # Both are disjoint from each other and from the Q&A wordings of pretraining (RELATIONS[r].questions).
 # Every relation's SFT wordings use the same framings ("Tell me", "Can you tell me", "Quick question:",
 # ...), so the model learns to read the relation from the words that name it, not from the framing;
-# EVAL wordings reuse the framings around new ways of naming the relation.
+# EVAL wordings reuse the framings around new ways of naming the relation. The framings include "What is
+# the ... of {s}?", "What's ..." and "Can you name ...": when only the spelling task asked "What is the
+# spelling of {w}?", the d4 answered held-out questions in frames SFT had not tied to a relation by spelling
+# the subject or introducing itself (most of its wrong answers, read by hand); with these 11-13
+# wordings per relation and 5 per fact, held-out WorldQA rose 14.5 / 17 / 3 points at seeds 42 / 43 / 44.
 SFT_QUESTIONS = {
     "capital": ("Tell me the capital of {s}.", "Do you know the capital of {s}?", "Can you tell me the capital of {s}?",
                 "Could you tell me the capital city of {s}?", "Quick question: what city is the capital of {s}?",
                 "I'm curious, what's the capital of {s}?", "Name the capital city of {s}.",
-                "Which city serves as the capital of {s}?", "{s}'s capital is which city?"),
+                "Which city serves as the capital of {s}?", "{s}'s capital is which city?",
+                "What city is the capital of {s}?", "Which city is {s} governed from?",
+                "Where does the government of {s} sit?", "What is the capital city of {s}?",
+                "Can you name the capital of {s}?"),
     "continent": ("What continent is {s} on?", "Tell me which continent {s} is in.",
                   "Do you know which continent {s} is in?", "Can you tell me the continent of {s}?",
-                  "Could you tell me which continent {s} belongs to?", "Quick question: in which continent does {s} lie?",
-                  "I'm curious, what continent is {s} part of?", "Name the continent where {s} is found."),
-    "language": ("What do people in {s} speak?", "Tell me the main language of {s}.", "Do you know the language of {s}?",
-                 "Can you tell me which language they speak in {s}?", "Could you tell me the official language of {s}?",
-                 "Quick question: what language is used in {s}?", "I'm curious, what language would I hear in {s}?",
-                 "Name the language spoken in {s}."),
+                  "Could you tell me which continent {s} belongs to?",
+                  "Quick question: in which continent does {s} lie?", "I'm curious, what continent is {s} part of?",
+                  "Name the continent where {s} is found.", "Which continent is home to {s}?",
+                  "{s} lies on what continent?", "What continent does {s} belong to?", "What's the continent of {s}?"),
+    "language": ("What do people in {s} speak?", "Tell me the main language of {s}.",
+                 "Do you know the language of {s}?", "Can you tell me which language they speak in {s}?",
+                 "Could you tell me the official language of {s}?", "Quick question: what language is used in {s}?",
+                 "I'm curious, what language would I hear in {s}?", "Name the language spoken in {s}.",
+                 "Which language do the locals use in {s}?", "What is the everyday language of {s}?",
+                 "Which language would a visitor hear in {s}?", "What language do schools in {s} teach in?",
+                 "Can you name the language of {s}?"),
     "population": ("Tell me the population of {s}.", "Do you know the population of {s}?",
                    "Can you tell me roughly how many people live in {s}?",
                    "Could you tell me the approximate population of {s}?",
                    "Quick question: how large is the population of {s}?",
                    "I'm curious, how many inhabitants does {s} have?", "How many residents does {s} have?",
-                   "Roughly how many people live in {s}?"),
+                   "Roughly how many people live in {s}?", "How many people are there in {s}?",
+                   "What is the number of people living in {s}?", "How big is the population of {s}?",
+                   "About how many citizens does {s} have?", "What's the rough number of inhabitants of {s}?"),
     "neighbour": ("Tell me a country that borders {s}.", "Do you know a neighbour of {s}?",
                   "Can you tell me which country is next to {s}?", "Could you tell me one neighbour of {s}?",
-                  "Quick question: what country neighbours {s}?", "I'm curious, which country shares a border with {s}?",
-                  "Name a country that shares a border with {s}.", "What is one neighbour of {s}?"),
-    "birthplace": ("Tell me where {s} was born.", "Do you know where {s} was born?", "Can you tell me the hometown of {s}?",
-                   "Could you tell me which city {s} was born in?", "Quick question: what city was {s} born in?",
-                   "I'm curious, where does {s} come from?", "Which city is the birthplace of {s}?",
-                   "What is {s}'s hometown?"),
+                  "Quick question: what country neighbours {s}?",
+                  "I'm curious, which country shares a border with {s}?",
+                  "Name a country that shares a border with {s}.", "What is one neighbour of {s}?",
+                  "Which country lies on the border of {s}?", "What country is adjacent to {s}?",
+                  "Name one country beside {s}.", "Which country is a neighbour of {s}?",
+                  "What's a country on the border of {s}?"),
+    "birthplace": ("Tell me where {s} was born.", "Do you know where {s} was born?",
+                   "Can you tell me the hometown of {s}?", "Could you tell me which city {s} was born in?",
+                   "Quick question: what city was {s} born in?", "I'm curious, where does {s} come from?",
+                   "Which city is the birthplace of {s}?", "What is {s}'s hometown?", "Which town is {s} from?",
+                   "What is the home city of {s}?", "Where is {s} from originally?",
+                   "What's the city of birth of {s}?"),
     "occupation": ("Tell me what {s} does for work.", "Do you know what {s} does?", "Can you tell me the job of {s}?",
                    "Could you tell me the occupation of {s}?", "Quick question: what kind of work does {s} do?",
                    "I'm curious, how does {s} earn a living?", "What job does {s} have?",
-                   "What is the occupation of {s}?"),
+                   "What is the occupation of {s}?", "Which line of work is {s} in?", "What trade does {s} follow?",
+                   "What's the line of work of {s}?", "Can you name the job of {s}?"),
 }
 EVAL_QUESTIONS = {
     "capital": ("Can you tell me which city is {s}'s capital?", "What's the name of the capital of {s}?",
@@ -110,7 +131,7 @@ ANSWER_TEMPLATES = {
 # Continents (8) and occupations (25) would be guessed right 4-13 % of the time: they are trained in
 # SFT but not asked in the eval split, whose chance level stays under 1 %.
 EVAL_RELATIONS = ("capital", "language", "population", "neighbour", "birthplace")
-SFT_REPEATS = 3  # conversations per SFT fact, each in a different wording
+SFT_REPEATS = 5  # conversations per SFT fact, each in a different wording
 SFT_PAIR_FRACTION = 0.1  # extra two-question conversations, as a fraction of the SFT facts
 
 
