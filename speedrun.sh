@@ -101,10 +101,10 @@ else
     EVAL_FLAGS="--eval-bundle=builtin --max-per-task=100"
     # Mid-training and SFT at a fraction of the base lrs: at the full lrs, 120 steps of conversations about the SFT
     # subjects overwrite what pretraining taught about the held-out ones (held-out QA 21-34 % after SFT). A short,
-    # gentle mid-training (60 steps at 0.05) then SFT at 0.1 did best over seeds 42-44 (docs/speedrun.md "The CPU
-    # preset").
+    # gentle mid-training (60 steps at 0.05) then 300 SFT steps at 0.1 did best over seeds 42-44 (docs/speedrun.md
+    # "The CPU preset").
     MID_STEPS=60; MID_FLAGS="--device-batch-size=8 --total-batch-size=4096 --init-lr-frac=0.05 --save-every=30 --eval-steps=4"
-    SFT_STEPS=150; SFT_FLAGS="--device-batch-size=16 --total-batch-size=32 --init-lr-frac=0.1 --save-every=50"
+    SFT_STEPS=300; SFT_FLAGS="--device-batch-size=16 --total-batch-size=32 --init-lr-frac=0.1 --save-every=100"
     RL_STEPS=30; RL_FLAGS="--total-batch-size=8 --num-samples=8 --device-batch-size=16 --max-new-tokens=48 --save-every=10 \
 --eval-every=15 --eval-problems=64"
     CHAT_EVAL_FLAGS="-x 200 --max-new-tokens=48"

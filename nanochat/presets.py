@@ -34,7 +34,7 @@ PRESETS = {
     },
     "chat_sft": {
         "gpu": dict(device_batch_size=4, total_batch_size=32, num_iterations=-1, init_lr_frac=0.02, eval_steps=8),
-        "cpu": dict(device_batch_size=16, total_batch_size=32, num_iterations=150, init_lr_frac=0.1, eval_steps=8),
+        "cpu": dict(device_batch_size=16, total_batch_size=32, num_iterations=300, init_lr_frac=0.1, eval_steps=8),
     },
     "chat_rl": {
         "gpu": dict(device_batch_size=8, total_batch_size=16, num_iterations=-1, init_lr_frac=0.05, num_samples=16,
