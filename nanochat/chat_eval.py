@@ -61,22 +61,22 @@ def generate_replies(model, tokenizer, conversations, max_tokens, temperature=0.
     no room; all of them decoded together, up to max_batch at a time (BatchEngine), each with its own seed.
     """
     engine = BatchEngine(model, tokenizer, max_batch=max_batch)
-    terminals = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
     seeds = list(range(len(conversations))) if seeds is None else seeds
-    replies, tokens = [None] * len(conversations), {}
+    replies, asked, tokens = [None] * len(conversations), [], {}  # asked keeps each sequence, so its id stays its own
     for i, (conversation, seed) in enumerate(zip(conversations, seeds)):
         prompt = completion_prompt(tokenizer, conversation)
         room = model.config.sequence_len - len(prompt)
         if room >= 1:
             seq = engine.add(prompt, Sampling(temperature=temperature, top_k=top_k, max_tokens=min(max_tokens, room),
                                               seed=seed))
-            tokens[id(seq)] = (i, [])
+            asked.append((i, seq))
+            tokens[id(seq)] = []
     while engine.busy():
         for seq, token, _ in engine.step():
-            if token not in terminals:  # the reply ends before its terminal token, as Engine.generate_batch's
-                tokens[id(seq)][1].append(token)
-    for i, reply in tokens.values():
-        replies[i] = tokenizer.decode(reply)
+            if token not in engine.ids.terminals:  # the reply ends before its terminal token, as generate_batch's
+                tokens[id(seq)].append(token)
+    for i, seq in asked:
+        replies[i] = tokenizer.decode(tokens[id(seq)])
     return replies
 
 
