@@ -24,6 +24,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get
 # or recompile, bf16, exact resume, 2 ranks) needs no inductor code generation, which costs minutes on a machine whose
 # compile cache is empty. test_gpu_path's inductor smoke compiles for real; set the variable to choose otherwise.
 os.environ.setdefault("NANOCHAT_COMPILE_BACKEND", "aot_eager")
+# The same arithmetic on every machine: without this a CPU with AVX512-BF16 or AMX trains in bf16 autocast and one
+# without it in fp32, and the exact comparisons (resume, ranks, KV cache, imports) would test different code on each.
+# The bf16 path runs where a test asks for it (test_gpu_path: bf16 against fp32, resume and 2 ranks in bf16).
+os.environ.setdefault("NANOCHAT_DTYPE", "float32")
 
 
 def random_tiny_gpt(vocab_size, sequence_len, seed=0, n_layer=2, n_embd=64):

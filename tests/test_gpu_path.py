@@ -110,6 +110,7 @@ def test_a_gpu_without_bf16_or_compile_support_falls_back_with_one_note(monkeypa
     from nanochat import common
 
     monkeypatch.setattr(common, "_notes_printed", set())
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
     capability = {"value": (7, 5)}  # a T4: compiles, but has no bf16 tensor cores
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")

@@ -127,13 +127,20 @@ def test_orthogonalize_bf16_and_batched():
         torch.testing.assert_close(X[i], orthogonalize(G[i], steps=5, dtype=torch.bfloat16), rtol=0, atol=0.05)
 
 
-def test_orthogonalization_dtype_follows_the_hardware_and_the_override(monkeypatch):
+def test_orthogonalization_and_compute_dtype_follow_the_hardware_and_the_override(monkeypatch):
     monkeypatch.delenv("NANOCHAT_MUON_DTYPE", raising=False)
+    monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
     monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "fma"})
     assert common.orthogonalization_dtype("cpu") == torch.float32  # bf16 would be emulated: many times slower
+    assert common.get_compute_dtype("cpu") == torch.float32 and common.autocast_for("cpu").__class__.__name__ == "nullcontext"
     for native in ("avx512_bf16", "amx_bf16"):
         monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", native})
         assert common.orthogonalization_dtype("cpu") == torch.bfloat16
+        assert common.get_compute_dtype("cpu") == torch.bfloat16  # training and inference in bf16 autocast
+        with common.autocast_for("cpu"):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    assert common.get_compute_dtype("cpu") == torch.float32
     monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "float32")
     assert common.orthogonalization_dtype("cpu") == torch.float32
     monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "half")
