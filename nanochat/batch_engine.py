@@ -107,8 +107,10 @@ class RowView:
         if real is not None:  # only the real tokens of padded prompts
             k_new, v_new = k_new[real], v_new[real]
         k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        k_cache.index_put_((write_rows, write_positions), k_new)
-        v_cache.index_put_((write_rows, write_positions), v_new)
+        # under autocast the values can come out fp32 (a value embedding added in fp32) while the cache is bf16:
+        # index_put_ does not convert, so round them to the cache's dtype as the single-batch KVCache's copy does
+        k_cache.index_put_((write_rows, write_positions), k_new.to(k_cache.dtype))
+        v_cache.index_put_((write_rows, write_positions), v_new.to(v_cache.dtype))
         if window not in self.masks:  # one mask per window size a forward pass uses, not one per layer
             key_pos = torch.arange(end, device=k.device)[None, None, :]
             query_pos = positions[:, :, None]

@@ -77,6 +77,19 @@ def test_rows_decode_together_exactly_as_each_alone(model, tokenizer):  # noqa: 
         assert all(seq in trace[step] for seq in running_then if len(tokens[id(seq)]) > step)
 
 
+def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatch):  # noqa: F811
+    """The compute dtype of a GPU, or of a CPU with native bf16: a bf16 cache, values that come out of the value
+    embeddings in fp32; rows of different lengths decode together as each does alone in bf16."""
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    ps = prompts(tokenizer, [3, 21])
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    engine = BatchEngine(model, tokenizer, max_batch=2, prefill_chunk=8)
+    assert engine.cache.k_cache.dtype == torch.bfloat16
+    tokens, seqs, _ = run(engine, {0: [(ps[0], greedy)], 2: [(ps[1], greedy)]})
+    for prompt, seq in zip(ps, seqs):
+        assert tokens[id(seq)] == alone(model, tokenizer, prompt, 12, temperature=0.0)
+
+
 def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [6, 11])
     def sampled(seed):
