@@ -10,7 +10,8 @@ out by hand (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -
 relu^2 16.5 -> 7.2 ms as its own Function, less again fused into the MLP).
 
 gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` /
-`cpu_fp32_training`); everywhere else (CUDA, bf16 autocast on any device) the plain torch
+`cpu_fp32_training`), except the chunked loss, which also runs under CPU autocast with bf16 matmuls
+(`cpu_training_loss`); everywhere else (CUDA, bf16 autocast on a CPU for the rest) the plain torch
 expressions run and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too,
 so the plain path a GPU takes can be run and tested anywhere. The results equal the plain math up
 to float rounding, and tests/test_gpt.py checks every Function's loss and gradients against it.
@@ -41,6 +42,15 @@ def is_cpu_fp32(x):
 def cpu_fp32_training(*tensors):
     """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
     return all(is_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def cpu_training_loss(x, weight):
+    """Where the chunked softcap loss applies: CPU training with fp32 activations and head, in fp32 or under CPU
+    autocast (its matmuls then run in the autocast dtype, as lm_head's would)."""
+    fp32 = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, weight))
+    if torch.is_autocast_enabled("cpu") and torch.compiler.is_compiling():
+        return False  # a compiled autocast model is the GPU's path: the plain loss, fused by the compiler
+    return fp32 and enabled() and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def _rotate(x, cos, sin, out):
@@ -294,7 +304,12 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, targets, softcap):
+    def forward(ctx, x, weight, targets, softcap, matmul_dtype):
+        with torch.autocast("cpu", enabled=False):  # every cast below is explicit
+            return _ChunkedSoftcapCrossEntropy._forward(ctx, x, weight, targets, softcap, matmul_dtype)
+
+    @staticmethod
+    def _forward(ctx, x, weight, targets, softcap, matmul_dtype):
         s = softcap
         n_rows, vocab = x.size(0), weight.size(0)
         chunk = min(LOSS_CHUNK_ROWS, n_rows)
@@ -302,13 +317,21 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros_like(weight)
         q_buffer, probs_buffer = x.new_empty(chunk, vocab), x.new_empty(chunk, vocab)
+        # Under autocast the three matmuls take bf16 operands, as lm_head and its backward would: the logits are
+        # rounded to bf16 before the softcap, d(logits) before it meets the weights; the rest stays fp32.
+        low = matmul_dtype != x.dtype
+        weight_mm = weight.to(matmul_dtype) if low else weight
         for start in range(0, n_rows, chunk):
             rows = slice(start, start + chunk)
             xc, tc = x[rows], targets[rows]
             q, probs = q_buffer[:xc.size(0)], probs_buffer[:xc.size(0)]
             valid = tc != -1
             safe_targets = tc.clamp(min=0).unsqueeze(1)
-            torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: q's old values are ignored
+            if low:
+                xc = xc.to(matmul_dtype)
+                q.copy_(torch.mm(xc, weight_mm.t())).mul_(2 / s).sigmoid_()
+            else:
+                torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: q's old values ignored
             torch.mul(q, 2 * s, out=probs).exp_()
             sum_exp = probs.sum(dim=1, keepdim=True)
             picked = q.gather(1, safe_targets).mul_(2 * s)
@@ -320,15 +343,20 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
             if not valid.all():
                 grad.mul_(valid.unsqueeze(1))
             grad.mul_(q).addcmul_(grad, q, value=-1.0)
-            torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
-            grad_weight.addmm_(grad.t(), xc, alpha=4.0)
+            if low:
+                grad_mm = grad.to(matmul_dtype)
+                torch.mul(torch.mm(grad_mm, weight_mm), 4.0, out=grad_x[rows])
+                grad_weight.add_(torch.mm(grad_mm.t(), xc), alpha=4.0)
+            else:
+                torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
+                grad_weight.addmm_(grad.t(), xc, alpha=4.0)
         ctx.save_for_backward(grad_x, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_total, grad_weight * grad_total, None, None
+        return grad_x * grad_total, grad_weight * grad_total, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -370,5 +398,7 @@ def smear(x, logits, lam):
 
 
 def softcap_cross_entropy_sum(x, weight, targets, softcap):
-    """sum_i CE(softcap * tanh(x_i W^T / softcap), t_i) over rows x (N, C), targets (N,) with -1 ignored."""
-    return _ChunkedSoftcapCrossEntropy.apply(x, weight, targets, softcap)
+    """sum_i CE(softcap * tanh(x_i W^T / softcap), t_i) over rows x (N, C), targets (N,) with -1 ignored; the matmuls
+    in the CPU autocast dtype when autocast is on."""
+    matmul_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    return _ChunkedSoftcapCrossEntropy.apply(x, weight, targets, softcap, matmul_dtype)

@@ -584,10 +584,11 @@ class GPT(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
         flat_targets = targets.reshape(-1) if targets is not None else None
 
-        # CPU fp32 training: the loss in chunks, never holding the full (B*T, V) logits (memory-bound on a CPU).
+        # CPU training (fp32, or bf16 autocast): the loss in chunks, never holding the full (B*T, V) logits (memory-bound
+        # on a CPU).
         # Anywhere else the plain path runs: on a GPU torch.compile fuses it, and inference needs the logits.
         if targets is not None and loss_reduction != "none" and c.logit_softcap is not None \
-                and cpu_ops.cpu_fp32_training(x, self.lm_head.weight):
+                and cpu_ops.cpu_training_loss(x, self.lm_head.weight):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
             if targets is None:

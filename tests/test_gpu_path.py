@@ -88,6 +88,7 @@ def test_bf16_autocast_runs_the_plain_ops_in_bf16_and_follows_fp32(monkeypatch, 
     from nanochat.common import autocast_for
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")  # on a CPU the chunked loss would run under autocast too
     model = build(tiny_config(n_kv_head=2))
     model.train()
     assert model.cos.dtype == torch.bfloat16  # rotary tables in the compute dtype, as on a GPU
@@ -104,6 +105,35 @@ def test_bf16_autocast_runs_the_plain_ops_in_bf16_and_follows_fp32(monkeypatch, 
         assert grad.dtype == torch.float32, name  # parameters and their gradients stay fp32
         cos = F.cosine_similarity(grad.flatten(), ref_grads[name].flatten(), dim=0)
         assert cos > 0.99, (name, float(cos))
+
+
+def test_the_chunked_loss_under_cpu_autocast_is_the_plain_bf16_loss(monkeypatch, single_torch_thread):
+    """A CPU with native bf16 trains in autocast; there the chunked softcap loss runs its matmuls in bf16, and its loss
+    and gradients must be those of lm_head -> softcap -> cross-entropy under the same autocast."""
+    from nanochat.common import autocast_for
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    model = build(tiny_config(n_kv_head=2))
+    model.train()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits into the softcap's curved region
+    idx, targets = batch()
+    monkeypatch.setattr(cpu_ops, "LOSS_CHUNK_ROWS", 7)  # several chunks, the last one short
+    results = {}
+    for ops in ("1", "0"):
+        monkeypatch.setenv("NANOCHAT_CPU_OPS", ops)
+        calls = []
+        original = cpu_ops._ChunkedSoftcapCrossEntropy.apply
+        monkeypatch.setattr(cpu_ops._ChunkedSoftcapCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or original(*a))
+        with autocast_for("cpu"):
+            results[ops] = loss_and_grads(model, idx, targets)
+        assert calls == ([torch.bfloat16] if ops == "1" else [])
+    (chunked, chunked_grads), (plain, plain_grads) = results["1"], results["0"]
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=0)  # the same bf16 logits, so the same loss
+    for name, grad in plain_grads.items():
+        cos = F.cosine_similarity(chunked_grads[name].flatten(), grad.flatten(), dim=0)
+        assert cos > 0.9999 and grad.abs().max() > 0, (name, float(cos))  # bf16 rounding of d(logits) differs
+        torch.testing.assert_close(chunked_grads[name].norm(), grad.norm(), rtol=5e-3, atol=0)
 
 
 def test_a_gpu_without_bf16_or_compile_support_falls_back_with_one_note(monkeypatch, capsys):

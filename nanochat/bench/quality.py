@@ -10,12 +10,10 @@ import json
 import os
 import tempfile
 import time
-from contextlib import nullcontext
-
 import torch
 
 from nanochat.bench.common import emit_json, log, machine_info, print_table
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import UserError, autocast_for, get_base_dir, get_compute_dtype
 from nanochat.corpus import holds_training_data
 
 
@@ -95,7 +93,8 @@ def quality_run(args, seed, lr_mult, variant="base"):
         if step in args.eval_at:
             val_loader, batches = eval_batches(tokenizer, args.device_batch_size, args.seq_len, "val", device, 0, 1)
             model.eval()
-            bpb[step] = evaluate_bpb(model, batches, eval_steps, token_bytes)[0]
+            with autocast_for(device):  # what base_train trains and evaluates in: bf16 on a CPU with native bf16
+                bpb[step] = evaluate_bpb(model, batches, eval_steps, token_bytes)[0]
             model.train()
             val_loader.close()
         if step == args.steps:
@@ -103,7 +102,7 @@ def quality_run(args, seed, lr_mult, variant="base"):
         lrm = lr_multiplier(step, args.steps, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         t_step = time.perf_counter()
         train_step(model, optimizers, [next(loader) for _ in range(accum)], lambda m, xy: m(*xy), lrm,
-                   muon_momentum(step), nullcontext())
+                   muon_momentum(step), autocast_for(device))
         train_seconds += time.perf_counter() - t_step
     loader.close()
     return {"seed": seed, "lr_mult": lr_mult, "variant": variant, "lrs": lrs, "val_bpb": bpb,
@@ -135,7 +134,7 @@ def cmd_quality(args):
                 runs.append(quality_run(args, seed, lr_mult, variant))
     rows = [[r["variant"], f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at]
             + [f"{r['flops_per_token']:,}", f"{r['tok_per_s']:,.0f}", f"{r['seconds']:.0f}"] for r in runs]
-    print_table(f"quality: val bpb on {args.source}, d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
+    print_table(f"quality: val bpb on {args.source} ({str(get_compute_dtype('cpu')).replace('torch.', '')}), d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
                 f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)} (x1 = base lrs x{base_lr_scale:.4g}), "
                 f"wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup {args.warmup_ratio} "
                 f"warmdown {args.warmdown_ratio} to {args.final_lr_frac:g}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
@@ -150,7 +149,8 @@ def cmd_quality(args):
                                       if 1.0 in means else ""))
     if len(args.variants) > 1:
         print_variants(args, runs)
-    emit_json({"bench": "quality", "machine": machine_info(), "source": args.source, "depth": args.depth,
+    emit_json({"bench": "quality", "machine": machine_info(), "dtype": str(get_compute_dtype("cpu")).replace("torch.", ""),
+               "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
                "final_lr_frac": args.final_lr_frac, "variants": args.variants, "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,
