@@ -449,6 +449,24 @@ class GPT(nn.Module):
     def get_device(self):
         return self.transformer.wte.weight.device
 
+    @torch.no_grad()
+    def cast_linears_for_inference(self):
+        """
+        For a model that will only generate, on a CPU that computes in bf16 autocast: store every linear layer's
+        weight in bf16 once. Autocast otherwise casts each fp32 weight on every call, so a batch-1 decode step read
+        the weights three times (fp32 in, bf16 out, bf16 in) and ran slower than fp32, and a server's memory grew with
+        the copies. The stored values are the ones autocast would make, so the outputs stay bit for bit those of the
+        fp32 weights under autocast. Embeddings, norms and scalars stay fp32. Not for training or saving: the fp32
+        weights are gone. A no-op anywhere else (fp32, or a GPU, where it is not measured).
+        """
+        device = self.get_device()
+        if device.type != "cpu" or get_compute_dtype(device) != torch.bfloat16:
+            return self
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.to(torch.bfloat16)
+        return self
+
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 

@@ -654,6 +654,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         if model is None or worker_device.type == "cuda":
             print0(f"loading the {source} model on {worker_device} ...")
             model, tokenizer, meta = load_model(source, worker_device, model_tag=model_tag, step=step)
+            model.cast_linears_for_inference()  # generation only: bf16 weights once on a bf16 CPU
             c = model.config
             row_bytes = 2 * c.n_layer * c.sequence_len * c.n_kv_head * (c.n_embd // c.n_head) * \
                 torch.finfo(get_compute_dtype(worker_device)).bits // 8

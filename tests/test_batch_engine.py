@@ -90,6 +90,27 @@ def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatc
         assert tokens[id(seq)] == alone(model, tokenizer, prompt, 12, temperature=0.0)
 
 
+def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, monkeypatch):  # noqa: F811
+    """On a bf16 CPU the serving scripts store the linears in bf16 once instead of autocast casting them per call:
+    the same values, so the same logits bit for bit and the same tokens; a no-op where the compute dtype is fp32."""
+    import copy
+
+    from nanochat.common import autocast_for
+
+    fp32_copy = copy.deepcopy(model).cast_linears_for_inference()  # the suite's fp32: nothing changes
+    assert fp32_copy.lm_head.weight.dtype == torch.float32
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setattr("nanochat.gpt.get_compute_dtype", lambda device: torch.bfloat16)
+    cast = copy.deepcopy(model).cast_linears_for_inference()
+    assert cast.transformer.h[0].attn.c_q.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
+    assert cast.transformer.wte.weight.dtype == torch.float32  # embeddings (and norms, scalars) stay fp32
+    ids = torch.tensor([prompts(tokenizer, [30])[0]])
+    with torch.inference_mode(), autocast_for("cpu"):
+        assert torch.equal(cast(ids), model(ids))
+    prompt = prompts(tokenizer, [9])[0]
+    assert alone(cast, tokenizer, prompt, 16, temperature=0.0) == alone(model, tokenizer, prompt, 16, temperature=0.0)
+
+
 def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [6, 11])
     def sampled(seed):
