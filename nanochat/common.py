@@ -207,8 +207,7 @@ def dtype_from_env(variable, allowed=DTYPE_NAMES):
     return DTYPE_NAMES[name]
 
 
-@functools.cache  # read once: Muon asks on every step
-@functools.cache  # /proc/cpuinfo once: the compute dtype is asked for on every step
+@functools.cache  # read once: Muon and the compute dtype ask on every step
 def cpu_flags():
     """The x86 feature flags of this machine's CPU (from /proc/cpuinfo; empty where there is none)."""
     try:

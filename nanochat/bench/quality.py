@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 import time
+
 import torch
 
 from nanochat.bench.common import emit_json, log, machine_info, print_table
@@ -134,7 +135,8 @@ def cmd_quality(args):
                 runs.append(quality_run(args, seed, lr_mult, variant))
     rows = [[r["variant"], f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at]
             + [f"{r['flops_per_token']:,}", f"{r['tok_per_s']:,.0f}", f"{r['seconds']:.0f}"] for r in runs]
-    print_table(f"quality: val bpb on {args.source} ({str(get_compute_dtype('cpu')).replace('torch.', '')}), d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
+    dtype = str(get_compute_dtype("cpu")).replace("torch.", "")  # what quality_run trained in
+    print_table(f"quality: val bpb on {args.source} ({dtype}), d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
                 f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)} (x1 = base lrs x{base_lr_scale:.4g}), "
                 f"wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup {args.warmup_ratio} "
                 f"warmdown {args.warmdown_ratio} to {args.final_lr_frac:g}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
@@ -149,7 +151,7 @@ def cmd_quality(args):
                                       if 1.0 in means else ""))
     if len(args.variants) > 1:
         print_variants(args, runs)
-    emit_json({"bench": "quality", "machine": machine_info(), "dtype": str(get_compute_dtype("cpu")).replace("torch.", ""),
+    emit_json({"bench": "quality", "machine": machine_info(), "dtype": dtype,
                "source": args.source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
