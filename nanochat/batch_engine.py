@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.common import autocast_for, get_compute_dtype
+from nanochat.common import autocast_for, kv_cache_dtype
 from nanochat.engine import ChatTokens, ToolState, sample_next_tokens
 
 
@@ -193,7 +193,7 @@ class BatchEngine:
         self.context = c.sequence_len
         self.device = model.get_device()
         self.cache = RowKVCache(max_batch, c.n_kv_head, c.sequence_len, c.n_embd // c.n_head, c.n_layer, c.n_embd,
-                                self.device, get_compute_dtype(self.device))
+                                self.device, kv_cache_dtype(self.device))
         self.ids = ChatTokens(tokenizer)
         self.free_rows = list(range(max_batch))  # a heap: the lowest free row first, so running rows stay compact
         self.waiting = deque()  # groups (lists of sequences) not yet given rows

@@ -267,6 +267,29 @@ def get_compute_dtype(device):
     return requested
 
 
+def bound_onednn_caches(capacity=64):
+    """
+    Bound the memory of oneDNN, which runs torch's bf16 matmuls on a CPU. It compiles a kernel for each shape it meets
+    and keeps ~0.7 MiB per shape in two caches of 1024 entries (oneDNN's own and ideep's): a server meets a new shape
+    for every batch size and prompt length, so its memory grew with load (+24 % in bench serve) and stopped only
+    near a gigabyte. A process that generates calls this before its first matmul (the caches read the variables
+    once); training meets a few fixed shapes and keeps the defaults. A variable the user set wins.
+    """
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
+
+
+def kv_cache_dtype(device):
+    """
+    What a KV cache stores: the compute dtype, except fp32 on a CPU. torch's CPU attention is 4-7x slower in bf16 than
+    in fp32 when each row brings one new query (measured, d4 shapes: 552 vs 81 us for 16 rows of 100 keys), which is
+    every decode step; keys and values computed in bf16 are stored exactly in fp32, and attention then reads them in
+    fp32 (gpt.CausalSelfAttention casts the queries to the cache's dtype).
+    """
+    device = torch.device(device)
+    return torch.float32 if device.type == "cpu" else get_compute_dtype(device)
+
+
 def compile_choice(flag, device):
     """
     Whether to torch.compile the training model: flag "1" / "0", or "auto" (on for CUDA). A device that compile cannot

@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from nanochat.common import autocast_for, get_compute_dtype
+from nanochat.common import autocast_for, kv_cache_dtype
 
 
 class KVCache:
@@ -330,7 +330,7 @@ class Engine:
     def _new_cache(self, batch_size, seq_len, device):
         c = self.model.config
         return KVCache(batch_size=batch_size, num_heads=c.n_kv_head, seq_len=seq_len, head_dim=c.n_embd // c.n_head,
-                       num_layers=c.n_layer, device=device, dtype=get_compute_dtype(device))
+                       num_layers=c.n_layer, device=device, dtype=kv_cache_dtype(device))
 
     def _forward(self, ids, cache, device):
         """Logits (B, V) for the position after ids, the cache advanced past them."""

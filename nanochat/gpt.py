@@ -54,6 +54,7 @@ position's logits per row, as a prefill needs.
 """
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat import cpu_ops
-from nanochat.common import get_compute_dtype
+from nanochat.common import bound_onednn_caches, get_compute_dtype
 
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
 ROPE_THETA = 10000.0
@@ -306,6 +307,10 @@ class CausalSelfAttention(nn.Module):
             k, v, row_mask = kv_cache.update(self.layer_idx, k, v, self.window)
         elif kv_cache is not None:
             k, v = self._cached_keys_values(kv_cache, k, v)  # everything so far, (B, H_kv, T_cache, D) views
+        # a CPU's fp32 cache under bf16 autocast (common.kv_cache_dtype): attend in fp32, autocast kept off SDPA, which
+        # it would otherwise cast back to bf16
+        attend_in_fp32 = q.dtype != k.dtype
+        q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
         if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_fp32_training(q, k, v):
@@ -317,8 +322,9 @@ class CausalSelfAttention(nn.Module):
             else:
                 # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
                 # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                   enable_gqa=self.n_kv_head != self.n_head)
+                with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext():
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                       enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -457,11 +463,14 @@ class GPT(nn.Module):
         the weights three times (fp32 in, bf16 out, bf16 in) and ran slower than fp32, and a server's memory grew with
         the copies. The stored values are the ones autocast would make, so the outputs stay bit for bit those of the
         fp32 weights under autocast. Embeddings, norms and scalars stay fp32. Not for training or saving: the fp32
-        weights are gone. A no-op anywhere else (fp32, or a GPU, where it is not measured).
+        weights are gone. It also bounds oneDNN's per-shape kernel caches (common.bound_onednn_caches), which a
+        generating process fills with a new shape per batch size and prompt length. A no-op anywhere else (fp32, or a
+        GPU, where it is not measured).
         """
         device = self.get_device()
         if device.type != "cpu" or get_compute_dtype(device) != torch.bfloat16:
             return self
+        bound_onednn_caches()  # the bf16 matmuls' kernels, one per shape: a server meets many
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.data = module.weight.data.to(torch.bfloat16)

@@ -33,7 +33,7 @@ from nanochat.chat import (MODEL_MARKUP, SEED_MODULUS, Finish, MarkupWriter, Pie
                            openai_model_card, openai_usage, openai_usage_chunk, parts_as_markup, prompt_budget,
                            read_sampling, validate_messages)
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, compute_init, get_compute_dtype, print0
+from nanochat.common import UserError, compute_init, kv_cache_dtype, print0
 
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/chat.py is well under this, JSON-escaped
@@ -657,7 +657,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
             model.cast_linears_for_inference()  # generation only: bf16 weights once on a bf16 CPU
             c = model.config
             row_bytes = 2 * c.n_layer * c.sequence_len * c.n_kv_head * (c.n_embd // c.n_head) * \
-                torch.finfo(get_compute_dtype(worker_device)).bits // 8
+                torch.finfo(kv_cache_dtype(worker_device)).bits // 8
             budget = kv_budget_bytes(worker_device, kv_memory_gib) // (count if worker_device.type != "cuda" else 1)
             rows = min(max_batch, budget // row_bytes)
             if rows < 1:

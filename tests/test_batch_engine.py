@@ -4,6 +4,9 @@ at any step, and each row's tokens are what decoding it alone gives; prefill is 
 per-row sampling, stop tokens, max_tokens and calculator output; one KV cache, reused.
 """
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +20,7 @@ from nanochat.gpt import GPTConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXT = 64  # with sliding_window the short layers see 32 positions: these prompts and replies cross that
 
 
@@ -78,9 +82,11 @@ def test_rows_decode_together_exactly_as_each_alone(model, tokenizer):  # noqa: 
 
 
 def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatch):  # noqa: F811
-    """The compute dtype of a GPU, or of a CPU with native bf16: a bf16 cache, values that come out of the value
-    embeddings in fp32; rows of different lengths decode together as each does alone in bf16."""
+    """A GPU's dtypes: bf16 autocast and a bf16 cache, values that come out of the value embeddings in fp32; rows of
+    different lengths decode together as each does alone in bf16."""
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    for module in ("nanochat.batch_engine", "nanochat.engine"):  # a CPU's cache is fp32: stand in for a GPU's
+        monkeypatch.setattr(f"{module}.kv_cache_dtype", lambda device: torch.bfloat16)
     ps = prompts(tokenizer, [3, 21])
     greedy = Sampling(temperature=0.0, max_tokens=12)
     engine = BatchEngine(model, tokenizer, max_batch=2, prefill_chunk=8)
@@ -88,6 +94,29 @@ def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatc
     tokens, seqs, _ = run(engine, {0: [(ps[0], greedy)], 2: [(ps[1], greedy)]})
     for prompt, seq in zip(ps, seqs):
         assert tokens[id(seq)] == alone(model, tokenizer, prompt, 12, temperature=0.0)
+
+
+
+def test_a_cpu_in_bf16_caches_and_attends_in_fp32(model, tokenizer, monkeypatch):  # noqa: F811
+    """On a bf16 CPU the cache is fp32 and decode attention runs in fp32 with autocast off (torch's CPU attention is
+    4-7x slower in bf16 for one query per row); rows still decode together as each does alone."""
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    seen, sdpa = [], F.scaled_dot_product_attention
+    def recording_sdpa(q, k, v, **kwargs):
+        seen.append((q.size(2), q.dtype, k.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(q, k, v, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    ps = prompts(tokenizer, [4, 13])
+    greedy = Sampling(temperature=0.0, max_tokens=10)
+    engine = BatchEngine(model, tokenizer, max_batch=2, prefill_chunk=8)
+    assert engine.cache.k_cache.dtype == torch.float32
+    tokens, seqs, _ = run(engine, {0: [(ps[0], greedy)], 1: [(ps[1], greedy)]})
+    decode_calls = [call for call in seen if call[0] == 1]
+    assert decode_calls and all(call[1:] == (torch.float32, torch.float32, False) for call in decode_calls)
+    for prompt, seq in zip(ps, seqs):
+        assert tokens[id(seq)] == alone(model, tokenizer, prompt, 10, temperature=0.0)
 
 
 def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, monkeypatch):  # noqa: F811
@@ -101,7 +130,10 @@ def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, m
     assert fp32_copy.lm_head.weight.dtype == torch.float32
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setattr("nanochat.gpt.get_compute_dtype", lambda device: torch.bfloat16)
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
     cast = copy.deepcopy(model).cast_linears_for_inference()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "64"  # bounded
     assert cast.transformer.h[0].attn.c_q.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
     assert cast.transformer.wte.weight.dtype == torch.float32  # embeddings (and norms, scalars) stay fp32
     ids = torch.tensor([prompts(tokenizer, [30])[0]])
@@ -110,6 +142,30 @@ def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, m
     prompt = prompts(tokenizer, [9])[0]
     assert alone(cast, tokenizer, prompt, 16, temperature=0.0) == alone(model, tokenizer, prompt, 16, temperature=0.0)
 
+
+
+BF16_SHAPES_SCRIPT = """
+import os, torch
+from nanochat.common import bound_onednn_caches
+bound_onednn_caches()
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+weight = torch.randn(512, 256, dtype=torch.bfloat16)
+torch.nn.functional.linear(torch.randn(1, 256, dtype=torch.bfloat16), weight)
+before = rss_mib()
+for rows in range(2, 202):  # a server's decode steps and prefills: a new batch shape again and again
+    torch.nn.functional.linear(torch.randn(rows, 256, dtype=torch.bfloat16), weight)
+print(rss_mib() - before)
+"""
+
+
+def test_bf16_matmuls_of_ever_new_shapes_keep_memory_bounded():
+    """oneDNN keeps ~0.7 MiB per bf16 matmul shape in caches of 1024 entries; a generating process bounds them
+    (common.bound_onednn_caches), else 200 batch shapes cost ~130 MiB here and a server's memory grew with load."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", BF16_SHAPES_SCRIPT], capture_output=True, text=True, check=True,
+                         env=dict(env, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"))
+    assert float(out.stdout.strip()) < 70
 
 def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [6, 11])

@@ -179,6 +179,7 @@ def test_bf16_kv_cache_decoding_follows_bf16_recompute(monkeypatch, tokenizer, s
     from nanochat.gpt import GPTConfig, build_model
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setattr("nanochat.engine.kv_cache_dtype", lambda device: torch.bfloat16)  # a GPU's (a CPU's is fp32)
     torch.manual_seed(1)
     config = GPTConfig(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
     model = build_model(config, "cpu").eval()

@@ -8,7 +8,7 @@ import time
 import torch
 
 from nanochat.bench.common import BENCH_TOKENIZER_VOCAB, OtherLoad, emit_json, ensure_data, machine_info, print_table
-from nanochat.common import UserError, autocast_for, compute_init, get_compute_dtype
+from nanochat.common import UserError, autocast_for, compute_init, get_compute_dtype, kv_cache_dtype
 
 
 def engine_model(args, device):
@@ -53,7 +53,7 @@ def decode_step_ms(model, cached_len, batch, steps, device, sync):
     c = model.config
     with torch.inference_mode(), autocast_for(device):
         cache = KVCache(batch, c.n_kv_head, cached_len + steps + 2, c.n_embd // c.n_head, c.n_layer, device,
-                        get_compute_dtype(device))
+                        kv_cache_dtype(device))
         cache.k_cache.normal_()
         cache.v_cache.normal_()
         cache.advance(cached_len)
@@ -92,7 +92,7 @@ def cmd_engine(args):
         prefill_s = []
         for _ in range(args.repeats):
             with torch.inference_mode(), autocast_for(device):
-                cache = KVCache(1, c.n_kv_head, len(prompt), c.n_embd // c.n_head, c.n_layer, device, get_compute_dtype(device))
+                cache = KVCache(1, c.n_kv_head, len(prompt), c.n_embd // c.n_head, c.n_layer, device, kv_cache_dtype(device))
                 ids = torch.tensor([prompt], device=device)
                 sync()
                 t0 = time.perf_counter()
