@@ -252,12 +252,28 @@ class BatchEngine:
             to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
             if to_feed:
                 self.shared_steps += len(to_feed) > 1
-                ids = torch.tensor([[seq.next_input] for seq in to_feed], dtype=torch.long, device=self.device)
+                padding = self._padding_rows(len(to_feed))
+                rows = sorted([seq.row for seq in to_feed] + padding)
+                inputs = {seq.row: seq.next_input for seq in to_feed}
+                ids = torch.tensor([[inputs.get(row, 0)] for row in rows], dtype=torch.long, device=self.device)
                 with autocast_for(self.device):
-                    logits = self.model.forward(ids, kv_cache=self.cache.rows(seq.row for seq in to_feed))[:, -1, :]
-                for i, seq in enumerate(to_feed):
-                    seq.logits = logits[i:i + 1]
+                    logits = self.model.forward(ids, kv_cache=self.cache.rows(rows))[:, -1, :]
+                for row in padding:  # a free row wrote one position that nothing reads: it stays empty
+                    self.cache.reset(row)
+                where = {row: i for i, row in enumerate(rows)}
+                for seq in to_feed:
+                    seq.logits = logits[where[seq.row]:where[seq.row] + 1]
         return emitted
+
+    def _padding_rows(self, count):
+        """
+        Free rows that round a decode step's batch up to the next of 1, 2, 4, 8, then a multiple of 8 (as many as are
+        free). On a CPU each new batch size is a new shape for oneDNN's bf16 kernels, compiled once per shape and kept
+        in a bounded cache (common.bound_onednn_caches): rows that join and leave every few steps kept compiling them.
+        A padding row costs a little compute; it writes one position of a free row, which is reset after.
+        """
+        target = min(self.max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
+        return heapq.nsmallest(target - count, self.free_rows) if target > count else []
 
     def _admit(self):
         while self.waiting and len(self.waiting[0]) <= len(self.free_rows):

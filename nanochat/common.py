@@ -267,13 +267,15 @@ def get_compute_dtype(device):
     return requested
 
 
-def bound_onednn_caches(capacity=64):
+def bound_onednn_caches(capacity=32):
     """
     Bound the memory of oneDNN, which runs torch's bf16 matmuls on a CPU. It compiles a kernel for each shape it meets
     and keeps ~0.7 MiB per shape in two caches of 1024 entries (oneDNN's own and ideep's): a server meets a new shape
     for every batch size and prompt length, so its memory grew with load (+24 % in bench serve) and stopped only
-    near a gigabyte. A process that generates calls this before its first matmul (the caches read the variables
-    once); training meets a few fixed shapes and keeps the defaults. A variable the user set wins.
+    near a gigabyte. 32 entries hold a decode step's shapes (BatchEngine rounds its batch sizes to a few) with room for
+    prefills: measured in bench serve, 64 gave the same tok/s with more memory, 16 a little slower. A process that
+    generates calls this before its first matmul (the caches read the variables once); training meets a few fixed
+    shapes and keeps the defaults. A variable the user set wins.
     """
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))

@@ -133,7 +133,7 @@ def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, m
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         monkeypatch.delenv(name, raising=False)
     cast = copy.deepcopy(model).cast_linears_for_inference()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "64"  # bounded
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "32"  # bounded
     assert cast.transformer.h[0].attn.c_q.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
     assert cast.transformer.wte.weight.dtype == torch.float32  # embeddings (and norms, scalars) stay fp32
     ids = torch.tensor([prompts(tokenizer, [30])[0]])
@@ -178,6 +178,26 @@ def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer)
     other, seqs_other, _ = run(BatchEngine(model, tokenizer, max_batch=1), {0: [(ps[0], sampled(8))]})
     assert other[id(seqs_other[0])] != by_itself[id(seqs[0])]
 
+
+
+def test_decode_batches_round_up_with_free_rows_that_stay_empty(model, tokenizer, monkeypatch):  # noqa: F811
+    """Three rows decode as a batch of 4 (a free row pads it: oneDNN then meets few batch shapes), each row's tokens
+    still what it gives alone, and the padding row is left empty, so it never fills up over many steps."""
+    ps = prompts(tokenizer, [2, 7, 12])
+    engine = BatchEngine(model, tokenizer, max_batch=8)
+    batches, forward = [], model.forward
+    def recording_forward(ids, **kwargs):
+        if ids.size(1) == 1:
+            batches.append(ids.size(0))
+        return forward(ids, **kwargs)
+    monkeypatch.setattr(model, "forward", recording_forward)
+    greedy = Sampling(temperature=0.0, max_tokens=CONTEXT)  # up to the context: a padding row that kept its
+    tokens, seqs, _ = run(engine, {0: [(p, greedy) for p in ps]})  # writes would run out of room and raise
+    assert batches[0] == 4 and set(batches) <= {1, 2, 4}
+    assert engine.cache.lengths == [0] * 8
+    monkeypatch.undo()
+    for prompt, seq in zip(ps, seqs):
+        assert tokens[id(seq)] == alone(model, tokenizer, prompt, CONTEXT, temperature=0.0)
 
 def test_rows_leave_at_max_tokens_or_on_cancel_and_the_rest_go_on(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [3, 9, 14])
