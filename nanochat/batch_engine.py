@@ -23,8 +23,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanochat.common import autocast_for, kv_cache_dtype
+from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
 from nanochat.engine import ChatTokens, ToolState, sample_next_tokens
+
+
+def kv_row_bytes(config, device):
+    """The KV cache of one sequence of the model's full context, in bytes."""
+    c = config
+    return 2 * c.n_layer * c.sequence_len * c.n_kv_head * (c.n_embd // c.n_head) * \
+        torch.finfo(kv_cache_dtype(device)).bits // 8
+
+
+def kv_budget_bytes(device, kv_memory_gib=None):
+    """What the KV caches may take on this device: kv_memory_gib, else half the GPU's free memory once the model
+    is loaded, or on a CPU a quarter of the RAM (at most 4 GiB)."""
+    if kv_memory_gib is not None:
+        return int(kv_memory_gib * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    import psutil
+
+    return min(4 * 2**30, psutil.virtual_memory().total // 4)
 
 
 class RowKVCache:
@@ -199,6 +219,8 @@ class BatchEngine:
         self.waiting = deque()  # groups (lists of sequences) not yet given rows
         self.running = []  # sequences holding a row, in admission order
         self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
+        # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
+        self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
 
     # -- requests ----------------------------------------------------------------------
 
@@ -252,8 +274,9 @@ class BatchEngine:
             to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
             if to_feed:
                 self.shared_steps += len(to_feed) > 1
-                padding = self._padding_rows(len(to_feed))
-                rows = sorted([seq.row for seq in to_feed] + padding)
+                fed = [seq.row for seq in to_feed]
+                padding = self._padding_rows(fed) if self.round_batches else []
+                rows = sorted(fed + padding)
                 inputs = {seq.row: seq.next_input for seq in to_feed}
                 ids = torch.tensor([[inputs.get(row, 0)] for row in rows], dtype=torch.long, device=self.device)
                 with autocast_for(self.device):
@@ -265,15 +288,23 @@ class BatchEngine:
                     seq.logits = logits[where[seq.row]:where[seq.row] + 1]
         return emitted
 
-    def _padding_rows(self, count):
+    def _padding_rows(self, fed):
         """
-        Free rows that round a decode step's batch up to the next of 1, 2, 4, 8, then a multiple of 8 (as many as are
-        free). On a CPU each new batch size is a new shape for oneDNN's bf16 kernels, compiled once per shape and kept
-        in a bounded cache (common.bound_onednn_caches): rows that join and leave every few steps kept compiling them.
-        A padding row costs a little compute; it writes one position of a free row, which is reset after.
+        Free rows that round a decode step's batch of rows `fed` (sorted) up to the next of 1, 2, 4, 8, then a multiple
+        of 8 (as many as are free): gaps inside the run first, then the rows right after it, then before it, so that
+        the rows stay one run where they can (read as a slice, not gathered). On a bf16 CPU each new batch size is a new shape for oneDNN's kernels, compiled
+        once per shape and kept in a bounded cache (common.bound_onednn_caches): rows that join and leave every few
+        steps kept compiling them. A padding row costs a little compute; it writes one position of a free row, which is
+        reset after.
         """
+        count = len(fed)
         target = min(self.max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
-        return heapq.nsmallest(target - count, self.free_rows) if target > count else []
+        if target <= count:
+            return []
+        free = sorted(self.free_rows)
+        after = [row for row in free if row > fed[-1]]
+        before = [row for row in reversed(free) if row < fed[0]]
+        return ([row for row in free if fed[0] < row < fed[-1]] + after + before)[:target - count]
 
     def _admit(self):
         while self.waiting and len(self.waiting[0]) <= len(self.free_rows):

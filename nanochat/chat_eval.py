@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import dist_rank_world, print0
-from nanochat.batch_engine import BatchEngine, Sampling
+from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
 
 
 def _reduce_counts(counts, device):
@@ -60,6 +60,8 @@ def generate_replies(model, tokenizer, conversations, max_tokens, temperature=0.
     The model's reply to each conversation as text (tool calls and outputs included), or None where the prompt leaves
     no room; all of them decoded together, up to max_batch at a time (BatchEngine), each with its own seed.
     """
+    device = model.get_device()  # fewer rows than max_batch where their KV cache would not fit, as chat_web's
+    max_batch = max(1, min(max_batch, kv_budget_bytes(device) // kv_row_bytes(model.config, device)))
     engine = BatchEngine(model, tokenizer, max_batch=max_batch)
     seeds = list(range(len(conversations))) if seeds is None else seeds
     replies, asked, tokens = [None] * len(conversations), [], {}  # asked keeps each sequence, so its id stays its own

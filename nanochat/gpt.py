@@ -309,8 +309,9 @@ class CausalSelfAttention(nn.Module):
             k, v = self._cached_keys_values(kv_cache, k, v)  # everything so far, (B, H_kv, T_cache, D) views
         # a CPU's fp32 cache under bf16 autocast (common.kv_cache_dtype): attend in fp32, autocast kept off SDPA, which
         # it would otherwise cast back to bf16
-        attend_in_fp32 = q.dtype != k.dtype
-        q = q.to(k.dtype)
+        attend_in_fp32 = k.dtype == torch.float32 and q.dtype != k.dtype
+        if attend_in_fp32:
+            q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
         if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_fp32_training(q, k, v):

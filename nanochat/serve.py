@@ -26,14 +26,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
-from nanochat.batch_engine import BatchEngine, Sampling
+from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
 from nanochat.chat import (MODEL_MARKUP, SEED_MODULUS, Finish, MarkupWriter, Piece, ReplyStream, RequestError,
                            fit_conversation,
                            model_summary, openai_chunk, openai_completion, openai_error, openai_head,
                            openai_model_card, openai_usage, openai_usage_chunk, parts_as_markup, prompt_budget,
                            read_sampling, validate_messages)
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, compute_init, kv_cache_dtype, print0
+from nanochat.common import UserError, compute_init, print0
 
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/chat.py is well under this, JSON-escaped
@@ -606,17 +606,6 @@ def bind_socket(host, port):
     return sock
 
 
-def kv_budget_bytes(device, kv_memory_gib):
-    """What the KV caches may take on this device: --kv-memory-gib, else half the GPU's free memory once the model
-    is loaded, or on a CPU a quarter of the RAM (at most 4 GiB)."""
-    if kv_memory_gib is not None:
-        return int(kv_memory_gib * 2**30)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    import psutil
-
-    return min(4 * 2**30, psutil.virtual_memory().total // 4)
 
 
 def serving_threads(device, threads):
@@ -655,9 +644,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
             print0(f"loading the {source} model on {worker_device} ...")
             model, tokenizer, meta = load_model(source, worker_device, model_tag=model_tag, step=step)
             model.cast_linears_for_inference()  # generation only: bf16 weights once on a bf16 CPU
-            c = model.config
-            row_bytes = 2 * c.n_layer * c.sequence_len * c.n_kv_head * (c.n_embd // c.n_head) * \
-                torch.finfo(kv_cache_dtype(worker_device)).bits // 8
+            row_bytes = kv_row_bytes(model.config, worker_device)
             budget = kv_budget_bytes(worker_device, kv_memory_gib) // (count if worker_device.type != "cuda" else 1)
             rows = min(max_batch, budget // row_bytes)
             if rows < 1:

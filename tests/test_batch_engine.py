@@ -131,7 +131,8 @@ def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, m
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setattr("nanochat.gpt.get_compute_dtype", lambda device: torch.bfloat16)
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so the test's end restores whatever was there (or nothing)
+        monkeypatch.delenv(name)
     cast = copy.deepcopy(model).cast_linears_for_inference()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "32"  # bounded
     assert cast.transformer.h[0].attn.c_q.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
@@ -145,9 +146,10 @@ def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, m
 
 
 BF16_SHAPES_SCRIPT = """
-import os, torch
+import os, sys, torch
 from nanochat.common import bound_onednn_caches
-bound_onednn_caches()
+if sys.argv[1] == "bounded":
+    bound_onednn_caches()
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 weight = torch.randn(512, 256, dtype=torch.bfloat16)
@@ -162,10 +164,34 @@ print(rss_mib() - before)
 def test_bf16_matmuls_of_ever_new_shapes_keep_memory_bounded():
     """oneDNN keeps ~0.7 MiB per bf16 matmul shape in caches of 1024 entries; a generating process bounds them
     (common.bound_onednn_caches), else 200 batch shapes cost ~130 MiB here and a server's memory grew with load."""
+    from nanochat.common import has_fast_bf16
+
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    out = subprocess.run([sys.executable, "-c", BF16_SHAPES_SCRIPT], capture_output=True, text=True, check=True,
-                         env=dict(env, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"))
-    assert float(out.stdout.strip()) < 70
+    def growth_mib(mode):
+        out = subprocess.run([sys.executable, "-c", BF16_SHAPES_SCRIPT, mode], capture_output=True, text=True,
+                             check=True, env=dict(env, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1"))
+        return float(out.stdout.strip())
+    assert growth_mib("bounded") < 70
+    if has_fast_bf16(torch.device("cpu")):  # bf16 matmuls in oneDNN (this CPU): unbounded, the same loop grows
+        assert growth_mib("default") > 100
+
+
+def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer, monkeypatch):  # noqa: F811
+    """chat_eval decodes up to 32 problems at once, but no more rows than the device's KV budget holds (a CPU's cache
+    is fp32: an imported d20 would otherwise allocate 13 GB), and the replies do not depend on the batch."""
+    from nanochat import chat_eval
+    from nanochat.batch_engine import kv_row_bytes
+
+    engines, batch_engine = [], chat_eval.BatchEngine
+    def recording_engine(*args, **kwargs):
+        engines.append(batch_engine(*args, **kwargs))
+        return engines[-1]
+    monkeypatch.setattr(chat_eval, "BatchEngine", recording_engine)
+    conversations = [{"messages": [{"role": "user", "content": f"tell me {word}"}]} for word in ("one", "two", "three")]
+    wide = chat_eval.generate_replies(model, tokenizer, conversations, max_tokens=6)
+    monkeypatch.setattr(chat_eval, "kv_budget_bytes", lambda device: 2 * kv_row_bytes(model.config, device) + 1)
+    narrow = chat_eval.generate_replies(model, tokenizer, conversations, max_tokens=6)
+    assert [engine.max_batch for engine in engines] == [32, 2] and narrow == wide
 
 def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [6, 11])
@@ -181,9 +207,12 @@ def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer)
 
 
 def test_decode_batches_round_up_with_free_rows_that_stay_empty(model, tokenizer, monkeypatch):  # noqa: F811
-    """Three rows decode as a batch of 4 (a free row pads it: oneDNN then meets few batch shapes), each row's tokens
-    still what it gives alone, and the padding row is left empty, so it never fills up over many steps."""
+    """On a bf16 CPU three rows decode as a batch of 4 (a free row pads it: oneDNN then meets few batch shapes), each
+    row's tokens still what it gives alone, and the padding row is left empty after every step. In fp32 (MKL, no
+    per-shape kernels) batches are not rounded."""
     ps = prompts(tokenizer, [2, 7, 12])
+    assert not BatchEngine(model, tokenizer, max_batch=8).round_batches
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     engine = BatchEngine(model, tokenizer, max_batch=8)
     batches, forward = [], model.forward
     def recording_forward(ids, **kwargs):
@@ -191,13 +220,18 @@ def test_decode_batches_round_up_with_free_rows_that_stay_empty(model, tokenizer
             batches.append(ids.size(0))
         return forward(ids, **kwargs)
     monkeypatch.setattr(model, "forward", recording_forward)
-    greedy = Sampling(temperature=0.0, max_tokens=CONTEXT)  # up to the context: a padding row that kept its
-    tokens, seqs, _ = run(engine, {0: [(p, greedy) for p in ps]})  # writes would run out of room and raise
+    greedy = Sampling(temperature=0.0, max_tokens=CONTEXT)
+    tokens, seqs, _ = run(engine, {0: [(p, greedy) for p in ps]})
     assert batches[0] == 4 and set(batches) <= {1, 2, 4}
-    assert engine.cache.lengths == [0] * 8
-    monkeypatch.undo()
+    assert engine.cache.lengths == [0] * 8  # row 3 padded every step and was never admitted: nothing kept
+    monkeypatch.setattr(model, "forward", forward)
     for prompt, seq in zip(ps, seqs):
         assert tokens[id(seq)] == alone(model, tokenizer, prompt, CONTEXT, temperature=0.0)
+    assert engine._padding_rows([0, 2, 5]) == [1]  # a gap inside the run first, then after it, then before
+    engine.free_rows = [0, 1, 2, 6, 7]
+    assert engine._padding_rows([3, 4, 5]) == [6] and engine._padding_rows([3, 4, 5, 6]) == []
+    engine.free_rows = [0, 1, 2]
+    assert engine._padding_rows([3, 4, 5, 6, 7]) == [2, 1, 0]
 
 def test_rows_leave_at_max_tokens_or_on_cancel_and_the_rest_go_on(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [3, 9, 14])
