@@ -28,9 +28,9 @@ from nanochat.engine import ChatTokens, ToolState, sample_next_tokens
 
 
 def kv_row_bytes(config, device):
-    """The KV cache of one sequence of the model's full context, in bytes."""
-    c = config
-    return 2 * c.n_layer * c.sequence_len * c.n_kv_head * (c.n_embd // c.n_head) * \
+    """The KV cache of one sequence of the model's full context, in bytes: keys and values, every layer."""
+    head_dim = config.n_embd // config.n_head
+    return 2 * config.n_layer * config.sequence_len * config.n_kv_head * head_dim * \
         torch.finfo(kv_cache_dtype(device)).bits // 8
 
 
@@ -292,10 +292,10 @@ class BatchEngine:
         """
         Free rows that round a decode step's batch of rows `fed` (sorted) up to the next of 1, 2, 4, 8, then a multiple
         of 8 (as many as are free): gaps inside the run first, then the rows right after it, then before it, so that
-        the rows stay one run where they can (read as a slice, not gathered). On a bf16 CPU each new batch size is a new shape for oneDNN's kernels, compiled
-        once per shape and kept in a bounded cache (common.bound_onednn_caches): rows that join and leave every few
-        steps kept compiling them. A padding row costs a little compute; it writes one position of a free row, which is
-        reset after.
+        the rows stay one run where they can (read as a slice, not gathered). On a bf16 CPU each new batch size is a
+        new shape for oneDNN's kernels, compiled once per shape and kept in a bounded cache
+        (common.bound_onednn_caches): rows that join and leave every few steps kept compiling them. A padding row
+        costs a little compute; it writes one position of a free row, which is reset after.
         """
         count = len(fed)
         target = min(self.max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)

@@ -606,8 +606,6 @@ def bind_socket(host, port):
     return sock
 
 
-
-
 def serving_threads(device, threads):
     """torch's intra-op threads for serving: the flag, else $OMP_NUM_THREADS, else on a CPU one fewer than its cores.
     A small model's decode step is many small ops that a second thread barely speeds up (measured: 2 threads 25 %
