@@ -519,9 +519,9 @@ def generate_replies(engine, prompt_ids, num_samples=1, max_tokens=256, temperat
 # Models
 
 
-def model_summary(meta, model, device, source):
-    """What was loaded, as a dict for /health and a one-line description for logs."""
-    info = {
+def model_info(meta, model, device, source):
+    """What was loaded, as a dict (for /health)."""
+    return {
         "source": source,
         "tag": meta.get("model_tag"),
         "step": meta.get("step"),
@@ -529,6 +529,15 @@ def model_summary(meta, model, device, source):
         "context": model.config.sequence_len,
         "device": str(device),
     }
-    line = (f"{source} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params, "
+
+
+def summary_line(info):
+    """model_info's dict as a line for logs."""
+    return (f"{info['source']} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params, "
             f"context {info['context']} tokens, on {info['device']}")
-    return info, line
+
+
+def model_summary(meta, model, device, source):
+    """What was loaded, as a dict for /health and a one-line description for logs."""
+    info = model_info(meta, model, device, source)
+    return info, summary_line(info)

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from nanochat.bench.serve import ChatWeb
@@ -329,6 +330,58 @@ def test_queue_timeout_gives_503_not_a_hang(web_base_dir):
         assert httpx.post(f"{busy.url}/v1/chat/completions", json=short, timeout=30).status_code == 200
     finally:
         busy.stop()
+
+
+def test_a_dead_worker_fails_its_requests_and_a_dead_server_takes_its_workers_along(web_base_dir):
+    """Each worker is a process: one killed mid-reply ends its stream with the reason while the other worker goes on
+    answering; a server killed outright (no shutdown code runs) leaves no worker behind."""
+    two = Server(web_base_dir, "--workers", "2", "--queue-timeout", "60")
+    try:
+        server = psutil.Process(two.process.pid)
+        first, second = sorted(server.children(), key=lambda p: p.create_time())  # workers 0 and 1
+        body = {"messages": HELLO, "max_tokens": LONG_REPLY}
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{two.url}/chat/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")  # both idle: worker 0, the first of the least loaded, writes it
+            first.kill()
+            rest = "\n".join(lines)  # ends instead of hanging
+        assert "worker 0 exited" in rest and '"error"' in rest
+        short = httpx.post(f"{two.url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=30)
+        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
+        server.kill()
+        _, alive = psutil.wait_procs([second], timeout=10)
+        assert not alive, "the worker outlived its server"
+    finally:
+        two.stop()
+
+
+def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokenizer, monkeypatch):
+    """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
+    model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
+    from nanochat.batch_engine import Sampling
+    from nanochat.chat import Finish
+    from nanochat.serve import Admitted, Ended, load_workers
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
+    workers, _, info = load_workers("sft", None, None, "cpu", 1, 3, threads=1, start_method="spawn")
+    (worker,) = workers
+    try:
+        assert worker.rows == 3 and info["context"] == CONTEXT and info["params"] > 0
+        prompt = tokenizer.render_for_completion({"messages": HELLO})
+        worker.conn.send(("add", 7, prompt, [Sampling(temperature=0.0, max_tokens=5)], [], True))
+        events = []
+        while not any(isinstance(e, Ended) for e in events):
+            assert worker.conn.poll(30), "the worker stopped answering"
+            kind, ready, occupancy = worker.conn.recv()
+            events += [e for key, batch in ready if key == 7 for e in batch]
+        assert isinstance(events[0], Admitted) and occupancy["rows"] == 3
+        finish = next(e for e in events if isinstance(e, Finish))
+        assert finish.completion_tokens == 5 and events[-1].tokens == 5
+        worker.stop()
+        worker.process.join(10)
+        assert worker.process.exitcode == 0
+    finally:
+        worker.join(1)
 
 
 # -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 of the CPU preset's shape), then drives it over loopback with the real `openai` async client at each concurrency:
 that many clients at once, each streaming greedy replies of --max-tokens tokens, until --requests have been asked
 (or --seconds have passed). Per level: aggregate completion tok/s, first-token and total latency (p50, p99), errors;
-and the server's RSS before and after. Every --max-batch given is a server of its own: `--max-batch 1 64` sets
+and the server's memory (PSS of the server and its worker processes) before and after. Every --max-batch given is a server of its own: `--max-batch 1 64` sets
 one-at-a-time decoding beside continuous batching.
 """
 
@@ -78,12 +78,23 @@ class ChatWeb:
             self.stop()
             raise RuntimeError("chat_web did not start:\n" + "".join(self.lines[-30:]))
 
-    def rss(self):
-        return psutil.Process(self.process.pid).memory_info().rss
+    def processes(self):
+        """The server and its worker processes."""
+        server = psutil.Process(self.process.pid)
+        return [server] + server.children(recursive=True)
+
+    def memory(self):
+        """The server's memory, its workers' included: the sum of their PSS (each shared page counted once, split
+        between the processes that share it; a forked worker shares the server's copy of the weights), RSS where the
+        system has no PSS."""
+        total = 0
+        for process in self.processes():
+            info = process.memory_full_info()
+            total += getattr(info, "pss", info.rss)
+        return total
 
     def cpu_seconds(self):
-        times = psutil.Process(self.process.pid).cpu_times()
-        return times.user + times.system
+        return sum(t.user + t.system for t in (p.cpu_times() for p in self.processes()))
 
     def stop(self):
         self.process.terminate()
@@ -154,7 +165,7 @@ def cmd_serve(args):
         server = ChatWeb(base_dir, flags, args.threads)
         try:
             asyncio.run(drive(server.url, 1, 2, 60, 4))  # warm-up: first allocations, code paths
-            rss_before = server.rss()
+            memory_before = server.memory()
             for concurrency in args.concurrency:
                 requests = max(args.requests, concurrency)
                 server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
@@ -175,10 +186,10 @@ def cmd_serve(args):
                 runs.append(run)
                 log(f"  max-batch {max_batch}, concurrency {concurrency}: {run['tok_per_s']:.0f} tok/s, first token p50 "
                     f"{run['first_token_p50_s'] or 0:.2f}s, {len(errors)} errors")
-            rss_after = server.rss()
+            memory_after = server.memory()
             for run in runs:
                 if run["max_batch"] == max_batch:
-                    run.update(rss_before_mib=rss_before / 2**20, rss_after_mib=rss_after / 2**20)
+                    run.update(memory_before_mib=memory_before / 2**20, memory_after_mib=memory_after / 2**20)
         finally:
             server.stop()
     for r in runs:
@@ -187,9 +198,9 @@ def cmd_serve(args):
                      f"{r['tok_per_s']:.0f}", fmt(r["first_token_p50_s"]), fmt(r["first_token_p99_s"]),
                      fmt(r["latency_p50_s"]), fmt(r["latency_p99_s"]), f"{r['mean_tokens']:.0f}",
                      f"{r['server_cores']:.2f} / {r['client_cores']:.2f}",
-                     f"{r['rss_before_mib']:.0f} -> {r['rss_after_mib']:.0f}"])
+                     f"{r['memory_before_mib']:.0f} -> {r['memory_after_mib']:.0f}"])
     print_table(f"serve: {source}/{tag or 'latest'}, greedy streamed replies of up to {args.max_tokens} tokens",
                 ["max batch", "concurrency", "done", "errors", "tok/s", "first p50 s", "first p99 s", "total p50 s",
-                 "total p99 s", "tokens/reply", "cores server/clients", "server RSS MiB"], rows)
+                 "total p99 s", "tokens/reply", "cores server/clients", "server memory MiB"], rows)
     emit_json({"bench": "serve", "machine": machine_info(), "source": source, "tag": tag, "max_tokens": args.max_tokens,
                "runs": runs})
