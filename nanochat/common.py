@@ -367,9 +367,7 @@ def compute_init(device_type=""):
     is_ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        use_cuda_device(device)
     else:
         device = torch.device(device_type)
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ and world_size > 1:
@@ -384,6 +382,25 @@ def compute_init(device_type=""):
         dist.barrier()
         start_failure_watch(rank)
     return is_ddp, rank, local_rank, world_size, device
+
+
+def use_cuda_device(device):
+    """Make `device` this process's current GPU (where CUDA ops go by default), with TF32 matmuls allowed."""
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def return_freed_memory():
+    """Hand the memory glibc malloc holds free back to the kernel (malloc_trim). Linux/glibc only; a no-op elsewhere."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return
 
 
 def keep_freed_memory_in_process():

@@ -10,16 +10,18 @@ OpenAI API's response shapes, are in nanochat/chat.py.
 """
 
 import asyncio
-import hmac
-import json
-import ctypes
 import gc
+import hmac
 import itertools
+import json
 import multiprocessing
 import os
+import queue
 import secrets
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 import uuid
@@ -37,7 +39,7 @@ from nanochat.chat import (MODEL_MARKUP, SEED_MODULUS, Finish, MarkupWriter, Pie
                            openai_model_card, openai_usage, openai_usage_chunk, parts_as_markup, prompt_budget,
                            read_sampling, summary_line, validate_messages)
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, compute_init, print0, resolve_device_type
+from nanochat.common import UserError, print0, resolve_device_type, return_freed_memory, use_cuda_device
 from nanochat.tokenizer import get_tokenizer
 
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
@@ -66,14 +68,13 @@ class Ended:
     tokens: int
     seconds: float
     replies_finished: int
-    admitted: bool
 
 
 class Job:
     """A request as its worker process sees it: its sequences in the engine and its replies' text so far."""
 
-    def __init__(self, key, prompt_ids, samplings, stop, chat, tokenizer):
-        self.key, self.prompt_ids, self.samplings = key, prompt_ids, samplings
+    def __init__(self, key, samplings, stop, chat, tokenizer):
+        self.key, self.samplings = key, samplings
         self.streams = [ReplyStream(tokenizer, stop, chat) for _ in samplings]
         self.seqs = []
         self.outbox = []  # events not yet sent to the server
@@ -111,7 +112,7 @@ class Job:
         if not self.ended:
             self.ended = True
             seconds = time.perf_counter() - self.started if self.started else 0.0
-            self.emit(Ended(self.tokens, seconds, self.replies_finished, self.admitted))
+            self.emit(Ended(self.tokens, seconds, self.replies_finished))
 
 
 class EngineLoop:
@@ -189,7 +190,7 @@ class EngineLoop:
             self.conn.send(("events", ready, self.engine.occupancy()))
 
     def _add(self, key, prompt_ids, samplings, stop, chat):
-        job = Job(key, prompt_ids, samplings, stop, chat, self.engine.tokenizer)
+        job = Job(key, samplings, stop, chat, self.engine.tokenizer)
         try:
             job.seqs = self.engine.add_group(prompt_ids, samplings)
         except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
@@ -210,20 +211,21 @@ class EngineLoop:
         self.ended.append(job)
 
 
-def worker_main(conn, server_conn, device, settings, preloaded):
+def worker_main(conn, inherited, device, settings, preloaded):
     """
     A worker process: load the model (or take the one the server forked with), make its engine, report ("ready",
     model info, rows, KV cache bytes) or ("failed", reason), then run the EngineLoop until the server stops it or
-    goes away. settings: load_workers' arguments.
+    goes away. settings: load_workers' arguments. inherited: what a fork copied from the server that this process
+    must not hold: the server's ends of the pipes (a server that dies must read as end-of-file to every worker).
+    It starts with SIGINT and SIGTERM ignored (load_workers): Ctrl-C or a service manager's SIGTERM reach every
+    process of the group, and the server, which stops its workers itself, must outlive them to end its requests.
     """
-    if server_conn is not None:
-        server_conn.close()  # the server's end, inherited by a fork: closed here, so its exit reads as end-of-file
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
+    for connection in inherited:
+        connection.close()
     try:
         torch.set_num_threads(settings["threads"])
-        if device.type == "cuda":  # CUDA ops default to the process's current device: this replica's GPU
-            compute_init("cuda")
-            torch.cuda.set_device(device)
+        if device.type == "cuda":
+            use_cuda_device(device)  # CUDA ops go to the process's current GPU: this replica's
         if preloaded is None:
             model, tokenizer, meta = load_model(settings["source"], device, model_tag=settings["model_tag"],
                                                 step=settings["step"])
@@ -246,18 +248,25 @@ def worker_main(conn, server_conn, device, settings, preloaded):
 
 
 class Worker:
-    """The server's handle on a worker process: the requests it was given, and the events and occupancy it reports."""
+    """
+    The server's handle on a worker process: the requests it was given, and the events and occupancy it reports.
+    Messages to the worker go out on a thread of their own: the event loop must never wait on a full pipe while the
+    worker is busy with a step (or is itself waiting for the event loop to read its events).
+    """
 
-    def __init__(self, index, device, process, conn, rows):
-        self.index, self.device, self.process, self.conn, self.rows = index, device, process, conn, rows
+    def __init__(self, index, process, conn, rows):
+        self.index, self.process, self.conn, self.rows = index, process, conn, rows
         self.generations = {}  # key -> Generation, not yet ended
         self.occupancy = {"rows": rows, "active": 0, "waiting": 0, "shared_steps": 0}
-        self.alive = True
+        self.alive, self.stopping = True, False
         self.loop = None
+        self.outgoing = queue.Queue()  # messages for the worker; None ends the sender
+        self.sender = threading.Thread(target=self._send_outgoing, name=f"worker{index}-sender", daemon=True)
 
     def start(self, loop):
         self.loop = loop
         loop.add_reader(self.conn.fileno(), self._read)
+        self.sender.start()
 
     def submit(self, generation):
         self.generations[generation.key] = generation
@@ -265,10 +274,14 @@ class Worker:
                    generation.chat))
 
     def send(self, message):
-        try:
-            self.conn.send(message)
-        except OSError:  # the process is gone; _read reports it to every request in flight
-            pass
+        self.outgoing.put(message)
+
+    def _send_outgoing(self):
+        while (message := self.outgoing.get()) is not None:
+            try:
+                self.conn.send(message)
+            except OSError:  # the process is gone; _read reports it to every request in flight
+                return
 
     def load(self):
         """Rows this worker has been asked for: where the next request goes is the least loaded worker."""
@@ -288,19 +301,27 @@ class Worker:
     def _lost(self):
         self.loop.remove_reader(self.conn.fileno())
         self.alive = False
+        self.occupancy = {**self.occupancy, "active": 0, "waiting": 0}
         self.process.join(1)
-        reason = f"generation failed: worker {self.index} exited (exit code {self.process.exitcode}); restart the server"
+        reason = (f"generation failed: worker {self.index} exited (exit code {self.process.exitcode}); "
+                  "restart the server")
         print0(reason)
         for generation in list(self.generations.values()):
-            generation.receive([reason, Ended(0, 0.0, 0, generation.was_admitted)])
+            generation.receive([reason, Ended(0, 0.0, 0)])
 
     def stop(self):
+        """Tell the worker to stop; its end is expected, not a failure to report."""
+        if self.loop is not None and self.alive:
+            self.loop.remove_reader(self.conn.fileno())
+        self.stopping, self.alive = True, False
         self.send(("stop",))
+        self.send(None)
 
     def join(self, seconds):
+        """Wait for the process to end; one that does not is killed (it ignores SIGTERM)."""
         self.process.join(seconds)
         if self.process.is_alive():
-            self.process.terminate()
+            self.process.kill()
             self.process.join(seconds)
 
 
@@ -351,9 +372,12 @@ class WorkerPool:
         except asyncio.TimeoutError:
             generation.cancel()
             self.requests_rejected += 1
-            rows = sum(w.rows for w in self.workers)
+            rows = sum(w.rows for w in alive)
             raise QueueTimeout(f"all {rows} rows of the batch stayed busy for {self.queue_timeout:g} s "
                                "(--queue-timeout); try again shortly") from None
+        except BaseException:  # the request itself was cancelled (its client left, the server is stopping)
+            generation.cancel()
+            raise
         return generation
 
     def finished(self, generation):
@@ -694,7 +718,10 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None):
         return HTMLResponse(ui_html)
 
     async def health():
-        return {"status": "ok", "workers": len(pool.workers), "auth_required": api_key is not None, "model": model_info}
+        alive = sum(1 for w in pool.workers if w.alive)
+        body = {"status": "ok" if alive else "no worker alive", "workers": alive, "auth_required": api_key is not None,
+                "model": model_info}
+        return body if alive else JSONResponse(body, status_code=503)
 
     async def stats():
         return pool.stats()
@@ -714,7 +741,8 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None):
 
 
 def bind_socket(host, port):
-    """Bind before loading the model, so a busy port is reported at once."""
+    """Bind before loading the model, so a busy port is reported at once. A forked worker closes its copy at once:
+    otherwise a server that died would leave its port held (connections hanging) until every worker noticed."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -722,18 +750,21 @@ def bind_socket(host, port):
         sock.bind(address)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") from None
+    os.register_at_fork(after_in_child=sock.close)
     return sock
 
 
-def serving_threads(device, threads):
-    """torch's intra-op threads for serving: the flag, else $OMP_NUM_THREADS, else on a CPU one fewer than its cores.
-    A small model's decode step is many small ops that a second thread barely speeds up (measured: 2 threads 25 %
-    slower at 16 rows on a 2-core CPU), while the event loop, tokenization and the clients need a core."""
+def serving_threads(device, threads, num_workers=1):
+    """torch's intra-op threads of each worker: the flag, else $OMP_NUM_THREADS, else on a CPU one fewer than its
+    cores, and with GPUs the cores shared among the workers. A small model's decode step is many small ops that a
+    second thread barely speeds up (measured: 2 threads 25 % slower at 16 rows on a 2-core CPU), while the server's
+    event loop, tokenization and the clients need a core."""
     if threads:
         return threads
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    return max(1, (os.cpu_count() or 2) - 1) if device.type == "cpu" else torch.get_num_threads()
+    cores = os.cpu_count() or 2
+    return max(1, cores - 1) if device.type == "cpu" else max(1, cores // num_workers)
 
 
 def load_workers(source, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
@@ -743,12 +774,12 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
     (num_workers 0: every GPU); on CPU every worker shares one copy of the weights (num_workers 0: one worker). Each
     worker batches up to max_batch sequences, fewer if their KV cache would not fit the memory budget.
 
-    On a CPU this process loads the model and forks the workers, which share its weights' memory and start at once.
-    A GPU's (or MPS's) worker is spawned and loads its own replica: a process that has touched CUDA cannot fork, and
-    this one does not need the weights. start_method "spawn" does that on a CPU too (the tests run the GPU's path so).
+    On a Linux CPU this process loads the model and forks the workers, which share its weights' memory and start at
+    once. Elsewhere a worker is spawned and loads its own replica: a process that has touched CUDA cannot fork (and
+    this one does not need the weights), and macOS does not fork safely. start_method "spawn" does that on a Linux
+    CPU too (the tests run the GPU's path so).
     """
     device = torch.device(resolve_device_type(device_type))
-    threads = serving_threads(device, threads)
     if device.type == "cuda":
         count = num_workers or torch.cuda.device_count()
         if not 1 <= count <= torch.cuda.device_count():
@@ -759,40 +790,57 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         if count < 1 or (device.type == "mps" and count != 1):
             raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
         devices = [device] * count
+    threads = serving_threads(device, threads, count)
     settings = {"source": source, "model_tag": model_tag, "step": step, "threads": threads, "max_batch": max_batch,
                 "kv_memory_gib": kv_memory_gib, "num_workers": count, "prefill_chunk": prefill_chunk}
     preloaded = None
-    if device.type == "cpu" and start_method in (None, "fork"):
+    if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
         # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
         torch.set_num_threads(1)
         print0(f"loading the {source} model on cpu ...")
         model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
         preloaded = (model.cast_linears_for_inference(), tokenizer, meta)  # generation only: bf16 weights once
         context = multiprocessing.get_context("fork")
+        # what loading freed (the checkpoint, the fp32 weights) back to the kernel: a worker's own allocations would
+        # otherwise reuse those pages, copying them on write, and the server would keep its copy too (measured: the
+        # server's and its worker's memory +12 % under load instead of +4 %)
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return_freed_memory()
     else:
         print0(f"loading the {source} model on {', '.join(str(d) for d in devices)} (a process each) ...")
         context = multiprocessing.get_context(start_method or "spawn")
-    workers, replies = [], []
-    for index, worker_device in enumerate(devices):
-        conn, child_conn = context.Pipe()
-        process = context.Process(target=worker_main, name=f"nanochat-worker{index}", daemon=True,
-                                  args=(child_conn, conn if preloaded else None, worker_device, settings, preloaded))
-        process.start()
-        child_conn.close()  # the worker's end lives in the worker: its exit then reads as end-of-file here
-        workers.append((index, worker_device, process, conn))
-    for index, worker_device, process, conn in workers:
-        try:
-            reply = conn.recv()
-        except EOFError:
-            process.join(5)
-            raise UserError(f"worker {index} exited while loading the model (exit code {process.exitcode})") from None
-        if reply[0] == "failed":
-            raise UserError(reply[1])
-        replies.append(reply)
-    workers = [Worker(index, worker_device, process, conn, reply[2])
-               for (index, worker_device, process, conn), reply in zip(workers, replies)]
+    started = []
+    # the workers start with SIGINT and SIGTERM ignored (worker_main says why); a spawned one keeps that while it
+    # imports torch, so an early Ctrl-C gives the server's message, not a traceback per worker
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for index, worker_device in enumerate(devices):
+            conn, child_conn = context.Pipe()
+            inherited = [c for _, _, c in started] + [conn] if preloaded else []  # a fork copies them all
+            process = context.Process(target=worker_main, name=f"nanochat-worker{index}", daemon=True,
+                                      args=(child_conn, inherited, worker_device, settings, preloaded))
+            process.start()
+            child_conn.close()  # the worker's end lives in the worker: its exit then reads as end-of-file here
+            started.append((index, process, conn))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    replies = []
+    try:
+        for index, process, conn in started:
+            try:
+                reply = conn.recv()
+            except EOFError:
+                process.join(5)
+                raise UserError(f"worker {index} exited while loading the model (exit code {process.exitcode})") from None
+            if reply[0] == "failed":
+                raise UserError(reply[1])
+            replies.append(reply)
+    except BaseException:  # one worker failed (or Ctrl-C): the others must not outlive the server
+        for _, process, _ in started:
+            process.kill()
+        raise
+    workers = [Worker(index, process, conn, reply[2]) for (index, process, conn), reply in zip(started, replies)]
     _, info, rows, cache_bytes = replies[0]
     info["device"] = ", ".join(sorted({str(d) for d in devices}))
     info["id"] = f"nanochat-{source}-{info['tag']}"

@@ -12,9 +12,9 @@ Endpoints:
     POST /v1/chat/completions   the OpenAI chat completions API, streaming or not (the `openai` client works)
     GET  /v1/models             the one model served, id "nanochat-<source>-<tag>"
 
-One worker per GPU (one on CPU) holds a model and decodes every request it has in one batch (continuous batching,
-nanochat/batch_engine.py): new requests join between steps, up to --max-batch sequences; one that waits longer than
---queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
+One worker process per GPU (one on CPU) holds a model and decodes every request it has in one batch (continuous
+batching, nanochat/batch_engine.py): new requests join between steps, up to --max-batch sequences; one that waits
+longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
 `Authorization: Bearer KEY`. The server itself (workers, batching, cancellation, both APIs) is nanochat/serve.py;
 request limits are the constants at the top of nanochat/chat.py.
 """
@@ -51,8 +51,9 @@ def parse_args(argv=None):
                    help="memory for each worker's KV cache (default: half the GPU's free memory; on a CPU a quarter "
                         "of the RAM, at most 4 GiB)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (default on a CPU: one fewer than its cores, at least 1, so the server's own "
-                        "thread and the clients keep a core; $OMP_NUM_THREADS also sets it)")
+                   help="torch threads of each worker (default on a CPU: one fewer than its cores, at least 1, so the "
+                        "server's event loop and the clients keep a core; with GPUs the cores shared among the "
+                        "workers; $OMP_NUM_THREADS also sets it)")
     p.add_argument("--api-key", default=os.environ.get("NANOCHAT_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but / and /health (default: $NANOCHAT_API_KEY)")
     args = p.parse_args(argv)

@@ -377,7 +377,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
         assert isinstance(events[0], Admitted) and occupancy["rows"] == 3
         finish = next(e for e in events if isinstance(e, Finish))
         assert finish.completion_tokens == 5 and events[-1].tokens == 5
-        worker.stop()
+        worker.conn.send(("stop",))
         worker.process.join(10)
         assert worker.process.exitcode == 0
     finally:
