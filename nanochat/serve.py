@@ -51,9 +51,9 @@ UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
 #
 # A process, not a thread: a small model's decode step is hundreds of small ops, each of which takes Python's lock
 # back from the event loop, whose own Python (every client's stream) it then waits for. Measured at 16 clients on a
-# 2-core CPU: 6.9 ms a step in a thread beside the server, 4.7 ms in a process of its own. The worker process sends
-# each request's events (text pieces, its end) to the server process in batches; the server sends it requests and
-# cancellations.
+# 2-core CPU: 6.9 ms a step in a thread beside the server, 4.7 ms for the same load with nothing beside it; served
+# tok/s went from ~2,000 to ~2,800 (BENCHMARKS.md "Serving"). The worker process sends each request's events (text
+# pieces, its end) to the server process in batches; the server sends it requests and cancellations.
 
 
 @dataclass
