@@ -258,7 +258,7 @@ class Worker:
         self.index, self.process, self.conn, self.rows = index, process, conn, rows
         self.generations = {}  # key -> Generation, not yet ended
         self.occupancy = {"rows": rows, "active": 0, "waiting": 0, "shared_steps": 0}
-        self.alive, self.stopping = True, False
+        self.alive = True
         self.loop = None
         self.outgoing = queue.Queue()  # messages for the worker; None ends the sender
         self.sender = threading.Thread(target=self._send_outgoing, name=f"worker{index}-sender", daemon=True)
@@ -313,7 +313,7 @@ class Worker:
         """Tell the worker to stop; its end is expected, not a failure to report."""
         if self.loop is not None and self.alive:
             self.loop.remove_reader(self.conn.fileno())
-        self.stopping, self.alive = True, False
+        self.alive = False
         self.send(("stop",))
         self.send(None)
 
