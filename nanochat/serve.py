@@ -10,6 +10,7 @@ OpenAI API's response shapes, are in nanochat/chat.py.
 """
 
 import asyncio
+import atexit
 import gc
 import hmac
 import itertools
@@ -27,6 +28,7 @@ import traceback
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 from fastapi import FastAPI, Request
@@ -247,6 +249,17 @@ def worker_main(conn, inherited, device, settings, preloaded):
     EngineLoop(conn, engine).run()
 
 
+def stop_processes(processes, seconds=0.0):
+    """Give the worker processes `seconds` in all to end, then kill those left (they ignore SIGTERM)."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
 class Worker:
     """
     The server's handle on a worker process: the requests it was given, and the events and occupancy it reports.
@@ -274,12 +287,13 @@ class Worker:
                    generation.chat))
 
     def send(self, message):
-        self.outgoing.put(message)
+        # pickled here, so a message that cannot be fails its request, not the sender thread
+        self.outgoing.put(ForkingPickler.dumps(message))
 
     def _send_outgoing(self):
-        while (message := self.outgoing.get()) is not None:
+        while (data := self.outgoing.get()) is not None:
             try:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
             except OSError:  # the process is gone; _read reports it to every request in flight
                 return
 
@@ -317,13 +331,6 @@ class Worker:
         self.send(("stop",))
         self.send(None)
 
-    def join(self, seconds):
-        """Wait for the process to end; one that does not is killed (it ignores SIGTERM)."""
-        self.process.join(seconds)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(seconds)
-
 
 class QueueTimeout(Exception):
     pass
@@ -354,8 +361,7 @@ class WorkerPool:
             generation.cancel()
         for worker in self.workers:
             worker.stop()
-        for worker in self.workers:
-            worker.join(5)
+        stop_processes([worker.process for worker in self.workers], seconds=5)
 
     async def submit(self, prompt_ids, sampling, chat=True):
         """A Generation on the least loaded worker, once the engine has given its samples rows; a request that waits
@@ -837,9 +843,11 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
                 raise UserError(reply[1])
             replies.append(reply)
     except BaseException:  # one worker failed (or Ctrl-C): the others must not outlive the server
-        for _, process, _ in started:
-            process.kill()
+        stop_processes([process for _, process, _ in started])
         raise
+    # a server that exits without stopping its workers (a second Ctrl-C skips uvicorn's shutdown): multiprocessing's
+    # own exit handler would SIGTERM them, which they ignore, and wait for ever; this one, registered later, runs first
+    atexit.register(stop_processes, [process for _, process, _ in started])
     workers = [Worker(index, process, conn, reply[2]) for (index, process, conn), reply in zip(started, replies)]
     _, info, rows, cache_bytes = replies[0]
     info["device"] = ", ".join(sorted({str(d) for d in devices}))

@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -355,12 +356,32 @@ def test_a_dead_worker_fails_its_requests_and_a_dead_server_takes_its_workers_al
         two.stop()
 
 
+def test_a_second_ctrl_c_during_a_reply_stops_the_server_and_its_worker_at_once(web_base_dir):
+    """The first Ctrl-C waits for the reply in flight; a second one skips the server's shutdown, and the worker
+    (which ignores signals: the server stops it) must still not keep the server from exiting."""
+    one = Server(web_base_dir, "--workers", "1")
+    try:
+        server = psutil.Process(one.process.pid)
+        (worker,) = server.children()
+        body = {"messages": HELLO, "max_tokens": LONG_REPLY}
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{one.url}/chat/completions", json=body) as reply:
+            lines = reply.iter_lines()  # kept: a dropped iterator would close the connection
+            assert next(lines).startswith("data: ")
+            one.process.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            one.process.send_signal(signal.SIGINT)
+            _, alive = psutil.wait_procs([server, worker], timeout=10)
+        assert not alive, "the server or its worker is still running"
+    finally:
+        one.stop()
+
+
 def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokenizer, monkeypatch):
     """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
     model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
     from nanochat.batch_engine import Sampling
     from nanochat.chat import Finish
-    from nanochat.serve import Admitted, Ended, load_workers
+    from nanochat.serve import Admitted, Ended, load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
     workers, _, info = load_workers("sft", None, None, "cpu", 1, 3, threads=1, start_method="spawn")
@@ -381,7 +402,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
         worker.process.join(10)
         assert worker.process.exitcode == 0
     finally:
-        worker.join(1)
+        stop_processes([worker.process], seconds=1)
 
 
 # -----------------------------------------------------------------------------
