@@ -45,6 +45,7 @@ from nanochat.common import UserError, print0, resolve_device_type, return_freed
 from nanochat.tokenizer import get_tokenizer
 
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
+IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/chat.py is well under this, JSON-escaped
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
 
@@ -129,12 +130,16 @@ class EngineLoop:
         self.ended = []  # ended since the last flush: their last events are still to be sent
         self.owner = {}  # id(Sequence) -> (Job, sample index)
         self.flushed = 0.0  # when events were last sent
+        self.trimmed = True  # nothing allocated since the last malloc_trim
 
     def run(self):
         try:
             while True:
                 self._flush(force=not self.jobs)
                 if not self.jobs:  # idle: wait for the next message
+                    if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
+                        return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
+                        self.trimmed = True
                     if not self._handle(self.conn.recv()):
                         return
                     continue
@@ -157,6 +162,7 @@ class EngineLoop:
         return True
 
     def _step(self):
+        self.trimmed = False
         try:
             steps = self.engine.step()
         except Exception as e:  # a bug, or the device failing: every request in flight gets a 500

@@ -3,7 +3,7 @@
 of the CPU preset's shape), then drives it over loopback with the real `openai` async client at each concurrency:
 that many clients at once, each streaming greedy replies of --max-tokens tokens, until --requests have been asked
 (or --seconds have passed). Per level: aggregate completion tok/s, first-token and total latency (p50, p99), errors;
-and the server's memory (PSS of the server and its worker processes) before and after. Every --max-batch given is a server of its own: `--max-batch 1 64` sets
+and the server's memory at rest (PSS of the server and its worker processes) before and after. Every --max-batch given is a server of its own: `--max-batch 1 64` sets
 one-at-a-time decoding beside continuous batching.
 """
 
@@ -19,6 +19,7 @@ import time
 import psutil
 
 from nanochat.bench.common import emit_json, log, machine_info, print_table
+from nanochat.serve import IDLE_TRIM_SECONDS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPICS = ["the river country", "the capital of Zorland", "what 12 * 3 is", "who you are", "a long story about a fox",
@@ -84,9 +85,11 @@ class ChatWeb:
         return [server] + server.children(recursive=True)
 
     def memory(self):
-        """The server's memory, its workers' included: the sum of their PSS (each shared page counted once, split
-        between the processes that share it; a forked worker shares the server's copy of the weights), RSS where the
-        system has no PSS."""
+        """The server's memory at rest, its workers' included: the sum of their PSS (each shared page counted once,
+        split between the processes that share it; a forked worker shares the server's copy of the weights), RSS where
+        the system has no PSS. Read once the workers have been idle long enough to hand back what a busy spell freed
+        (serve.IDLE_TRIM_SECONDS)."""
+        time.sleep(IDLE_TRIM_SECONDS + 0.5)
         total = 0
         for process in self.processes():
             info = process.memory_full_info()
