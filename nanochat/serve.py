@@ -82,7 +82,6 @@ class Job:
         self.seqs = []
         self.outbox = []  # events not yet sent to the server
         self.admitted, self.started, self.tokens, self.replies_finished = False, None, 0, 0
-        self.ended = False
 
     def emit(self, event):
         self.outbox.append(event)
@@ -112,10 +111,9 @@ class Job:
         return self.replies_finished == len(self.samplings)
 
     def end(self):
-        if not self.ended:
-            self.ended = True
-            seconds = time.perf_counter() - self.started if self.started else 0.0
-            self.emit(Ended(self.tokens, seconds, self.replies_finished))
+        """Its last event; called once, as the job leaves the loop's jobs (or is refused)."""
+        seconds = time.perf_counter() - self.started if self.started else 0.0
+        self.emit(Ended(self.tokens, seconds, self.replies_finished))
 
 
 class EngineLoop:
