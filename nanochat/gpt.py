@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanochat import cpu_ops
 from nanochat.common import bound_onednn_caches, get_compute_dtype
@@ -247,6 +248,19 @@ def band_mask(n_queries, n_keys, window, device):
     return allowed
 
 
+# Attention kernels for inference on CUDA: all but cuDNN's. cuDNN builds an execution plan per sequence length (tens of
+# ms each: measured on an H100, torch 2.11, a d12 decode step 50-70 ms against 7.7 ms at a length it had seen), and
+# inference meets a new length at every decoded token and every prompt. Training keeps cuDNN (one length, planned once).
+SHAPE_FREE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(q):
+    """The SDPA kernels for this call: outside cuDNN when it would meet ever-new lengths (eager CUDA inference)."""
+    if q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return sdpa_kernel(SHAPE_FREE_ATTENTION)
+    return nullcontext()
+
+
 def flex_band_attention(q, k, v, window):
     """
     Causal attention of (B, H, T, D) q and (B, H_kv, T, D) k, v within `window` positions, by FlexAttention: blocks
@@ -323,7 +337,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
                 # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
-                with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext():
+                with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext(), attention_backends(q):
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                                        enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)

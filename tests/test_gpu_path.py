@@ -159,6 +159,28 @@ def test_a_gpu_without_bf16_or_compile_support_falls_back_with_one_note(monkeypa
     assert common.get_compute_dtype(cuda) == torch.bfloat16 and common.compile_choice("auto", cuda)
 
 
+def test_inference_attention_on_cuda_stays_off_cudnn_and_training_keeps_it():
+    """cuDNN plans its attention per sequence length (a d12 decode step 40-70 ms on an H100 instead of 7): eager CUDA
+    inference, which meets a new length every token, runs flash/efficient attention; training and CPUs are untouched."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nanochat.gpt import attention_backends
+
+    with FakeTensorMode():  # a CUDA tensor's metadata, no GPU needed
+        q_cuda = torch.empty(1, 2, 1, 8, device="cuda")
+    cudnn, flash = torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled
+    assert cudnn() and flash()
+    with torch.no_grad(), attention_backends(q_cuda):
+        assert not cudnn() and flash() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    with torch.inference_mode(), attention_backends(q_cuda):
+        assert not cudnn()
+    with attention_backends(q_cuda):  # a training forward: one length, planned once
+        assert cudnn()
+    with torch.no_grad(), attention_backends(torch.empty(1, 2, 1, 8)):
+        assert cudnn()
+    assert cudnn()  # restored on the way out
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from nanochat.tokenizer import RustBPETokenizer
