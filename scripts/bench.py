@@ -3,6 +3,7 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
 
     python -m scripts.bench train          # CPU: d4/T=256/B=8 and d6/T=512/B=8, eager and compiled
     python -m scripts.bench train --depth=20 --seq-len=2048 --device-batch-size=32 --compile=1   # a GPU
+    python -m scripts.bench train --depth=4 --seq-len=256 --device-batch-size=8 --compile=0 --alternate  # what the default set costs
     python -m scripts.bench dataloader     # packing speed, cropped fraction, time a step waits for data
     python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     t.add_argument("--components", nargs="+", default=["none", "default"],
                    help="recipes to time, each a comma list of components, 'none' (the plain recipe) or 'default' "
                         "(base_train's default set); default: both")
+    t.add_argument("--alternate", action="store_true",
+                   help="take the recipes' steps in turn in one process and report each one's tok/s against the first's "
+                        "(what a recipe costs, without the machine's drift between runs)")
 
     d = sub.add_parser("dataloader", help="packing throughput, cropped fraction, data wait")
     d.add_argument("--tokens", type=int, default=1_000_000, help="tokens per throughput / crop measurement")

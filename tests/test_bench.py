@@ -91,6 +91,23 @@ def test_import_times_a_real_import_of_a_karpathy_format_checkpoint(tmp_path, ca
     assert os.listdir(tmp_path) == []  # the work dir is cleaned up
 
 
+def test_train_alternates_recipes_in_one_process_against_the_first(tiny_env, capsys):
+    flags = ["train", "--depth=1", "--seq-len=32", "--device-batch-size=2", "--compile=0", "--steps=3", "--warmup=1",
+             "--vocab-size=1024", "--device-type=cpu", "--alternate", "--components"]
+    with pytest.raises(bench.UserError, match="at least two"):
+        bench.main(flags + ["default"])
+    bench.main(flags + ["none", "default"])
+    out = capsys.readouterr().out
+    assert "alternated step by step" in out and "vs first" in out
+    result = last_json_line(out)
+    assert result["mode"] == "alternate"
+    plain, default = result["runs"]
+    assert (plain["components"], default["components"]) == ("none", "value_embeds,residual_scalars,smear,normuon")
+    assert plain["tok_per_s_vs_first"] == 1.0 and default["tok_per_s_vs_first"] > 0
+    for run in (plain, default):
+        assert run["steps"] == 3 and run["tok_per_s"] == pytest.approx(2 * 32 / (run["ms_per_step"] / 1000))
+
+
 @pytest.mark.parametrize("flag", ["--probe-seconds=-1", "--peak-seconds=0"])
 def test_train_refuses_bad_timing_flags_before_any_work(flag):
     with pytest.raises(bench.UserError, match="probe-seconds"):

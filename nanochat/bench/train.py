@@ -1,5 +1,5 @@
 """
-`bench train`: the real base_train step timed (ms/step, tok/s, MFU against a peak measured in the same process, or the data sheet's on a GPU), one fresh process per configuration.
+`bench train`: the real base_train step timed (ms/step, tok/s, MFU against a peak measured in the same process, or the data sheet's on a GPU), one fresh process per configuration; or, with --alternate, recipes' steps in turn in one process, for what a recipe costs against another.
 """
 
 import json
@@ -152,6 +152,49 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     }
 
 
+def bench_train_alternating(args, depth, seq_len, batch, use_compile, recipes):
+    """
+    The recipes' steps taken in turn in one process (A B, then B A, ...): each pair of steps sees the same state of a
+    shared machine, whose speed drifts by 2-5 % between separate runs, more than a component costs. Returns one
+    result per recipe: its median step, and its tok/s against the first recipe's as the median of the pairs' ratios.
+    """
+    _, _, _, _, device = compute_init(args.device_type)
+    vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
+    ensure_data(vocab_size)
+    runs = [Run(depth, seq_len, batch, vocab_size, device, use_compile, recipe) for recipe in recipes]
+    for _ in range(args.warmup):
+        for run in runs:
+            run.train_step()
+    times = [[] for _ in runs]
+    with OtherLoad() as other:
+        for i in range(args.steps):
+            order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
+            for k in order:
+                times[k].append(runs[k].train_step()[0])
+    for run in runs:
+        run.close()
+    results = []
+    for recipe, run, step_times in zip(recipes, runs, times):
+        step_s = statistics.median(step_times)
+        results.append({
+            "depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
+            "components": recipe or "none", "compile": bool(use_compile), "device": device.type,
+            "dtype": str(run.dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "steps": args.steps,
+            "ms_per_step": step_s * 1000, "tok_per_s": run.tokens_per_step / step_s,
+            "tok_per_s_vs_first": statistics.median(a / b for a, b in zip(times[0], step_times)),
+            "other_load_cores": other.cores})
+    return results
+
+
+def alternating_table(results):
+    rows = [[f"d{r['depth']}", r["seq_len"], r["device_batch_size"], r["components"], "yes" if r["compile"] else "no",
+             r["dtype"], f"{r['ms_per_step']:.1f}", f"{r['tok_per_s']:,.0f}", f"{100 * (r['tok_per_s_vs_first'] - 1):+.1f}%",
+             f"{r['other_load_cores']:.2f}"] for r in results]
+    print_table("train, recipes alternated step by step in one process (median step; tok/s against the first recipe: "
+                "the median of the pairs' ratios)",
+                ["model", "T", "B", "components", "compile", "dtype", "ms/step", "tok/s", "vs first", "other load"], rows)
+
+
 def train_table(runs):
     rows = []
     for r in runs:
@@ -188,6 +231,14 @@ def cmd_train(args):
     else:
         configs = GPU_CONFIGS if device_type == "cuda" else CPU_CONFIGS
     components = [canonical_components(DEFAULT_COMPONENTS if spec == "default" else spec) for spec in args.components]
+    if args.alternate:
+        if len(components) < 2:
+            raise UserError("--alternate compares recipes: give --components at least two (e.g. none default)")
+        results = [r for d, t, b in configs for c in compile_modes(args.compile)
+                   for r in bench_train_alternating(args, d, t, b, c, components)]
+        alternating_table(results)
+        emit_json({"bench": "train", "mode": "alternate", "machine": machine_info(), "runs": results})
+        return
     jobs = [(d, t, b, c, comp) for d, t, b in configs for c in compile_modes(args.compile) for comp in components]
 
     if len(jobs) == 1:
