@@ -10,8 +10,9 @@ out by hand (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -
 relu^2 16.5 -> 7.2 ms as its own Function, less again fused into the MLP).
 
 gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` /
-`cpu_fp32_training`), except the chunked loss, which also runs under CPU autocast with bf16 matmuls
-(`cpu_training_loss`); everywhere else (CUDA, bf16 autocast on a CPU for the rest) the plain torch
+`cpu_fp32_training`), except the chunked loss and the block-causal attention, which also run under CPU autocast with
+bf16 matmuls (`cpu_training_loss`, `cpu_training_attention`); everywhere else (CUDA, bf16 autocast on a CPU for the
+rest) the plain torch
 expressions run and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too,
 so the plain path a GPU takes can be run and tested anywhere. The results equal the plain math up
 to float rounding, and tests/test_gpt.py checks every Function's loss and gradients against it.
@@ -42,6 +43,17 @@ def is_cpu_fp32(x):
 def cpu_fp32_training(*tensors):
     """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
     return all(is_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def cpu_training_attention(q, k, v):
+    """Where block_causal_attention applies: CPU training of q, k, v in fp32, or under CPU autocast (its matmuls then
+    run in the autocast dtype, the softmax and the score gradients in fp32, as flash attention keeps them; torch's CPU
+    flash attention in bf16 took 10 ms fwd+bwd for one d4 layer, this 4). Not when compiling: that is the GPU's path."""
+    if torch.is_autocast_enabled("cpu"):
+        fits = all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.get_autocast_dtype("cpu")) for t in (q, k, v))
+        return fits and enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+            and any(t.requires_grad for t in (q, k, v))
+    return cpu_fp32_training(q, k, v)
 
 
 def cpu_training_loss(x, weight):
@@ -139,13 +151,15 @@ ATTENTION_BLOCK = 128  # query rows per block in the CPU training attention belo
 
 class _BlockCausalAttention(torch.autograd.Function):
     """
-    Causal softmax(q k^T / sqrt(D)) v for CPU training in fp32, by blocks of ATTENTION_BLOCK queries:
+    Causal softmax(q k^T / sqrt(D)) v for CPU training, by blocks of ATTENTION_BLOCK queries:
     block i attends to keys [0, end_i) only, so the score matrices cover the lower triangle plus the
     diagonal blocks (5/8 of the full T x T at T=512, 3/4 at T=256), and every product is one large bmm.
     With a sliding window (query t sees keys (t - window, t]) block i starts at its first query's
     lowest key instead of 0, so the blocks left of the band are skipped too.
     The probabilities are kept for backward. Measured fwd+bwd against torch's CPU flash attention
     (B=8, D=128): 19.1 vs 21.9 ms at T=256, H=2; 79 vs 105 ms at T=512, H=3. Needs n_kv_head == n_head.
+    In bf16 the products run in bf16 and the softmax, its probabilities and the score gradients in fp32 (each product's
+    result is rounded to bf16 first: CPU matmuls have no fp32 output for bf16 inputs).
 
         dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(D)     dK += dS^T Q / sqrt(D)
     """
@@ -156,12 +170,13 @@ class _BlockCausalAttention(torch.autograd.Function):
         scale = D ** -0.5
         q3, k3, v3 = (t.reshape(B * H, T, D) for t in (q, k, v))
         out = torch.empty_like(q3)
+        low = q.dtype  # the products' dtype; .float() / .to(low) below are no-ops in fp32
         future = torch.ones(ATTENTION_BLOCK, ATTENTION_BLOCK, dtype=torch.bool, device=q.device).triu_(1)
         probs = []
         for start in range(0, T, ATTENTION_BLOCK):
             end = min(start + ATTENTION_BLOCK, T)
             first = max(0, start - window + 1)  # the lowest key any query of this block sees
-            scores = torch.bmm(q3[:, start:end], k3[:, first:end].mT).mul_(scale)
+            scores = torch.bmm(q3[:, start:end], k3[:, first:end].mT).float().mul_(scale)
             if window >= end:  # no query here reaches past its window: only the diagonal block has future keys
                 scores[:, :, start - first:].masked_fill_(future[:end - start, :end - start], float("-inf"))
             else:  # ATTENTION_BLOCK x (ATTENTION_BLOCK + window) at most
@@ -169,7 +184,7 @@ class _BlockCausalAttention(torch.autograd.Function):
                 key_pos = torch.arange(first, end, device=q.device)[None, :]
                 scores.masked_fill_((key_pos > query_pos) | (key_pos <= query_pos - window), float("-inf"))
             p = torch.softmax(scores, dim=-1)
-            torch.bmm(p, v3[:, first:end], out=out[:, start:end])
+            torch.bmm(p.to(low), v3[:, first:end], out=out[:, start:end])
             probs.append(p)
         ctx.window = window
         ctx.save_for_backward(q3, k3, v3, out, *probs)
@@ -182,7 +197,8 @@ class _BlockCausalAttention(torch.autograd.Function):
         scale = D ** -0.5
         grad3 = grad.reshape(B * H, T, D)
         grad_q = torch.empty_like(q3)
-        row_dot = torch.linalg.vecdot(grad3, out).unsqueeze(-1)  # rowsum(dP * P) = rowsum(dO * O)
+        low = grad3.dtype
+        row_dot = torch.linalg.vecdot(grad3.float(), out.float()).unsqueeze(-1)  # rowsum(dP * P) = rowsum(dO * O)
         # Last block first: without a window it reaches every key, so it creates grad_k / grad_v whole; the earlier
         # blocks add into a prefix. (baddbmm_ into a prefix slice would fall back to one small matmul per batch entry.)
         grad_k = grad_v = None
@@ -191,7 +207,8 @@ class _BlockCausalAttention(torch.autograd.Function):
             end = min(start + ATTENTION_BLOCK, T)
             first = max(0, start - ctx.window + 1)
             p, grad_out = probs[i], grad3[:, start:end]
-            grad_scores = torch.bmm(grad_out, v3[:, first:end].mT).sub_(row_dot[:, start:end]).mul_(p)
+            grad_scores = torch.bmm(grad_out, v3[:, first:end].mT).float().sub_(row_dot[:, start:end]).mul_(p).to(low)
+            p = p.to(low)
             torch.bmm(grad_scores, k3[:, first:end], out=grad_q[:, start:end]).mul_(scale)
             if grad_k is None and first == 0:
                 grad_v = torch.bmm(p.mT, grad_out)
@@ -378,7 +395,13 @@ def relu_squared_mlp(x, w_fc, w_proj):
 
 def block_causal_attention(q, k, v, window=None):
     """Causal attention of (B, H, T, D) q, k, v with n_kv_head == n_head, each query seeing the last `window` positions
-    (itself included; None = all before it); returns (B, H, T, D)."""
+    (itself included; None = all before it); returns (B, H, T, D). Under CPU autocast q, k, v are taken in its dtype,
+    as SDPA would take them."""
+    if torch.is_autocast_enabled("cpu"):
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v = q.to(low), k.to(low), v.to(low)
+        with torch.autocast("cpu", enabled=False):
+            return _BlockCausalAttention.apply(q, k, v, q.size(2) if window is None else window)
     return _BlockCausalAttention.apply(q, k, v, q.size(2) if window is None else window)
 
 

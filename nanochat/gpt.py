@@ -328,7 +328,7 @@ class CausalSelfAttention(nn.Module):
             q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
-        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_fp32_training(q, k, v):
+        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_training_attention(q, k, v):
             y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
         else:
             mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
