@@ -397,12 +397,12 @@ def block_causal_attention(q, k, v, window=None):
     """Causal attention of (B, H, T, D) q, k, v with n_kv_head == n_head, each query seeing the last `window` positions
     (itself included; None = all before it); returns (B, H, T, D). Under CPU autocast q, k, v are taken in its dtype,
     as SDPA would take them."""
-    if torch.is_autocast_enabled("cpu"):
-        low = torch.get_autocast_dtype("cpu")
-        q, k, v = q.to(low), k.to(low), v.to(low)
-        with torch.autocast("cpu", enabled=False):
-            return _BlockCausalAttention.apply(q, k, v, q.size(2) if window is None else window)
-    return _BlockCausalAttention.apply(q, k, v, q.size(2) if window is None else window)
+    window = q.size(2) if window is None else window
+    if not torch.is_autocast_enabled("cpu"):
+        return _BlockCausalAttention.apply(q, k, v, window)
+    low = torch.get_autocast_dtype("cpu")
+    with torch.autocast("cpu", enabled=False):
+        return _BlockCausalAttention.apply(q.to(low), k.to(low), v.to(low), window)
 
 
 def gated_add(v, ve, logits, scale):

@@ -96,6 +96,8 @@ def test_train_alternates_recipes_in_one_process_against_the_first(tiny_env, cap
              "--vocab-size=1024", "--device-type=cpu", "--alternate", "--components"]
     with pytest.raises(bench.UserError, match="at least two"):
         bench.main(flags + ["default"])
+    with pytest.raises(bench.UserError, match="--steps must be >= 1"):
+        bench.main(flags[:-1] + ["--steps=0", "--components", "none", "default"])
     bench.main(flags + ["none", "default"])
     out = capsys.readouterr().out
     assert "alternated step by step" in out and "vs first" in out

@@ -16,6 +16,11 @@ from nanochat.corpus import ensure_builtin_workspace, holds_training_data
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
 
 
+def bench_vocab_size(vocab_size, device_type):
+    """--vocab-size if given, else the preset's: the GPU one's 32768, the CPU one's 4096."""
+    return vocab_size or (32768 if device_type == "cuda" else BENCH_TOKENIZER_VOCAB)
+
+
 def print_table(title, headers, rows):
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

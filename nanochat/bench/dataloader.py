@@ -6,7 +6,7 @@ import os
 import statistics
 import time
 
-from nanochat.bench.common import BENCH_TOKENIZER_VOCAB, emit_json, ensure_data, machine_info, print_table
+from nanochat.bench.common import BENCH_TOKENIZER_VOCAB, bench_vocab_size, emit_json, ensure_data, machine_info, print_table
 from nanochat.bench.train import Run
 from nanochat.common import compute_init
 from nanochat.training import DEFAULT_COMPONENTS
@@ -55,7 +55,7 @@ def cmd_dataloader(args):
     # 3) How long a real training step waits for its batch.
     _, _, _, _, device = compute_init(args.device_type)
     depth, seq_len, batch = args.depth, args.seq_len, args.device_batch_size
-    vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
+    vocab_size = bench_vocab_size(args.vocab_size, device.type)
     run = Run(depth, seq_len, batch, vocab_size, device, use_compile=False, components=DEFAULT_COMPONENTS)
     for _ in range(args.warmup):
         run.train_step()

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from nanochat.bench.common import (BENCH_TOKENIZER_VOCAB, OtherLoad, emit_json, ensure_data, log, machine_info,
+from nanochat.bench.common import (OtherLoad, bench_vocab_size, emit_json, ensure_data, log, machine_info,
                                    print_table)
 from nanochat.training import DEFAULT_COMPONENTS, canonical_components
 from nanochat.common import (UserError, autocast_for, compute_init, describe_peak_flops, get_compute_dtype,
@@ -99,7 +99,7 @@ class Run:
 def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     """Time one (config, compile) run in this process; returns its result dict."""
     _, _, _, _, device = compute_init(args.device_type)  # as base_train: picks the device, tf32 on CUDA
-    vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
+    vocab_size = bench_vocab_size(args.vocab_size, device.type)
     ensure_data(vocab_size)
     run = Run(depth, seq_len, batch, vocab_size, device, use_compile, components)
     # The peak is measured before and after the timed steps and the higher value kept: on a shared VM the
@@ -159,7 +159,7 @@ def bench_train_alternating(args, depth, seq_len, batch, use_compile, recipes):
     result per recipe: its median step, and its tok/s against the first recipe's as the median of the pairs' ratios.
     """
     _, _, _, _, device = compute_init(args.device_type)
-    vocab_size = args.vocab_size or (32768 if device.type == "cuda" else BENCH_TOKENIZER_VOCAB)
+    vocab_size = bench_vocab_size(args.vocab_size, device.type)
     ensure_data(vocab_size)
     runs = [Run(depth, seq_len, batch, vocab_size, device, use_compile, recipe) for recipe in recipes]
     for _ in range(args.warmup):
@@ -222,6 +222,8 @@ def compile_modes(value):
 def cmd_train(args):
     if args.probe_seconds < 0 or args.peak_seconds <= 0:
         raise UserError(f"--peak-seconds must be > 0 and --probe-seconds >= 0 (got {args.peak_seconds}, {args.probe_seconds})")
+    if args.steps < 1:
+        raise UserError(f"--steps must be >= 1 (got {args.steps}): the timings are medians over the timed steps")
     if args.threads:
         torch.set_num_threads(args.threads)
     device_type = resolve_device_type(args.device_type)
@@ -245,7 +247,7 @@ def cmd_train(args):
         runs = [bench_train_one(args, *jobs[0])]
     else:
         # One fresh process per run: its peak memory is its own, and one run's caches do not help the next.
-        ensure_data(args.vocab_size or (32768 if device_type == "cuda" else BENCH_TOKENIZER_VOCAB))
+        ensure_data(bench_vocab_size(args.vocab_size, device_type))
         runs = []
         for d, t, b, c, comp in jobs:
             log(f"bench train: d{d} T={t} B={b} compile={int(c)} components={comp or 'none'} ...")
