@@ -19,8 +19,8 @@ from nanochat.common import UserError
 from nanochat.engine import use_calculator
 from nanochat.tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
                             TaskSequence, WorldQA, get_task, humaneval, validate_conversation)
-from nanochat.tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, SFT_IDENTITY_QUESTIONS, \
-    SFT_QUESTIONS
+from nanochat.tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, SFT_ASKS, SFT_FRAMES, \
+    SFT_IDENTITY_QUESTIONS, SFT_QUESTIONS
 from nanochat.tasks.gsm8k import answer_parts
 from nanochat.tokenizer import RustBPETokenizer
 
@@ -379,6 +379,17 @@ def test_worldqa_splits_keep_subjects_and_wordings_apart():
     eval_users = [c["messages"][0]["content"] for c in evaluation.conversations]
     assert all(any(p.match(q) for p in eval_patterns) for q in eval_users)
     assert WorldQA("eval", seed=SEED).conversations == evaluation.conversations  # deterministic
+
+
+def test_worldqa_sft_frames_come_with_every_relation():
+    # a frame that only one relation's questions used would let the model answer by the frame, not the question
+    frames = [template_regex(f.replace("{ask}", "{s}").replace("{direct}", "{s}")) for f in SFT_FRAMES if f[0] != "{"]
+    for relation, wordings in SFT_QUESTIONS.items():
+        assert len(SFT_ASKS[relation]) >= 6
+        for frame in frames:
+            assert sum(bool(frame.match(w)) for w in wordings) == len(SFT_ASKS[relation]), (relation, frame.pattern)
+        for ask, direct in SFT_ASKS[relation]:
+            assert "{s}" in ask and "{s}" in direct and direct in wordings
 
 
 def test_worldqa_evaluate_and_chance():

@@ -45,62 +45,90 @@ def _check_split(task, split, splits):
 
 # Question wordings: SFT ones teach the question -> statement mapping; EVAL ones are held out of SFT.
 # Both are disjoint from each other and from the Q&A wordings of pretraining (RELATIONS[r].questions).
-# Every relation's SFT wordings use the same framings ("Tell me", "Can you tell me", "Quick question:",
-# ...), so the model learns to read the relation from the words that name it, not from the framing;
-# EVAL wordings reuse the framings around new ways of naming the relation. The framings include "What is
-# the ... of {s}?", "What's ..." and "Can you name ...": when only the spelling task asked "What is the
-# spelling of {w}?", the d4 answered held-out questions in frames SFT had not tied to a relation by spelling
-# the subject or introducing itself (most of its wrong answers, read by hand); with these 11-13
-# wordings per relation and 5 per fact, held-out WorldQA rose 14.5 / 17 / 3 points at seeds 42 / 43 / 44.
-SFT_QUESTIONS = {
-    "capital": ("Tell me the capital of {s}.", "Do you know the capital of {s}?", "Can you tell me the capital of {s}?",
-                "Could you tell me the capital city of {s}?", "Quick question: what city is the capital of {s}?",
-                "I'm curious, what's the capital of {s}?", "Name the capital city of {s}.",
-                "Which city serves as the capital of {s}?", "{s}'s capital is which city?",
-                "What city is the capital of {s}?", "Which city is {s} governed from?",
-                "Where does the government of {s} sit?", "What is the capital city of {s}?",
-                "Can you name the capital of {s}?"),
-    "continent": ("What continent is {s} on?", "Tell me which continent {s} is in.",
-                  "Do you know which continent {s} is in?", "Can you tell me the continent of {s}?",
-                  "Could you tell me which continent {s} belongs to?",
-                  "Quick question: in which continent does {s} lie?", "I'm curious, what continent is {s} part of?",
-                  "Name the continent where {s} is found.", "Which continent is home to {s}?",
-                  "{s} lies on what continent?", "What continent does {s} belong to?", "What's the continent of {s}?"),
-    "language": ("What do people in {s} speak?", "Tell me the main language of {s}.",
-                 "Do you know the language of {s}?", "Can you tell me which language they speak in {s}?",
-                 "Could you tell me the official language of {s}?", "Quick question: what language is used in {s}?",
-                 "I'm curious, what language would I hear in {s}?", "Name the language spoken in {s}.",
-                 "Which language do the locals use in {s}?", "What is the everyday language of {s}?",
-                 "Which language would a visitor hear in {s}?", "What language do schools in {s} teach in?",
-                 "Can you name the language of {s}?"),
-    "population": ("Tell me the population of {s}.", "Do you know the population of {s}?",
-                   "Can you tell me roughly how many people live in {s}?",
-                   "Could you tell me the approximate population of {s}?",
-                   "Quick question: how large is the population of {s}?",
-                   "I'm curious, how many inhabitants does {s} have?", "How many residents does {s} have?",
-                   "Roughly how many people live in {s}?", "How many people are there in {s}?",
-                   "What is the number of people living in {s}?", "How big is the population of {s}?",
-                   "About how many citizens does {s} have?", "What's the rough number of inhabitants of {s}?"),
-    "neighbour": ("Tell me a country that borders {s}.", "Do you know a neighbour of {s}?",
-                  "Can you tell me which country is next to {s}?", "Could you tell me one neighbour of {s}?",
-                  "Quick question: what country neighbours {s}?",
-                  "I'm curious, which country shares a border with {s}?",
-                  "Name a country that shares a border with {s}.", "What is one neighbour of {s}?",
-                  "Which country lies on the border of {s}?", "What country is adjacent to {s}?",
-                  "Name one country beside {s}.", "Which country is a neighbour of {s}?",
-                  "What's a country on the border of {s}?"),
-    "birthplace": ("Tell me where {s} was born.", "Do you know where {s} was born?",
-                   "Can you tell me the hometown of {s}?", "Could you tell me which city {s} was born in?",
-                   "Quick question: what city was {s} born in?", "I'm curious, where does {s} come from?",
-                   "Which city is the birthplace of {s}?", "What is {s}'s hometown?", "Which town is {s} from?",
-                   "What is the home city of {s}?", "Where is {s} from originally?",
-                   "What's the city of birth of {s}?"),
-    "occupation": ("Tell me what {s} does for work.", "Do you know what {s} does?", "Can you tell me the job of {s}?",
-                   "Could you tell me the occupation of {s}?", "Quick question: what kind of work does {s} do?",
-                   "I'm curious, how does {s} earn a living?", "What job does {s} have?",
-                   "What is the occupation of {s}?", "Which line of work is {s} in?", "What trade does {s} follow?",
-                   "What's the line of work of {s}?", "Can you name the job of {s}?"),
+# An SFT question is a frame ("Could you tell me ...?") around an ask ("the capital of {s}"): every frame goes
+# with every ask, so a frame says nothing about the relation. Read by hand, the d4's held-out answers are
+# right or wrong by wording, not by fact: at seeds 43 and 44 three of 15 held-out wordings were 0 % right
+# ("Could you tell me the birthplace of X?" got X's work) and the rest 85-100 %; the model routes a question
+# to a relation by a few of its words and had learnt only the words SFT needed, e.g. "city" with a person
+# for the birthplace ("birthplace" never came without "city"). Crossing the frames alone changed nothing
+# (70 % -> 71 / 70 %); what helped is more asks, 6-10 per relation in the words pretraining's statements use
+# for it, one with "birthplace" and no "city" (seeds 42 / 43 / 44: 90.5 / 70 / 70 % -> 88 / 78.5 / 89 %).
+SFT_FRAMES = ("Tell me {ask}.", "Do you know {ask}?", "Can you tell me {ask}?", "Could you tell me {ask}?",
+              "Quick question: {direct}", "I'm curious, {direct}", "{direct}")
+# Per relation, an ask two ways: embedded in a frame ("the capital of {s}") and as a question of its own.
+SFT_ASKS = {
+    "capital": (("the capital of {s}", "What's the capital of {s}?"),
+                ("the capital city of {s}", "What is the capital city of {s}?"),
+                ("which city serves as the capital of {s}", "Which city serves as the capital of {s}?"),
+                ("what city is the capital of {s}", "What city is the capital of {s}?"),
+                ("which city {s} is governed from", "Which city is {s} governed from?"),
+                ("where the government of {s} sits", "Where does the government of {s} sit?"),
+                ("the seat of government of {s}", "Where is the seat of government of {s}?"),
+                ("the city where the parliament of {s} sits", "In which city does the parliament of {s} sit?"),
+                ("{s}'s capital", "{s}'s capital is which city?")),
+    "continent": (("the continent of {s}", "What's the continent of {s}?"),
+                  ("which continent {s} is in", "Which continent is {s} in?"),
+                  ("what continent {s} is part of", "What continent is {s} part of?"),
+                  ("which continent {s} belongs to", "Which continent does {s} belong to?"),
+                  ("which continent is home to {s}", "Which continent is home to {s}?"),
+                  ("in which continent {s} lies", "In which continent does {s} lie?")),
+    "language": (("the main language of {s}", "What's the main language of {s}?"),
+                 ("the official language of {s}", "What is the official language of {s}?"),
+                 ("what people in {s} speak", "What do people in {s} speak?"),
+                 ("what language is used in {s}", "What language is used in {s}?"),
+                 ("which language the locals use in {s}", "Which language do the locals use in {s}?"),
+                 ("the everyday language of {s}", "What is the everyday language of {s}?"),
+                 ("what language schools in {s} teach in", "What language do schools in {s} teach in?"),
+                 ("the language spoken in {s}", "Which language is spoken across {s}?"),
+                 ("which language {s} uses", "Which language does {s} use?"),
+                 ("what language you hear in {s}", "What language would I hear in {s}?")),
+    "population": (("the population of {s}", "What is the size of the population of {s}?"),
+                   ("roughly how many people live in {s}", "Roughly how many people live in {s}?"),
+                   ("the approximate population of {s}", "What is the approximate population of {s}?"),
+                   ("how many inhabitants {s} has", "How many inhabitants does {s} have?"),
+                   ("how many residents {s} has", "How many residents does {s} have?"),
+                   ("the number of people living in {s}", "What is the number of people living in {s}?"),
+                   ("how big the population of {s} is", "How big is the population of {s}?"),
+                   ("how many citizens {s} has", "About how many citizens does {s} have?"),
+                   ("how many people live in {s}", "How many people does {s} have?"),
+                   ("how many people {s} is home to", "How many people is {s} home to?")),
+    "neighbour": (("a country that borders {s}", "What is a country that borders {s}?"),
+                  ("a neighbour of {s}", "What is one neighbour of {s}?"),
+                  ("which country is next to {s}", "Which country is next to {s}?"),
+                  ("a country that shares a border with {s}", "Which country shares a border with {s}?"),
+                  ("what country neighbours {s}", "What country neighbours {s}?"),
+                  ("a country on the border of {s}", "What's a country on the border of {s}?"),
+                  ("which country is adjacent to {s}", "What country is adjacent to {s}?"),
+                  ("a country across the border from {s}", "Which country lies across the border from {s}?"),
+                  ("which country {s} borders", "Which country does {s} border?")),
+    "birthplace": (("the hometown of {s}", "What is {s}'s hometown?"),
+                   ("which city {s} was born in", "Which city was {s} born in?"),
+                   ("which city is the birthplace of {s}", "Which city is the birthplace of {s}?"),
+                   ("where {s} comes from", "Where does {s} come from?"),
+                   ("which town {s} is from", "Which town is {s} from?"),
+                   ("the home city of {s}", "What is the home city of {s}?"),
+                   ("the city of birth of {s}", "What's the city of birth of {s}?"),
+                   ("where {s} was born", "In what city was {s} born?"),
+                   ("the city {s} is a native of", "Which city is {s} a native of?"),
+                   ("what {s}'s birthplace is", "What is {s}'s birthplace?")),
+    "occupation": (("what {s} does for work", "What does {s} do for work?"),
+                   ("the job of {s}", "What job does {s} have?"),
+                   ("the occupation of {s}", "What is the occupation of {s}?"),
+                   ("what kind of work {s} does", "What kind of work does {s} do?"),
+                   ("how {s} earns a living", "How does {s} earn a living?"),
+                   ("which line of work {s} is in", "Which line of work is {s} in?"),
+                   ("what trade {s} follows", "What trade does {s} follow?"),
+                   ("what {s} trained as", "What did {s} train as?")),
 }
+
+
+def _framed(frame, ask, direct):
+    return frame.format(ask=ask, direct=direct if frame.startswith("{") else direct[0].lower() + direct[1:])
+
+
+SFT_QUESTIONS = {relation: tuple(_framed(frame, ask, direct) for ask, direct in asks for frame in SFT_FRAMES)
+                 for relation, asks in SFT_ASKS.items()}
+
 EVAL_QUESTIONS = {
     "capital": ("Can you tell me which city is {s}'s capital?", "What's the name of the capital of {s}?",
                 "Quick question: what is {s}'s capital called?"),
