@@ -54,8 +54,8 @@ SUMMARY_COLUMNS = [
     ("SFT", ["Chat evaluation sft"]),
     ("RL", ["Chat evaluation rl"]),
 ]
-SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "WorldFacts", "WorldQA",
-                   "Arithmetic", "Arithmetic calculator use", "Identity", "ChatCORE"]
+SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "SimpleSpelling",
+                   "WorldFacts", "WorldQA", "Arithmetic", "Arithmetic calculator use", "Identity", "ChatCORE"]
 
 # Rough on-demand cloud price per GPU-hour in USD (a ballpark, not a quote): 8×H100 ≈ $24/h.
 GPU_HOURLY_USD = [("H200", 3.50), ("H100", 3.00), ("A100", 1.80)]

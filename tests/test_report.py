@@ -210,3 +210,14 @@ def test_cli_rejects_bad_price(report, monkeypatch):
     with pytest.raises(UserError, match="--hourly-price"):
         report_mod.main()
     assert not os.path.exists(os.path.join(report.report_dir, "report.md"))
+
+
+def test_every_chat_eval_task_has_a_summary_row(report):
+    # a task chat_eval scores but the summary leaves out is a number the report card hides
+    from scripts.chat_eval import SUITES
+
+    tasks = sorted({name for suite in SUITES.values() for name in suite})
+    report.log("Chat evaluation sft", [{name: 0.25 + i / 100 for i, name in enumerate(tasks)}])
+    text = pathlib.Path(report.generate()).read_text()
+    for i, name in enumerate(tasks):
+        assert summary_row(text, name) == [f"{0.25 + i / 100:.4f}"], name
