@@ -89,7 +89,7 @@ if [ "$PRESET" = gpu ]; then
     RUN_RL="${NANOCHAT_RL:-1}"  # GSM8K rewards what SFT leaves unsolved
 else
     # The cpu preset: the built-in corpus about an invented world, no network, the whole pipeline in
-    # about 20 minutes on 2 cores; the model is small but visibly learns its world (docs/speedrun.md: "The CPU preset").
+    # about 5 minutes on 2 cores; the model is small but visibly learns its world (docs/speedrun.md: "The CPU preset").
     export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-builtin}"
     SHARDS=8  # only if NANOCHAT_DATA_SOURCE names a hub source
     DEPTH=4; TAG=d4
