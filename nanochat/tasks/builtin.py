@@ -48,7 +48,7 @@ def _check_split(task, split, splits):
 # An SFT question is a frame ("Could you tell me ...?") around an ask ("the capital of {s}"): every frame goes
 # with every ask, so a frame says nothing about the relation. Read by hand, the d4's held-out answers are
 # right or wrong by wording, not by fact: at seeds 43 and 44 three of 15 held-out wordings were 0 % right
-# ("Could you tell me the birthplace of X?" got X's work) and the rest 85-100 %; the model routes a question
+# ("Could you tell me the birthplace of X?" got X's work) and most others 85-100 %; the model routes a question
 # to a relation by a few of its words and had learnt only the words SFT needed, e.g. "city" with a person
 # for the birthplace ("birthplace" never came without "city"). Crossing the frames alone changed nothing
 # (70 % -> 71 / 70 %); what helped is more asks, 6-10 per relation in the words pretraining's statements use
