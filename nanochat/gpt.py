@@ -295,22 +295,34 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = nn.Linear(min(config.ve_gate_channels, config.n_embd), self.n_kv_head, bias=False)
         self.eps, self.qk_scale, self.ve_gate_scale = config.norm_eps, config.qk_scale, config.ve_gate_scale
         self.rotary_bf16 = config.rotary_bf16
+        self.inference_weight = None  # c_q, c_k, c_v (and ve_gate) stacked, for a model that only generates
 
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
         B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
+        exact = not self.rotary_bf16
+        if self.inference_weight is not None:
+            # one matmul for q, k, v and the gate (GPT.prepare_for_inference), and one rotary + QK-norm for q and
+            # k side by side: at batch 1 a decode step is a few dozen tiny ops, each paying a fixed cost
+            out = F.linear(x, self.inference_weight)
+            qk = out[..., :(H + H_kv) * D].view(B, T, H + H_kv, D)
+            v = out[..., (H + H_kv) * D:(H + 2 * H_kv) * D].view(B, T, H_kv, D)
+            logits = out[..., (H + 2 * H_kv) * D:]
+            cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # no-op unless autocast changed the activation dtype
+            q, k = rotary_norm(qk, cos, sin, self.eps, exact).split((H, H_kv), dim=2)
+        else:
+            q = self.c_q(x).view(B, T, H, D)
+            k = self.c_k(x).view(B, T, H_kv, D)
+            v = self.c_v(x).view(B, T, H_kv, D)
+            logits = self.ve_gate(x[..., :self.ve_gate.in_features]) if value_embed is not None else None
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
+            q, k = rotary_norm(q, cos, sin, self.eps, exact), rotary_norm(k, cos, sin, self.eps, exact)  # rotary, QK-norm
         if value_embed is not None:  # gate in (0, 2), 1 at init (zero gate weights)
-            logits = self.ve_gate(x[..., :self.ve_gate.in_features])
-            value_embed = value_embed.view(B, T, self.n_kv_head, self.head_dim)
+            value_embed = value_embed.view(B, T, H_kv, D)
             if cpu_ops.is_cpu_fp32(v):
                 v = cpu_ops.gated_add(v, value_embed, logits, self.ve_gate_scale)
             else:
                 v = v + (self.ve_gate_scale * torch.sigmoid(logits)).unsqueeze(-1) * value_embed
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
-        exact = not self.rotary_bf16
-        q, k = rotary_norm(q, cos, sin, self.eps, exact), rotary_norm(k, cos, sin, self.eps, exact)  # rotary, then QK-norm
         if self.qk_scale != 1.0:
             q, k = q * self.qk_scale, k * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
@@ -471,24 +483,37 @@ class GPT(nn.Module):
         return self.transformer.wte.weight.device
 
     @torch.no_grad()
-    def cast_linears_for_inference(self):
+    def prepare_for_inference(self):
         """
-        For a model that will only generate, on a CPU that computes in bf16 autocast: store every linear layer's
-        weight in bf16 once. Autocast otherwise casts each fp32 weight on every call, so a batch-1 decode step read
-        the weights three times (fp32 in, bf16 out, bf16 in) and ran slower than fp32, and a server's memory grew with
-        the copies. The stored values are the ones autocast would make, so the outputs stay bit for bit those of the
-        fp32 weights under autocast. Embeddings, norms and scalars stay fp32. Not for training or saving: the fp32
-        weights are gone. It also bounds oneDNN's per-shape kernel caches (common.bound_onednn_caches), which a
-        generating process fills with a new shape per batch size and prompt length. A no-op anywhere else (fp32, or a
-        GPU, where it is not measured).
+        For a model that will only generate, on a CPU (a no-op elsewhere, where it is not measured). Not for training
+        or saving: what it stores is derived, and on a bf16 CPU the fp32 weights are gone.
+          - Each attention's c_q, c_k, c_v (and value-embedding gate, zero-padded to n_embd inputs) stacked into one
+            matrix, so q, k, v and the gate come from one matmul: a batch-1 decode step of a small model is a few
+            dozen tiny ops, each paying a fixed cost (3-4 matmuls -> 1 per layer took a d4 step from ~1.2 to ~0.95 ms).
+          - On a CPU that computes in bf16 autocast, every linear's weight stored in bf16 once. Autocast otherwise
+            casts each fp32 weight on every call, so a batch-1 decode step read the weights three times (fp32 in,
+            bf16 out, bf16 in) and ran slower than fp32, and a server's memory grew with the copies. The stored
+            values are the ones autocast would make, so the outputs stay those of the fp32 weights under autocast.
+            It also bounds oneDNN's per-shape kernel caches (common.bound_onednn_caches), which a generating process
+            fills with a new shape per batch size and prompt length.
+        Embeddings, norms and scalars stay fp32.
         """
         device = self.get_device()
-        if device.type != "cpu" or get_compute_dtype(device) != torch.bfloat16:
+        if device.type != "cpu":
             return self
-        bound_onednn_caches()  # the bf16 matmuls' kernels, one per shape: a server meets many
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.data = module.weight.data.to(torch.bfloat16)
+        if get_compute_dtype(device) == torch.bfloat16:
+            bound_onednn_caches()  # the bf16 matmuls' kernels, one per shape: a server meets many
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.data = module.weight.data.to(torch.bfloat16)
+        for block in self.transformer.h:
+            attn = block.attn
+            weights = [attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]
+            if hasattr(attn, "ve_gate"):
+                gate = attn.ve_gate.weight.new_zeros(attn.n_kv_head, self.config.n_embd)
+                gate[:, :attn.ve_gate.in_features] = attn.ve_gate.weight
+                weights.append(gate)
+            attn.inference_weight = torch.cat(weights)
         return self
 
     def num_params(self):
@@ -621,6 +646,8 @@ class GPT(nn.Module):
         if logits_at is not None:
             if targets is not None:
                 raise ValueError("logits_at is for inference: it cannot be combined with targets")
+            if T == 1:  # a decode step: the one position there is (no gather, a few us of a sub-ms step)
+                return self._softcap_logits(x)
             return self._softcap_logits(x[torch.arange(B, device=x.device), logits_at][:, None])
         if targets is not None and loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")

@@ -235,7 +235,7 @@ def worker_main(conn, inherited, device, settings, preloaded):
         if preloaded is None:
             model, tokenizer, meta = load_model(settings["source"], device, model_tag=settings["model_tag"],
                                                 step=settings["step"])
-            model.cast_linears_for_inference()  # generation only: bf16 weights once on a bf16 CPU
+            model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
         else:
             model, tokenizer, meta = preloaded
         row_bytes = kv_row_bytes(model.config, device)
@@ -809,7 +809,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         torch.set_num_threads(1)
         print0(f"loading the {source} model on cpu ...")
         model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
-        preloaded = (model.cast_linears_for_inference(), tokenizer, meta)  # generation only: bf16 weights once
+        preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
         context = multiprocessing.get_context("fork")
         # what loading freed (the checkpoint, the fp32 weights) back to the kernel: a worker's own allocations would
         # otherwise reuse those pages, copying them on write, and the server would keep its copy too (measured: the

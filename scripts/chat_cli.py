@@ -87,7 +87,7 @@ def main(argv=None):
     _, _, _, _, device = compute_init(args.device_type)
     status(f"loading the {args.source} model on {device} ...")
     model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
-    model.cast_linears_for_inference()
+    model.prepare_for_inference()
     _, line = model_summary(meta, model, device, args.source)
     status(f"loaded {line}")
     engine = Engine(model, tokenizer)

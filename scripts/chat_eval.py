@@ -64,7 +64,7 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(args.device_type)
     tag = args.model_tag or find_latest_tag(args.source)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=args.step)
-    model.cast_linears_for_inference()
+    model.prepare_for_inference()
     print0(f"chat_eval | {args.source} {tag} step {meta['step']} | {world_size} rank(s) | tasks {', '.join(names)} | "
            f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}"
            + (f" | {args.preset}" if args.preset else ""))

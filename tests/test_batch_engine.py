@@ -119,28 +119,34 @@ def test_a_cpu_in_bf16_caches_and_attends_in_fp32(model, tokenizer, monkeypatch)
         assert tokens[id(seq)] == alone(model, tokenizer, prompt, 10, temperature=0.0)
 
 
-def test_bf16_weights_for_inference_give_what_autocast_gives(model, tokenizer, monkeypatch):  # noqa: F811
-    """On a bf16 CPU the serving scripts store the linears in bf16 once instead of autocast casting them per call:
-    the same values, so the same logits bit for bit and the same tokens; a no-op where the compute dtype is fp32."""
+def test_model_prepared_for_inference_gives_what_it_gave(model, tokenizer, monkeypatch):  # noqa: F811
+    """The generating scripts prepare the model: q, k, v and the value-embedding gate from one stacked matmul, and on
+    a bf16 CPU the linears stored in bf16 once instead of autocast casting them per call. In fp32 the logits agree to
+    rounding (the stacked matmul sums in another order) and greedy decoding gives the same tokens; in bf16 the values
+    are the ones autocast made, so the logits are equal bit for bit."""
     import copy
 
     from nanochat.common import autocast_for
 
-    fp32_copy = copy.deepcopy(model).cast_linears_for_inference()  # the suite's fp32: nothing changes
+    fp32_copy = copy.deepcopy(model).prepare_for_inference()  # the suite's fp32: the weights stay fp32
     assert fp32_copy.lm_head.weight.dtype == torch.float32
+    assert all(block.attn.inference_weight is not None for block in fp32_copy.transformer.h)
+    ids = torch.tensor([prompts(tokenizer, [30])[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(fp32_copy(ids), model(ids), rtol=1e-5, atol=1e-5)
+    prompt = prompts(tokenizer, [9])[0]
+    assert alone(fp32_copy, tokenizer, prompt, 16, temperature=0.0) == alone(model, tokenizer, prompt, 16, temperature=0.0)
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setattr("nanochat.gpt.get_compute_dtype", lambda device: torch.bfloat16)
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         monkeypatch.setenv(name, "")  # recorded, so the test's end restores whatever was there (or nothing)
         monkeypatch.delenv(name)
-    cast = copy.deepcopy(model).cast_linears_for_inference()
+    cast = copy.deepcopy(model).prepare_for_inference()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == os.environ["LRU_CACHE_CAPACITY"] == "32"  # bounded
     assert cast.transformer.h[0].attn.c_q.weight.dtype == torch.bfloat16 and cast.lm_head.weight.dtype == torch.bfloat16
     assert cast.transformer.wte.weight.dtype == torch.float32  # embeddings (and norms, scalars) stay fp32
-    ids = torch.tensor([prompts(tokenizer, [30])[0]])
     with torch.inference_mode(), autocast_for("cpu"):
         assert torch.equal(cast(ids), model(ids))
-    prompt = prompts(tokenizer, [9])[0]
     assert alone(cast, tokenizer, prompt, 16, temperature=0.0) == alone(model, tokenizer, prompt, 16, temperature=0.0)
 
 

@@ -12,13 +12,13 @@ from nanochat.common import UserError, autocast_for, compute_init, get_compute_d
 
 
 def engine_model(args, device):
-    """(model, tokenizer, description): a checkpoint with --source, else a random-init model from the depth dial; its
-    linears stored in bf16 on a bf16 CPU, as chat_web and chat_cli serve it."""
+    """(model, tokenizer, description): a checkpoint with --source, else a random-init model from the depth dial;
+    prepared for inference (GPT.prepare_for_inference) as chat_web and chat_cli serve it."""
     if args.source:
         from nanochat.checkpoint_manager import load_model
 
         model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag or None, step=args.step)
-        return model.cast_linears_for_inference(), tokenizer, f"{args.source}/{meta['model_tag']}"
+        return model.prepare_for_inference(), tokenizer, f"{args.source}/{meta['model_tag']}"
     from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
     from nanochat.training import DEFAULT_COMPONENTS, depth_recipe, split_components
@@ -32,7 +32,7 @@ def engine_model(args, device):
                           components=model_components)
     torch.manual_seed(42)
     named = ",".join(model_components) or "plain"
-    return build_model(recipe.model_config, device).cast_linears_for_inference(), tokenizer, f"d{args.depth} random init ({named})"
+    return build_model(recipe.model_config, device).prepare_for_inference(), tokenizer, f"d{args.depth} random init ({named})"
 
 
 def time_engine_run(engine, prompt, num_samples, max_tokens, temperature, sync):
