@@ -490,6 +490,7 @@ class GPT(nn.Module):
           - Each attention's c_q, c_k, c_v (and value-embedding gate, zero-padded to n_embd inputs) stacked into one
             matrix, so q, k, v and the gate come from one matmul: a batch-1 decode step of a small model is a few
             dozen tiny ops, each paying a fixed cost (3-4 matmuls -> 1 per layer took a d4 step from ~1.2 to ~0.95 ms).
+            The separate weights become views into it, so each value is still held once.
           - On a CPU that computes in bf16 autocast, every linear's weight stored in bf16 once. Autocast otherwise
             casts each fp32 weight on every call, so a batch-1 decode step read the weights three times (fp32 in,
             bf16 out, bf16 in) and ran slower than fp32, and a server's memory grew with the copies. The stored
@@ -514,6 +515,12 @@ class GPT(nn.Module):
                 gate[:, :attn.ve_gate.in_features] = attn.ve_gate.weight
                 weights.append(gate)
             attn.inference_weight = torch.cat(weights)
+            # the separate weights become views into the stacked one, so the model holds each value once
+            start = 0
+            for linear in (attn.c_q, attn.c_k, attn.c_v) + ((attn.ve_gate,) if hasattr(attn, "ve_gate") else ()):
+                rows, columns = linear.weight.shape
+                linear.weight.data = attn.inference_weight[start:start + rows, :columns]
+                start += rows
         return self
 
     def num_params(self):

@@ -131,6 +131,11 @@ def test_model_prepared_for_inference_gives_what_it_gave(model, tokenizer, monke
     fp32_copy = copy.deepcopy(model).prepare_for_inference()  # the suite's fp32: the weights stay fp32
     assert fp32_copy.lm_head.weight.dtype == torch.float32
     assert all(block.attn.inference_weight is not None for block in fp32_copy.transformer.h)
+    originals = dict(model.named_parameters())
+    assert all(torch.equal(p, originals[name]) for name, p in fp32_copy.named_parameters())  # the same values ...
+    attn = fp32_copy.transformer.h[0].attn
+    for linear in (attn.c_q, attn.c_k, attn.c_v, attn.ve_gate):  # ... held once: views into the stacked matrix
+        assert linear.weight.untyped_storage().data_ptr() == attn.inference_weight.untyped_storage().data_ptr()
     ids = torch.tensor([prompts(tokenizer, [30])[0]])
     with torch.inference_mode():
         torch.testing.assert_close(fp32_copy(ids), model(ids), rtol=1e-5, atol=1e-5)
