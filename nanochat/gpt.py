@@ -489,7 +489,7 @@ class GPT(nn.Module):
         or saving: what it stores is derived, and on a bf16 CPU the fp32 weights are gone.
           - Each attention's c_q, c_k, c_v (and value-embedding gate, zero-padded to n_embd inputs) stacked into one
             matrix, so q, k, v and the gate come from one matmul: a batch-1 decode step of a small model is a few
-            dozen tiny ops, each paying a fixed cost (3-4 matmuls -> 1 per layer took a d4 step from ~1.2 to ~0.95 ms).
+            dozen tiny ops, each paying a fixed cost (3-4 matmuls -> 1 per layer took a d4 step from ~1.13 to ~0.93 ms).
             The separate weights become views into it, so each value is still held once.
           - On a CPU that computes in bf16 autocast, every linear's weight stored in bf16 once. Autocast otherwise
             casts each fp32 weight on every call, so a batch-1 decode step read the weights three times (fp32 in,
