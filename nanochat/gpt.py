@@ -295,15 +295,17 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = nn.Linear(min(config.ve_gate_channels, config.n_embd), self.n_kv_head, bias=False)
         self.eps, self.qk_scale, self.ve_gate_scale = config.norm_eps, config.qk_scale, config.ve_gate_scale
         self.rotary_bf16 = config.rotary_bf16
-        self.inference_weight = None  # c_q, c_k, c_v (and ve_gate) stacked, for a model that only generates
+        # c_q, c_k, c_v (and ve_gate) stacked by GPT.prepare_for_inference; a buffer so .to() carries it, never saved
+        self.register_buffer("inference_weight", None, persistent=False)
 
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         exact = not self.rotary_bf16
-        if self.inference_weight is not None:
+        if self.inference_weight is not None and not torch.is_grad_enabled():
             # one matmul for q, k, v and the gate (GPT.prepare_for_inference), and one rotary + QK-norm for q and
-            # k side by side: at batch 1 a decode step is a few dozen tiny ops, each paying a fixed cost
+            # k side by side: at batch 1 a decode step is a few dozen tiny ops, each paying a fixed cost. Only without
+            # grad: a backward through it would never reach c_q, c_k, c_v.
             out = F.linear(x, self.inference_weight)
             qk = out[..., :(H + H_kv) * D].view(B, T, H + H_kv, D)
             v = out[..., (H + H_kv) * D:(H + 2 * H_kv) * D].view(B, T, H_kv, D)
@@ -486,7 +488,8 @@ class GPT(nn.Module):
     def prepare_for_inference(self):
         """
         For a model that will only generate, on a CPU (a no-op elsewhere, where it is not measured). Not for training
-        or saving: what it stores is derived, and on a bf16 CPU the fp32 weights are gone.
+        or saving: on a bf16 CPU the fp32 weights are gone (a forward with grad enabled takes the separate weights, so
+        gradients stay right, but in bf16).
           - Each attention's c_q, c_k, c_v (and value-embedding gate, zero-padded to n_embd inputs) stacked into one
             matrix, so q, k, v and the gate come from one matmul: a batch-1 decode step of a small model is a few
             dozen tiny ops, each paying a fixed cost (3-4 matmuls -> 1 per layer took a d4 step from ~1.13 to ~0.93 ms).
@@ -653,7 +656,7 @@ class GPT(nn.Module):
         if logits_at is not None:
             if targets is not None:
                 raise ValueError("logits_at is for inference: it cannot be combined with targets")
-            if T == 1:  # a decode step: the one position there is (no gather, a few us of a sub-ms step)
+            if T == 1:  # a decode step: its one position, whatever logits_at says (no gather: a few us of a sub-ms step)
                 return self._softcap_logits(x)
             return self._softcap_logits(x[torch.arange(B, device=x.device), logits_at][:, None])
         if targets is not None and loss_reduction not in ("mean", "sum", "none"):

@@ -141,6 +141,13 @@ def test_model_prepared_for_inference_gives_what_it_gave(model, tokenizer, monke
         torch.testing.assert_close(fp32_copy(ids), model(ids), rtol=1e-5, atol=1e-5)
     prompt = prompts(tokenizer, [9])[0]
     assert alone(fp32_copy, tokenizer, prompt, 16, temperature=0.0) == alone(model, tokenizer, prompt, 16, temperature=0.0)
+    fp32_copy(ids, ids).backward()  # with grad the separate weights run, so a backward reaches every one of them
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in (attn.c_q.weight, attn.c_v.weight, attn.ve_gate.weight))
+    moved = fp32_copy.to(torch.float64)  # .to() carries the stacked weight along (a buffer, never saved)
+    assert moved.transformer.h[0].attn.inference_weight.dtype == torch.float64
+    assert not any("inference_weight" in name for name in moved.state_dict())
+    with torch.inference_mode():
+        torch.testing.assert_close(moved(ids).float(), model(ids), rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setattr("nanochat.gpt.get_compute_dtype", lambda device: torch.bfloat16)
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
