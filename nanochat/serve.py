@@ -41,7 +41,8 @@ from nanochat.chat import (MODEL_MARKUP, SEED_MODULUS, Finish, MarkupWriter, Pie
                            openai_model_card, openai_usage, openai_usage_chunk, parts_as_markup, prompt_budget,
                            read_sampling, summary_line, validate_messages)
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, print0, resolve_device_type, return_freed_memory, use_cuda_device
+from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
+                             use_cuda_device)
 from nanochat.tokenizer import get_tokenizer
 
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
@@ -764,19 +765,6 @@ def bind_socket(host, port):
     return sock
 
 
-def serving_threads(device, threads, num_workers=1):
-    """torch's intra-op threads of each worker: the flag, else $OMP_NUM_THREADS, else on a CPU one fewer than its
-    cores, and with GPUs the cores shared among the workers. A small model's decode step is many small ops that a
-    second thread barely speeds up (measured: 2 threads 25 % slower at 16 rows on a 2-core CPU), while the server's
-    event loop, tokenization and the clients need a core."""
-    if threads:
-        return threads
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    cores = os.cpu_count() or 2
-    return max(1, cores - 1) if device.type == "cpu" else max(1, cores // num_workers)
-
-
 def load_workers(source, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
                  threads=0, start_method=None):
     """
@@ -800,7 +788,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         if count < 1 or (device.type == "mps" and count != 1):
             raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
         devices = [device] * count
-    threads = serving_threads(device, threads, count)
+    threads = inference_threads(device, threads, count)
     settings = {"source": source, "model_tag": model_tag, "step": step, "threads": threads, "max_batch": max_batch,
                 "kv_memory_gib": kv_memory_gib, "num_workers": count, "prefill_chunk": prefill_chunk}
     preloaded = None

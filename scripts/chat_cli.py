@@ -14,11 +14,13 @@ Status lines go to stderr, replies to stdout, so `-p` output can be piped.
 import argparse
 import sys
 
+import torch
+
 from nanochat.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, Finish, MarkupWriter,
                            Piece, RequestError, check_number, fit_conversation, fit_text, generate_replies,
                            model_summary, prompt_budget)
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import UserError, compute_init, run_main
+from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine
 
 
@@ -32,8 +34,12 @@ def parse_args(argv=None):
     p.add_argument("-k", "--top-k", type=int, default=50, help="sample among the k most likely tokens")
     p.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
     p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads on a CPU (default: $OMP_NUM_THREADS, else one fewer than its cores, at least 1: "
+                        "decoding one reply barely gains from the last core and stalls when anything else wants it)")
     args = p.parse_args(argv)
     try:
+        check_number("--threads", args.threads, 0, 4096, integer=True)
         check_number("--temperature", args.temperature, *TEMPERATURE_RANGE)
         check_number("--top-k", args.top_k, *TOP_K_RANGE, integer=True)
         check_number("--max-tokens", args.max_tokens, *MAX_TOKENS_RANGE, integer=True)
@@ -85,11 +91,14 @@ def answer(engine, tokenizer, conversation, text, args, chat):
 def main(argv=None):
     args = parse_args(argv)
     _, _, _, _, device = compute_init(args.device_type)
+    if device.type == "cpu":
+        torch.set_num_threads(inference_threads(device, args.threads))
     status(f"loading the {args.source} model on {device} ...")
     model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
     model.prepare_for_inference()
     _, line = model_summary(meta, model, device, args.source)
-    status(f"loaded {line}")
+    threads = f", {torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''}" if device.type == "cpu" else ""
+    status(f"loaded {line}{threads}")
     engine = Engine(model, tokenizer)
     chat = args.source != "base"  # a base model never saw the chat format: it continues text instead
 

@@ -67,8 +67,10 @@ def cli_base_dir(tiny_base_dir, tmp_path_factory):
     return str(base_dir)
 
 
-def run_cli(base_dir, *args, stdin=None, timeout=60):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, OMP_NUM_THREADS="1")
+def run_cli(base_dir, *args, stdin=None, timeout=60, omp_threads="1"):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, OMP_NUM_THREADS=omp_threads)
+    if omp_threads is None:
+        del env["OMP_NUM_THREADS"]
     command = [sys.executable, "-m", "scripts.chat_cli", "--device-type", "cpu", *args]
     return subprocess.run(command, input=stdin, capture_output=True, text=True, cwd=REPO_ROOT, env=env,
                           timeout=timeout, check=False)
@@ -90,6 +92,19 @@ def test_one_shot_prompt_answers_with_the_sft_and_the_base_model(cli_base_dir):
     assert "loaded base model 'tiny'" in result.stderr
     assert result.stdout.strip()
     assert "<|" not in result.stdout  # plain text continuation: no chat markup
+
+
+def test_cpu_threads_leave_a_core_to_the_machine_unless_told(cli_base_dir):
+    # One reply decodes as fast on one core fewer, and does not stall when something else wants a core
+    # (common.inference_threads); --threads, then $OMP_NUM_THREADS, choose otherwise.
+    result = run_cli(cli_base_dir, "-p", "Hi", "--max-tokens", "2", omp_threads=None)
+    assert result.returncode == 0, result.stderr
+    expected = max(1, (os.cpu_count() or 2) - 1)
+    assert f", {expected} torch thread{'s' if expected > 1 else ''}" in result.stderr
+    result = run_cli(cli_base_dir, "-p", "Hi", "--max-tokens", "2", "--threads", "3")
+    assert result.returncode == 0 and ", 3 torch threads" in result.stderr, result.stderr
+    result = run_cli(cli_base_dir, "-p", "Hi", "--threads", "-1")
+    assert result.returncode != 0 and "--threads" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_interactive_session_through_a_pipe(cli_base_dir):
