@@ -512,18 +512,15 @@ class GPT(nn.Module):
                     module.weight.data = module.weight.data.to(torch.bfloat16)
         for block in self.transformer.h:
             attn = block.attn
-            weights = [attn.c_q.weight, attn.c_k.weight, attn.c_v.weight]
-            if hasattr(attn, "ve_gate"):
-                gate = attn.ve_gate.weight.new_zeros(attn.n_kv_head, self.config.n_embd)
-                gate[:, :attn.ve_gate.in_features] = attn.ve_gate.weight
-                weights.append(gate)
-            attn.inference_weight = torch.cat(weights)
+            linears = [attn.c_q, attn.c_k, attn.c_v] + ([attn.ve_gate] if hasattr(attn, "ve_gate") else [])
+            # the gate reads the first ve_gate.in_features channels: zero weights for the rest give the same logits
+            attn.inference_weight = torch.cat([F.pad(linear.weight, (0, self.config.n_embd - linear.in_features))
+                                               for linear in linears])
             # the separate weights become views into the stacked one, so the model holds each value once
             start = 0
-            for linear in (attn.c_q, attn.c_k, attn.c_v) + ((attn.ve_gate,) if hasattr(attn, "ve_gate") else ()):
-                rows, columns = linear.weight.shape
-                linear.weight.data = attn.inference_weight[start:start + rows, :columns]
-                start += rows
+            for linear in linears:
+                linear.weight.data = attn.inference_weight[start:start + linear.out_features, :linear.in_features]
+                start += linear.out_features
         return self
 
     def num_params(self):
