@@ -60,8 +60,8 @@ if [ "$PRESET" = gpu ]; then
     # - 10 tokens per parameter (--target-param-data-ratio): ~7.3B tokens, ~14,000 steps of 2^19 tokens.
     # - 150 climbmix shards (~60M tokens each, ~9B tokens) cover the budget without repeating data; 8 go first
     #   for the tokenizer, the rest download in the background while it trains.
-    # - device batch 16 x 2048 tokens fits an 80 GB H100 at d24 in bf16 (estimated; not yet run on a GPU with the
-    #   value embeddings); gradient accumulation makes up the 2^19-token batch on any GPU count:
+    # - device batch 16 x 2048 tokens fits an 80 GB H100 at d24 in bf16 with the value embeddings (gpu_check measured
+    #   a 68.8 GiB peak on an H100 and an H200; 32 does not fit); gradient accumulation makes up the 2^19-token batch on any GPU count:
     #   2^19 / (16 x 2048 x NGPU) = 16 / NGPU micro-steps (exact for 1, 2, 4, 8).
     #   A GPU with less memory takes a smaller NANOCHAT_DEVICE_BATCH (python -m scripts.gpu_check says which fits);
     #   the global batch, and so the run, stays the same.

@@ -55,7 +55,8 @@ def parse_args(argv=None):
                    "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
                    f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); docs/pretraining.md 'Recipe components'")
     p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
-                   "(torch._scaled_mm: H100/Ada GPUs, and CPU; elsewhere emulated); docs/pretraining.md 'Recipe components'")
+                   "(torch._scaled_mm on H100/Ada GPUs; emulated in fp32 elsewhere, CPU included: for the numerics, not for "
+                   "speed); docs/pretraining.md 'FP8 matmuls'")
     # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
     p.add_argument("--num-iterations", type=int, default=None, help="optimizer steps (-1 = from the budget flags below; "
                    "default: from them on a GPU or when one is given, else 700 on a CPU)")

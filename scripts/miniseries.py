@@ -2,7 +2,7 @@
 Train a family of base_train runs and fit the scaling laws they trace (nanochat/miniseries.py).
 
     python -m scripts.miniseries --preset=cpu --mode=isoflop        # 3 FLOP budgets x d2,d3,d4,d6 on 2 cores
-    python -m scripts.miniseries --preset=cpu                       # d2..d4 at 1 token/param (a quick look)
+    python -m scripts.miniseries --preset=cpu                       # d2..d4 at 4 tokens/param (a quick look)
     python -m scripts.miniseries --preset=gpu --nproc=8             # d10..d26 on a GPU node (torchrun)
     python -m scripts.miniseries --depths 4 6 8 --ratio=10 --name=ratio10 --data-source=brown
     python -m scripts.miniseries --mode=isoflop --components=none --name=cpu-isoflop-plain   # another recipe (here the plain one)
