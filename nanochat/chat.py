@@ -9,7 +9,8 @@ Talking to a trained model: what chat_cli and chat_web share, and the OpenAI API
 A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
 wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
 so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
-A conversation longer than the model's context loses its oldest turns (and says so) instead of failing.
+A conversation longer than the model's context loses its oldest turns (and says so) instead of failing, in chat_cli
+and the UI's endpoint; the OpenAI API takes it whole or refuses it (whole_conversation), as OpenAI's does.
 """
 
 import math
@@ -42,10 +43,11 @@ ASSISTANT_PART_TYPES = ("text", "python", "python_output")
 class RequestError(ValueError):
     """A request the client must fix: `field` names what is wrong (e.g. "messages[2].role"), `reason` says why."""
 
-    def __init__(self, field, reason):
+    def __init__(self, field, reason, code=None):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.code = code  # the OpenAI API's error code where it has one (e.g. "context_length_exceeded")
 
 
 # -----------------------------------------------------------------------------
@@ -118,6 +120,8 @@ def validate_messages(messages):
         if not isinstance(message, dict):
             raise RequestError(field, "must be an object with \"role\" and \"content\"")
         role = message.get("role")
+        if role == "developer":  # what newer OpenAI clients send in place of "system"
+            role = "system"
         if role not in ROLES:
             raise RequestError(f"{field}.role", f"must be one of {', '.join(ROLES)} (got {role!r:.40})")
         if role == "system" and i != 0:
@@ -211,9 +215,9 @@ def read_sampling(body, temperature, top_k, max_tokens):
 # The OpenAI chat completions API: the shapes of its responses (its requests are read above)
 
 
-def openai_error(message, kind, param=None):
+def openai_error(message, kind, param=None, code=None):
     """The API's error shape, so its clients show the message."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def openai_usage(prompt_tokens, completion_tokens):
@@ -367,6 +371,19 @@ def fit_conversation(tokenizer, messages, max_prompt_tokens):
         ids = render([], turns)
     note = "; ".join(notes) + f" to fit the model's context ({max_prompt_tokens} prompt tokens)"
     return Prompt(ids, system + turns, note)
+
+
+def whole_conversation(tokenizer, messages, context):
+    """
+    Render validated messages as they are, for a client that keeps its own context (the OpenAI API): a RequestError
+    with the API's code "context_length_exceeded" when they leave no room for a reply, where fit_conversation would
+    drop turns. A reply that would run past the context ends there (finish reason "length").
+    """
+    ids = tokenizer.render_for_completion({"messages": messages})
+    if len(ids) >= context:
+        raise RequestError("messages", f"this model's context is {context} tokens and the messages take {len(ids)}, "
+                           "leaving no room for a reply: send fewer or shorter messages", code="context_length_exceeded")
+    return Prompt(ids, messages)
 
 
 def fit_text(tokenizer, text, max_prompt_tokens):

@@ -39,7 +39,7 @@ from nanochat.chat import (MODEL_MARKUP, SEED_MODULUS, Finish, MarkupWriter, Pie
                            fit_conversation,
                            model_info, openai_chunk, openai_completion, openai_error, openai_head,
                            openai_model_card, openai_usage, openai_usage_chunk, parts_as_markup, prompt_budget,
-                           read_sampling, summary_line, validate_messages)
+                           read_sampling, summary_line, validate_messages, whole_conversation)
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
                              use_cuda_device)
@@ -375,6 +375,10 @@ class WorkerPool:
         if not alive:
             raise HTTPProblem(503, "every worker process has exited (see the server's log); restart the server",
                               kind="server_error")
+        rows = max(w.rows for w in alive)
+        if sampling.num_samples > rows:  # its samples decode side by side: they could never all get rows
+            raise RequestError("n", f"at most {rows} replies per request on this server (a worker's batch has {rows} "
+                               f"rows: --max-batch, or the KV cache's memory budget); got {sampling.num_samples}")
         worker = min(alive, key=lambda w: w.load())
         generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
         worker.submit(generation)
@@ -382,6 +386,7 @@ class WorkerPool:
             await asyncio.wait_for(generation.admitted.wait(), self.queue_timeout)
         except asyncio.TimeoutError:
             generation.cancel()
+            generation.rejected = True  # counted here; if a row came in the meantime, not as cancelled too
             self.requests_rejected += 1
             rows = sum(w.rows for w in alive)
             raise QueueTimeout(f"all {rows} rows of the batch stayed busy for {self.queue_timeout:g} s "
@@ -394,7 +399,7 @@ class WorkerPool:
     def finished(self, generation):
         """Called in the event loop when a generation's last event is in."""
         self.active.discard(generation)
-        if not generation.was_admitted:
+        if not generation.was_admitted or generation.rejected:
             return
         outcome = "cancelled" if generation.replies_finished < generation.num_samples else "done"
         print0(f"{generation.num_samples} repl{'ies' if generation.num_samples > 1 else 'y'}, {generation.tokens} tokens "
@@ -443,7 +448,7 @@ class Generation:
         self.admitted = asyncio.Event()
         self.was_admitted = False
         self.tokens, self.replies_finished, self.seconds = 0, 0, 0.0
-        self.cancelled = self.ended = False
+        self.cancelled = self.ended = self.rejected = False
         pool.active.add(self)
 
     def receive(self, events):
@@ -543,16 +548,20 @@ class ChatServer:
         body = await read_json_body(request)
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise RequestError("model", "must be a string")
-        if not isinstance(body.get("stream", False), bool):
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
             raise RequestError("stream", "must be true or false")
         messages = validate_messages(body.get("messages"))
         d = self.defaults
         sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"])
         if not openai and sampling.num_samples != 1:
             raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
-        # tokenizing up to MAX_TOTAL_CHARS a few times takes milliseconds: off the event loop
-        budget = prompt_budget(self.context, sampling.max_tokens)
-        prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, budget)
+        # tokenizing up to MAX_TOTAL_CHARS a few times takes milliseconds: off the event loop. An API client keeps its
+        # own context, so its messages go in whole or not at all; the UI's conversation is trimmed, and told so.
+        if openai:
+            prompt = await asyncio.to_thread(whole_conversation, self.tokenizer, messages, self.context)
+        else:
+            budget = prompt_budget(self.context, sampling.max_tokens)
+            prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, budget)
         return body, sampling, prompt, await self.pool.submit(prompt.ids, sampling)
 
     async def ui_completion(self, request: Request):
@@ -715,7 +724,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None):
 
     @app.exception_handler(RequestError)
     async def bad_request(request, e):
-        return JSONResponse(openai_error(str(e), "invalid_request_error", e.field), status_code=400)
+        return JSONResponse(openai_error(str(e), "invalid_request_error", e.field, e.code), status_code=400)
 
     @app.exception_handler(HTTPProblem)
     async def http_problem(request, e):

@@ -93,7 +93,10 @@ def main(argv=None):
     url = f"http://{shown_host}:{port}/"
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down: done, not a crash
+        pass
     print0("server stopped")
 
 

@@ -179,6 +179,40 @@ def test_openai_client_non_stream_and_stream(client, tokenizer):
     assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
 
 
+def test_openai_api_takes_a_conversation_whole_or_refuses_it(server, client, tokenizer):
+    """An API client keeps its own context: nothing it sent is dropped behind its back (the UI's endpoint trims and
+    says so, above). Too long for the context: a 400 with OpenAI's code; a long max_tokens only ends the reply at the
+    context, it never costs the prompt tokens."""
+    turns = []
+    for i in range(30):
+        turns += [{"role": "user", "content": f"question {i}: " + "tell me about the river " * 40},
+                  {"role": "assistant", "content": f"answer {i}"}]
+    too_long = turns + [{"role": "user", "content": "and the last one?"}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="nanochat", messages=too_long, max_tokens=4)
+    assert error.value.code == "context_length_exceeded" and f"context is {CONTEXT} tokens" in str(error.value)
+
+    fits = turns[-8:] + [{"role": "user", "content": "and the last one?"}]
+    prompt_tokens = len(tokenizer.render_for_completion({"messages": fits}))
+    assert CONTEXT // 2 < prompt_tokens < CONTEXT - 64  # more than half the context: the UI would have trimmed it
+    reply = client.chat.completions.create(model="nanochat", messages=fits, max_tokens=CONTEXT, temperature=0.0)
+    assert reply.usage.prompt_tokens == prompt_tokens  # every message went in
+    assert reply.usage.completion_tokens == CONTEXT - prompt_tokens and reply.choices[0].finish_reason == "length"
+
+
+def test_openai_api_takes_what_openai_clients_send(server):
+    """Fields the way OpenAI's API takes them: "stream": null is no stream, "developer" is the system role."""
+    url = f"{server.url}/v1/chat/completions"
+    plain = httpx.post(url, json={"messages": HELLO, "max_tokens": 3, "stream": None}, timeout=30)
+    assert plain.status_code == 200 and plain.json()["object"] == "chat.completion"
+    developer = [{"role": "developer", "content": "You are terse."}] + HELLO
+    as_developer = httpx.post(url, json={"messages": developer, "max_tokens": 3, "seed": 1}, timeout=30).json()
+    as_system = httpx.post(url, json={"messages": [{"role": "system", "content": "You are terse."}] + HELLO,
+                                      "max_tokens": 3, "seed": 1}, timeout=30).json()
+    assert as_developer["usage"] == as_system["usage"]
+    assert as_developer["choices"][0]["message"] == as_system["choices"][0]["message"]
+
+
 def test_openai_n_samples_and_seed_reproducibility(client):
     def ask(seed, n=1):
         return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=12, temperature=1.0,
@@ -310,7 +344,7 @@ def test_a_client_that_disconnects_frees_its_worker(server, client):
     wait_until(lambda: httpx.get(f"{server.url}/stats").json()["requests_cancelled"] >= 2, 10, "the cancels counted")
 
 
-def test_queue_timeout_gives_503_not_a_hang(web_base_dir):
+def test_a_one_row_server_times_out_its_queue_refuses_n_2_and_stops_on_ctrl_c(web_base_dir):
     busy = Server(web_base_dir, "--workers", "1", "--max-batch", "1", "--queue-timeout", "0.5")  # one row in all
     try:
         body, short = {"messages": HELLO, "max_tokens": LONG_REPLY}, {"messages": HELLO, "max_tokens": 4}
@@ -327,8 +361,17 @@ def test_queue_timeout_gives_503_not_a_hang(web_base_dir):
         stats = {}
         wait_until(lambda: stats.update(httpx.get(f"{busy.url}/stats").json()) or stats["workers"]["free"] == 1, 10,
                    "the worker to be free")
-        assert stats["requests_rejected"] == 1
+        # the occupying client's reply counts as cancelled; the rejected request does not count twice
+        assert stats["requests_rejected"] == 1 and stats["requests_cancelled"] == 1
         assert httpx.post(f"{busy.url}/v1/chat/completions", json=short, timeout=30).status_code == 200
+        # two replies of one prompt decode side by side: more than its rows is the client's error, said at once
+        two = httpx.post(f"{busy.url}/v1/chat/completions", json=dict(short, n=2), timeout=30)
+        assert two.status_code == 400 and two.json()["error"]["param"] == "n" and "--max-batch" in two.text
+        # one Ctrl-C on an idle server: a clean stop, no traceback
+        busy.process.send_signal(signal.SIGINT)
+        assert busy.process.wait(timeout=15) == 0
+        wait_until(lambda: "server stopped" in "".join(busy.lines), 5, "its last line")
+        assert "Traceback" not in "".join(busy.lines), "".join(busy.lines)[-2000:]
     finally:
         busy.stop()
 
