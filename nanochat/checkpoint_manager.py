@@ -320,16 +320,30 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
 
 
 def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
-    """A checkpoint of another shape or tokenizer cannot be resumed: say so before any compute."""
+    """A checkpoint of another shape or tokenizer cannot be resumed: say so before any compute (the tokenizer first:
+    another vocabulary also shows as another shape)."""
+    saved_tok = meta.get("tokenizer_hash")
+    if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
+        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, "train from scratch with another --model-tag"))
     saved = meta.get("model_config", {})
     if saved != model_config:
         diff = {k: (saved.get(k), model_config.get(k)) for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k)}
         raise UserError(f"checkpoint in {ckpt_dir} is for a different model (saved vs requested: {diff}); "
                         "use the same --depth/--max-seq-len/--components, or another --model-tag")
-    saved_tok = meta.get("tokenizer_hash")
-    if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
-        raise UserError(f"checkpoint in {ckpt_dir} was trained with a different tokenizer; "
-                        "restore that tokenizer or train from scratch with another --model-tag")
+
+
+def other_tokenizer_message(ckpt_dir, saved_hash, alternative):
+    """A checkpoint trained with another tokenizer than the base dir's: what to do, naming the copy tok_train kept of
+    it when it replaced it."""
+    from nanochat.tokenizer import get_tokenizer_dir, set_aside_dir
+
+    aside = set_aside_dir(saved_hash)
+    if os.path.isdir(aside):
+        fix = f"tok_train kept it in {aside} when it replaced it: copy its files back into {get_tokenizer_dir()}"
+    else:
+        fix = f"put that tokenizer's files back in {get_tokenizer_dir()}"
+    return f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; {fix}, " \
+           f"or {alternative}"
 
 
 def find_latest_tag(stage):
@@ -360,5 +374,5 @@ def load_model(source, device, phase="eval", model_tag=None, step=None):
     tokenizer = get_tokenizer()
     saved_tok = meta.get("tokenizer_hash")
     if saved_tok and saved_tok != tokenizer.fingerprint():
-        raise UserError(f"the tokenizer in {get_base_dir()}/tokenizer is not the one checkpoint {ckpt_dir} was trained with")
+        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, "use a checkpoint trained with the current one"))
     return model, tokenizer, meta

@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -372,6 +373,40 @@ def get_tokenizer_dir():
 def get_tokenizer():
     """The tokenizer trained by scripts.tok_train, from <base_dir>/tokenizer/."""
     return RustBPETokenizer.from_directory(get_tokenizer_dir())
+
+
+def set_aside_dir(fingerprint):
+    """Where tok_train keeps a tokenizer it replaced: <base_dir>/previous_tokenizers/<fingerprint's first 12>/."""
+    return os.path.join(get_base_dir(), "previous_tokenizers", fingerprint[:12])
+
+
+def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
+    """
+    Before a new tokenizer is written where another one is: copy the old one's files to set_aside_dir (checkpoints
+    trained with it cannot run without it) and return that directory; None when there is none, or it is the same
+    tokenizer. Copied, not moved, and the copy renamed into place whole: a crash at any point leaves the old
+    tokenizer complete in one of the two places.
+    """
+    meta_path = os.path.join(tokenizer_dir, META_FILE)
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            old = str(json.load(f)["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        old = "unreadable"
+    if old == new_fingerprint:
+        return None
+    aside = set_aside_dir(old)
+    if not os.path.isdir(aside):
+        tmp = f"{aside}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name in (META_FILE, RANKS_FILE, TOKEN_BYTES_FILE):
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+        os.replace(tmp, aside)
+    return aside
 
 
 def get_token_bytes(device="cpu"):

@@ -15,7 +15,7 @@ import time
 from nanochat.common import UserError, ensure_writable, print0, run_main
 from nanochat.dataset import get_default_source, parquets_iter_batched
 from nanochat.report import get_report
-from nanochat.tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, RustBPETokenizer, get_tokenizer_dir
+from nanochat.tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, RustBPETokenizer, get_tokenizer_dir, set_aside_tokenizer
 
 PROGRESS_EVERY_S = 10.0
 
@@ -118,6 +118,10 @@ def main(argv=None):
         print0(f"warning: the corpus ran out of pairs to merge: vocab size is {vocab_size:,}, not {args.vocab_size:,}")
 
     tokenizer_dir = get_tokenizer_dir()
+    aside = set_aside_tokenizer(tokenizer_dir, tokenizer.fingerprint())
+    if aside:
+        print0(f"note: the tokenizer this one replaces is kept in {aside}: checkpoints trained with it need its files back "
+               f"in {tokenizer_dir}")
     tokenizer.save(tokenizer_dir)
     print0(f"saved tokenizer (vocab {vocab_size:,}, fingerprint {tokenizer.fingerprint()[:12]}) to {tokenizer_dir}")
 

@@ -13,6 +13,7 @@ import pytest
 import tiktoken
 import torch
 
+from nanochat.checkpoint_manager import check_compatible
 from nanochat.common import UserError
 from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer, get_token_bytes, get_tokenizer
 
@@ -469,6 +470,22 @@ def test_tok_train_and_eval_scripts(tmp_path, monkeypatch, capsys):
     for kind in kinds:
         nbytes, _ = results[(kind, "ours")]
         assert results[(kind, "gpt2")] == (nbytes, nbytes)
+
+    # A new tokenizer over the old one keeps a copy of the old: checkpoints trained with it cannot run without it,
+    # and their error says where it is. The same tokenizer again sets nothing aside.
+    old = RustBPETokenizer.from_directory(str(tmp_path / "tokenizer"))
+    tok_train.main(["--max-chars", "2e5", "--doc-cap", "2000", "--vocab-size", "300"])
+    aside = tmp_path / "previous_tokenizers" / old.fingerprint()[:12]
+    assert f"kept in {aside}" in capsys.readouterr().out
+    kept = RustBPETokenizer.from_directory(str(aside))
+    assert kept.fingerprint() == old.fingerprint() and kept.get_vocab_size() == 400
+    assert get_tokenizer().get_vocab_size() == 300
+    with pytest.raises(UserError, match=f"kept it in {aside}"):
+        check_compatible({"model_config": {}, "tokenizer_hash": old.fingerprint()}, {}, get_tokenizer().fingerprint(),
+                         "base_checkpoints/d4")
+    tok_train.main(["--max-chars", "2e5", "--doc-cap", "2000", "--vocab-size", "300"])
+    assert "kept in" not in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "previous_tokenizers")) == [old.fingerprint()[:12]]
 
 
 def test_tok_train_empty_corpus_subprocess(tmp_path):
