@@ -84,6 +84,17 @@ def refuse_to_overwrite(ckpt_dir):
                         "it with --resume, or delete that directory, or write to another --model-tag")
 
 
+def refuse_later_checkpoints(ckpt_dir, step):
+    """A run resumed from an older step would write its steps over the later checkpoints', and pruning (which keeps the
+    highest steps) would then keep theirs over its own: refused, before any compute."""
+    later = [s for s in list_steps(ckpt_dir) if s > step]
+    if later:
+        raise UserError(f"{ckpt_dir} holds checkpoints after step {step} (steps {later[0]}..{later[-1]}): a run resumed "
+                        f"from step {step} would overwrite them, and pruning would keep theirs over its own. To go on from "
+                        f"step {step}, copy step_{step:06d} into another --model-tag's directory and resume there, or "
+                        "delete the later step directories")
+
+
 def validate_meta(meta):
     """The reason a checkpoint's meta.json cannot be trusted, or None if it has everything loading relies on."""
     if not isinstance(meta, dict):
@@ -308,8 +319,8 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
     optim_states = None
     if load_optimizer and meta.get("imported_from"):
         raise UserError(f"{step_dir} was imported from {meta['imported_from'].get('source')}: it has no optimizer state "
-                        "or data position to resume; fine-tune it with mid_train or chat_sft (-i this stage), which start "
-                        "their own")
+                        "or data position to resume; train a chat stage from it instead (-i this stage, and --out-tag when "
+                        "that stage is its own), which starts its own")
     if load_optimizer:
         tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
         json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
@@ -356,12 +367,18 @@ def find_latest_tag(stage):
 
 def load_model(source, device, phase="eval", model_tag=None, step=None):
     """Build a trained model for inference or further training: returns (model, tokenizer, meta)."""
+    model_tag = model_tag or find_latest_tag(source)
+    model, tokenizer, meta = load_model_from_dir(checkpoint_dir(source, model_tag), device, phase, step)
+    meta["model_tag"] = model_tag
+    return model, tokenizer, meta
+
+
+def load_model_from_dir(ckpt_dir, device, phase="eval", step=None):
+    """load_model for a checkpoint directory named by its path (a stage resuming its own checkpoints)."""
     from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
 
     device = torch.device(device)
-    model_tag = model_tag or find_latest_tag(source)
-    ckpt_dir = checkpoint_dir(source, model_tag)
     step = resolve_step(ckpt_dir, step)
     model_state, _, meta = load_checkpoint(ckpt_dir, step, device, load_optimizer=False)
     model = build_model(meta["model_config"], device)
@@ -370,7 +387,6 @@ def load_model(source, device, phase="eval", model_tag=None, step=None):
     except RuntimeError as e:
         raise UserError(f"checkpoint {ckpt_dir} step {step} does not match the model code ({e})") from e
     model.train(phase == "train")
-    meta["model_tag"] = model_tag
     tokenizer = get_tokenizer()
     saved_tok = meta.get("tokenizer_hash")
     if saved_tok and saved_tok != tokenizer.fingerprint():

@@ -4,10 +4,11 @@ takes, their validation before any compute (base_train uses it too), and the sta
 checkpoint it builds on, its optimizers and learning rates, its own output directory, and resuming.
 """
 
+import math
 import os
 
-from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, refuse_to_overwrite,
-                                         resolve_step)
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, load_model_from_dir,
+                                         refuse_to_overwrite, resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.presets import PRESETS, fill_from_preset, preset_help
@@ -34,6 +35,8 @@ def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
     p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
     p.add_argument("-i", "--source", default=source, choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
     p.add_argument("-g", "--model-tag", default=None, help="tag of the input checkpoint, also the output's (default: latest)")
+    p.add_argument("--out-tag", default=None, help="tag of this stage's checkpoints, when not the input's: lets a stage train "
+                   "from a checkpoint of its own stage (e.g. chat_sft -i sft on an imported model)")
     p.add_argument("-s", "--step", type=int, default=None, help="step of the input checkpoint (default: latest)")
     p.add_argument("--seed", type=int, default=42)
     for flag, default, text in (("num_iterations", -1, "optimizer steps (-1 = one epoch of the data)"),
@@ -91,6 +94,9 @@ def check_flag(ok, flag, value, allowed):
 
 def validate_training_flags(args):
     """The checks every training script shares: lrs, schedule shape, cadences, batch sizes, checkpoint rotation."""
+    for flag, value in vars(args).items():  # nan passes every comparison below, and inf breaks the step counts
+        if isinstance(value, float):
+            check_flag(math.isfinite(value), flag, value, "must be a finite number")
     for flag in ("device_batch_size", "total_batch_size", "keep_last"):
         check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
     for flag in ("embedding_lr", "unembedding_lr", "matrix_lr"):
@@ -148,10 +154,20 @@ STAGE_FIXED_FLAGS = ["source", "seed", "device_batch_size", "total_batch_size", 
 
 
 def output_dir(stage, args):
-    """The stage's checkpoint dir for the input's tag, claimed for this run (one run per tag; proven writable)."""
-    tag = args.model_tag or find_latest_tag(args.source)
-    ckpt_dir = checkpoint_dir(stage, tag)
+    """
+    (input tag, the stage's checkpoint dir): the dir under --out-tag, else under the input's tag, claimed for this run
+    (one run per tag; proven writable). --resume with neither tag continues this stage's latest run.
+    """
+    if args.resume and not (args.model_tag or args.out_tag):
+        tag = out_tag = find_latest_tag(stage)
+    else:
+        tag = args.model_tag or find_latest_tag(args.source)
+        out_tag = args.out_tag or tag
+    ckpt_dir = checkpoint_dir(stage, out_tag)
     claim_checkpoint_dir(ckpt_dir)
+    if not args.resume and ckpt_dir == checkpoint_dir(args.source, tag):
+        raise UserError(f"-i {args.source} -g {tag} would write this run's checkpoints into {ckpt_dir}, the directory it "
+                        f"starts from; give them their own with --out-tag (e.g. --out-tag={tag}-tuned)")
     if not args.resume:
         refuse_to_overwrite(ckpt_dir)
     return tag, ckpt_dir
@@ -190,7 +206,10 @@ def start_stage(args, tag, ckpt_dir, device):
     and where the loop starts.
     Returns (model, tokenizer, optimizers, lrs, start).
     """
-    model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
+    if args.resume:  # its own latest checkpoint's model: the input's weights would be replaced, and it may be gone
+        model, tokenizer, meta = load_model_from_dir(ckpt_dir, device, phase="train")
+    else:
+        model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
     model_config = config_dict(model.config)
     dial = dial_lrs(model.config.n_layer, REFERENCE_BATCH)  # the lrs the base model trained with at the reference batch
     lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)

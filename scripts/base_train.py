@@ -11,8 +11,8 @@ Resume after a crash or a stop with the same command plus --resume (or --resume-
 import argparse
 import time
 
-from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_to_overwrite,
-                                        resolve_step)
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_later_checkpoints,
+                                        refuse_to_overwrite, resolve_step)
 from nanochat.common import (UserError, autocast_for, compile_backend, compile_choice, compile_model, compute_cleanup,
                              compute_init, get_compute_dtype, keep_freed_memory_in_process, print0, resolve_device_type,
                              run_main, seed_everything)
@@ -173,6 +173,7 @@ def main(argv=None):
     get_report()  # proves the report directory is writable, before any training
     if args.resume or args.resume_from_step >= 0:
         resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
+        refuse_later_checkpoints(ckpt_dir, resume_step)
     else:
         resume_step = refuse_to_overwrite(ckpt_dir)
     # fail now, not hours in, if the CORE bundle cannot be had (rank 0 downloads it, the others wait)

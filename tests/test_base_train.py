@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nanochat.checkpoint_manager import list_steps
+
 # A tiny model: 2 layers, width 64, 2 heads of 32; 4 x 64 tokens per step.
 TINY = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=64", "--device-batch-size=2",
         "--total-batch-size=256", "--eval-tokens=1024", "--core-metric-every=-1", "--sample-every=-1", "--model-tag=tiny"]
@@ -123,7 +125,6 @@ def test_resume_after_sigkill_is_exact(tiny_base_dir, tmp_path, nproc):
 
 @pytest.mark.slow  # 20 s; a save that fails leaves the previous checkpoint in the default run (test_hardening's full disk)
 def test_kill_during_checkpoint_save_keeps_previous_checkpoint(tiny_base_dir, tmp_path):
-    from nanochat.checkpoint_manager import list_steps
 
     base = fresh_base(tiny_base_dir, tmp_path, "fault")
     args = ["--num-iterations=6", "--save-every=2", "--eval-every=-1"]
@@ -222,7 +223,15 @@ def test_bad_input_fails_before_compute(tiny_base_dir, tmp_path):
     p = run_train(base, ["--num-iterations=2", "--resume"], check=False)
     assert p.returncode == 1 and "no checkpoint" in p.stderr
 
-    run_train(base, ["--num-iterations=2", "--eval-every=-1"])
+    p = run_train(base, ["--num-iterations=-1", "--target-flops=nan"], check=False)
+    assert p.returncode == 1 and "--target-flops=nan is not valid: must be a finite number" in p.stderr
+
+    run_train(base, ["--num-iterations=2", "--eval-every=-1", "--save-every=1"])
+    # resumed from a step with later ones in the directory: they would be overwritten, then pruned in favour of its own
+    ckpt_dir = os.path.join(base, "base_checkpoints", "tiny")
+    p = run_train(base, ["--num-iterations=3", "--resume-from-step=1", "--keep-last=1"], check=False)
+    assert p.returncode == 1 and "after step 1 (steps 2..2)" in p.stderr and "step 0000" not in p.stdout
+    assert list_steps(ckpt_dir) == [1, 2]
     # a different shape under the same tag
     p = run_train(base, ["--num-iterations=4", "--resume", "--aspect-ratio=64", "--head-dim=64"], check=False)
     assert p.returncode == 1 and "different model" in p.stderr

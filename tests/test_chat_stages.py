@@ -265,6 +265,8 @@ def test_bad_chat_stage_flags_give_one_line_before_any_work(tmp_path):
         ("chat_sft", "--num-iterations=0", "--num-iterations=0 is not valid", True),
         ("chat_sft", "--max-seq-len=4", "--max-seq-len=4 is not valid", False),
         ("chat_sft", "--matrix-lr=-0.1", "--matrix-lr=-0.1 is not valid", False),
+        ("chat_sft", "--init-lr-frac=nan", "--init-lr-frac=nan is not valid: must be a finite number", False),
+        ("mid_train", "--weight-decay=inf", "--weight-decay=inf is not valid: must be a finite number", False),
         ("chat_rl", "--temperature=0", "--temperature=0.0 is not valid", True),
         ("chat_rl", "--num-samples=0", "--num-samples=0 is not valid", False),
         ("chat_rl", "--keep-last=0", "--keep-last=0 is not valid", False),
@@ -292,6 +294,23 @@ def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trai
     assert "step 00002 | val_loss" in p.stdout and os.path.exists(section), p.stdout
     after = weights(base, "chat_sft", 2)
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing trained again
+
+    # fewer steps than the checkpoint has taken: refused before a step, nothing saved (the lr schedule would run past
+    # its end into negative lrs)
+    sft_dir = os.path.join(base, "chatsft_checkpoints", "tiny")
+    p = run(base, "chat_sft", SFT + ["--num-iterations=1", "-i", "base", "--resume"], check=False)
+    assert p.returncode == 1 and "--num-iterations=1 is before the step 2" in p.stderr and "Traceback" not in p.stderr
+    assert list_steps(sft_dir) == [2]
+    # a resume reads this stage's own checkpoint: the input's may be gone
+    shutil.move(os.path.join(base, "base_checkpoints"), os.path.join(base, "base_checkpoints.away"))
+    p = run(base, "chat_sft", SFT + ["--num-iterations=3", "-i", "base", "--resume"])
+    assert "resuming at step 2" in p.stdout and list_steps(sft_dir) == [2, 3], p.stdout
+    shutil.move(os.path.join(base, "base_checkpoints.away"), os.path.join(base, "base_checkpoints"))
+    # a stage from a checkpoint of its own stage (an imported SFT model, say) writes under its own --out-tag
+    p = run(base, "chat_sft", SFT + ["--num-iterations=1", "-i", "sft", "-g", "tiny"], check=False)
+    assert p.returncode == 1 and "--out-tag" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    run(base, "chat_sft", SFT + ["--num-iterations=1", "-i", "sft", "-g", "tiny", "--out-tag=tuned"])
+    assert list_steps(os.path.join(base, "chatsft_checkpoints", "tuned")) == [1] and list_steps(sft_dir) == [2, 3]
 
 
 def test_empty_supervision_adds_zero_not_nan():
