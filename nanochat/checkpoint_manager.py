@@ -269,10 +269,10 @@ def _prune(ckpt_dir, keep_last):
 # Loading
 
 
-def resolve_step(ckpt_dir, step=None):
+def resolve_step(ckpt_dir, step=None, fix="train one first, or drop --resume"):
     steps = list_steps(ckpt_dir)
     if not steps:
-        raise UserError(f"no checkpoint found in {ckpt_dir}; train one first, or drop --resume")
+        raise UserError(f"no checkpoint found in {ckpt_dir}; {fix}")
     if step is None:
         return steps[-1]
     if step not in steps:
@@ -379,7 +379,7 @@ def load_model_from_dir(ckpt_dir, device, phase="eval", step=None):
     from nanochat.tokenizer import get_tokenizer
 
     device = torch.device(device)
-    step = resolve_step(ckpt_dir, step)
+    step = resolve_step(ckpt_dir, step, fix="train that stage first, or check -i / -g")
     model_state, _, meta = load_checkpoint(ckpt_dir, step, device, load_optimizer=False)
     model = build_model(meta["model_config"], device)
     try:

@@ -36,7 +36,7 @@ from nanochat.checkpoint_manager import (
     load_model,
     resolve_step,
 )
-from nanochat.common import UserError, print0
+from nanochat.common import UserError, ensure_writable, print0
 from nanochat.gpt import (COMPONENTS, OPTIONAL_FIELDS, VARIANT_DEFAULTS, GPTConfig, attention_window, config_from_dict,
                           has_value_embed)
 from nanochat.tokenizer import SPECIAL_TOKENS
@@ -433,8 +433,10 @@ def hf_tokenizer_config(sequence_len):
 
 
 def check_output_dir(out_dir):
+    """--out must be new or empty, and writable: said before the checkpoint is read."""
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise UserError(f"--out {out_dir} already exists and is not empty; choose a new directory or remove it first")
+    ensure_writable(out_dir, "the export")
 
 
 def format_size(num_bytes):

@@ -121,6 +121,8 @@ def main(argv=None):
 
     samples = {"prose": [PROSE], "code": [CODE], "math": [MATH], "multilingual": [MULTILINGUAL]}
     docs, reason = val_sample(source, args.val_row_groups)
+    if not docs and args.source:  # asked for by name: its absence is an error, not a note
+        raise UserError(f"--source {args.source}: {reason or 'its val shard is empty'}")
     if docs:
         samples[f"val ({source})"] = docs
     else:

@@ -378,6 +378,17 @@ def test_nonempty_out_refused(export_base, tmp_path):
     assert os.listdir(out) == ["sentinel.txt"] and (out / "sentinel.txt").read_text() == "keep me"
 
 
+def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
+    from nanochat.common import UserError
+    from nanochat.hf_export import check_output_dir
+
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="notes.txt is a file, not a directory"):
+        check_output_dir(str(tmp_path / "notes.txt" / "export"))
+    check_output_dir(str(tmp_path / "new" / "export"))  # a new directory below a writable one is fine
+    assert not (tmp_path / "new").exists()  # and checking it leaves nothing behind
+
+
 def test_unrepresentable_config_refused(export_base, tmp_path):
     out = str(tmp_path / "out")
     p = run_export(export_base, "-g", "unknown", "--out", out)

@@ -332,6 +332,10 @@ def test_customjson_loads_and_reports_bad_lines(tmp_path, tokenizer):
         CustomJSON(str(out_of_order))
     with pytest.raises(UserError, match="missing.jsonl"):
         CustomJSON(str(tmp_path / "missing.jsonl"))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(UserError, match=r"blank\.jsonl holds no conversations"):
+        CustomJSON(str(blank))
     with pytest.raises(UserError, match="path="):
         get_task("CustomJSON")
 

@@ -35,6 +35,9 @@ class CustomJSON(Task):
             except ValueError as e:
                 raise UserError(f"{path}, line {number}: not a valid conversation: {e}") from None
             self.conversations.append({"messages": conversation["messages"]})
+        if not self.conversations:  # training on it would quietly train on nothing of it
+            raise UserError(f"{path} holds no conversations: write one per line, a JSON list of messages or "
+                            "{\"messages\": [...]}")
 
     def num_rows(self):
         return len(self.conversations)
