@@ -379,10 +379,10 @@ def evaluate_core(model, tokenizer, device, max_per_task=-1, bundle_dir=None, ve
     tasks = load_core_tasks(bundle_dir)
     if not tasks:
         raise UserError(f"{os.path.join(bundle_dir, 'core.yaml')} lists no tasks")
+    datas = [load_task_data(task["data_path"]) for task in tasks]  # a broken file is found before any task runs
     results, centered_results = {}, {}
-    for task in tasks:
+    for task, data in zip(tasks, datas):
         t0 = time.time()
-        data = load_task_data(task["data_path"])
         random.Random(TASK_SHUFFLE_SEED).shuffle(data)  # so a max_per_task subset is a fair sample
         accuracy = evaluate_task(model, tokenizer, data, device, task, num_examples=max_per_task)
         baseline = task["random_baseline"]

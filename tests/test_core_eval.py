@@ -349,7 +349,7 @@ def test_long_contexts_are_cropped_from_the_left():
     assert rows == [[9, 3, 4, 5]] and spans == [(1, 4)]
 
 
-def test_bad_bundle_metadata_is_a_user_error(tmp_path):
+def test_bad_bundle_metadata_is_a_user_error(tmp_path, monkeypatch):
     bundle = write_bundle(tmp_path)
     (bundle / "eval_meta_data.csv").write_text(META_CSV.replace("lm_task,", "renamed_task,"))
     with pytest.raises(UserError, match="lm_task"):
@@ -358,6 +358,16 @@ def test_bad_bundle_metadata_is_a_user_error(tmp_path):
     (bundle / "eval_data" / "language_understanding" / "mc_task.jsonl").write_text('{"query": "x"\n')
     with pytest.raises(UserError, match="mc_task.jsonl:1"):
         core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", bundle_dir=str(bundle), verbose=False)
+    # the last task's file broken: found before the first task is evaluated, not after it
+    write_bundle(tmp_path / "again")
+    bundle = tmp_path / "again" / "eval_bundle"
+    lm_file = next(bundle.rglob("lm_task.jsonl"))
+    lm_file.write_text(lm_file.read_text() + "not json\n")
+    evaluated = []
+    monkeypatch.setattr(core_eval, "evaluate_task", lambda *args, **kwargs: evaluated.append(args) or 0.0)
+    with pytest.raises(UserError, match="lm_task.jsonl"):
+        core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", bundle_dir=str(bundle), verbose=False)
+    assert evaluated == []
 
 
 def test_max_per_task_evaluates_a_subset(tmp_path):
