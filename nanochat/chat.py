@@ -29,7 +29,7 @@ MAX_MESSAGE_CHARS = 8000  # characters in one message (all its parts together)
 MAX_TOTAL_CHARS = 32000  # characters in all messages of one request
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_K_RANGE = (1, 200)
-TOP_P_RANGE = (0.0, 1.0)  # open at 0: no token could be drawn
+TOP_P_RANGE = (0.0, 1.0)  # 0, as the OpenAI API allows: the most likely token only
 MAX_TOKENS_RANGE = (1, 4096)
 NUM_SAMPLES_RANGE = (1, 8)  # the OpenAI API's n: samples are decoded together as one batch
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
@@ -203,7 +203,9 @@ def read_sampling(body, temperature, top_k, max_tokens):
 
     temperature = check_number("temperature", given("temperature", temperature), *TEMPERATURE_RANGE)
     top_k = check_number("top_k", given("top_k", top_k), *TOP_K_RANGE, integer=True)
-    top_p = check_number("top_p", given("top_p", 1.0), *TOP_P_RANGE, low_open=True)
+    top_p = check_number("top_p", given("top_p", 1.0), *TOP_P_RANGE)
+    if top_p == 0:  # a nucleus of no mass would hold no token: the limit is the most likely one
+        top_k, top_p = 1, 1.0
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = check_number(max_field, given(max_field, max_tokens), *MAX_TOKENS_RANGE, integer=True)
     num_samples = check_number("n", given("n", 1), *NUM_SAMPLES_RANGE, integer=True)

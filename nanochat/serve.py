@@ -33,6 +33,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
 from nanochat.chat import (MODEL_MARKUP, SEED_MODULUS, Finish, MarkupWriter, Piece, ReplyStream, RequestError,
@@ -729,6 +730,11 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None):
     @app.exception_handler(HTTPProblem)
     async def http_problem(request, e):
         return JSONResponse(openai_error(e.message, e.kind, e.param), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):  # an unknown path or method: in the API's error shape too, not {"detail": ...}
+        return JSONResponse(openai_error(str(e.detail), "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(QueueTimeout)
     async def busy(request, e):

@@ -211,6 +211,16 @@ def test_openai_api_takes_what_openai_clients_send(server):
                                       "max_tokens": 3, "seed": 1}, timeout=30).json()
     assert as_developer["usage"] == as_system["usage"]
     assert as_developer["choices"][0]["message"] == as_system["choices"][0]["message"]
+    # top_p 0 keeps the most likely token only: greedy, whatever the temperature
+    greedy = httpx.post(url, json={"messages": HELLO, "max_tokens": 8, "temperature": 0}, timeout=30).json()
+    nucleus_0 = httpx.post(url, json={"messages": HELLO, "max_tokens": 8, "temperature": 1.5, "top_p": 0, "seed": 3},
+                           timeout=30).json()
+    assert nucleus_0["choices"][0]["message"] == greedy["choices"][0]["message"]
+    # an unknown route or method answers in the API's error shape
+    missing = httpx.get(f"{server.url}/v1/embeddings", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
+    wrong_method = httpx.get(url, timeout=30)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 
 
 def test_openai_n_samples_and_seed_reproducibility(client):
@@ -284,7 +294,7 @@ BAD_REQUESTS = [
     (json.dumps({"messages": HELLO, "temperature": -1}), "temperature"),
     (json.dumps({"messages": HELLO, "top_k": 0}), "top_k"),
     (json.dumps({"messages": HELLO, "top_k": 201}), "top_k"),
-    (json.dumps({"messages": HELLO, "top_p": 0}), "top_p"),
+    (json.dumps({"messages": HELLO, "top_p": -0.1}), "top_p"),
     (json.dumps({"messages": HELLO, "max_tokens": 0}), "max_tokens"),
     (json.dumps({"messages": HELLO, "max_tokens": 4097}), "max_tokens"),
     (json.dumps({"messages": HELLO, "n": 9}), "n:"),
