@@ -156,10 +156,11 @@ STAGE_FIXED_FLAGS = ["source", "seed", "device_batch_size", "total_batch_size", 
 def output_dir(stage, args):
     """
     (input tag, the stage's checkpoint dir): the dir under --out-tag, else under the input's tag, claimed for this run
-    (one run per tag; proven writable). --resume with neither tag continues this stage's latest run.
+    (one run per tag; proven writable). --resume with neither tag goes on with this stage's latest run.
     """
-    if args.resume and not (args.model_tag or args.out_tag):
-        tag = out_tag = find_latest_tag(stage)
+    if args.resume:  # a run of this stage goes on: its input is not read again
+        out_tag = args.out_tag or args.model_tag or find_latest_tag(stage)
+        tag = args.model_tag or out_tag
     else:
         tag = args.model_tag or find_latest_tag(args.source)
         out_tag = args.out_tag or tag
