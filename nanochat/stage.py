@@ -7,8 +7,8 @@ checkpoint it builds on, its optimizers and learning rates, its own output direc
 import math
 import os
 
-from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_model, load_model_from_dir,
-                                         refuse_to_overwrite, resolve_step)
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_meta, load_model,
+                                         load_model_from_dir, refuse_to_overwrite, resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.presets import PRESETS, fill_from_preset, preset_help
@@ -79,11 +79,12 @@ def mixture_kind(choice=""):
     return choice or ("builtin" if os.environ.get("NANOCHAT_DATA_SOURCE", "builtin") == "builtin" else "hub")
 
 
-def context_length(model, max_seq_len):
-    """Tokens per row: the model's context unless --max-seq-len asks for fewer."""
-    T = model.config.sequence_len if max_seq_len == -1 else max_seq_len
-    check_flag(T <= model.config.sequence_len, "max_seq_len", T, f"must not exceed the model's context "
-               f"({model.config.sequence_len})")
+def context_length(model_config, max_seq_len):
+    """Tokens per row: the model's context (model_config: the input's, input_config) unless --max-seq-len asks for
+    fewer."""
+    context = model_config["sequence_len"]
+    T = context if max_seq_len == -1 else max_seq_len
+    check_flag(T <= context, "max_seq_len", T, f"must not exceed the model's context ({context})")
     return T
 
 
@@ -198,6 +199,13 @@ def stage_steps(loop, eval_every, eval_name, evaluate):
         if step == loop.num_iterations:
             return
         yield step
+
+
+def input_config(args, tag, ckpt_dir):
+    """The model config of the checkpoint start_stage loads, from its meta.json alone: the checks that need the
+    model's context run before its weights load (seconds for a small model, minutes for a large one)."""
+    source_dir, step = (ckpt_dir, None) if args.resume else (checkpoint_dir(args.source, tag), args.step)
+    return load_meta(source_dir, resolve_step(source_dir, step, fix="train that stage first, or check -i / -g"))["model_config"]
 
 
 def start_stage(args, tag, ckpt_dir, device):

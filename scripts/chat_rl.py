@@ -21,7 +21,7 @@ from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
 from nanochat.presets import preset_help
-from nanochat.stage import (add_stage_flags, check_flag, micro_steps, mixture_kind, output_dir, stage_loop, stage_steps,
+from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_loop, stage_steps,
                             start_stage, validate_stage_flags)
 from nanochat.tasks import TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
@@ -103,7 +103,9 @@ def main(argv=None):
     check_flag(args.total_batch_size % world_size == 0, "total_batch_size", args.total_batch_size,
                f"must be a multiple of the {world_size} ranks")
     samples_per_rank = args.total_batch_size // world_size * args.num_samples
-    micro_steps(samples_per_rank, args.device_batch_size, 1, "samples")  # validates the split
+    check_flag(samples_per_rank % args.device_batch_size == 0, "device_batch_size", args.device_batch_size,
+               f"must divide the {samples_per_rank} replies a rank samples per step (--total-batch-size="
+               f"{args.total_batch_size} problems x --num-samples={args.num_samples} over {world_size} rank(s))")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_task.num_examples() // args.total_batch_size)

@@ -18,8 +18,8 @@ import torch
 from nanochat.chat_data import ConversationBatches
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
-from nanochat.stage import (add_stage_flags, context_length, micro_steps, mixture_kind, output_dir, stage_loop, stage_steps,
-                            start_stage, validate_stage_flags)
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_loop,
+                            stage_steps, start_stage, validate_stage_flags)
 from nanochat.tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
@@ -62,9 +62,9 @@ def main(argv=None):
     tag, ckpt_dir = output_dir("sft", args)
     _, rank, _, world_size, device = compute_init(args.device_type)
     grad_accum = micro_steps(args.total_batch_size, args.device_batch_size, world_size, "conversations")
+    T = context_length(input_config(args, tag, ckpt_dir), args.max_seq_len)  # checked before the model loads
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
-    T = context_length(model, args.max_seq_len)
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_mix.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
     loader = ConversationBatches(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,

@@ -15,8 +15,8 @@ import time
 from nanochat.chat_data import PackedConversations
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
-from nanochat.stage import (add_stage_flags, context_length, micro_steps, mixture_kind, output_dir, stage_loop, stage_steps,
-                            start_stage, validate_stage_flags)
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_loop,
+                            stage_steps, start_stage, validate_stage_flags)
 from nanochat.tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
@@ -50,10 +50,10 @@ def main(argv=None):
     train_mix, val_mix = mixtures(kind, args.identity_file)  # fails now, not after loading, if data is missing
     tag, ckpt_dir = output_dir("mid", args)
     _, rank, _, world_size, device = compute_init(args.device_type)
+    T = context_length(input_config(args, tag, ckpt_dir), args.max_seq_len)  # checked before the model loads
+    grad_accum = micro_steps(args.total_batch_size, args.device_batch_size * T, world_size, "tokens")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
-    T = context_length(model, args.max_seq_len)
-    grad_accum = micro_steps(args.total_batch_size, args.device_batch_size * T, world_size, "tokens")
     autocast = autocast_for(device)
     loader = PackedConversations(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
                                  resume_state=start.loader_state)

@@ -288,7 +288,7 @@ def test_messages_are_normalised():
 @pytest.mark.parametrize("body, field", [
     ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"temperature": -0.1}, "temperature"),
-    ({"top_k": 0}, "top_k"), ({"top_k": 201}, "top_k"), ({"top_k": 5.5}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"top_k": 0}, "top_k"), ({"top_k": 201}, "top_k"), ({"top_k": 5.5}, "top_k"), ({"top_p": -0.1}, "top_p"),
     ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 5000}, "max_tokens"),
     ({"max_completion_tokens": True}, "max_completion_tokens"), ({"n": 9}, "n"), ({"seed": "x"}, "seed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
@@ -305,3 +305,5 @@ def test_sampling_defaults_and_folding():
     got = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.max_tokens, sampling.num_samples)
     assert got == (0.6, 40, None, 7, 1)
     assert sampling.stop == ["END"] and 0 <= sampling.seed < 2**63
+    nucleus_0 = read_sampling({"top_p": 0, "top_k": 40}, 0.6, 50, 64)  # OpenAI's top_p 0: the most likely token
+    assert (nucleus_0.top_k, nucleus_0.top_p) == (1, None)

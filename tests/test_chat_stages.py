@@ -74,6 +74,8 @@ def test_pipeline_base_mid_sft_rl_eval_and_chat(trained_base, tmp_path):
     base = copy_base(trained_base, tmp_path, "pipeline")
     run(base, "mid_train", MID + ["--num-iterations=6"])
     run(base, "chat_sft", SFT + ["--num-iterations=6"])
+    p = run(base, "chat_rl", RL + ["--num-iterations=2", "--device-batch-size=3"], check=False)  # 2 x 2 replies
+    assert p.returncode == 1 and "--device-batch-size=3 is not valid: must divide the 4 replies" in p.stderr, p.stderr
     run(base, "chat_rl", RL + ["--num-iterations=2"])
     for script, steps in (("mid_train", 6), ("chat_sft", 6), ("chat_rl", 2)):
         losses = [r["train_loss"] for r in curve(base, script) if "train_loss" in r]
@@ -278,6 +280,26 @@ def test_bad_chat_stage_flags_give_one_line_before_any_work(tmp_path):
             err = p.stderr.strip()
             assert p.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, (script, flag, err)
             assert words in err, (script, flag, err)
+
+
+def test_flags_that_need_the_models_context_fail_before_it_loads(trained_base, tmp_path, monkeypatch):
+    import scripts.chat_sft as chat_sft
+    import scripts.mid_train as mid_train
+    from nanochat.common import UserError
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", copy_base(trained_base, tmp_path, "context"))
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags that need its context were checked")
+
+    for i, (script, flags, words) in enumerate([
+            (mid_train, MID + ["--max-seq-len=100000"], "--max-seq-len=100000 is not valid"),
+            (mid_train, MID + ["--total-batch-size=3000"], "--total-batch-size=3000 tokens"),
+            (chat_sft, SFT + ["-i", "base", "--max-seq-len=4096"], "the model's context (128)")]):
+        monkeypatch.setattr(script, "start_stage", no_load)
+        with pytest.raises(UserError, match=re.escape(words)):
+            script.main(flags + [f"--out-tag=case{i}"])  # each its own directory: this process keeps each one's lock
 
 
 def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trained_base, tmp_path):
