@@ -166,10 +166,10 @@ def output_dir(stage, args):
         tag = args.model_tag or find_latest_tag(args.source)
         out_tag = args.out_tag or tag
     ckpt_dir = checkpoint_dir(stage, out_tag)
-    claim_checkpoint_dir(ckpt_dir)
     if not args.resume and ckpt_dir == checkpoint_dir(args.source, tag):
         raise UserError(f"-i {args.source} -g {tag} would write this run's checkpoints into {ckpt_dir}, the directory it "
                         f"starts from; give them their own with --out-tag (e.g. --out-tag={tag}-tuned)")
+    claim_checkpoint_dir(ckpt_dir)
     if not args.resume:
         refuse_to_overwrite(ckpt_dir)
     return tag, ckpt_dir
