@@ -123,7 +123,7 @@ def validate_messages(messages):
         if role == "developer":  # what newer OpenAI clients send in place of "system"
             role = "system"
         if role not in ROLES:
-            raise RequestError(f"{field}.role", f"must be one of {', '.join(ROLES)} (got {role!r:.40})")
+            raise RequestError(f"{field}.role", f"must be one of {', '.join(ROLES)} or developer (got {role!r:.40})")
         if role == "system" and i != 0:
             raise RequestError(f"{field}.role", "a system message is only allowed as the first message")
         if "content" not in message:

@@ -75,13 +75,13 @@ def claim_checkpoint_dir(ckpt_dir):
     _held_locks.append(fd)
 
 
-def refuse_to_overwrite(ckpt_dir):
+def refuse_to_overwrite(ckpt_dir, other_dir="write to another --model-tag"):
     """A fresh run (no --resume) must not mix its checkpoints with an earlier run's under the same tag: the earlier
     run's later steps would pass for this run's latest."""
     steps = list_steps(ckpt_dir)
     if steps:
         raise UserError(f"{ckpt_dir} already holds checkpoints of an earlier run (steps {steps[0]}..{steps[-1]}); continue "
-                        "it with --resume, or delete that directory, or write to another --model-tag")
+                        f"it with --resume, or delete that directory, or {other_dir}")
 
 
 def refuse_later_checkpoints(ckpt_dir, step):
@@ -335,7 +335,8 @@ def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
     another vocabulary also shows as another shape)."""
     saved_tok = meta.get("tokenizer_hash")
     if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
-        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, "train from scratch with another --model-tag"))
+        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, tokenizer_hash,
+                                                "train from scratch with another --model-tag"))
     saved = meta.get("model_config", {})
     if saved != model_config:
         diff = {k: (saved.get(k), model_config.get(k)) for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k)}
@@ -343,18 +344,19 @@ def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
                         "use the same --depth/--max-seq-len/--components, or another --model-tag")
 
 
-def other_tokenizer_message(ckpt_dir, saved_hash, alternative):
+def other_tokenizer_message(ckpt_dir, saved_hash, current_hash, alternative):
     """A checkpoint trained with another tokenizer than the base dir's: what to do, naming the copy tok_train kept of
-    it when it replaced it."""
+    it when it replaced it, and where the current one goes first (so that swapping back loses neither)."""
     from nanochat.tokenizer import get_tokenizer_dir, set_aside_dir
 
-    aside = set_aside_dir(saved_hash)
+    aside, current_aside = set_aside_dir(saved_hash), set_aside_dir(current_hash)
+    keep_current = f"copy the current one's files to {current_aside} (checkpoints trained with it need them)"
     if os.path.isdir(aside):
-        fix = f"tok_train kept it in {aside} when it replaced it: copy its files back into {get_tokenizer_dir()}"
+        fix = f"tok_train kept that one in {aside}: {keep_current}, then copy {aside}'s files into {get_tokenizer_dir()}"
     else:
-        fix = f"put that tokenizer's files back in {get_tokenizer_dir()}"
-    return f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; {fix}, " \
-           f"or {alternative}"
+        fix = f"{keep_current}, then put that tokenizer's files in {get_tokenizer_dir()}"
+    return f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; to use it, " \
+           f"{fix}; or {alternative}"
 
 
 def find_latest_tag(stage):
@@ -373,13 +375,13 @@ def load_model(source, device, phase="eval", model_tag=None, step=None):
     return model, tokenizer, meta
 
 
-def load_model_from_dir(ckpt_dir, device, phase="eval", step=None):
+def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train that stage first, or check -i / -g"):
     """load_model for a checkpoint directory named by its path (a stage resuming its own checkpoints)."""
     from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
 
     device = torch.device(device)
-    step = resolve_step(ckpt_dir, step, fix="train that stage first, or check -i / -g")
+    step = resolve_step(ckpt_dir, step, fix=fix)
     model_state, _, meta = load_checkpoint(ckpt_dir, step, device, load_optimizer=False)
     model = build_model(meta["model_config"], device)
     try:
@@ -390,5 +392,6 @@ def load_model_from_dir(ckpt_dir, device, phase="eval", step=None):
     tokenizer = get_tokenizer()
     saved_tok = meta.get("tokenizer_hash")
     if saved_tok and saved_tok != tokenizer.fingerprint():
-        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, "use a checkpoint trained with the current one"))
+        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, tokenizer.fingerprint(),
+                                                "use a checkpoint trained with the current one"))
     return model, tokenizer, meta

@@ -120,7 +120,7 @@ def get_base_dir():
     return base
 
 
-def ensure_writable(directory, what):
+def ensure_writable(directory, what, fix="point NANOCHAT_BASE_DIR at another directory"):
     """
     Prove, before any compute depends on it, that `directory` can be written: a probe file in it, or (when it does
     not exist yet) in its nearest existing parent, so that checking never leaves an empty directory behind.
@@ -138,7 +138,7 @@ def ensure_writable(directory, what):
         os.remove(probe)
     except OSError as e:
         raise UserError(f"cannot write {what} to {directory} ({e.strerror or e}); make it writable, free some space, "
-                        "or point NANOCHAT_BASE_DIR at another directory") from None
+                        f"or {fix}") from None
     return directory
 
 

@@ -436,7 +436,7 @@ def check_output_dir(out_dir):
     """--out must be new or empty, and writable: said before the checkpoint is read."""
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise UserError(f"--out {out_dir} already exists and is not empty; choose a new directory or remove it first")
-    ensure_writable(out_dir, "the export")
+    ensure_writable(out_dir, "the export", fix="choose another --out")
 
 
 def format_size(num_bytes):

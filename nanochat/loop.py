@@ -190,8 +190,8 @@ class TrainingLoop:
         self.save_every, self.keep_last = s.save_every, s.keep_last
         self.meta = s.meta
         if start.step > s.num_iterations:  # its lr schedule would run past its end, into negative lrs
-            raise UserError(f"--num-iterations={s.num_iterations} is before the step {start.step} that {s.ckpt_dir} "
-                            f"resumes from; give at least {start.step}")
+            raise UserError(f"this run's {s.num_iterations} steps (--num-iterations) end before step {start.step}, where "
+                            f"{s.ckpt_dir} resumes; give --num-iterations of at least {start.step}")
         self.start_step = self.step = start.step
         self.total_train_time = start.loop_state.get("total_train_time", 0.0)
         self.last = dict(start.loop_state.get("last", {}))  # eval name -> latest value

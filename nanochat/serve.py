@@ -376,11 +376,12 @@ class WorkerPool:
         if not alive:
             raise HTTPProblem(503, "every worker process has exited (see the server's log); restart the server",
                               kind="server_error")
-        rows = max(w.rows for w in alive)
-        if sampling.num_samples > rows:  # its samples decode side by side: they could never all get rows
+        roomy = [w for w in alive if w.rows >= sampling.num_samples]  # a request's samples decode side by side
+        if not roomy:
+            rows = max(w.rows for w in alive)
             raise RequestError("n", f"at most {rows} replies per request on this server (a worker's batch has {rows} "
                                f"rows: --max-batch, or the KV cache's memory budget); got {sampling.num_samples}")
-        worker = min(alive, key=lambda w: w.load())
+        worker = min(roomy, key=lambda w: w.load())
         generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
         worker.submit(generation)
         try:

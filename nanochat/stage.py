@@ -127,14 +127,14 @@ def validate_stage_flags(args, stage):
         check_flag(args.eval_steps >= 1, "eval_steps", args.eval_steps, "must be >= 1")
 
 
-def refuse_changed_flags(meta, args, fixed_flags, ckpt_dir):
+def refuse_changed_flags(meta, args, fixed_flags, ckpt_dir, new_run="another --model-tag"):
     """Refuse a resume whose flags would change the batches, the samples or the model; say so before any compute."""
     saved = meta.get("user_config", {})
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in fixed_flags
                if k in saved and hasattr(args, k) and saved[k] != getattr(args, k)]
     if changed:
         raise UserError(f"cannot resume {ckpt_dir} exactly with changed {', '.join(changed)}; use the checkpoint's values "
-                        "or start a new run under another --model-tag")
+                        f"or start a new run under {new_run}")
 
 
 def micro_steps(total, per_micro, world_size, unit):
@@ -171,7 +171,7 @@ def output_dir(stage, args):
                         f"starts from; give them their own with --out-tag (e.g. --out-tag={tag}-tuned)")
     claim_checkpoint_dir(ckpt_dir)
     if not args.resume:
-        refuse_to_overwrite(ckpt_dir)
+        refuse_to_overwrite(ckpt_dir, other_dir="give this run another --out-tag")
     return tag, ckpt_dir
 
 
@@ -201,11 +201,17 @@ def stage_steps(loop, eval_every, eval_name, evaluate):
         yield step
 
 
+RESUME_FIX = "drop --resume to start this stage, or check -g / --out-tag"
+INPUT_FIX = "train that stage first, or check -i / -g"
+
+
 def input_config(args, tag, ckpt_dir):
     """The model config of the checkpoint start_stage loads, from its meta.json alone: the checks that need the
     model's context run before its weights load (seconds for a small model, minutes for a large one)."""
-    source_dir, step = (ckpt_dir, None) if args.resume else (checkpoint_dir(args.source, tag), args.step)
-    return load_meta(source_dir, resolve_step(source_dir, step, fix="train that stage first, or check -i / -g"))["model_config"]
+    if args.resume:
+        return load_meta(ckpt_dir, resolve_step(ckpt_dir, fix=RESUME_FIX))["model_config"]
+    source_dir = checkpoint_dir(args.source, tag)
+    return load_meta(source_dir, resolve_step(source_dir, args.step, fix=INPUT_FIX))["model_config"]
 
 
 def start_stage(args, tag, ckpt_dir, device):
@@ -216,7 +222,7 @@ def start_stage(args, tag, ckpt_dir, device):
     Returns (model, tokenizer, optimizers, lrs, start).
     """
     if args.resume:  # its own latest checkpoint's model: the input's weights would be replaced, and it may be gone
-        model, tokenizer, meta = load_model_from_dir(ckpt_dir, device, phase="train")
+        model, tokenizer, meta = load_model_from_dir(ckpt_dir, device, phase="train", fix=RESUME_FIX)
     else:
         model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
     model_config = config_dict(model.config)
@@ -230,5 +236,5 @@ def start_stage(args, tag, ckpt_dir, device):
     if args.resume:
         step = resolve_step(ckpt_dir)
         start = resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer.fingerprint(), device)
-        refuse_changed_flags(start.meta, args, STAGE_FIXED_FLAGS, ckpt_dir)
+        refuse_changed_flags(start.meta, args, STAGE_FIXED_FLAGS, ckpt_dir, new_run="another --out-tag")
     return model, tokenizer, optimizers, lrs, start

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -376,8 +377,9 @@ def get_tokenizer():
 
 
 def set_aside_dir(fingerprint):
-    """Where tok_train keeps a tokenizer it replaced: <base_dir>/previous_tokenizers/<fingerprint's first 12>/."""
-    return os.path.join(get_base_dir(), "previous_tokenizers", fingerprint[:12])
+    """Where tok_train keeps a tokenizer it replaced: <base_dir>/previous_tokenizers/<fingerprint's first 12 hex>/."""
+    name = fingerprint[:12] if not fingerprint.startswith("unreadable") else fingerprint
+    return os.path.join(get_base_dir(), "previous_tokenizers", name)
 
 
 def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
@@ -394,9 +396,11 @@ def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
         with open(meta_path, encoding="utf-8") as f:
             old = str(json.load(f)["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
-        old = "unreadable"
+        old = ""
     if old == new_fingerprint:
         return None
+    if len(old) != 64 or any(c not in "0123456789abcdef" for c in old):  # unreadable: kept under a name of its own
+        old = f"unreadable-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     aside = set_aside_dir(old)
     if not os.path.isdir(aside):
         tmp = f"{aside}.tmp{os.getpid()}"

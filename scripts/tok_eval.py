@@ -110,6 +110,9 @@ def main(argv=None):
         raise UserError(f"--val-row-groups must be at least 1, got {args.val_row_groups}")
     source = args.source or get_default_source()
     report = get_report()  # proves the report directory is writable before any work
+    docs, reason = val_sample(source, args.val_row_groups)
+    if not docs and args.source:  # asked for by name: its absence is an error, not a note
+        raise UserError(f"--source {args.source}: {reason or 'its val shard is empty'}")
 
     tokenizers = {"ours": get_tokenizer()}
     for name in COMPARE_WITH:
@@ -120,9 +123,6 @@ def main(argv=None):
                    "its column is left out")
 
     samples = {"prose": [PROSE], "code": [CODE], "math": [MATH], "multilingual": [MULTILINGUAL]}
-    docs, reason = val_sample(source, args.val_row_groups)
-    if not docs and args.source:  # asked for by name: its absence is an error, not a note
-        raise UserError(f"--source {args.source}: {reason or 'its val shard is empty'}")
     if docs:
         samples[f"val ({source})"] = docs
     else:

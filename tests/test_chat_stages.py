@@ -321,7 +321,8 @@ def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trai
     # its end into negative lrs)
     sft_dir = os.path.join(base, "chatsft_checkpoints", "tiny")
     p = run(base, "chat_sft", SFT + ["--num-iterations=1", "-i", "base", "--resume"], check=False)
-    assert p.returncode == 1 and "--num-iterations=1 is before the step 2" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 1 and "this run's 1 steps (--num-iterations) end before step 2" in p.stderr \
+        and "Traceback" not in p.stderr
     assert list_steps(sft_dir) == [2]
     # a resume reads this stage's own checkpoint: the input's may be gone
     shutil.move(os.path.join(base, "base_checkpoints"), os.path.join(base, "base_checkpoints.away"))

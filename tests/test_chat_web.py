@@ -354,6 +354,37 @@ def test_a_client_that_disconnects_frees_its_worker(server, client):
     wait_until(lambda: httpx.get(f"{server.url}/stats").json()["requests_cancelled"] >= 2, 10, "the cancels counted")
 
 
+def test_samples_go_to_a_worker_with_rows_for_all_of_them():
+    """Workers' rows may differ (each GPU's free memory sizes its KV cache): n goes to one that can hold it."""
+    import asyncio
+
+    from nanochat.chat import RequestError, read_sampling
+    from nanochat.serve import WorkerPool
+
+    class FakeWorker:
+        alive = True
+
+        def __init__(self, rows, load):
+            self.rows, self._load, self.got = rows, load, []
+
+        def load(self):
+            return self._load
+
+        def submit(self, generation):
+            self.got.append(generation)
+            generation.admitted.set()
+
+    async def route(pool, n):
+        return await pool.submit([1, 2, 3], read_sampling({"n": n}, 0.6, 50, 8))
+
+    small, big = FakeWorker(rows=1, load=0), FakeWorker(rows=4, load=5)
+    pool = WorkerPool([small, big], queue_timeout=5)
+    assert asyncio.run(route(pool, 1)).worker is small  # the least loaded, as before
+    assert asyncio.run(route(pool, 2)).worker is big  # the least loaded of those with 2 rows
+    with pytest.raises(RequestError, match="at most 4 replies"):
+        asyncio.run(route(pool, 5))
+
+
 def test_a_one_row_server_times_out_its_queue_refuses_n_2_and_stops_on_ctrl_c(web_base_dir):
     busy = Server(web_base_dir, "--workers", "1", "--max-batch", "1", "--queue-timeout", "0.5")  # one row in all
     try:

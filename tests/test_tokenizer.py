@@ -483,7 +483,7 @@ def test_tok_train_and_eval_scripts(tmp_path, monkeypatch, capsys):
     kept = RustBPETokenizer.from_directory(str(aside))
     assert kept.fingerprint() == old.fingerprint() and kept.get_vocab_size() == 400
     assert get_tokenizer().get_vocab_size() == 300
-    with pytest.raises(UserError, match=f"kept it in {aside}"):
+    with pytest.raises(UserError, match=f"kept that one in {aside}: copy the current one"):
         check_compatible({"model_config": {}, "tokenizer_hash": old.fingerprint()}, {}, get_tokenizer().fingerprint(),
                          "base_checkpoints/d4")
     tok_train.main(["--max-chars", "2e5", "--doc-cap", "2000", "--vocab-size", "300"])
