@@ -7,7 +7,7 @@ checkpoint it builds on, its optimizers and learning rates, its own output direc
 import math
 import os
 
-from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_meta, load_model,
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_meta,
                                          load_model_from_dir, refuse_to_overwrite, resolve_step)
 from nanochat.common import UserError, autocast_for
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
@@ -205,13 +205,19 @@ RESUME_FIX = "drop --resume to start this stage, or check -g / --out-tag"
 INPUT_FIX = "train that stage first, or check -i / -g"
 
 
+def starting_checkpoint(args, tag, ckpt_dir):
+    """(dir, step, what to do if it is empty) of the checkpoint a stage's model comes from: its own latest one on
+    --resume (the input's weights would be replaced anyway, and it may be gone), else the input's."""
+    if args.resume:
+        return ckpt_dir, None, RESUME_FIX
+    return checkpoint_dir(args.source, tag), args.step, INPUT_FIX
+
+
 def input_config(args, tag, ckpt_dir):
     """The model config of the checkpoint start_stage loads, from its meta.json alone: the checks that need the
     model's context run before its weights load (seconds for a small model, minutes for a large one)."""
-    if args.resume:
-        return load_meta(ckpt_dir, resolve_step(ckpt_dir, fix=RESUME_FIX))["model_config"]
-    source_dir = checkpoint_dir(args.source, tag)
-    return load_meta(source_dir, resolve_step(source_dir, args.step, fix=INPUT_FIX))["model_config"]
+    source_dir, step, fix = starting_checkpoint(args, tag, ckpt_dir)
+    return load_meta(source_dir, resolve_step(source_dir, step, fix=fix))["model_config"]
 
 
 def start_stage(args, tag, ckpt_dir, device):
@@ -221,10 +227,8 @@ def start_stage(args, tag, ckpt_dir, device):
     and where the loop starts.
     Returns (model, tokenizer, optimizers, lrs, start).
     """
-    if args.resume:  # its own latest checkpoint's model: the input's weights would be replaced, and it may be gone
-        model, tokenizer, meta = load_model_from_dir(ckpt_dir, device, phase="train", fix=RESUME_FIX)
-    else:
-        model, tokenizer, meta = load_model(args.source, device, phase="train", model_tag=tag, step=args.step)
+    source_dir, step, fix = starting_checkpoint(args, tag, ckpt_dir)
+    model, tokenizer, meta = load_model_from_dir(source_dir, device, phase="train", step=step, fix=fix)
     model_config = config_dict(model.config)
     dial = dial_lrs(model.config.n_layer, REFERENCE_BATCH)  # the lrs the base model trained with at the reference batch
     lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)

@@ -376,10 +376,14 @@ def get_tokenizer():
     return RustBPETokenizer.from_directory(get_tokenizer_dir())
 
 
+def previous_tokenizers_dir():
+    """Where tok_train keeps the tokenizers it replaced, one directory each."""
+    return os.path.join(get_base_dir(), "previous_tokenizers")
+
+
 def set_aside_dir(fingerprint):
-    """Where tok_train keeps a tokenizer it replaced: <base_dir>/previous_tokenizers/<fingerprint's first 12 hex>/."""
-    name = fingerprint[:12] if not fingerprint.startswith("unreadable") else fingerprint
-    return os.path.join(get_base_dir(), "previous_tokenizers", name)
+    """A replaced tokenizer's directory: named by its fingerprint's first 12 hex digits."""
+    return os.path.join(previous_tokenizers_dir(), fingerprint[:12])
 
 
 def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
@@ -399,9 +403,10 @@ def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
         old = ""
     if old == new_fingerprint:
         return None
-    if len(old) != 64 or any(c not in "0123456789abcdef" for c in old):  # unreadable: kept under a name of its own
-        old = f"unreadable-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    aside = set_aside_dir(old)
+    if len(old) == 64 and all(c in "0123456789abcdef" for c in old):
+        aside = set_aside_dir(old)
+    else:  # unreadable: kept under a name of its own
+        aside = os.path.join(previous_tokenizers_dir(), f"unreadable-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     if not os.path.isdir(aside):
         tmp = f"{aside}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

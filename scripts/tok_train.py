@@ -10,14 +10,13 @@ characters (so a few giant documents cannot dominate the pair counts), until
 """
 
 import argparse
-import os
 import time
 
 from nanochat.common import UserError, ensure_writable, print0, run_main
 from nanochat.dataset import get_default_source, parquets_iter_batched
 from nanochat.report import get_report
-from nanochat.tokenizer import (SPECIAL_TOKENS, TOKEN_BYTES_FILE, RustBPETokenizer, get_tokenizer_dir, set_aside_dir,
-                                set_aside_tokenizer)
+from nanochat.tokenizer import (SPECIAL_TOKENS, TOKEN_BYTES_FILE, RustBPETokenizer, get_tokenizer_dir,
+                                previous_tokenizers_dir, set_aside_tokenizer)
 
 PROGRESS_EVERY_S = 10.0
 
@@ -103,7 +102,7 @@ def main(argv=None):
         raise UserError(f"--doc-cap must be positive, got {args.doc_cap}")
     source = args.source or get_default_source()
     ensure_writable(get_tokenizer_dir(), "the tokenizer")  # before minutes of training, not after
-    ensure_writable(os.path.dirname(set_aside_dir("0" * 12)), "a copy of the tokenizer this one replaces")
+    ensure_writable(previous_tokenizers_dir(), "a copy of the tokenizer this one replaces")
     get_report()
     print0(f"tok_train: source={source} max_chars={args.max_chars:,} doc_cap={args.doc_cap:,} "
            f"vocab_size={args.vocab_size:,}")
