@@ -13,6 +13,8 @@
 #   NANOCHAT_DEVICE_BATCH=8 bash speedrun.sh   # gpu preset: rows per GPU per micro-step (default 16; less memory, same run)
 #   NANOCHAT_DATA_SOURCE=mine bash speedrun.sh  # pretrain on your own text, imported first with
 #                                               # python -m nanochat.dataset import mine FILES... (docs/data.md)
+#   NANOCHAT_TIME_BUDGET=30m bash speedrun.sh   # the whole pipeline in 30 minutes: base_train picks the depth and
+#                                               # tokens that do best here, each stage gets its share (docs/time_budget.md)
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -20,6 +22,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+START_TIME=$(date +%s)
 RUN="${NANOCHAT_RUN:-dummy}"
 SEED="${NANOCHAT_SEED:-42}"  # the base model's initialisation
 COMPONENTS="${NANOCHAT_COMPONENTS:-}"  # the base model's recipe components; empty = base_train's default
@@ -33,6 +36,19 @@ if [ "$DRY_RUN" != 1 ]; then
     uv sync --quiet
 fi
 PY="uv run --no-sync python"
+
+BUDGET="${NANOCHAT_TIME_BUDGET:-}"  # empty: the presets' fixed sizes
+if [ -n "$BUDGET" ]; then
+    if [ "$DRY_RUN" = 1 ] && ! command -v uv >/dev/null 2>&1; then BUDGET_SECONDS=1800; BUDGET_LABEL=$BUDGET
+    else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m nanochat.time_budget "$BUDGET" || echo "0 -")
+    fi
+    if [ "$BUDGET_SECONDS" -lt 240 ]; then
+        [ "$BUDGET_SECONDS" -gt 0 ] && echo "NANOCHAT_TIME_BUDGET=$BUDGET is too short for the whole pipeline: give at" \
+            "least 4m (the training stages need ~30 s each, the evaluations the rest)" >&2
+        exit 1
+    fi
+    DEADLINE=$((START_TIME + BUDGET_SECONDS))
+fi
 
 # -----------------------------------------------------------------------------
 # The preset: the hardware decides unless NANOCHAT_PRESET does
@@ -114,6 +130,35 @@ else
     RUN_RL="${NANOCHAT_RL:-0}"
 fi
 
+if [ -n "$BUDGET" ]; then
+    # The training stages take --time-budget instead of their step counts: base_train picks its depth and tokens, mid and
+    # SFT (and RL) their steps. Its model is not the preset's d4/d24, so the tag names the budget.
+    TAG="budget-$BUDGET_LABEL"
+    # ~60M tokens a climbmix shard, and about one GPU-minute of training at small depths to read one
+    [ "$PRESET" = gpu ] && SHARDS=$(( NGPU * BUDGET_SECONDS / 60 + 8 < 150 ? NGPU * BUDGET_SECONDS / 60 + 8 : 150 ))
+    BASE_FLAGS=$([ "$PRESET" = gpu ] && echo "--save-every=1000 ${NANOCHAT_DEVICE_BATCH:+--device-batch-size=$DEVICE_BATCH}" \
+        || echo "--max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 --eval-tokens=32768 --save-every=100")
+    MID_STEPS=""; SFT_STEPS=""; RL_STEPS=""
+fi
+# Seconds per stage of the cpu preset's speedrun (BENCHMARKS.md "Speedrun, CPU preset"): a time budget is split in
+# these proportions, each training stage taking its share of what is left when it starts, so that a stage that ran
+# long or short moves the later ones; evaluations take what they take. (The gpu preset's have not been measured.)
+SHARES="base_train:130 base_loss:10 base_eval:8 chat_eval_base:6 mid_train:31 chat_eval_mid:10 chat_sft:70 \
+chat_eval_sft:9 chat_rl:60 chat_eval_rl:9 report:4"
+
+stage_budget() {  # stage_budget STAGE: --time-budget=<its share of the time left> (nothing without a budget)
+    [ -z "$BUDGET" ] && return
+    local stage=$1 seen=0 mine=0 rest=0 entry name
+    for entry in $SHARES; do
+        name=${entry%%:*}
+        if [ "$name" = chat_eval_base ] && [ -z "$BASE_CHAT_EVAL" ]; then continue; fi
+        if [[ "$name" == *rl ]] && [ "$RUN_RL" != 1 ]; then continue; fi
+        [ "$name" = "$stage" ] && { seen=1; mine=${entry##*:}; }
+        [ "$seen" = 1 ] && rest=$((rest + ${entry##*:}))
+    done
+    echo "--time-budget=$(( (DEADLINE - $(date +%s)) * mine / rest ))s"
+}
+
 # The pretraining text: the preset's default, or NANOCHAT_DATA_SOURCE (hub, built-in, brown, or your own import)
 SOURCE="$NANOCHAT_DATA_SOURCE"
 DEFAULT_SOURCE=$([ "$PRESET" = gpu ] && echo climbmix || echo builtin)
@@ -184,7 +229,7 @@ train_stage() {  # train_stage NAME STAGE_DIR SECTION COMMAND...: fresh, resumed
 # -----------------------------------------------------------------------------
 # The pipeline
 
-echo "speedrun: preset $PRESET, $NGPU GPU(s), base dir $BASE_DIR, wandb run $RUN"
+echo "speedrun: preset $PRESET, $NGPU GPU(s), base dir $BASE_DIR, wandb run $RUN${BUDGET:+, time budget $BUDGET_LABEL (ends by $(date -d @"$DEADLINE" +%H:%M:%S))}"
 if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || command -v uv >/dev/null 2>&1; }; then
     # a typo fails here, not in base_train after the data stages, with the base dir's signature recording it
     $PY -c "import sys
@@ -199,6 +244,7 @@ else
     mkdir -p "$BASE_DIR"
     # A base dir holds one speedrun: continuing it with another preset or seed would mix their stages silently.
     SIGNATURE="preset=$PRESET seed=$SEED"  # RL may be added later: it only appends stages
+    if [ -n "$BUDGET" ]; then SIGNATURE="$SIGNATURE budget=$BUDGET_LABEL"; fi
     if [ "$SOURCE" != "$DEFAULT_SOURCE" ]; then SIGNATURE="$SIGNATURE source=$SOURCE"; fi
     if [ -n "$COMPONENTS" ]; then SIGNATURE="$SIGNATURE components=$COMPONENTS"; fi
     if [ "$FORCE" != 1 ] && [ -f "$BASE_DIR/speedrun_config.txt" ] && [ "$(cat "$BASE_DIR/speedrun_config.txt")" != "$SIGNATURE" ]; then
@@ -235,7 +281,8 @@ if [ "$SOURCE_KIND" = hub ] && [ "$DRY_RUN" != 1 ]; then
 fi
 
 train_stage "base_train" base_checkpoints base-model-training \
-    $LAUNCH scripts.base_train $BASE_FLAGS --model-tag=$TAG --seed=$SEED ${COMPONENTS:+--components=$COMPONENTS} --run="$RUN"
+    $LAUNCH scripts.base_train $BASE_FLAGS $(stage_budget base_train) --model-tag=$TAG --seed=$SEED \
+    ${COMPONENTS:+--components=$COMPONENTS} --run="$RUN"
 stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
 stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
 if [ -n "$BASE_CHAT_EVAL" ]; then
@@ -244,14 +291,14 @@ if [ -n "$BASE_CHAT_EVAL" ]; then
 fi
 
 train_stage "mid_train" mid_checkpoints midtraining \
-    $LAUNCH scripts.mid_train -g $TAG --num-iterations=$MID_STEPS $MID_FLAGS --run="$RUN"
+    $LAUNCH scripts.mid_train -g $TAG ${MID_STEPS:+--num-iterations=$MID_STEPS} $(stage_budget mid_train) $MID_FLAGS --run="$RUN"
 stage "chat_eval mid" "report_has chat-evaluation-mid" $LAUNCH scripts.chat_eval -i mid -g $TAG $CHAT_EVAL_FLAGS
 train_stage "chat_sft" chatsft_checkpoints chat-sft \
-    $LAUNCH scripts.chat_sft -g $TAG --num-iterations=$SFT_STEPS $SFT_FLAGS --run="$RUN"
+    $LAUNCH scripts.chat_sft -g $TAG ${SFT_STEPS:+--num-iterations=$SFT_STEPS} $(stage_budget chat_sft) $SFT_FLAGS --run="$RUN"
 stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval -i sft -g $TAG $CHAT_EVAL_FLAGS
 if [ "$RUN_RL" = 1 ]; then
     train_stage "chat_rl" chatrl_checkpoints chat-rl \
-        $LAUNCH scripts.chat_rl -g $TAG --num-iterations=$RL_STEPS $RL_FLAGS --run="$RUN"
+        $LAUNCH scripts.chat_rl -g $TAG ${RL_STEPS:+--num-iterations=$RL_STEPS} $(stage_budget chat_rl) $RL_FLAGS --run="$RUN"
     stage "chat_eval rl" "report_has chat-evaluation-rl" $LAUNCH scripts.chat_eval -i rl -g $TAG $CHAT_EVAL_FLAGS
 fi
 stage "report" "false" $PY -m nanochat.report generate

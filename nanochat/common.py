@@ -525,6 +525,16 @@ def all_reduce_mean(value, device):
     return value
 
 
+def all_reduce_max(values, device):
+    """Each of a list of Python numbers maxed over all ranks (the numbers themselves without a process group): what
+    every rank must agree on before deciding alike (a plan's timings, an out-of-memory flag)."""
+    if dist_rank_world()[1] > 1:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+    return [float(v) for v in values]
+
+
 # -----------------------------------------------------------------------------
 # Peak FLOPs for MFU
 

@@ -127,9 +127,13 @@ class StepTimer:
         if self.count > self.skip:
             self.total += seconds
 
-    def eta(self, steps_left):
+    def mean(self):
+        """Seconds per step after the first few; NaN before any."""
         measured = self.count - self.skip
-        return self.total / measured * steps_left if measured > 0 else float("nan")
+        return self.total / measured if measured > 0 else float("nan")
+
+    def eta(self, steps_left):
+        return self.mean() * steps_left
 
 
 def smaller_batch_advice(device_batch_size, total_batch_size):
@@ -195,6 +199,7 @@ class TrainingLoop:
         self.start_step = self.step = start.step
         self.total_train_time = start.loop_state.get("total_train_time", 0.0)
         self.last = dict(start.loop_state.get("last", {}))  # eval name -> latest value
+        self.eval_seconds = {}  # eval name -> seconds its latest run took in this process
         self.best = dict(start.loop_state.get("best", {}))  # eval name -> lowest value
         self.world_size = dist_rank_world()[1]
         self.peak_flops = get_peak_flops(device) * self.world_size if s.flops_per_token else None
@@ -265,6 +270,7 @@ class TrainingLoop:
             result = fn()
         self.model.train()
         value, reach = (result[0], f" | {describe_eval(*result[1:])}") if isinstance(result, tuple) else (result, "")
+        self.eval_seconds[name] = time.time() - t0
         self.last[name] = value
         self.best[name] = min(value, self.best.get(name, math.inf))
         print0(f"step {self.step:05d} | {name} {fmt.format(value)}{reach} | ({time.time() - t0:.1f}s)")

@@ -273,6 +273,43 @@ def fit_power_law(flops, losses):
     return {"a": a, "b": b, "e": e, "r2": 1 - sse / total if total > 0 else 1.0}
 
 
+def fit_loss_surface(points, tied=True):
+    """
+    L(N, D) = E + A / N^alpha + B / D^beta through (scaling params N, training tokens D, final val bpb) points: for each
+    exponent on a grid, E, A and B by linear least squares (kept when all three are >= 0), the best refined on a finer
+    grid around it. tied: alpha = beta, as the reference's isoflop runs (and Chinchilla's) found, which fixes one
+    compute-optimal tokens-per-parameter ratio, (B/A)^(1/alpha), at every budget; a few tiny models leave two free
+    exponents poorly determined (their valley is flat) and unsafe to extrapolate. What --time-budget plans with
+    (nanochat.time_budget). None with fewer than 5 points. Returns {E, A, alpha, B, beta, rmse, points}.
+    """
+    pts = np.asarray(points, dtype=float)
+    if len(pts) < 5:
+        return None
+    n, d, y = pts[:, 0], pts[:, 1], pts[:, 2]
+    best = None
+
+    def search(alphas, betas):
+        nonlocal best
+        for alpha in alphas:
+            for beta in ([alpha] if tied else betas):
+                x = np.stack([np.ones_like(y), n ** -alpha, d ** -beta], axis=1)
+                coef = np.linalg.lstsq(x, y, rcond=None)[0]
+                if (coef < 0).any():
+                    continue
+                sse = float(((x @ coef - y) ** 2).sum())
+                if best is None or sse < best[0]:
+                    best = (sse, alpha, beta, *coef)
+
+    search(np.linspace(0.05, 2.0, 79), np.linspace(0.05, 2.0, 79))
+    if best is None:
+        return None
+    _, a0, b0 = best[:3]
+    search(np.linspace(max(0.01, a0 - 0.025), a0 + 0.025, 51), np.linspace(max(0.01, b0 - 0.025), b0 + 0.025, 51))
+    sse, alpha, beta, e, a, b = best
+    return {"E": float(e), "A": float(a), "alpha": float(alpha), "B": float(b), "beta": float(beta),
+            "rmse": (sse / len(y)) ** 0.5, "points": len(y)}
+
+
 def frontier(points):
     """The compute-optimal frontier of (FLOPs, bpb) points: the lowest bpb reached at or below each compute."""
     best, out = math.inf, []
@@ -398,7 +435,7 @@ def compare_families(directories, out_path):
     return table
 
 
-def summary_markdown(name, mode, rows, isoflop, power_law, plots, directory):
+def summary_markdown(name, mode, rows, isoflop, power_law, plots, directory, surface=None):
     """The report section's text: the results table, the fits, the plots."""
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"Miniseries `{name}` ({mode}), results in {directory}", "",
@@ -419,6 +456,10 @@ def summary_markdown(name, mode, rows, isoflop, power_law, plots, directory):
     if power_law:
         lines.append(f"Frontier fit: L(C) = {power_law['a']:.4g} * C^-{power_law['b']:.4f} + {power_law['e']:.4f} "
                      f"(R^2 {power_law['r2']:.3f})")
+    if surface:
+        lines.append(f"Loss surface (the runs' final val bpb; what --time-budget plans with, scaling_law.json): L(N, D) = "
+                     f"{surface['E']:.4f} + {surface['A']:.4g}/N^{surface['alpha']:.3f} + {surface['B']:.4g}/D^"
+                     f"{surface['beta']:.3f}, rmse {surface['rmse']:.4f} bpb over {surface['points']} runs")
     if mode == "isoflop":
         for fit in isoflop["budgets"]:
             if fit.get("ratio"):

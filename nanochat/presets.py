@@ -60,15 +60,16 @@ def preset_help(stage, flag):
     return f"(default: {PRESETS[stage]['gpu'][flag]} on a GPU, {PRESETS[stage]['cpu'][flag]} on a CPU)"
 
 
-def fill_from_preset(args, stage):
+def fill_from_preset(args, stage, leave=()):
     """
     Set every flag of this stage's preset that was not given (None) from the preset of args.device_type's device, and
     args.preset to a note for the config line: the preset and the flags it filled ("" when every one was given).
+    Flags in `leave` stay None (a time budget decides them).
     """
     name = preset_for(getattr(args, "device_type", ""))
     filled = []
     for flag, value in PRESETS[stage][name].items():
-        if getattr(args, flag) is None:
+        if getattr(args, flag) is None and flag not in leave:
             setattr(args, flag, value)
             filled.append(f"--{flag.replace('_', '-')}={value}")
     args.preset = f"{name} preset: {' '.join(filled)}" if filled else ""

@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from nanochat.common import UserError, all_reduce_mean
+from nanochat.common import UserError, all_reduce_mean, is_out_of_memory
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
+from nanochat.memory_fallback import DeviceBatchTooLarge, simulate_out_of_memory
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -259,21 +260,34 @@ def optimizer_components_of(optimizers):
             if any(group.get(name) for opt in optimizers for group in opt.param_groups)]
 
 
-def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None):
+def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None,
+               oom_guard=None):
     """
     One optimizer step: forward + backward of loss_fn(model, batch) / divisor for each micro-batch, then the
     scheduled optimizer update. The default divisor, the number of micro-batches, makes the step's objective
     the mean of their mean losses (base training); a stage that weighs tokens differently passes a loss sum
     and its own divisor (SFT: supervised tokens of the whole step, per rank). The gradients summed here are
     this rank's; the sharded optimizers average them across ranks. Returns the objective averaged over ranks.
+    oom_guard(failed) -> whether any rank ran out of memory in its passes (memory_fallback.FittingBatches): if so,
+    the gradients are dropped and DeviceBatchTooLarge raised on every rank before any weight moves.
     """
     divisor = len(micro_batches) if divisor is None else divisor
-    total = 0.0
-    for batch in micro_batches:
-        with autocast:
-            loss = loss_fn(model, batch)
-        (loss / divisor).backward()
-        total += loss.detach().item()
+    total, out_of_memory = 0.0, False
+    try:
+        for batch in micro_batches:
+            simulate_out_of_memory(batch[0].size(0))
+            with autocast:
+                loss = loss_fn(model, batch)
+            (loss / divisor).backward()
+            total += loss.detach().item()
+    except Exception as e:
+        if oom_guard is None or not is_out_of_memory(e):
+            raise
+        out_of_memory = True
+    if oom_guard is not None and oom_guard(out_of_memory):
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        raise DeviceBatchTooLarge()
     device = next(model.parameters()).device
     if grad_clip > 0:
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]

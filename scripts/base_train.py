@@ -4,51 +4,51 @@ Pretrain a base GPT. One dial, --depth, sets the model size and every other hype
 Examples:
   python -m scripts.base_train --depth=4 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048
   torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth=20 --run=d20
+  python -m scripts.base_train --time-budget=20m     # the depth and tokens that do best in 20 minutes here
 Resume after a crash or a stop with the same command plus --resume (or --resume-from-step=N); a larger
---num-iterations on resume continues training (the lr schedule is recomputed for the new length).
+--num-iterations on resume continues training (the lr schedule is recomputed for the new length). A time-budgeted
+run's plan (nanochat.time_budget) is saved with its checkpoints, and a resume follows it.
 """
 
 import argparse
 import time
 
-from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_later_checkpoints,
-                                        refuse_to_overwrite, resolve_step)
-from nanochat.common import (UserError, autocast_for, compile_backend, compile_choice, compile_model, compute_cleanup,
-                             compute_init, get_compute_dtype, keep_freed_memory_in_process, print0, resolve_device_type,
-                             run_main, seed_everything)
+from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, refuse_later_checkpoints, refuse_to_overwrite
+from nanochat.common import (UserError, autocast_for, compile_choice, compile_model, compute_cleanup, compute_init,
+                             keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
 from nanochat.dataloader import DataLoader, eval_batches
 from nanochat.gpt import build_model
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.fp8 import convert_to_fp8, fp8_available
+from nanochat.memory_fallback import FittingBatches
 from nanochat.presets import fill_from_preset, preset_help
+from nanochat.pretrain import (RESUME_FIXED_FLAGS, check_budget_flags, describe_run, model_tag, plan_budget, plan_meta,
+                               recipe_from_flags, resolve_components, resume_meta, validate_args)
 from nanochat.report import get_report
-from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
+from nanochat.stage import add_optimization_flags, refuse_changed_flags
 from nanochat.tokenizer import get_token_bytes, get_tokenizer
-from nanochat.training import (DEFAULT_COMPONENTS, build_optimizers, config_dict, depth_recipe, grad_accum_steps,
-                               greedy_samples, lr_multiplier, muon_momentum, split_components, train_step,
-                               canonical_components)
+from nanochat.training import (DEFAULT_COMPONENTS, build_optimizers, config_dict, grad_accum_steps, greedy_samples,
+                               lr_multiplier, muon_momentum, split_components, train_step)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
-# Flags a resumed run must keep: they fix the batches, the optimizer shards or the model, so changing them breaks exactness.
-RESUME_FIXED_FLAGS = ["depth", "aspect_ratio", "head_dim", "num_kv_heads", "max_seq_len", "device_batch_size",
-                      "total_batch_size", "data_source", "seed", "components", "fp8"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a base GPT; --depth sets everything else.")
     p.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
     p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
-    p.add_argument("--model-tag", default="", help="checkpoint tag (default: d<depth>)")
+    p.add_argument("--model-tag", default="", help="checkpoint tag (default: d<depth>, or budget-<time> with --time-budget)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-source", default=None, help="data source (default: $NANOCHAT_DATA_SOURCE or builtin)")
     # model
     p.add_argument("--depth", type=int, default=None,
                    help=f"number of layers; sets width, heads, lrs, weight decay, budget {preset_help('base_train', 'depth')}")
-    p.add_argument("--aspect-ratio", type=int, default=64, help="n_embd = aspect_ratio * depth (rounded to head dim)")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--aspect-ratio", type=int, default=None, help="n_embd = aspect_ratio * depth, rounded to the head dim "
+                   "(default 64; with --time-budget, the scaling law's)")
+    p.add_argument("--head-dim", type=int, default=None, help="default 128; with --time-budget, the scaling law's")
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
     p.add_argument("--max-seq-len", type=int, default=None, help=preset_help("base_train", "max_seq_len"))
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
@@ -57,7 +57,12 @@ def parse_args(argv=None):
     p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
                    "(torch._scaled_mm on H100/Ada GPUs; emulated in fp32 elsewhere, CPU included: for the numerics, not for "
                    "speed); docs/pretraining.md 'FP8 matmuls'")
-    # budget: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0 wins
+    # budget: --time-budget, or the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0
+    p.add_argument("--time-budget", default=None, help="wall time for the whole stage (90s, 20m, 4h): measures this "
+                   "machine and picks the depth (unless --depth) and the tokens the scaling law predicts do best in it; "
+                   "docs/time_budget.md")
+    p.add_argument("--scaling-law", default="auto", help="--time-budget's law: auto, a shipped one (gpu-reference, "
+                   "cpu-builtin, cpu-brown) or a miniseries' scaling_law.json")
     p.add_argument("--num-iterations", type=int, default=None, help="optimizer steps (-1 = from the budget flags below; "
                    "default: from them on a GPU or when one is given, else 700 on a CPU)")
     p.add_argument("--target-flops", type=float, default=-1.0)
@@ -87,95 +92,46 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of --model-tag")
     p.add_argument("--resume-from-step", type=int, default=-1)
     p.add_argument("--compile", default="auto", choices=["auto", "0", "1"], help="torch.compile (auto: on for CUDA)")
+    p.add_argument("--dry-run", action="store_true", help="with --time-budget: measure, print the plan, train nothing")
     args = p.parse_args(argv)
-    if args.num_iterations is None and (args.resume or args.resume_from_step >= 0 or args.target_flops > 0
-                                        or args.target_param_data_ratio is not None):
+    if args.time_budget is not None:
+        check_budget_flags(args)  # the depth (unless given), the steps and the eval cadence come from the plan
+    elif args.dry_run:
+        raise UserError("--dry-run shows a --time-budget's plan: give --time-budget")
+    elif args.num_iterations is None and (args.resume or args.resume_from_step >= 0 or args.target_flops > 0
+                                          or args.target_param_data_ratio is not None):
         args.num_iterations = -1  # a resume finishes its own run; a budget given is the budget
     if args.target_param_data_ratio is None:
         args.target_param_data_ratio = 20.0
-    fill_from_preset(args, "base_train")
+    fill_from_preset(args, "base_train", leave=("depth", "num_iterations", "eval_every") if args.time_budget else ())
+    if not args.time_budget:
+        args.aspect_ratio, args.head_dim = args.aspect_ratio or 64, args.head_dim or 128
     validate_args(args)
     return args
 
 
-def validate_args(args):
-    """Every flag checked before any compute: one line naming the flag, its value and what is allowed."""
-    validate_training_flags(args)
-    for flag in ("depth", "aspect_ratio", "head_dim", "core_metric_max_per_task", "eval_tokens"):
-        check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
-    check_flag(args.max_seq_len >= 16, "max_seq_len", args.max_seq_len, "must be >= 16 (shorter rows crop nearly every document)")
-    check_flag(args.num_kv_heads >= 0, "num_kv_heads", args.num_kv_heads, "must be >= 1, or 0 for as many as query heads")
-    check_flag(args.num_iterations == -1 or args.num_iterations >= 1, "num_iterations", args.num_iterations,
-               "must be >= 1, or -1 to use --target-flops / --target-param-data-ratio")
-    check_flag(args.grad_clip >= 0, "grad_clip", args.grad_clip, "must be >= 0 (0 = off)")
-    for flag in ("core_metric_every", "sample_every"):
-        value = getattr(args, flag)
-        check_flag(value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
-    check_flag(args.resume_from_step == -1 or args.resume_from_step >= 0, "resume_from_step", args.resume_from_step,
-               "must be >= 0")
-    if args.compile != "0":
-        compile_backend()  # a bad NANOCHAT_COMPILE_BACKEND is refused here, not at the first step
-    if args.components is not None:  # one spelling ('' = plain), for the resume check; an unknown name fails here
-        args.components = canonical_components(args.components)
-
-
-def resolve_components(args, ckpt_dir):
-    """--components unless given: a resume keeps its checkpoint's (a checkpoint from before components existed is the
-    plain recipe), a new run gets DEFAULT_COMPONENTS. Given on a resume, it must be the checkpoint's."""
-    if not (args.resume or args.resume_from_step >= 0):
-        return args.components if args.components is not None else DEFAULT_COMPONENTS
-    step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
-    saved = load_meta(ckpt_dir, step)["user_config"].get("components", "")
-    if args.components is not None and args.components != saved:
-        raise UserError(f"cannot resume {ckpt_dir} exactly with changed --components {saved or 'none'} -> "
-                        f"{args.components or 'none'}; drop --components to keep the checkpoint's, or start a new run "
-                        "under another --model-tag")
-    return saved
-
-
-def recipe_from_flags(args, vocab_size):
-    """The depth dial's whole run, with every lr, decay and budget flag the user gave winning over it."""
-    return depth_recipe(args.depth, vocab_size, args.max_seq_len, args.total_batch_size, args.aspect_ratio, args.head_dim,
-                        args.num_kv_heads or None, args.lr_batch_exponent, embedding_lr=max(args.embedding_lr, 0),
-                        unembedding_lr=max(args.unembedding_lr, 0), matrix_lr=max(args.matrix_lr, 0),
-                        weight_decay=None if args.weight_decay < 0 else args.weight_decay,
-                        num_iterations=max(args.num_iterations, 0), target_flops=max(args.target_flops, 0),
-                        target_param_data_ratio=max(args.target_param_data_ratio, 0),
-                        short_run_lrs=bool(args.short_run_lrs), components=split_components(args.components)[0])
-
-
-def describe_run(args, recipe, device, world_size, grad_accum, use_compile, num_iterations):
-    """The run's one-line config."""
-    c, tokens = recipe.model_config, num_iterations * args.total_batch_size
-    dtype = str(get_compute_dtype(device)).replace("torch.", "")
-    backend = compile_backend()
-    compiled = f" compiled{'' if backend == 'inductor' else f' ({backend})'}" if use_compile else ""
-    return (f"base_train | {args.model_tag or f'd{args.depth}'} | params {recipe.num_params:,} | layers {c.n_layer} "
-            f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} + {args.components or 'none (plain recipe)'} | "
-            f"T {args.max_seq_len} | device {device.type} x{world_size} {dtype}{compiled} | "
-            f"batch {args.total_batch_size:,} tok = {args.device_batch_size}x{args.max_seq_len}x{world_size}x{grad_accum} "
-            f"accum | steps {num_iterations} ({recipe.budget}) = {tokens / 1e6:.1f}M tokens, "
-            f"{tokens / recipe.scaling_params:.1f} tok/param")
-
-
 def main(argv=None):
     args = parse_args(argv)
-    ckpt_dir = checkpoint_dir("base", args.model_tag or f"d{args.depth}")
-    args.components = resolve_components(args, ckpt_dir)
-    user_config = vars(args).copy()
+    ckpt_dir = checkpoint_dir("base", model_tag(args))
+    meta = resume_meta(args, ckpt_dir)
+    args.components = resolve_components(args, meta, ckpt_dir)
     device_type = resolve_device_type(args.device_type)
     tokenizer = get_tokenizer()
-    recipe = recipe_from_flags(args, tokenizer.get_vocab_size())
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
-    grad_accum = grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)
+    autocast = autocast_for(device)
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
-    if args.resume or args.resume_from_step >= 0:
-        resume_step = resolve_step(ckpt_dir, args.resume_from_step if args.resume_from_step >= 0 else None)
+    resume_step = meta["step"] if meta is not None else refuse_to_overwrite(ckpt_dir)  # None: a new run
+    if meta is not None:
         refuse_later_checkpoints(ckpt_dir, resume_step)
-    else:
-        resume_step = refuse_to_overwrite(ckpt_dir)
+    grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)  # an exact split
+    budget = plan_budget(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast)
+    if args.dry_run:
+        return compute_cleanup()
+    user_config = vars(args).copy()
+    recipe = recipe_from_flags(args, tokenizer.get_vocab_size())
+    recipe.budget = "--time-budget" if budget.plan else recipe.budget
     # fail now, not hours in, if the CORE bundle cannot be had (rank 0 downloads it, the others wait)
     core_bundle_dir = resolve_eval_bundle(args.eval_bundle, all_ranks=True) if args.core_metric_every > 0 else None
     seed_everything(args.seed)
@@ -186,7 +142,6 @@ def main(argv=None):
         print0(f"fp8: {converted} block linears run their matmuls with fp8 operands where the shapes allow ("
                f"{'torch._scaled_mm' if fp8_available(device) else 'emulated in fp32: for checking numerics, not speed'})")
     model_config, lrs = config_dict(recipe.model_config), recipe.lrs()
-    autocast = autocast_for(device)
     use_compile = compile_choice(args.compile, device)
     train_model = compile_model(model) if use_compile else model
     optimizers = build_optimizers(model, **lrs, optimizer_components=split_components(args.components)[1])
@@ -200,26 +155,29 @@ def main(argv=None):
             print0(f"resume: --num-iterations {start.meta['num_iterations']} -> {num_iterations}; lr schedule recomputed, "
                    "lrs kept from the checkpoint")
         lrs = start.meta.get("lrs", lrs)  # the optimizers resumed with the checkpoint's lrs, whatever the new length
-        if num_iterations < resume_step:
-            raise UserError(f"--num-iterations={num_iterations} is before the checkpoint's step {resume_step}")
-    train_loader = DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, split="train", device=device, rank=rank,
-                              world_size=world_size, source=args.data_source, resume_state=start.loader_state)
+    # the device batch may shrink in the first steps if it does not fit (memory_fallback); a resume keeps what it found
+    device_batch = min(args.device_batch_size, (start.meta or {}).get("device_batch_size", args.device_batch_size))
+    batches = FittingBatches(lambda b, state: DataLoader(tokenizer, b, args.max_seq_len, split="train", device=device,
+                                                         rank=rank, world_size=world_size, source=args.data_source,
+                                                         resume_state=state),
+                             device_batch, args.total_batch_size, args.max_seq_len, world_size, args.depth, device,
+                             resume_state=start.loader_state)
     token_bytes = get_token_bytes(device=device)
 
     def val_bpb():
-        steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size))
-        loader, batches = eval_batches(tokenizer, args.device_batch_size, args.max_seq_len, "val", device, rank, world_size,
-                                       source=args.data_source)
-        result = evaluate_bpb(model, batches, steps, token_bytes)  # (bpb, tokens, ran out of val split)
+        steps = max(1, args.eval_tokens // (batches.device_batch_size * args.max_seq_len * world_size))
+        loader, val = eval_batches(tokenizer, batches.device_batch_size, args.max_seq_len, "val", device, rank,
+                                   world_size, source=args.data_source)
+        result = evaluate_bpb(model, val, steps, token_bytes)  # (bpb, tokens, ran out of val split)
         loader.close()
         return result
 
     settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
                            args.total_batch_size, recipe.flops_per_token, args.save_every, args.keep_last, args.run,
-                           meta={"lrs": lrs, "device_batch_size": args.device_batch_size, "max_seq_len": args.max_seq_len,
-                                 "optimizer_components": split_components(args.components)[1]})
-    loop = TrainingLoop(settings, model, optimizers, train_loader, start, device, autocast)
-    loop.announce(describe_run(args, recipe, device, world_size, grad_accum, use_compile, num_iterations))
+                           meta={"lrs": lrs, "device_batch_size": device_batch, "max_seq_len": args.max_seq_len,
+                                 "optimizer_components": split_components(args.components)[1], **plan_meta(budget)})
+    loop = TrainingLoop(settings, model, optimizers, batches, start, device, autocast)
+    loop.announce(describe_run(args, recipe, device, world_size, batches, use_compile, num_iterations))
 
     for step in loop.steps():
         if loop.due(args.eval_every):
@@ -233,22 +191,27 @@ def main(argv=None):
                 for text in greedy_samples(model, tokenizer, SAMPLE_PROMPTS):
                     print0(f"  sample: {text!r}")
             model.train()
-        if step == num_iterations:
+        if step == loop.num_iterations:
             break
         # -- one optimizer step on the mean loss of grad_accum micro-batches --
         t0 = time.perf_counter()
-        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-        micro_batches = [next(train_loader) for _ in range(grad_accum)]
-        loss = train_step(train_model, optimizers, micro_batches, lambda m, xy: m(*xy), lrm, muon_momentum(step), autocast,
-                          args.grad_clip)
+        lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        loss = batches.step(lambda micro_batches, oom_guard: train_step(
+            train_model, optimizers, micro_batches, lambda m, xy: m(*xy), lrm, muon_momentum(step), autocast,
+            args.grad_clip, oom_guard=oom_guard))
         loop.end_step(loss, t0, lrm=lrm)
+        loop.meta["device_batch_size"] = batches.device_batch_size
+        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+            budget.calibrate(loop)
 
-    train_loader.close()
+    batches.close()
+    budget.finish(loop)
     loop.finish("Base model training", [
         {"Number of parameters": recipe.num_params, "FLOPs per token": f"{recipe.flops_per_token:e}",
-         "Calculated number of iterations": num_iterations, "Number of training tokens": num_iterations * args.total_batch_size,
-         "DDP world size": world_size, **lrs},
-        {"CORE metric": loop.last.get("core_metric"), "Dataloader crop fraction": train_loader.crop_fraction()},
+         "Calculated number of iterations": loop.num_iterations,
+         "Number of training tokens": loop.num_iterations * args.total_batch_size, "DDP world size": world_size, **lrs},
+        {"CORE metric": loop.last.get("core_metric"), "Dataloader crop fraction": batches.crop_fraction(),
+         **budget.report()},
     ])
     compute_cleanup()
 

@@ -21,7 +21,7 @@ from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
 from nanochat.presets import preset_help
-from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_loop, stage_steps,
+from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
                             start_stage, validate_stage_flags)
 from nanochat.tasks import TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
@@ -108,6 +108,10 @@ def main(argv=None):
                f"{args.total_batch_size} problems x --num-samples={args.num_samples} over {world_size} rank(s))")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    # decoding a token costs a forward pass of one position at a fraction of the hardware's speed: a guess of 10x its FLOPs
+    replies = args.total_batch_size * args.num_samples * args.max_new_tokens
+    budget = stage_budget(args, start, model, device, world_size, 10 * replies, 10 * args.eval_problems * args.max_new_tokens,
+                          "pass@1")  # sets the steps, if given
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_task.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
     schedule = ProblemSchedule(train_task, args.total_batch_size, rank, world_size)
@@ -118,7 +122,8 @@ def main(argv=None):
         accuracy, _ = evaluate_task(model, tokenizer, test_task, args.eval_problems, max_tokens=args.max_new_tokens)
         return accuracy
 
-    loop = stage_loop("chat_rl", args, ckpt_dir, model, tokenizer, optimizers, lrs, schedule, num_iterations, start, device)
+    loop = stage_loop("chat_rl", args, ckpt_dir, model, tokenizer, optimizers, lrs, schedule, num_iterations, start, device,
+                      budget=budget)
     loop.announce(f"chat_rl | {tag} from {args.source} | task {task_name}: {train_task.num_examples():,} problems | "
                   f"{args.total_batch_size} problems x {args.num_samples} samples per step on {world_size} rank(s) | "
                   f"steps {num_iterations} | temperature {args.temperature} top-k {args.top_k}")
@@ -144,15 +149,19 @@ def main(argv=None):
         sampled = torch.tensor(sum(int((y != -1).sum()) for _, y, _ in micro_batches), device=device)
         if world_size > 1:
             torch.distributed.all_reduce(sampled)
-        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         loss = train_step(model, optimizers, [(x.to(device), y.to(device), a.to(device)) for x, y, a in micro_batches],
                           pg_loss, lrm, muon_momentum(step), autocast, divisor=max(int(sampled.item()), 1) / world_size)
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _, _ in micro_batches) * world_size, reward=all_reduce_mean(sum(rewards) / len(rewards), device),
                       **{f"pass@{args.num_samples}": all_reduce_mean(solved / len(schedule.problems(step)), device),
                          "length": all_reduce_mean(sum(lengths) / len(lengths), device)})
+        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+            budget.calibrate(loop)
 
+    budget.finish(loop)
     loop.finish("Chat RL", [{"Task": task_name, "Problems per step": args.total_batch_size,
-                             "Samples per problem": args.num_samples, "DDP world size": world_size, **lrs}])
+                             "Samples per problem": args.num_samples, "DDP world size": world_size, **lrs,
+                             **budget.report()}])
     compute_cleanup()
 
 

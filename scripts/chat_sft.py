@@ -18,8 +18,8 @@ import torch
 from nanochat.chat_data import ConversationBatches
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
-from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_loop,
-                            stage_steps, start_stage, validate_stage_flags)
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
+                            stage_loop, stage_steps, start_stage, validate_stage_flags)
 from nanochat.tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
@@ -65,6 +65,10 @@ def main(argv=None):
     T = context_length(input_config(args, tag, ckpt_dir), args.max_seq_len)  # checked before the model loads
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    sample = range(min(64, train_mix.num_examples()))  # the mean conversation's tokens, for a time budget's guess
+    mean_tokens = sum(min(T, len(tokenizer.render_conversation(train_mix[i])[0])) for i in sample) / len(sample)
+    budget = stage_budget(args, start, model, device, world_size, args.total_batch_size * mean_tokens,  # sets the steps
+                          args.eval_steps * args.device_batch_size * world_size * mean_tokens, "val_loss")
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_mix.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
     loader = ConversationBatches(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
@@ -75,14 +79,15 @@ def main(argv=None):
                                       single_pass=True)
         return evaluate_loss(model, batches, args.eval_steps)
 
-    loop = stage_loop("chat_sft", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device)
+    loop = stage_loop("chat_sft", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
+                      budget=budget)
     loop.announce(f"chat_sft | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
                   f"({train_mix.name}) | {args.device_batch_size}x{world_size}x{grad_accum} conversations per step, up "
                   f"to {T} tokens each | steps {num_iterations}")
 
     for step in stage_steps(loop, args.eval_every, "val_loss", val_loss):  # evaluates at both ends too
         t0 = time.perf_counter()
-        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         micro_batches = next(loader)
         # Each micro-batch contributes its summed loss; dividing by the step's supervised tokens per rank makes the
         # ranks' averaged gradient that of the mean over every supervised token of the step.
@@ -90,9 +95,12 @@ def main(argv=None):
         loss = train_step(model, optimizers, micro_batches, lambda m, xy: m(*xy, loss_reduction="sum"), lrm,
                           muon_momentum(step), autocast, divisor=divisor)
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _ in micro_batches) * world_size)
+        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+            budget.calibrate(loop)
 
+    budget.finish(loop)
     loop.finish("Chat SFT", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
-                              "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs}])
+                              "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs, **budget.report()}])
     compute_cleanup()
 
 

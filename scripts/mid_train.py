@@ -15,8 +15,8 @@ import time
 from nanochat.chat_data import PackedConversations
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
-from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_loop,
-                            stage_steps, start_stage, validate_stage_flags)
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
+                            stage_loop, stage_steps, start_stage, validate_stage_flags)
 from nanochat.tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training import lr_multiplier, muon_momentum, train_step
 
@@ -57,6 +57,8 @@ def main(argv=None):
     autocast = autocast_for(device)
     loader = PackedConversations(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
                                  resume_state=start.loader_state)
+    budget = stage_budget(args, start, model, device, world_size, args.total_batch_size,  # sets the steps, if given
+                          args.eval_steps * args.device_batch_size * T * world_size, "val_loss")
     num_iterations = args.num_iterations
     if num_iterations == -1:  # one epoch: the mixture's tokens over the tokens of a step (packing pads a little)
         tokens = sum(len(loader.stream.render(i)[0]) for i in range(train_mix.num_examples()))
@@ -68,20 +70,23 @@ def main(argv=None):
         return evaluate_loss(model, batches, args.eval_steps)
 
     loop = stage_loop("mid_train", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
-                      tokens_per_step=args.total_batch_size)
+                      tokens_per_step=args.total_batch_size, budget=budget)
     loop.announce(f"mid_train | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
                   f"({train_mix.name}) | rows of {T} tokens, {args.device_batch_size}x{world_size}x{grad_accum} per step | "
                   f"steps {num_iterations}")
 
     for step in stage_steps(loop, args.eval_every, "val_loss", val_loss):  # evaluates at both ends too
         t0 = time.perf_counter()
-        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         loss = train_step(model, optimizers, next(loader), lambda m, xy: m(*xy), lrm, muon_momentum(step), autocast)
         loop.end_step(loss, t0, lrm=lrm)
+        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+            budget.calibrate(loop)
 
+    budget.finish(loop)
     loop.finish("Midtraining", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
                                  "Epochs seen": loader.stream.epoch, "Padding fraction": loader.padding_fraction(),
-                                 "DDP world size": world_size, **lrs}])
+                                 "DDP world size": world_size, **lrs, **budget.report()}])
     compute_cleanup()
 
 

@@ -18,7 +18,7 @@ import json
 import os
 
 from nanochat import miniseries as ms
-from nanochat.common import UserError, get_base_dir, print0, run_main
+from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, run_main
 from nanochat.report import get_report
 from nanochat.training import REFERENCE_BATCH
 
@@ -185,10 +185,15 @@ def finish(args, directory, rows, trajectories):
         if args.mode == "isoflop" else {"budgets": [], "ratio_mean": None, "ratio_spread": None}
     front = ms.run_frontier(rows, trajectories)
     power_law = ms.fit_power_law([c for c, _ in front], [loss for _, loss in front])
+    surface = ms.fit_loss_surface([(r["scaling_params"], r["tokens"], r["val_bpb"]) for r in done])
     plots = ms.plot_all(directory, args.mode, rows, trajectories, isoflop, power_law)
-    markdown = ms.summary_markdown(args.name, args.mode, rows, isoflop, power_law, plots, directory)
+    markdown = ms.summary_markdown(args.name, args.mode, rows, isoflop, power_law, plots, directory, surface)
     with open(os.path.join(directory, "fits.json"), "w", encoding="utf-8") as f:
-        json.dump({"isoflop": isoflop, "power_law": power_law}, f, indent=1)
+        json.dump({"isoflop": isoflop, "power_law": power_law, "loss_surface": surface}, f, indent=1)
+    if surface:  # what base_train --time-budget --scaling-law=<this file> plans with (nanochat.time_budget)
+        law = {"name": args.name, "about": f"miniseries {args.name} ({len(done)} runs, {args.data_source or 'builtin'})",
+               **surface, "aspect_ratio": args.aspect_ratio, "head_dim": args.head_dim}
+        atomic_write_text(os.path.join(directory, "scaling_law.json"), json.dumps(law, indent=1) + "\n")
     get_report().log(section=f"Miniseries {args.name}", data=[markdown])
     print0(markdown)
     failed = [r["run"] for r in rows if r["status"] == "failed"]
