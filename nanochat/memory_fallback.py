@@ -17,22 +17,39 @@ import torch
 from nanochat.common import UserError, all_reduce_max, print0
 
 GUARDED_STEPS = 3  # the first optimizer steps of a process allocate everything it will need (activations, states)
-SIMULATED_LIMIT = int(os.environ["NANOCHAT_SIMULATE_OOM_ROWS"]) if os.environ.get("NANOCHAT_SIMULATE_OOM_ROWS") else None
+# NANOCHAT_SIMULATE_OOM_ROWS=N or N@S: more than N rows do not fit, from the S-th step of the process (default 0) on
+_simulated = os.environ.get("NANOCHAT_SIMULATE_OOM_ROWS", "")
+SIMULATED_LIMIT = int(_simulated.split("@")[0]) if _simulated else None
+SIMULATED_FROM_STEP = int(_simulated.split("@")[1]) if "@" in _simulated else 0
 
 
 class DeviceBatchTooLarge(Exception):
     """Some rank ran out of memory in this step's forward/backward passes; every rank raises it, nothing was updated."""
 
 
-def simulate_out_of_memory(rows):
+def simulate_out_of_memory(rows, step=0):
     """Raise CUDA's out-of-memory error for a micro-batch of more rows than NANOCHAT_SIMULATE_OOM_ROWS allows."""
-    if SIMULATED_LIMIT is not None and rows > SIMULATED_LIMIT:
-        raise torch.OutOfMemoryError(f"simulated: {rows} rows > NANOCHAT_SIMULATE_OOM_ROWS={SIMULATED_LIMIT}")
+    if SIMULATED_LIMIT is not None and rows > SIMULATED_LIMIT and step >= SIMULATED_FROM_STEP:
+        raise torch.OutOfMemoryError(f"simulated: {rows} rows > NANOCHAT_SIMULATE_OOM_ROWS={_simulated}")
 
 
 def any_rank_out_of_memory(failed, device):
     """True on every rank when any rank ran out of memory (every rank must call it, at the same point)."""
     return all_reduce_max([1.0 if failed else 0.0], device)[0] > 0
+
+
+class StepGuard:
+    """What training.train_step gets as oom_guard in a guarded step: called after the backward passes with whether
+    this rank ran out of memory, it says whether any rank did; simulate(rows) is the rehearsal's stand-in."""
+
+    def __init__(self, step, device):
+        self.step, self.device = step, device
+
+    def simulate(self, rows):
+        simulate_out_of_memory(rows, self.step)
+
+    def __call__(self, failed):
+        return any_rank_out_of_memory(failed, self.device)
 
 
 def smaller_device_batch(device_batch_size, rows_per_step):
@@ -44,7 +61,7 @@ def smaller_device_batch(device_batch_size, rows_per_step):
 def device_memory(device):
     """The memory a device batch must fit in, in words."""
     if SIMULATED_LIMIT is not None:
-        return f"a simulated device (NANOCHAT_SIMULATE_OOM_ROWS={SIMULATED_LIMIT})"
+        return f"a simulated device (NANOCHAT_SIMULATE_OOM_ROWS={_simulated})"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name} ({props.total_memory / 2**30:.1f} GiB)"
@@ -87,8 +104,7 @@ class FittingBatches:
             state = self.loader.state_dict() if guarded else None
             micro_batches = [next(self.loader) for _ in range(self.grad_accum)]
             try:
-                result = update(micro_batches, (lambda failed: any_rank_out_of_memory(failed, self.device)) if guarded
-                                else None)
+                result = update(micro_batches, StepGuard(self.steps_taken, self.device) if guarded else None)
             except DeviceBatchTooLarge:
                 del micro_batches
                 self.shrink(state)

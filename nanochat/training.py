@@ -12,7 +12,7 @@ import torch
 
 from nanochat.common import UserError, all_reduce_mean, is_out_of_memory
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
-from nanochat.memory_fallback import DeviceBatchTooLarge, simulate_out_of_memory
+from nanochat.memory_fallback import DeviceBatchTooLarge
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -268,14 +268,15 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
     the mean of their mean losses (base training); a stage that weighs tokens differently passes a loss sum
     and its own divisor (SFT: supervised tokens of the whole step, per rank). The gradients summed here are
     this rank's; the sharded optimizers average them across ranks. Returns the objective averaged over ranks.
-    oom_guard(failed) -> whether any rank ran out of memory in its passes (memory_fallback.FittingBatches): if so,
+    oom_guard(failed) -> whether any rank ran out of memory in its passes (memory_fallback.StepGuard): if so,
     the gradients are dropped and DeviceBatchTooLarge raised on every rank before any weight moves.
     """
     divisor = len(micro_batches) if divisor is None else divisor
     total, out_of_memory = 0.0, False
     try:
         for batch in micro_batches:
-            simulate_out_of_memory(batch[0].size(0))
+            if oom_guard is not None:
+                oom_guard.simulate(batch[0].size(0))  # NANOCHAT_SIMULATE_OOM_ROWS's rehearsal of a smaller device
             with autocast:
                 loss = loss_fn(model, batch)
             (loss / divisor).backward()
