@@ -24,7 +24,21 @@ from dataclasses import dataclass, field
 import torch
 
 from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
-from nanochat.engine import ChatTokens, ToolState, sample_next_tokens
+from nanochat.engine import GREEDY_BELOW, ChatTokens, ToolState, sample_next_tokens, token_logprobs
+
+
+def steer(logits, sampling, counts):
+    """A row's (1, V) logits with the OpenAI API's logit_bias added and its presence and frequency penalties taken off
+    the tokens the reply has written so far (counts: token -> times)."""
+    logits = logits.clone()
+    if sampling.logit_bias:
+        ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long, device=logits.device)
+        logits[0, ids] += torch.tensor(list(sampling.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    if counts and (sampling.presence_penalty or sampling.frequency_penalty):
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        times = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[0, ids] -= sampling.presence_penalty + sampling.frequency_penalty * times
+    return logits
 
 
 def kv_row_bytes(config, device):
@@ -179,13 +193,25 @@ class RowView:
 
 @dataclass
 class Sampling:
-    """One sequence's settings: temperature 0 is greedy; seed makes its samples reproducible."""
+    """
+    One sequence's settings: temperature 0 is greedy; seed makes its samples reproducible. The OpenAI API's steering:
+    logit_bias {token id: added to its logit}, and presence / frequency penalties, subtracted from the logit of every
+    token the reply has written (once, and once per time). logprobs: report each token's log probability and this many
+    alternatives (Sequence.logprob), None for none.
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     max_tokens: int = 256
     seed: int = 42
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    logprobs: int | None = None
+
+    def steers(self):
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass
@@ -201,6 +227,8 @@ class Sequence:
     generator: torch.Generator | None = None
     logits: torch.Tensor | None = None  # the next token's logits, waiting to be sampled
     next_input: int | None = None  # the token to feed at the next decode step
+    counts: dict = field(default_factory=dict)  # token -> times the reply wrote it (for the penalties)
+    logprob: tuple | None = None  # the last token's (log p, [(id, log p)] alternatives), when sampling.logprobs asks
 
 
 class BatchEngine:
@@ -255,6 +283,31 @@ class BatchEngine:
 
     def busy(self):
         return bool(self.waiting or self.running)
+
+    @torch.inference_mode()
+    def score(self, prompts, top):
+        """
+        The log probability of every token of each prompt given the tokens before it, in one forward pass over the
+        prompts padded to the longest (padding comes after a prompt's tokens, which causal attention keeps it from):
+        per prompt, [(log p, [(id, log p)] of the `top` most likely)] for its tokens 1.. (None for token 0), and its
+        last position's (1, V) logits, for a token to follow. The cache is not touched: rows that are decoding go on.
+        """
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        with autocast_for(self.device):
+            logits = self.model.forward(ids)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = ids[:, 1:]
+        chosen = logprobs[:, :-1].gather(-1, targets[..., None])[..., 0].tolist()
+        if top:
+            values, indices = torch.topk(logprobs[:, :-1], min(top, logprobs.size(-1)), dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+        results = []
+        for b, prompt in enumerate(prompts):
+            scored = [(None, [])] + [(chosen[b][i], list(zip(indices[b][i], values[b][i])) if top else [])
+                                     for i in range(len(prompt) - 1)]
+            results.append((scored, logits[b, len(prompt) - 1][None]))
+        return results
 
     def occupancy(self):
         return {"rows": self.max_batch, "active": len(self.running), "waiting": sum(len(g) for g in self.waiting),
@@ -347,18 +400,23 @@ class BatchEngine:
     def _sample(self):
         emitted, to_feed = [], []
         ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
-        greedy = [seq for seq in ready if seq.sampling.temperature == 0]
+        steered = {id(seq): steer(seq.logits, seq.sampling, seq.counts) for seq in ready if seq.sampling.steers()}
+        greedy = [seq for seq in ready if seq.sampling.temperature < GREEDY_BELOW]
         if greedy:  # one argmax for every greedy row
-            tokens = torch.cat([seq.logits for seq in greedy]).argmax(dim=-1).tolist()
+            tokens = torch.cat([steered.get(id(seq), seq.logits) for seq in greedy]).argmax(dim=-1).tolist()
             sampled = dict(zip(map(id, greedy), tokens))
         else:
             sampled = {}
         for seq in ready:
             if id(seq) not in sampled:
                 s = seq.sampling
-                sampled[id(seq)] = int(sample_next_tokens(seq.logits, seq.generator, s.temperature, s.top_k, s.top_p))
+                sampled[id(seq)] = int(sample_next_tokens(steered.get(id(seq), seq.logits), seq.generator,
+                                                          s.temperature, s.top_k, s.top_p))
         for seq in ready:
             token, mask = seq.tool.take(sampled[id(seq)], self.ids, self.tokenizer)
+            if seq.sampling.logprobs is not None:  # of the token the sequence gets (a forced one's too)
+                seq.logprob = token_logprobs(seq.logits, token, seq.sampling.logprobs)
+            seq.counts[token] = seq.counts.get(token, 0) + 1
             seq.generated += 1
             seq.logits = None
             if seq.tool.finished_with is not None:

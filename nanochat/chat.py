@@ -1,11 +1,12 @@
 """
-Talking to a trained model: what chat_cli and chat_web share, and the OpenAI API's shapes that chat_web answers in.
+Talking to a trained model: what chat_cli and chat_web share.
 
     messages = validate_messages(request["messages"])          # RequestError names the field and the reason
     prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
     for event in generate_replies(engine, prompt.ids, max_tokens=64, temperature=0.6, top_k=50):
         ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
 
+The OpenAI API's requests and responses are nanochat/openai_api.py.
 A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
 wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
 so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
@@ -82,10 +83,11 @@ def _text_parts_only(field, content):
     raise RequestError(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
 
 
-def _assistant_parts(field, content):
-    """Assistant content as parts: a string (tool calls written in the model's markup are read back), or parts."""
+def _assistant_parts(field, content, markup=False):
+    """Assistant content as parts: a string (with markup, tool calls written in the model's markup are read back;
+    without, it is text, whatever it spells), or parts."""
     if isinstance(content, str):
-        return parse_markup(content)
+        return parse_markup(content) if markup else [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise RequestError(field, "must be a string or a list of parts")
     parts = []
@@ -102,11 +104,13 @@ def content_chars(content):
     return len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
 
 
-def validate_messages(messages):
+def validate_messages(messages, markup=False):
     """
     A client's messages, checked against the limits above and normalised for the tokenizer: user and system
     content as strings, assistant content as a list of parts, consecutive messages of one role merged (some
     clients send two user messages in a row), a system message only first, the last message from the user.
+    markup: an assistant string's tool calls in MODEL_MARKUP become tool parts (a conversation sent back as the
+    model wrote it); otherwise text that spells a special token is only text.
     """
     if not isinstance(messages, list):
         raise RequestError("messages", "must be a list of {\"role\": ..., \"content\": ...} objects")
@@ -129,7 +133,7 @@ def validate_messages(messages):
         if "content" not in message:
             raise RequestError(f"{field}.content", "is missing")
         if role == "assistant":
-            content = _assistant_parts(f"{field}.content", message["content"])
+            content = _assistant_parts(f"{field}.content", message["content"], markup)
         else:
             content = _text_parts_only(f"{field}.content", message["content"])
         chars = content_chars(content)
@@ -156,110 +160,13 @@ def validate_messages(messages):
     return normalised
 
 
-def validate_stop(value):
-    """The OpenAI API's stop: None, a string or a list of strings -> a list of non-empty strings."""
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise RequestError("stop", "must be a string or a list of strings")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(stops)})")
-    for s in stops:
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise RequestError("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters (got {len(s)})")
-    return stops
-
-
-def validate_seed(value):
-    """None (a fresh random seed) or any integer, folded into the range torch accepts."""
-    if value is None:
-        return secrets.randbelow(SEED_MODULUS)  # not the random module: a library may have seeded it
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError("seed", f"must be an integer (got {value!r:.40})")
-    return value % SEED_MODULUS
-
-
-@dataclass
-class Sampling:
-    temperature: float
-    top_k: int
-    top_p: float  # None: no nucleus cut
-    max_tokens: int
-    num_samples: int
-    seed: int
-    stop: list
-
-
-def read_sampling(body, temperature, top_k, max_tokens):
-    """
-    The sampling fields of a request body, each checked against the limits: the OpenAI API's temperature, top_p,
-    max_tokens (or max_completion_tokens), n, seed and stop, plus top_k. Absent fields (or null) take the defaults
-    given; top_p defaults to 1 (off), n to 1, seed to a fresh random one.
-    """
-    def given(name, default):
-        value = body.get(name)
-        return default if value is None else value
-
-    temperature = check_number("temperature", given("temperature", temperature), *TEMPERATURE_RANGE)
-    top_k = check_number("top_k", given("top_k", top_k), *TOP_K_RANGE, integer=True)
-    top_p = check_number("top_p", given("top_p", 1.0), *TOP_P_RANGE)
-    if top_p == 0:  # a nucleus of no mass would hold no token: the limit is the most likely one
-        top_k, top_p = 1, 1.0
-    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = check_number(max_field, given(max_field, max_tokens), *MAX_TOKENS_RANGE, integer=True)
-    num_samples = check_number("n", given("n", 1), *NUM_SAMPLES_RANGE, integer=True)
-    return Sampling(temperature, top_k, None if top_p == 1 else top_p, max_tokens, num_samples,
-                    validate_seed(body.get("seed")), validate_stop(body.get("stop")))
-
-
-# -----------------------------------------------------------------------------
-# The OpenAI chat completions API: the shapes of its responses (its requests are read above)
-
-
-def openai_error(message, kind, param=None, code=None):
-    """The API's error shape, so its clients show the message."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def openai_usage(prompt_tokens, completion_tokens):
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def openai_head(model_id, completion_id, created):
-    """What every response and chunk of one completion repeats."""
-    return {"id": completion_id, "created": created, "model": model_id, "system_fingerprint": None}
-
-
-def openai_completion(head, replies, usage):
-    """A whole completion; replies: (content, finish_reason) per choice."""
-    choices = [{"index": i, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
-                "logprobs": None} for i, (content, reason) in enumerate(replies)]
-    return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-
-
-def openai_chunk(head, index, delta, finish_reason=None):
-    """One streamed chunk: a delta of choice `index` (its role first, then content), or its finish reason."""
-    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-    return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-
-
-def openai_usage_chunk(head, usage):
-    """The last chunk of a stream that asked for stream_options.include_usage."""
-    return {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
-
-
-def openai_model_card(model_id, created):
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "nanochat"}
-
-
 # -----------------------------------------------------------------------------
 # Tool calls written as text: how an OpenAI client sees them, and how they are read back.
 
 MODEL_MARKUP = {"python": ("<|python_start|>", "<|python_end|>"),
                 "python_output": ("<|output_start|>", "<|output_end|>")}
 TERMINAL_MARKUP = {"python": ("[python: ", "]"), "python_output": (" [output: ", "]")}
+READABLE_MARKUP = {"python": ("", ""), "python_output": (" = ", "")}  # "37*48 = 1776": what an API reply says
 _MARKUP_RE = re.compile(r"<\|python_start\|>(.*?)<\|python_end\|>|<\|output_start\|>(.*?)<\|output_end\|>", re.DOTALL)
 
 
@@ -460,6 +367,10 @@ class ReplyStream:
         if self.kind != "text":
             return [self._add(self.kind, text)] if text else []
         return self._text(text)
+
+    def ends_reply(self, token):
+        """Whether this token, pushed now, would end the reply (a turn token, or in plain mode any special one)."""
+        return token in self.turn_tokens or (not self.chat and token in self.special_ids)
 
     def finish(self, reason):
         """End the reply (reason "stop" or "length"); returns the text still held."""

@@ -173,13 +173,17 @@ def use_calculator(expr):
 # Sampling
 
 
+GREEDY_BELOW = 1e-4  # a temperature below this is greedy: the distribution is one token anyway, and logits / 1e-300
+# overflow to inf (whose softmax is NaN, which sampled nothing and spent every max_tokens step)
+
+
 def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=None):
     """
-    One token id per row of (B, V) logits: argmax at temperature 0, else a draw from the softmax
-    of logits / temperature, restricted to the top_k most likely tokens and then to the smallest
+    One token id per row of (B, V) logits: argmax at temperature 0 (below GREEDY_BELOW), else a draw from the
+    softmax of logits / temperature, restricted to the top_k most likely tokens and then to the smallest
     set whose probability reaches top_p (nucleus). Returns a (B,) long tensor.
     """
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     if top_k:
         values, indices = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
@@ -196,6 +200,17 @@ def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=Non
     cdf = probs.cumsum(dim=-1)
     targets = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
+
+
+def token_logprobs(logits, token, top):
+    """(log p of `token`, [(id, log p)] of the `top` most likely) under one row's (1, V) or (V,) logits: the model's
+    own distribution, before temperature, penalties or bias (what the OpenAI API's logprobs report)."""
+    logprobs = torch.log_softmax(logits.float().reshape(-1), dim=-1)
+    alternatives = []
+    if top:
+        values, indices = torch.topk(logprobs, min(top, logprobs.numel()))
+        alternatives = list(zip(indices.tolist(), values.tolist()))
+    return float(logprobs[token]), alternatives
 
 
 # -----------------------------------------------------------------------------

@@ -26,7 +26,8 @@ import uvicorn
 
 from nanochat.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
 from nanochat.common import UserError, print0, run_main
-from nanochat.serve import WorkerPool, bind_socket, create_app, load_workers
+from nanochat.serve import bind_socket, create_app
+from nanochat.workers import WorkerPool, load_workers
 
 
 def parse_args(argv=None):

@@ -16,9 +16,10 @@ import torch
 
 from nanochat.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, Finish, MarkupWriter,
                            Piece, RequestError, ReplyStream, fit_conversation, generate_replies, parse_markup,
-                           parts_as_markup, read_sampling, validate_messages)
+                           parts_as_markup, validate_messages)
 from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
 from nanochat.engine import Engine
+from nanochat.openai_api import read_sampling
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.tokenizer import RustBPETokenizer
 
@@ -202,10 +203,12 @@ def test_tool_calls_come_out_as_parts_and_read_back(tokenizer):
     markup = parts_as_markup(expected)
     assert markup == "Let me compute. <|python_start|>12*3<|python_end|><|output_start|>36<|output_end|> So it is 36."
     assert parse_markup(markup) == expected
-    # a conversation sent back with the markup renders exactly as the model wrote it
-    conversation = validate_messages([{"role": "user", "content": "What is 12*3?"},
-                                      {"role": "assistant", "content": markup}, {"role": "user", "content": "ok"}])
-    assert conversation[1]["content"] == expected
+    # a conversation sent back with the markup (asked for: nanochat_markup) renders exactly as the model wrote it;
+    # otherwise text that spells the markers is text
+    messages = [{"role": "user", "content": "What is 12*3?"}, {"role": "assistant", "content": markup},
+                {"role": "user", "content": "ok"}]
+    assert validate_messages(messages, markup=True)[1]["content"] == expected
+    assert validate_messages(messages)[1]["content"] == [{"type": "text", "text": markup}]
 
 
 def test_stop_strings_cut_the_reply_even_across_tokens(tokenizer):

@@ -358,8 +358,9 @@ def test_samples_go_to_a_worker_with_rows_for_all_of_them():
     """Workers' rows may differ (each GPU's free memory sizes its KV cache): n goes to one that can hold it."""
     import asyncio
 
-    from nanochat.chat import RequestError, read_sampling
-    from nanochat.serve import WorkerPool
+    from nanochat.chat import RequestError
+    from nanochat.openai_api import read_sampling
+    from nanochat.workers import WorkerPool
 
     class FakeWorker:
         alive = True
@@ -465,7 +466,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
     model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
     from nanochat.batch_engine import Sampling
     from nanochat.chat import Finish
-    from nanochat.serve import Admitted, Ended, load_workers, stop_processes
+    from nanochat.workers import Admitted, Ended, load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
     workers, _, info = load_workers("sft", None, None, "cpu", 1, 3, threads=1, start_method="spawn")

@@ -19,7 +19,7 @@ import time
 import psutil
 
 from nanochat.bench.common import emit_json, log, machine_info, print_table
-from nanochat.serve import IDLE_TRIM_SECONDS
+from nanochat.workers import IDLE_TRIM_SECONDS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPICS = ["the river country", "the capital of Zorland", "what 12 * 3 is", "who you are", "a long story about a fox",

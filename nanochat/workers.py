@@ -1,0 +1,668 @@
+"""
+The worker processes behind chat_web: each holds a model replica (or, on a CPU, shares one copy of the weights) and runs
+continuous batching over its requests (nanochat/batch_engine.py); the server's handles on them, and the pool that sends
+each request to the least loaded one. The HTTP side is nanochat/serve.py, the OpenAI protocol nanochat/openai_api.py.
+
+A request goes to the least loaded worker and waits for rows of its batch; one that waits longer than the pool's
+queue timeout gets a 503. The worker sends the replies' text back in batches, a few steps' worth at a time; a client
+that disconnects is cancelled and frees its rows at the worker's next step. A scoring request (the log probabilities
+of prompts, for /v1/completions' echo) needs no rows: the worker runs its forward pass between two decode steps.
+"""
+
+import asyncio
+import atexit
+import gc
+import itertools
+import multiprocessing
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes, steer
+from nanochat.chat import SEED_MODULUS, Finish, Piece, ReplyStream, RequestError, model_info, summary_line
+from nanochat.checkpoint_manager import load_model
+from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
+                             use_cuda_device)
+from nanochat.engine import GREEDY_BELOW, sample_next_tokens, token_logprobs
+from nanochat.tokenizer import get_tokenizer
+
+FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
+IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
+
+# -----------------------------------------------------------------------------
+# Workers: each runs continuous batching in a process of its own
+#
+# A process, not a thread: a small model's decode step is hundreds of small ops, each of which takes Python's lock
+# back from the event loop, whose own Python (every client's stream) it then waits for. Measured at 16 clients on a
+# 2-core CPU: 6.9 ms a step in a thread beside the server, 4.7 ms for the same load with nothing beside it; served
+# tok/s went from ~2,000 to ~2,800 (BENCHMARKS.md "Serving"). The worker process sends each request's events (text
+# pieces, its end) to the server process in batches; the server sends it requests and cancellations.
+
+
+@dataclass
+class Admitted:
+    """A request's samples have rows of the batch: it no longer counts against the queue timeout."""
+
+
+@dataclass
+class Ended:
+    """A request's last event, with what it cost (for the server's log and /stats)."""
+
+    tokens: int
+    seconds: float
+    replies_finished: int
+
+
+@dataclass
+class Token:
+    """A reply's token with its log probability and the most likely alternatives [(id, log p)], for a request that
+    asked for logprobs (sent before the text it adds)."""
+
+    index: int
+    token: int
+    logprob: float
+    top: list
+
+
+@dataclass
+class Scored:
+    """A prompt's tokens' log probabilities: [(log p or None, [(id, log p)])] per token, for /v1/completions' echo."""
+
+    index: int
+    tokens: list
+
+
+class Job:
+    """A request as its worker process sees it: its sequences in the engine and its replies' text so far."""
+
+    def __init__(self, key, samplings, stop, chat, tokenizer):
+        self.key, self.samplings = key, samplings
+        self.streams = [ReplyStream(tokenizer, stop, chat) for _ in samplings]
+        self.seqs = []
+        self.outbox = []  # events not yet sent to the server
+        self.admitted, self.started, self.tokens, self.replies_finished = False, None, 0, 0
+
+    def emit(self, event):
+        self.outbox.append(event)
+
+    def take_outbox(self):
+        events, self.outbox = self.outbox, []
+        return events
+
+    def note_admission(self):
+        if not self.admitted and self.seqs and all(seq.row is not None for seq in self.seqs):
+            self.admitted, self.started = True, time.perf_counter()
+            self.emit(Admitted())
+
+    def push(self, index, token, seq):
+        stream = self.streams[index]
+        if seq.logprob is not None and not stream.ends_reply(token):
+            self.emit(Token(index, token, *seq.logprob))
+        for kind, text in stream.push(token):
+            self.emit(Piece(index, kind, text))
+        if stream.finish_reason is None and seq.finished == "length":
+            for kind, text in stream.finish("length"):
+                self.emit(Piece(index, kind, text))
+        if stream.finish_reason is not None:
+            self.tokens += stream.num_tokens
+            self.replies_finished += 1
+            self.emit(Finish(index, stream.finish_reason, stream.num_tokens, stream.parts))
+
+    def done(self):
+        return self.replies_finished == len(self.samplings)
+
+    def end(self):
+        """Its last event; called once, as the job leaves the loop's jobs (or is refused)."""
+        seconds = time.perf_counter() - self.started if self.started else 0.0
+        self.emit(Ended(self.tokens, seconds, self.replies_finished))
+
+
+class EngineLoop:
+    """
+    The worker process: between two decode steps of its BatchEngine it takes the server's messages (a request to add,
+    one to cancel, stop), and it hands every request's new text to the server.
+    """
+
+    def __init__(self, conn, engine):
+        self.conn, self.engine = conn, engine
+        self.jobs = {}  # key -> Job, given to the engine (waiting for rows, or running)
+        self.ended = []  # ended since the last flush: their last events are still to be sent
+        self.owner = {}  # id(Sequence) -> (Job, sample index)
+        self.flushed = 0.0  # when events were last sent
+        self.trimmed = True  # nothing allocated since the last malloc_trim
+
+    def run(self):
+        try:
+            while True:
+                self._flush(force=not self.jobs)
+                if not self.jobs:  # idle: wait for the next message
+                    if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
+                        return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
+                        self.trimmed = True
+                    if not self._handle(self.conn.recv()):
+                        return
+                    continue
+                while self.conn.poll():
+                    if not self._handle(self.conn.recv()):
+                        return
+                if self.engine.busy():
+                    self._step()
+        except (EOFError, OSError):  # the server process is gone: nobody is left to answer
+            return
+
+    def _handle(self, message):
+        kind = message[0]
+        if kind == "stop":
+            return False
+        if kind == "add":
+            self._add(*message[1:])
+        elif kind == "score":
+            self._score(*message[1:])
+        elif kind == "cancel" and message[1] in self.jobs:
+            self._drop(self.jobs[message[1]])
+        return True
+
+    def _step(self):
+        self.trimmed = False
+        try:
+            steps = self.engine.step()
+        except Exception as e:  # a bug, or the device failing: every request in flight gets a 500
+            traceback.print_exc()
+            for job in list(self.jobs.values()):
+                job.emit(f"generation failed: {type(e).__name__}: {e}")
+                self._drop(job)
+            return
+        for job in self.jobs.values():
+            job.note_admission()
+        for seq, token, _ in steps:
+            job, index = self.owner[id(seq)]
+            job.push(index, token, seq)
+            if job.streams[index].finish_reason is not None and seq.finished is None:
+                self.engine.cancel(seq)  # a stop string, or a turn token the engine does not end on
+        for job in [j for j in self.jobs.values() if j.done()]:
+            self._drop(job)
+
+    def _flush(self, force=False):
+        """
+        Send the requests' new events every FLUSH_SECONDS, or at once when a request was just admitted or ended or the
+        worker is about to wait: one message, and one write per client, for several steps' tokens, which is what the
+        server's event loop can keep up with at dozens of streams. The engine's occupancy goes along, for /stats.
+        """
+        now = time.perf_counter()
+        urgent = force or self.ended or any(j.outbox and isinstance(j.outbox[0], Admitted) for j in self.jobs.values())
+        if not urgent and now - self.flushed < FLUSH_SECONDS:
+            return
+        self.flushed = now
+        ready = [(job.key, job.take_outbox()) for job in list(self.jobs.values()) + self.ended if job.outbox]
+        self.ended = []
+        if ready or force:
+            self.conn.send(("events", ready, self.engine.occupancy()))
+
+    def _add(self, key, prompt_ids, samplings, stop, chat):
+        job = Job(key, samplings, stop, chat, self.engine.tokenizer)
+        try:
+            job.seqs = self.engine.add_group(prompt_ids, samplings)
+        except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
+            job.emit(f"generation failed: {e}")
+            job.end()
+            self.ended.append(job)
+            return
+        for index, seq in enumerate(job.seqs):
+            self.owner[id(seq)] = (job, index)
+        self.jobs[key] = job
+
+    def _score(self, key, prompts, top, samplings):
+        """
+        The prompts' log probabilities (BatchEngine.score: one forward pass between two decode steps) and, for each
+        Sampling given, the one token that follows each prompt, drawn from the same pass (a max_tokens 1 request needs
+        no decode step). Its events go out at once.
+        """
+        events, started = [], time.perf_counter()
+        try:
+            for i, (scored, last) in enumerate(self.engine.score(prompts, top)):
+                events.append(Scored(i, scored))
+                for j, s in enumerate(samplings):
+                    generator = torch.Generator(device=last.device)
+                    generator.manual_seed(s.seed)
+                    logits = steer(last, s, {}) if s.steers() else last
+                    token = int(logits.argmax()) if s.temperature < GREEDY_BELOW else \
+                        int(sample_next_tokens(logits, generator, s.temperature, s.top_k, s.top_p))
+                    events.append(Token(i * len(samplings) + j, token, *token_logprobs(last, token, top)))
+        except Exception as e:  # a bug, or the device failing: this request gets a 500
+            traceback.print_exc()
+            events.append(f"scoring failed: {type(e).__name__}: {e}")
+        events.append(Ended(len(prompts) * len(samplings), time.perf_counter() - started, len(prompts)))
+        self.conn.send(("events", [(key, events)], self.engine.occupancy()))
+
+    def _drop(self, job):
+        for seq in job.seqs:
+            self.engine.cancel(seq)
+            self.owner.pop(id(seq), None)
+        del self.jobs[job.key]
+        job.end()
+        self.ended.append(job)
+
+
+def worker_main(conn, inherited, device, settings, preloaded):
+    """
+    A worker process: load the model (or take the one the server forked with), make its engine, report ("ready",
+    model info, rows, KV cache bytes) or ("failed", reason), then run the EngineLoop until the server stops it or
+    goes away. settings: load_workers' arguments. inherited: what a fork copied from the server that this process
+    must not hold: the server's ends of the pipes (a server that dies must read as end-of-file to every worker).
+    It starts with SIGINT and SIGTERM ignored (load_workers): Ctrl-C or a service manager's SIGTERM reach every
+    process of the group, and the server, which stops its workers itself, must outlive them to end its requests.
+    """
+    for connection in inherited:
+        connection.close()
+    try:
+        torch.set_num_threads(settings["threads"])
+        if device.type == "cuda":
+            use_cuda_device(device)  # CUDA ops go to the process's current GPU: this replica's
+        if preloaded is None:
+            model, tokenizer, meta = load_model(settings["source"], device, model_tag=settings["model_tag"],
+                                                step=settings["step"])
+            model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
+        else:
+            model, tokenizer, meta = preloaded
+        row_bytes = kv_row_bytes(model.config, device)
+        budget = kv_budget_bytes(device, settings["kv_memory_gib"])
+        budget //= settings["num_workers"] if device.type != "cuda" else 1  # CPU workers share the memory
+        rows = min(settings["max_batch"], budget // row_bytes)
+        if rows < 1:
+            raise UserError(f"one sequence's KV cache needs {row_bytes / 2**20:.0f} MiB, more than the "
+                            f"{budget / 2**20:.0f} MiB budget; give --kv-memory-gib more")
+        engine = BatchEngine(model, tokenizer, rows, settings["prefill_chunk"])
+    except Exception as e:  # reported by the server, which stops before serving anything
+        conn.send(("failed", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", model_info(meta, model, str(device), settings["source"]), rows, engine.cache.nbytes()))
+    EngineLoop(conn, engine).run()
+
+
+def stop_processes(processes, seconds=0.0):
+    """Give the worker processes `seconds` in all to end, then kill those left (they ignore SIGTERM)."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+class Worker:
+    """
+    The server's handle on a worker process: the requests it was given, and the events and occupancy it reports.
+    Messages to the worker go out on a thread of their own: the event loop must never wait on a full pipe while the
+    worker is busy with a step (or is itself waiting for the event loop to read its events).
+    """
+
+    def __init__(self, index, process, conn, rows):
+        self.index, self.process, self.conn, self.rows = index, process, conn, rows
+        self.generations = {}  # key -> Generation, not yet ended
+        self.occupancy = {"rows": rows, "active": 0, "waiting": 0, "shared_steps": 0}
+        self.alive = True
+        self.loop = None
+        self.outgoing = queue.Queue()  # messages for the worker; None ends the sender
+        self.sender = threading.Thread(target=self._send_outgoing, name=f"worker{index}-sender", daemon=True)
+
+    def start(self, loop):
+        self.loop = loop
+        loop.add_reader(self.conn.fileno(), self._read)
+        self.sender.start()
+
+    def submit(self, generation):
+        self.generations[generation.key] = generation
+        self.send(("add", generation.key, generation.prompt_ids, generation.samplings, generation.stop,
+                   generation.chat))
+
+    def send(self, message):
+        # pickled here, so a message that cannot be fails its request, not the sender thread
+        self.outgoing.put(ForkingPickler.dumps(message))
+
+    def _send_outgoing(self):
+        while (data := self.outgoing.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the process is gone; _read reports it to every request in flight
+                return
+
+    def load(self):
+        """Rows this worker has been asked for: where the next request goes is the least loaded worker."""
+        return sum(g.num_samples for g in self.generations.values())
+
+    def _read(self):
+        """In the event loop, when the worker process has sent something."""
+        try:
+            while self.conn.poll():
+                _, ready, self.occupancy = self.conn.recv()
+                for key, events in ready:
+                    if key in self.generations:
+                        self.generations[key].receive(events)
+        except (EOFError, OSError):
+            self._lost()
+
+    def _lost(self):
+        self.loop.remove_reader(self.conn.fileno())
+        self.alive = False
+        self.occupancy = {**self.occupancy, "active": 0, "waiting": 0}
+        self.process.join(1)
+        reason = (f"generation failed: worker {self.index} exited (exit code {self.process.exitcode}); "
+                  "restart the server")
+        print0(reason)
+        for generation in list(self.generations.values()):
+            generation.receive([reason, Ended(0, 0.0, 0)])
+
+    def stop(self):
+        """Tell the worker to stop; its end is expected, not a failure to report."""
+        if self.loop is not None and self.alive:
+            self.loop.remove_reader(self.conn.fileno())
+        self.alive = False
+        self.send(("stop",))
+        self.send(None)
+
+
+class QueueTimeout(Exception):
+    pass
+
+
+class NoWorkerAlive(Exception):
+    pass
+
+
+class WorkerPool:
+    """The workers, where each request goes, and what was served (for /stats)."""
+
+    def __init__(self, workers, queue_timeout):
+        self.workers = workers
+        self.queue_timeout = queue_timeout
+        self.active = set()  # generations in flight, cancelled when the server stops
+        self.keys = itertools.count()
+        self.requests_served = 0
+        self.requests_cancelled = 0
+        self.requests_rejected = 0
+        self.tokens_generated = 0
+        self.generation_seconds = 0.0
+        self.started = time.time()
+
+    def start(self):
+        loop = asyncio.get_running_loop()
+        for worker in self.workers:
+            worker.start(loop)
+
+    def stop(self):
+        for generation in list(self.active):  # let the workers end them now rather than at max_tokens
+            generation.cancel()
+        for worker in self.workers:
+            worker.stop()
+        stop_processes([worker.process for worker in self.workers], seconds=5)
+
+    async def submit(self, prompt_ids, sampling, chat=True):
+        """A Generation on the least loaded worker, once the engine has given its samples rows; a request that waits
+        longer than the queue timeout for them is withdrawn and gets a 503."""
+        alive = self.alive()
+        roomy = [w for w in alive if w.rows >= sampling.num_samples]  # a request's samples decode side by side
+        if not roomy:
+            rows = max(w.rows for w in alive)
+            raise RequestError("n", f"at most {rows} replies per request on this server (a worker's batch has {rows} "
+                               f"rows: --max-batch, or the KV cache's memory budget); got {sampling.num_samples}")
+        worker = min(roomy, key=lambda w: w.load())
+        generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
+        worker.submit(generation)
+        try:
+            await asyncio.wait_for(generation.admitted.wait(), self.queue_timeout)
+        except asyncio.TimeoutError:
+            generation.cancel()
+            generation.rejected = True  # counted here; if a row came in the meantime, not as cancelled too
+            self.requests_rejected += 1
+            rows = sum(w.rows for w in alive)
+            raise QueueTimeout(f"all {rows} rows of the batch stayed busy for {self.queue_timeout:g} s "
+                               "(--queue-timeout); try again shortly") from None
+        except BaseException:  # the request itself was cancelled (its client left, the server is stopping)
+            generation.cancel()
+            raise
+        return generation
+
+    def alive(self):
+        alive = [w for w in self.workers if w.alive]
+        if not alive:
+            raise NoWorkerAlive("every worker process has exited (see the server's log); restart the server")
+        return alive
+
+    async def score(self, prompts, top, samplings=()):
+        """
+        (per prompt [(log p or None, alternatives)], per choice (token, log p, alternatives) for each of `samplings`
+        after each prompt): the worker with the fewest rows asked of it runs one forward pass over the prompts (no rows
+        needed, so no queue). samplings: engine Samplings of a max_tokens 1 request, whose one token comes from the
+        same pass.
+        """
+        worker = min(self.alive(), key=lambda w: w.load())
+        scoring = Scoring(worker, next(self.keys))
+        worker.generations[scoring.key] = scoring
+        worker.send(("score", scoring.key, prompts, top, list(samplings)))
+        events = await scoring.done
+        failure = next((e for e in events if isinstance(e, str)), None)
+        if failure:
+            raise RuntimeError(failure)
+        scored = [e.tokens for e in sorted((e for e in events if isinstance(e, Scored)), key=lambda e: e.index)]
+        tokens = [(e.token, e.logprob, e.top) for e in sorted((e for e in events if isinstance(e, Token)),
+                                                              key=lambda e: e.index)]
+        return scored, tokens
+
+    def finished(self, generation):
+        """Called in the event loop when a generation's last event is in."""
+        self.active.discard(generation)
+        if not generation.was_admitted or generation.rejected:
+            return
+        outcome = "cancelled" if generation.replies_finished < generation.num_samples else "done"
+        print0(f"{generation.num_samples} repl{'ies' if generation.num_samples > 1 else 'y'}, {generation.tokens} tokens "
+               f"in {generation.seconds:.2f}s, {outcome}")
+        if outcome == "cancelled":
+            self.requests_cancelled += 1
+        else:
+            self.requests_served += 1
+            self.tokens_generated += generation.tokens
+            self.generation_seconds += generation.seconds
+
+    def stats(self):
+        occupancy = [w.occupancy for w in self.workers]
+        busy = sum(1 for o in occupancy if o["active"])
+        rows, active = sum(o["rows"] for o in occupancy), sum(o["active"] for o in occupancy)
+        return {
+            "queue_depth": sum(o["waiting"] for o in occupancy),
+            "workers": {"total": len(self.workers), "busy": busy, "free": len(self.workers) - busy},
+            "batch": {"rows": rows, "active": active, "occupancy": round(active / rows, 3),
+                      "shared_steps": sum(o["shared_steps"] for o in occupancy)},
+            "requests_served": self.requests_served,
+            "requests_cancelled": self.requests_cancelled,
+            "requests_rejected": self.requests_rejected,
+            "tokens_generated": self.tokens_generated,
+            "tokens_per_second": round(self.tokens_generated / max(self.generation_seconds, 1e-9), 1),
+            "uptime_seconds": round(time.time() - self.started, 1),
+        }
+
+
+_END = object()  # the end of a generation's events, in its queue
+
+
+def engine_samplings(sampling):
+    """A request's sampling (openai_api.Sampling) as the engine's, one per sample: seeds seed, seed + 1, ..."""
+    seed = secrets.randbelow(SEED_MODULUS) if sampling.seed is None else sampling.seed
+    return [Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                     max_tokens=sampling.max_tokens, seed=seed + i, presence_penalty=sampling.presence_penalty,
+                     frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
+                     logprobs=sampling.logprobs) for i in range(sampling.num_samples)]
+
+
+class Generation:
+    """
+    One request's replies, on the server's side: its worker process sends its events (Piece, Finish, or an error
+    string), which come out of `events()` in the event loop. cancel() withdraws it before the worker's next step.
+    """
+
+    def __init__(self, pool, worker, key, prompt_ids, sampling, chat):
+        self.pool, self.worker, self.key, self.prompt_ids, self.chat = pool, worker, key, prompt_ids, chat
+        self.num_samples, self.stop = sampling.num_samples, sampling.stop
+        self.samplings = engine_samplings(sampling)
+        self.queue = asyncio.Queue()  # lists of events, one list per message of the worker
+        self.admitted = asyncio.Event()
+        self.was_admitted = False
+        self.tokens, self.replies_finished, self.seconds = 0, 0, 0.0
+        self.cancelled = self.ended = self.rejected = False
+        pool.active.add(self)
+
+    def receive(self, events):
+        out = []
+        for event in events:
+            if isinstance(event, Admitted):
+                self.was_admitted = True
+                self.admitted.set()
+            elif isinstance(event, Ended):
+                self.tokens, self.seconds, self.replies_finished = event.tokens, event.seconds, event.replies_finished
+                self.ended = True
+                out.append(_END)
+            else:
+                out.append(event)
+        if out:
+            self.queue.put_nowait(out)
+        if self.ended:
+            self.admitted.set()
+            self.worker.generations.pop(self.key, None)
+            self.pool.finished(self)
+
+    def cancel(self):
+        if self.cancelled or self.ended:
+            return
+        self.cancelled = True
+        self.worker.send(("cancel", self.key))
+        if not self.was_admitted:  # still waiting for a row: end the wait here too
+            self.admitted.set()
+
+    async def event_batches(self):
+        """Lists of events as the worker sends them (a stream writes each list in one piece)."""
+        while True:
+            events = await self.queue.get()
+            if events[-1] is _END:
+                if len(events) > 1:
+                    yield events[:-1]
+                return
+            yield events
+
+    async def events(self):
+        async for events in self.event_batches():
+            for event in events:
+                yield event
+
+
+class Scoring:
+    """A scoring request on the server's side: its worker's events, all at once (Worker._read hands them over)."""
+
+    num_samples = 0  # it takes no rows
+
+    def __init__(self, worker, key):
+        self.worker, self.key = worker, key
+        self.done = asyncio.get_running_loop().create_future()
+
+    def receive(self, events):
+        if not self.done.done():
+            self.done.set_result(events)
+        self.worker.generations.pop(self.key, None)
+
+
+# -----------------------------------------------------------------------------
+# Starting up
+
+
+def load_workers(source, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
+                 threads=0, start_method=None):
+    """
+    (workers, tokenizer, model info) for a stage's checkpoint, each worker a process: one replica per GPU on CUDA
+    (num_workers 0: every GPU); on CPU every worker shares one copy of the weights (num_workers 0: one worker). Each
+    worker batches up to max_batch sequences, fewer if their KV cache would not fit the memory budget.
+
+    On a Linux CPU this process loads the model and forks the workers, which share its weights' memory and start at
+    once. Elsewhere a worker is spawned and loads its own replica: a process that has touched CUDA cannot fork (and
+    this one does not need the weights), and macOS does not fork safely. start_method "spawn" does that on a Linux
+    CPU too (the tests run the GPU's path so).
+    """
+    device = torch.device(resolve_device_type(device_type))
+    if device.type == "cuda":
+        count = num_workers or torch.cuda.device_count()
+        if not 1 <= count <= torch.cuda.device_count():
+            raise UserError(f"--num-gpus={num_workers}: this machine has {torch.cuda.device_count()} GPUs")
+        devices = [torch.device("cuda", i) for i in range(count)]
+    else:
+        count = num_workers or 1
+        if count < 1 or (device.type == "mps" and count != 1):
+            raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
+        devices = [device] * count
+    threads = inference_threads(device, threads, count)
+    settings = {"source": source, "model_tag": model_tag, "step": step, "threads": threads, "max_batch": max_batch,
+                "kv_memory_gib": kv_memory_gib, "num_workers": count, "prefill_chunk": prefill_chunk}
+    preloaded = None
+    if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
+        # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
+        torch.set_num_threads(1)
+        print0(f"loading the {source} model on cpu ...")
+        model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
+        preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
+        context = multiprocessing.get_context("fork")
+        # what loading freed (the checkpoint, the fp32 weights) back to the kernel: a worker's own allocations would
+        # otherwise reuse those pages, copying them on write, and the server would keep its copy too (measured: the
+        # server's and its worker's memory +12 % under load instead of +4 %)
+        gc.collect()
+        return_freed_memory()
+    else:
+        print0(f"loading the {source} model on {', '.join(str(d) for d in devices)} (a process each) ...")
+        context = multiprocessing.get_context(start_method or "spawn")
+    started = []
+    # the workers start with SIGINT and SIGTERM ignored (worker_main says why); a spawned one keeps that while it
+    # imports torch, so an early Ctrl-C gives the server's message, not a traceback per worker
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for index, worker_device in enumerate(devices):
+            conn, child_conn = context.Pipe()
+            inherited = [c for _, _, c in started] + [conn] if preloaded else []  # a fork copies them all
+            process = context.Process(target=worker_main, name=f"nanochat-worker{index}", daemon=True,
+                                      args=(child_conn, inherited, worker_device, settings, preloaded))
+            process.start()
+            child_conn.close()  # the worker's end lives in the worker: its exit then reads as end-of-file here
+            started.append((index, process, conn))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    replies = []
+    try:
+        for index, process, conn in started:
+            try:
+                reply = conn.recv()
+            except EOFError:
+                process.join(5)
+                raise UserError(f"worker {index} exited while loading the model (exit code {process.exitcode})") from None
+            if reply[0] == "failed":
+                raise UserError(reply[1])
+            replies.append(reply)
+    except BaseException:  # one worker failed (or Ctrl-C): the others must not outlive the server
+        stop_processes([process for _, process, _ in started])
+        raise
+    # a server that exits without stopping its workers (a second Ctrl-C skips uvicorn's shutdown): multiprocessing's
+    # own exit handler would SIGTERM them, which they ignore, and wait for ever; this one, registered later, runs first
+    atexit.register(stop_processes, [process for _, process, _ in started])
+    workers = [Worker(index, process, conn, reply[2]) for (index, process, conn), reply in zip(started, replies)]
+    _, info, rows, cache_bytes = replies[0]
+    info["device"] = ", ".join(sorted({str(d) for d in devices}))
+    info["id"] = f"nanochat-{source}-{info['tag']}"
+    tokenizer = preloaded[1] if preloaded else get_tokenizer()
+    print0(f"loaded {summary_line(info)}; {len(workers)} worker process{'es' if len(workers) > 1 else ''}, each "
+           f"batching up to {rows} sequences (KV cache {cache_bytes / 2**20:,.0f} MiB"
+           f"{'' if rows == max_batch else f', fewer than --max-batch {max_batch}: the memory budget'}"
+           f"; prompts prefilled {prefill_chunk} tokens a step; {threads} torch thread{'s' if threads > 1 else ''})")
+    return workers, tokenizer, info
