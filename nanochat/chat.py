@@ -368,10 +368,6 @@ class ReplyStream:
             return [self._add(self.kind, text)] if text else []
         return self._text(text)
 
-    def ends_reply(self, token):
-        """Whether this token, pushed now, would end the reply (a turn token, or in plain mode any special one)."""
-        return token in self.turn_tokens or (not self.chat and token in self.special_ids)
-
     def finish(self, reason):
         """End the reply (reason "stop" or "length"); returns the text still held."""
         if self.finish_reason is not None:

@@ -586,8 +586,10 @@ class ChatReplies:
     def __init__(self, tokenizer, n, markup, logprobs):
         self.tokenizer, self.n, self.logprobs = tokenizer, n, logprobs
         self.writers = [MarkupWriter(markup) for _ in range(n)]
-        self.special_ids = special_ids(tokenizer)
-        self.readable = markup is READABLE_MARKUP
+        # what content.logprobs leaves out: the token that ends the turn, and in readable text the markers
+        self.left_out = special_ids(tokenizer) if markup is READABLE_MARKUP else \
+            {tokenizer.encode_special(t) for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                                                   "<|assistant_end|>")}
         self.text = [""] * n
         self.entries = [[] for _ in range(n)]
         self.finished = {}
@@ -597,7 +599,7 @@ class ChatReplies:
         failure = None
         for event in events:
             if isinstance(event, Token):
-                if not (self.readable and event.token in self.special_ids):  # markers are not in readable text
+                if event.token not in self.left_out:
                     entry = chat_logprob(self.tokenizer, event.token, event.logprob, event.top)
                     self.entries[event.index].append(entry)
                     self._new(event.index)[2].append(entry)
@@ -665,9 +667,9 @@ class Completions:
                 self.new.setdefault(i * self.n + j, "")
         for choice, (token, logprob, top) in enumerate(drawn):
             self.completion_tokens += 1
-            special = token in self.special_ids  # a base model ends its text with one: the reply is empty
+            special = token in self.special_ids  # a base model ends its text with one: no text, but its logprob
+            self.logprobs[choice].add(token, logprob, top)  # (lm-eval reads the prompt's as all but the last)
             if not special:
-                self.logprobs[choice].add(token, logprob, top)
                 self._add_text(choice, token_text(self.tokenizer, token))
             self.reason[choice] = "stop" if special else "length"
 

@@ -104,7 +104,7 @@ class Job:
 
     def push(self, index, token, seq):
         stream = self.streams[index]
-        if seq.logprob is not None and not stream.ends_reply(token):
+        if seq.logprob is not None:  # the token that ends the reply too: the endpoints decide what to show
             self.emit(Token(index, token, *seq.logprob))
         for kind, text in stream.push(token):
             self.emit(Piece(index, kind, text))
