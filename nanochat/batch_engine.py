@@ -244,7 +244,8 @@ class BatchEngine:
                                 self.device, kv_cache_dtype(self.device))
         self.ids = ChatTokens(tokenizer)
         self.free_rows = list(range(max_batch))  # a heap: the lowest free row first, so running rows stay compact
-        self.waiting = deque()  # groups (lists of sequences) not yet given rows
+        self.waiting = deque()  # groups (lists of sequences) not yet given rows; cancelled ones are dropped on the way
+        self.num_waiting = 0  # sequences in self.waiting that are not cancelled
         self.running = []  # sequences holding a row, in admission order
         self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
         # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
@@ -268,13 +269,16 @@ class BatchEngine:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(seq.sampling.seed)
         self.waiting.append(group)
+        self.num_waiting += len(group)
         return group
 
     def cancel(self, seq):
-        """Stop a sequence now: its row is free for the next step."""
+        """Stop a sequence now: its row is free for the next step. A waiting one is only marked (O(1), however long
+        the queue): the queue drops it when it gets to it."""
         if seq.finished is None:
             seq.finished = "cancelled"
-        self.waiting = deque(kept for kept in ([s for s in group if s is not seq] for group in self.waiting) if kept)
+            if seq.row is None:
+                self.num_waiting -= 1
         if seq.leader is seq and seq.prefilled < len(seq.prompt):  # its samples still need the prompt: one of them
             rest = [s for s in self.running if s.leader is seq and s is not seq and s.finished is None]
             for other in rest:  # prefills it instead
@@ -282,7 +286,7 @@ class BatchEngine:
         self._release(seq)
 
     def busy(self):
-        return bool(self.waiting or self.running)
+        return bool(self.num_waiting or self.running)
 
     @torch.inference_mode()
     def score(self, prompts, top):
@@ -310,7 +314,7 @@ class BatchEngine:
         return results
 
     def occupancy(self):
-        return {"rows": self.max_batch, "active": len(self.running), "waiting": sum(len(g) for g in self.waiting),
+        return {"rows": self.max_batch, "active": len(self.running), "waiting": self.num_waiting,
                 "shared_steps": self.shared_steps}
 
     # -- one step ----------------------------------------------------------------------
@@ -360,8 +364,16 @@ class BatchEngine:
         return ([row for row in free if fed[0] < row < fed[-1]] + after + before)[:target - count]
 
     def _admit(self):
-        while self.waiting and len(self.waiting[0]) <= len(self.free_rows):
-            for seq in self.waiting.popleft():
+        while self.waiting:
+            group = [seq for seq in self.waiting[0] if seq.finished is None]  # the rest were cancelled while waiting
+            if len(group) > len(self.free_rows):
+                break
+            self.waiting.popleft()
+            self.num_waiting -= len(group)
+            if group and group[0].leader.finished is not None:  # its prefilling sample was cancelled: another one
+                for seq in group:
+                    seq.leader = group[0]
+            for seq in group:
                 seq.row = heapq.heappop(self.free_rows)
                 self.cache.reset(seq.row)
                 self.running.append(seq)

@@ -352,6 +352,11 @@ class OpenAIRoutes:
         app.post("/detokenize")(self.detokenize)
         app.get("/tokenizer_info")(self.tokenizer_info)
 
+    def failed(self, failure):
+        """A whole reply that did not complete: 503 when the server is stopping, else 500 (a worker failed)."""
+        status = 503 if self.pool.stopping else 500
+        return JSONResponse(openai_error(failure or "generation was cancelled", "server_error"), status_code=status)
+
     def read_common(self, body, endpoint, fields):
         check_fields(body, fields, endpoint)
         if "model" in body and not isinstance(body["model"], str):
@@ -377,7 +382,7 @@ class OpenAIRoutes:
         # tokenizing up to MAX_TOTAL_CHARS takes milliseconds: off the event loop. An API client keeps its own context,
         # so its messages go in whole or not at all (a 400 context_length_exceeded).
         prompt = await asyncio.to_thread(whole_conversation, self.tokenizer, messages, self.context)
-        generation = await self.pool.submit(prompt.ids, sampling)
+        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling))
         head = openai_head(self.model_id, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         replies = ChatReplies(self.tokenizer, sampling.num_samples, MODEL_MARKUP if markup else READABLE_MARKUP,
                               sampling.logprobs is not None)
@@ -386,7 +391,7 @@ class OpenAIRoutes:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         failure = await collect(request, [generation], lambda _, events: replies.take(events))
         if failure or len(replies.finished) < sampling.num_samples:
-            return JSONResponse(openai_error(failure or "generation was cancelled", "server_error"), status_code=500)
+            return self.failed(failure)
         tokens = sum(f.completion_tokens for f in replies.finished.values())
         return openai_completion(head, replies.whole(), openai_usage(len(prompt.ids), tokens))
 
@@ -443,14 +448,20 @@ class OpenAIRoutes:
             scored, drawn = await self.pool.score(model_prompts, sampling.logprobs,
                                                   engine_samplings(sampling) if one_token else [])
             choices.add_scores(scored, drawn)
-        generations = [] if choices.done() else \
-            [await self.pool.submit(ids, sampling, chat=False) for ids in model_prompts]
+        generations = []
+        try:
+            for ids in ([] if choices.done() else model_prompts):
+                generations.append(await until_disconnect(request, self.pool.submit(ids, sampling, chat=False)))
+        except BaseException:  # the rest will not be asked for: free the rows of those that were
+            for generation in generations:
+                generation.cancel()
+            raise
         if body.get("stream"):
             return StreamingResponse(self.completion_stream(generations, choices, head, include_usage),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         failure = await collect(request, generations, choices.take)
         if failure or not choices.done():
-            return JSONResponse(openai_error(failure or "generation was cancelled", "server_error"), status_code=500)
+            return self.failed(failure)
         return {**head, "object": "text_completion", "choices": choices.whole(), "usage": choices.usage()}
 
     async def completion_stream(self, generations, choices, head, include_usage):
@@ -535,8 +546,8 @@ async def stream_events(generations, take, render, end, start):
                 running -= 1
                 continue
             failure, out = take(index, events), render()
-            if failure:
-                yield "".join(out) + sse(openai_error(failure, "server_error"))
+            if failure:  # a stopping server, a worker that failed: the error, and the end a client waits for
+                yield "".join(out) + sse(openai_error(failure, "server_error")) + "data: [DONE]\n\n"
                 return
             if out:
                 yield "".join(out)
@@ -546,6 +557,30 @@ async def stream_events(generations, take, render, end, start):
             task.cancel()
         for generation in generations:
             generation.cancel()
+
+
+class ClientGone(Exception):
+    """The client left while its request waited for a row: it was withdrawn."""
+
+
+async def until_disconnect(request, awaitable):
+    """The awaitable's result, unless the client leaves first: then it is cancelled (a request waiting for a row is
+    withdrawn before it is ever prefilled) and ClientGone raised."""
+    task, watcher = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def disconnected(request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def collect(request, generations, take):

@@ -12,14 +12,15 @@ import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanochat.chat import Finish, Piece, RequestError, fit_conversation, prompt_budget, validate_messages
 from nanochat.common import UserError
-from nanochat.openai_api import (SSE_HEADERS, HTTPProblem, OpenAIRoutes, check_bool, openai_error, openai_usage,
-                                 read_json_body, read_sampling, sse)
-from nanochat.workers import NoWorkerAlive, QueueTimeout
+from nanochat.openai_api import (SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes, check_bool, openai_error,
+                                 openai_usage, read_json_body, read_sampling, sse, until_disconnect)
+from nanochat.server_guard import RequireLocalJSON
+from nanochat.workers import NoWorkerAlive, QueueTimeout, ServerStopping
 
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
 
@@ -46,7 +47,7 @@ class UIRoutes:
             raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
         budget = prompt_budget(self.context, sampling.max_tokens)
         prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, budget)  # trimmed, and told so
-        generation = await self.pool.submit(prompt.ids, sampling)
+        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling))
         kinds = {"text": "token", "python": "python", "python_output": "python_output"}
 
         def as_sse(events):
@@ -111,10 +112,11 @@ class RequireKey:
         return await self.app(scope, receive, send)
 
 
-def create_app(pool, tokenizer, model_info, defaults, api_key=None):
+def create_app(pool, tokenizer, model_info, defaults, api_key=None, bound_host="127.0.0.1"):
     """
     The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests that omit them; api_key:
-    a key every route but OPEN_PATHS requires (RequireKey), or None.
+    a key every route but OPEN_PATHS requires (RequireKey), or None; bound_host: where it listens (on a loopback
+    address it answers only to loopback Host names: server_guard.RequireLocalJSON).
     """
     ui_routes = UIRoutes(pool, tokenizer, model_info, defaults)
     with open(UI_PATH, encoding="utf-8") as f:
@@ -146,8 +148,13 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None):
         return JSONResponse(openai_error(str(e), "server_busy"), status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(NoWorkerAlive)
-    async def no_worker(request, e):
+    @app.exception_handler(ServerStopping)
+    async def unavailable(request, e):
         return JSONResponse(openai_error(str(e), "server_error"), status_code=503)
+
+    @app.exception_handler(ClientGone)
+    async def gone(request, e):  # nobody reads it: the client left while its request waited
+        return Response(status_code=499)
 
     async def ui():
         return HTMLResponse(ui_html)
@@ -166,7 +173,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None):
     app.get("/stats")(stats)
     app.post("/chat/completions")(ui_routes.ui_completion)
     OpenAIRoutes(pool, tokenizer, model_info, defaults).mount(app)
-    return RequireKey(app, api_key) if api_key else app
+    return RequireLocalJSON(RequireKey(app, api_key) if api_key else app, bound_host)
 
 
 # -----------------------------------------------------------------------------

@@ -371,7 +371,15 @@ class Worker:
 
 
 class QueueTimeout(Exception):
-    pass
+    """A request waited longer than --queue-timeout for a row: 503, try again."""
+
+
+class QueueFull(QueueTimeout):
+    """--max-queue requests are waiting already: 503, try again."""
+
+
+class ServerStopping(Exception):
+    """The server is stopping: 503."""
 
 
 class NoWorkerAlive(Exception):
@@ -381,22 +389,44 @@ class NoWorkerAlive(Exception):
 class WorkerPool:
     """The workers, where each request goes, and what was served (for /stats)."""
 
-    def __init__(self, workers, queue_timeout):
+    def __init__(self, workers, queue_timeout, max_queue=256):
         self.workers = workers
-        self.queue_timeout = queue_timeout
+        self.queue_timeout, self.max_queue = queue_timeout, max_queue
         self.active = set()  # generations in flight, cancelled when the server stops
         self.keys = itertools.count()
+        self.stopping = None  # the reason, once the server is stopping
         self.requests_served = 0
         self.requests_cancelled = 0
         self.requests_rejected = 0
+        self.requests_withdrawn = 0  # their client left while they waited for a row
         self.tokens_generated = 0
         self.generation_seconds = 0.0
         self.started = time.time()
 
     def start(self):
-        loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         for worker in self.workers:
-            worker.start(loop)
+            worker.start(self.loop)
+
+    def stop_soon(self, reason="the server is stopping"):
+        """From a signal handler: end every request in the event loop's next turn (begin_stop), and say so once."""
+        def end_requests():
+            if self.stopping is None:
+                print0(f"stopping: {self.begin_stop(reason)} request(s) in flight or waiting ended with a 503 / an error "
+                       "event")
+        if getattr(self, "loop", None) is not None:
+            self.loop.call_soon_threadsafe(end_requests)
+
+    def begin_stop(self, reason):
+        """The server is stopping (SIGTERM, Ctrl-C): every request in flight or waiting ends now with `reason` as its
+        failure (a stream's error event, a waiting or whole request's 503), so none is cut off later mid-reply.
+        Returns how many were ended."""
+        self.stopping = reason
+        ended = list(self.active)
+        for generation in ended:
+            generation.cancel()
+            generation.receive([reason, Ended(generation.tokens, 0.0, 0)])
+        return len(ended)
 
     def stop(self):
         for generation in list(self.active):  # let the workers end them now rather than at max_tokens
@@ -405,10 +435,18 @@ class WorkerPool:
             worker.stop()
         stop_processes([worker.process for worker in self.workers], seconds=5)
 
+    def waiting(self):
+        return sum(1 for g in self.active if not g.was_admitted and not g.cancelled)
+
     async def submit(self, prompt_ids, sampling, chat=True):
         """A Generation on the least loaded worker, once the engine has given its samples rows; a request that waits
         longer than the queue timeout for them is withdrawn and gets a 503."""
+        if self.stopping:
+            raise ServerStopping(self.stopping)
         alive = self.alive()
+        if self.waiting() >= self.max_queue:
+            self.requests_rejected += 1
+            raise QueueFull(f"{self.max_queue} requests are already waiting for a row (--max-queue); try again shortly")
         roomy = [w for w in alive if w.rows >= sampling.num_samples]  # a request's samples decode side by side
         if not roomy:
             rows = max(w.rows for w in alive)
@@ -429,6 +467,8 @@ class WorkerPool:
         except BaseException:  # the request itself was cancelled (its client left, the server is stopping)
             generation.cancel()
             raise
+        if self.stopping:
+            raise ServerStopping(self.stopping)
         return generation
 
     def alive(self):
@@ -460,6 +500,8 @@ class WorkerPool:
     def finished(self, generation):
         """Called in the event loop when a generation's last event is in."""
         self.active.discard(generation)
+        if not generation.was_admitted and generation.cancelled and not generation.rejected:
+            self.requests_withdrawn += 1
         if not generation.was_admitted or generation.rejected:
             return
         outcome = "cancelled" if generation.replies_finished < generation.num_samples else "done"
@@ -484,6 +526,7 @@ class WorkerPool:
             "requests_served": self.requests_served,
             "requests_cancelled": self.requests_cancelled,
             "requests_rejected": self.requests_rejected,
+            "requests_withdrawn": self.requests_withdrawn,
             "tokens_generated": self.tokens_generated,
             "tokens_per_second": round(self.tokens_generated / max(self.generation_seconds, 1e-9), 1),
             "uptime_seconds": round(time.time() - self.started, 1),

@@ -27,6 +27,7 @@ import uvicorn
 from nanochat.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
 from nanochat.common import UserError, print0, run_main
 from nanochat.serve import bind_socket, create_app
+from nanochat.server_guard import HEADER_TIMEOUT, ConnectionGuard, default_max_connections, raise_open_file_limit
 from nanochat.workers import WorkerPool, load_workers
 
 
@@ -46,6 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=512, help="default reply length limit of a request")
     p.add_argument("--queue-timeout", type=float, default=30.0,
                    help="seconds a request may wait for a row of the batch before it gets a 503")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a row at once; more get a 503 "
+                   "with Retry-After")
+    p.add_argument("--max-connections", type=int, default=0, help="open connections at once (default: what the open-file "
+                   "limit allows, at most 4096); when full, the longest-idle connection makes room")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                   help="seconds a new connection has to send its request's headers")
     p.add_argument("--max-batch", type=int, default=64,
                    help="sequences each worker decodes together (fewer if their KV cache would not fit --kv-memory-gib)")
     p.add_argument("--kv-memory-gib", type=float, default=None,
@@ -68,24 +75,44 @@ def parse_args(argv=None):
         check_number("--threads", args.threads, 0, 4096, integer=True)
         if args.kv_memory_gib is not None:
             check_number("--kv-memory-gib", args.kv_memory_gib, 0.0, 1e6, low_open=True)
+        check_number("--max-queue", args.max_queue, 1, 1_000_000, integer=True)
+        check_number("--max-connections", args.max_connections, 0, 1_000_000, integer=True)
+        check_number("--header-timeout", args.header_timeout, 0.0, 3600.0, low_open=True)
         if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
             raise RequestError("--api-key", "must be a non-empty key without surrounding spaces")
+        if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
+            raise RequestError("--api-key", "must be printable ASCII: HTTP headers cannot carry other characters, so "
+                               "no client could send it")
     except RequestError as e:
         raise UserError(str(e)) from None
     return args
 
 
+class StoppingServer(uvicorn.Server):
+    """uvicorn, which on SIGTERM or Ctrl-C first ends every request (a stream with an error event and [DONE], a waiting
+    or whole one with a 503), then shuts down: no reply is cut off mid-chunk after the grace period."""
+
+    def __init__(self, config, pool):
+        super().__init__(config)
+        self.pool = pool
+
+    def handle_exit(self, sig, frame):
+        self.pool.stop_soon()
+        super().handle_exit(sig, frame)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    open_files = raise_open_file_limit()  # every connection is a file: a flood must not run the process out of them
     sock = bind_socket(args.host, args.port)
     workers, tokenizer, info = load_workers(args.source, args.model_tag, args.step, args.device_type, args.workers,
                                             args.max_batch, args.kv_memory_gib, threads=args.threads)
     if args.source == "base":
         print0("note: a base model was never taught the chat format; expect it to ramble "
                "(chat_cli -i base continues plain text)")
-    pool = WorkerPool(workers, args.queue_timeout)
+    pool = WorkerPool(workers, args.queue_timeout, args.max_queue)
     defaults = {"temperature": args.temperature, "top_k": args.top_k, "max_tokens": args.max_tokens}
-    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key)
+    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key, bound_host=args.host)
     host, port = sock.getsockname()[:2]
     shown_host = {"0.0.0.0": "localhost", "::": "localhost"}.get(host, f"[{host}]" if ":" in host else host)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -93,9 +120,11 @@ def main(argv=None):
                "model")
     url = f"http://{shown_host}:{port}/"
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=guard.protocol_class(),
+                            timeout_keep_alive=5)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        StoppingServer(config, pool).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down: done, not a crash
         pass
     print0("server stopped")

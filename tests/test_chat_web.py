@@ -311,7 +311,8 @@ def test_bad_requests_get_4xx_with_a_reason(server, path):
         assert 400 <= response.status_code < 500, (raw[:80], response.status_code)
         message = response.json()["error"]["message"]
         assert reason in message, (raw[:80], message)
-    too_big = httpx.post(f"{server.url}{path}", content=b" " * 1_100_000, timeout=30)
+    too_big = httpx.post(f"{server.url}{path}", content=b" " * 1_100_000, timeout=30,
+                         headers={"Content-Type": "application/json"})
     assert too_big.status_code == 413 and "larger than" in too_big.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/stats").json()["workers"]["free"] == 1  # no worker was taken by a bad request

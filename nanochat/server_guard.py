@@ -1,0 +1,139 @@
+"""
+What keeps chat_web serving under hostile load: a bound on open connections that a flood of idle sockets cannot fill
+(the connections that have sent no request yet are closed after a few seconds, and the longest-idle one makes room
+for a new one when the bound is reached), a file-descriptor limit raised to what the system allows, and checks on
+every request that a web page in the user's browser cannot pass: a JSON body, and (on a loopback address) a Host
+header naming this machine, which DNS rebinding cannot fake.
+"""
+
+import resource
+import time
+from collections import OrderedDict
+
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from nanochat.openai_api import openai_error
+
+HEADER_TIMEOUT = 10.0  # seconds a new connection has to send a whole request's headers
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def raise_open_file_limit():
+    """Raise this process's open-file limit to the hard limit (each connection is a file); returns the new soft
+    limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def default_max_connections(open_files):
+    """Connections the server keeps open at once: room below the open-file limit for the model, pipes and logs."""
+    return max(16, min(4096, open_files - 128))
+
+
+class ConnectionGuard:
+    """
+    The server's open connections, at most max_connections. A connection that has not sent a whole request within
+    header_timeout seconds (one that sends nothing, or its headers a byte at a time) is closed; one that waits for its
+    next request is closed by uvicorn's keep-alive timeout. When the bound is reached, a new connection closes the
+    connection that has waited longest without a request in progress, or itself if every one is busy: idle sockets
+    cannot keep a client with a request out.
+    """
+
+    def __init__(self, max_connections, header_timeout=HEADER_TIMEOUT):
+        self.max_connections, self.header_timeout = max_connections, header_timeout
+        self.idle = OrderedDict()  # protocol -> since when it has had no request in progress, oldest first
+        self.busy = set()
+        self.closed_idle = 0
+
+    def protocol_class(self):
+        guard = self
+
+        class GuardedH11Protocol(H11Protocol):
+            def connection_made(self, transport):
+                super().connection_made(transport)
+                guard.opened(self)
+
+            def data_received(self, data):
+                super().data_received(data)
+                if self.cycle is not None and not self.cycle.response_complete:
+                    guard.started(self)
+
+            def on_response_complete(self):
+                super().on_response_complete()
+                guard.waiting(self)
+
+            def connection_lost(self, exc):
+                guard.lost(self)
+                super().connection_lost(exc)
+
+        return GuardedH11Protocol
+
+    def opened(self, protocol):
+        if len(self.idle) + len(self.busy) >= self.max_connections:
+            victim = next(iter(self.idle), protocol)
+            self.lost(victim)
+            victim.transport.close()
+            self.closed_idle += 1
+            if victim is protocol:
+                return
+        self.idle[protocol] = time.monotonic()
+        protocol.loop.call_later(self.header_timeout, self.expire, protocol)
+
+    def expire(self, protocol):
+        """A connection still without its first request: closed (a flood's socket, or a slow-header one)."""
+        if protocol in self.idle and protocol.cycle is None:
+            self.lost(protocol)
+            protocol.transport.close()
+            self.closed_idle += 1
+
+    def started(self, protocol):
+        self.idle.pop(protocol, None)
+        self.busy.add(protocol)
+
+    def waiting(self, protocol):
+        self.busy.discard(protocol)
+        if not protocol.transport.is_closing():
+            self.idle[protocol] = time.monotonic()
+
+    def lost(self, protocol):
+        self.idle.pop(protocol, None)
+        self.busy.discard(protocol)
+
+
+class RequireLocalJSON:
+    """
+    ASGI wrapper against a web page the user visits: a POST must carry a JSON body (a page can send text/plain across
+    origins without asking; application/json it cannot), and on a loopback address the Host header must name this
+    machine (a page that rebinds its own host name to 127.0.0.1 sends its own name). 415 and 421 in the API's error
+    shape.
+    """
+
+    def __init__(self, app, bound_host):
+        self.app = app
+        self.local = bound_host in LOOPBACK
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            problem = None
+            if self.local:
+                host = headers.get(b"host", b"").decode("latin-1")
+                name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]")[0]
+                if name not in LOOPBACK:
+                    problem = (421, f"Host {host!r} is not this server: it answers only to localhost, 127.0.0.1 or "
+                                    "[::1] (a web page may not reach it under another name)")
+            if problem is None and scope["method"] == "POST":
+                kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+                if kind != b"application/json":
+                    problem = (415, f"the body must be JSON, sent with Content-Type: application/json (got "
+                                    f"{kind.decode('latin-1') or 'none'!r})")
+            if problem:
+                response = JSONResponse(openai_error(problem[1], "invalid_request_error"), status_code=problem[0])
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
