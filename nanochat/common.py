@@ -337,7 +337,8 @@ def compile_model(model):
 
 def inference_threads(device, threads, num_workers=1):
     """torch's intra-op threads for a generating process (chat_web's workers, chat_cli): the flag, else
-    $OMP_NUM_THREADS, else on a CPU one fewer than its cores, and with GPUs the cores shared among the workers. A small
+    $OMP_NUM_THREADS, else on a CPU one fewer than its cores shared among the workers, and with GPUs the cores shared
+    among the workers. A small
     model's decode step is many small ops that a second thread barely speeds up (measured on a 2-core CPU: 2 threads
     25 % slower at 16 rows in the server; batch-1 decode at d4 the same with 1 or 2 threads when the machine is quiet,
     and 478 against 921 tok/s with 2 against 1 while another process keeps one core busy), while the server's event
@@ -347,7 +348,9 @@ def inference_threads(device, threads, num_workers=1):
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     cores = os.cpu_count() or 2
-    return max(1, cores - 1) if device.type == "cpu" else max(1, cores // num_workers)
+    if device.type == "cpu":  # the workers share the cores, one left for the server (4 workers on 16: 3 each, not 15)
+        return max(1, (cores - 1) // num_workers)
+    return max(1, cores // num_workers)
 
 
 def autocast_for(device):

@@ -32,8 +32,9 @@ def raise_open_file_limit():
 
 
 def default_max_connections(open_files):
-    """Connections the server keeps open at once: room below the open-file limit for the model, pipes and logs."""
-    return max(16, min(4096, open_files - 128))
+    """Connections the server keeps open at once: room below the open-file limit for the model's files, the workers'
+    pipes, and the up to 100 connections asyncio accepts in one go before the guard sees any of them."""
+    return max(16, min(4096, open_files - 256))
 
 
 class ConnectionGuard:
@@ -78,7 +79,7 @@ class ConnectionGuard:
         if len(self.idle) + len(self.busy) >= self.max_connections:
             victim = next(iter(self.idle), protocol)
             self.lost(victim)
-            victim.transport.close()
+            victim.transport.abort()  # at once: its file is what the new connection needs
             self.closed_idle += 1
             if victim is protocol:
                 return
@@ -89,7 +90,7 @@ class ConnectionGuard:
         """A connection still without its first request: closed (a flood's socket, or a slow-header one)."""
         if protocol in self.idle and protocol.cycle is None:
             self.lost(protocol)
-            protocol.transport.close()
+            protocol.transport.abort()
             self.closed_idle += 1
 
     def started(self, protocol):

@@ -21,6 +21,7 @@ request limits are the constants at the top of nanochat/chat.py.
 
 import argparse
 import os
+import signal
 
 import uvicorn
 
@@ -121,11 +122,15 @@ def main(argv=None):
     url = f"http://{shown_host}:{port}/"
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
     guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout)
+    # backlog: also how many connections asyncio accepts in one go before the guard sees them (uvicorn's 2048 could
+    # take more files than a 1,024 limit has)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=guard.protocol_class(),
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, backlog=128)
+    # uvicorn raises the SIGTERM or Ctrl-C it caught again once it has shut down: a stop, not a crash (exit code 0)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         StoppingServer(config, pool).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down: done, not a crash
+    except KeyboardInterrupt:
         pass
     print0("server stopped")
 

@@ -32,10 +32,10 @@ HELLO = [{"role": "user", "content": "Hello! What is the capital of the river co
 class Server(ChatWeb):
     """python -m scripts.chat_web on a free port, on the CPU with one thread, answering /health."""
 
-    def __init__(self, base_dir, *flags):
+    def __init__(self, base_dir, *flags, preexec_fn=None):
         try:
             super().__init__(base_dir, ["--device-type", "cpu", "--max-tokens", str(DEFAULT_MAX_TOKENS), *flags],
-                             threads=1, timeout=60)
+                             threads=1, timeout=60, preexec_fn=preexec_fn)
         except RuntimeError as e:
             pytest.fail(str(e))
         wait_until(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "/health answering")

@@ -57,13 +57,13 @@ class ChatWeb:
     """`python -m scripts.chat_web --port 0 FLAGS...` in a subprocess, its output drained on a thread (so the pipe never
     fills); url once it serves. The tests start their servers with it too."""
 
-    def __init__(self, base_dir, flags, threads=0, timeout=300):
+    def __init__(self, base_dir, flags, threads=0, timeout=300, preexec_fn=None):
         env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, PYTHONPATH=REPO_ROOT)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         command = [sys.executable, "-m", "scripts.chat_web", "--port", "0", *flags]
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+                                        text=True, preexec_fn=preexec_fn)
         self.url, self.lines, started = None, [], threading.Event()
 
         def drain():
