@@ -16,6 +16,7 @@ of one row into text pieces for a chat UI without splitting a UTF-8 character.
 """
 
 import ast
+import inspect
 import math
 import time
 from collections import deque
@@ -264,6 +265,9 @@ class Engine:
     def __init__(self, model, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
+        # our GPT computes only the last position's logits when asked; a model of the reference's protocol,
+        # forward(ids, kv_cache=None), gives every position's and the engine takes the last itself
+        self.takes_logits_at = "logits_at" in inspect.signature(model.forward).parameters
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42):
         """
@@ -351,6 +355,8 @@ class Engine:
         """Logits (B, V) for the position after ids, the cache advanced past them."""
         # autocast is entered per call, never held across a yield, where it would leak into the caller
         with autocast_for(device):
+            if not self.takes_logits_at:
+                return self.model.forward(ids, kv_cache=cache)[:, -1, :]
             last = torch.full((ids.size(0),), ids.size(1) - 1, dtype=torch.long, device=ids.device)
             return self.model.forward(ids, kv_cache=cache, logits_at=last)[:, -1, :]
 

@@ -166,6 +166,35 @@ def plan_meta(clock):
     return {"time_plan": plan_dict(clock.plan)} if clock.plan else {}
 
 
+def val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size):
+    """The run's val bpb evaluation: at most --eval-tokens of the val split (one pass at most), at the device batch the
+    training batches run at, returning (bpb, tokens, ran out of the split)."""
+    from nanochat.dataloader import eval_batches
+    from nanochat.loss_eval import evaluate_bpb
+    from nanochat.tokenizer import get_token_bytes
+
+    token_bytes = get_token_bytes(device=device)
+
+    def val_bpb():
+        steps = max(1, args.eval_tokens // (batches.device_batch_size * args.max_seq_len * world_size))
+        loader, val = eval_batches(tokenizer, batches.device_batch_size, args.max_seq_len, "val", device, rank,
+                                   world_size, source=args.data_source)
+        result = evaluate_bpb(model, val, steps, token_bytes)
+        loader.close()
+        return result
+
+    return val_bpb
+
+
+def use_fp8(model, device):
+    """--fp8: the blocks' linears run their matmuls with fp8 operands (nanochat/fp8.py), said in one line."""
+    from nanochat.fp8 import convert_to_fp8, fp8_available
+
+    converted = convert_to_fp8(model.transformer.h)
+    print0(f"fp8: {converted} block linears run their matmuls with fp8 operands where the shapes allow ("
+           f"{'torch._scaled_mm' if fp8_available(device) else 'emulated in fp32: for checking numerics, not speed'})")
+
+
 def describe_run(args, recipe, device, world_size, batches, use_compile, num_iterations):
     """The run's one-line config (batches: the FittingBatches, whose device batch a resume may have found smaller)."""
     c, tokens = recipe.model_config, num_iterations * args.total_batch_size

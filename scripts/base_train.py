@@ -16,19 +16,17 @@ import time
 from nanochat.checkpoint_manager import checkpoint_dir, claim_checkpoint_dir, refuse_later_checkpoints, refuse_to_overwrite
 from nanochat.common import (UserError, autocast_for, compile_choice, compile_model, compute_cleanup, compute_init,
                              keep_freed_memory_in_process, print0, resolve_device_type, run_main, seed_everything)
-from nanochat.dataloader import DataLoader, eval_batches
+from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
-from nanochat.loss_eval import evaluate_bpb
-from nanochat.fp8 import convert_to_fp8, fp8_available
 from nanochat.memory_fallback import FittingBatches
 from nanochat.presets import fill_from_preset, preset_help
 from nanochat.pretrain import (RESUME_FIXED_FLAGS, check_budget_flags, describe_run, model_tag, plan_budget, plan_meta,
-                               recipe_from_flags, resolve_components, resume_meta, validate_args)
+                               recipe_from_flags, resolve_components, resume_meta, use_fp8, val_bpb_evaluator, validate_args)
 from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, refuse_changed_flags
-from nanochat.tokenizer import get_token_bytes, get_tokenizer
+from nanochat.tokenizer import get_tokenizer
 from nanochat.training import (DEFAULT_COMPONENTS, build_optimizers, config_dict, grad_accum_steps, greedy_samples,
                                lr_multiplier, muon_momentum, split_components, train_step)
 
@@ -138,9 +136,7 @@ def main(argv=None):
 
     model = build_model(recipe.model_config, device)
     if args.fp8:  # before compile, and before the optimizers (the same Parameters either way)
-        converted = convert_to_fp8(model.transformer.h)
-        print0(f"fp8: {converted} block linears run their matmuls with fp8 operands where the shapes allow ("
-               f"{'torch._scaled_mm' if fp8_available(device) else 'emulated in fp32: for checking numerics, not speed'})")
+        use_fp8(model, device)
     model_config, lrs = config_dict(recipe.model_config), recipe.lrs()
     use_compile = compile_choice(args.compile, device)
     train_model = compile_model(model) if use_compile else model
@@ -162,15 +158,7 @@ def main(argv=None):
                                                          resume_state=state),
                              device_batch, args.total_batch_size, args.max_seq_len, world_size, args.depth, device,
                              resume_state=start.loader_state)
-    token_bytes = get_token_bytes(device=device)
-
-    def val_bpb():
-        steps = max(1, args.eval_tokens // (batches.device_batch_size * args.max_seq_len * world_size))
-        loader, val = eval_batches(tokenizer, batches.device_batch_size, args.max_seq_len, "val", device, rank,
-                                   world_size, source=args.data_source)
-        result = evaluate_bpb(model, val, steps, token_bytes)  # (bpb, tokens, ran out of val split)
-        loader.close()
-        return result
+    val_bpb = val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size)
 
     settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
                            args.total_batch_size, recipe.flops_per_token, args.save_every, args.keep_last, args.run,

@@ -40,9 +40,16 @@ from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Benchmarks: training step / MFU, dataloader, tokenizer.")
+    p = argparse.ArgumentParser(description="Benchmarks: training step / MFU, dataloader, tokenizer, inference, serving, "
+                                            "quality.")
     sub = p.add_subparsers(dest="command", required=True)
+    add_training_benchmarks(sub)
+    add_inference_benchmarks(sub)
+    add_quality_benchmark(sub)
+    return p.parse_args(argv)
 
+
+def add_training_benchmarks(sub):
     t = sub.add_parser("train", help="time the real base_train step")
     t.add_argument("--depth", type=int, default=0, help="model depth (default: the two standard configs)")
     t.add_argument("--seq-len", type=int, default=0)
@@ -80,6 +87,8 @@ def parse_args(argv=None):
     for s in (t, d):
         s.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
 
+
+def add_inference_benchmarks(sub):
     e = sub.add_parser("engine", help="inference: prefill, decode at batch 1 and N, against a naive recompute loop")
     e.add_argument("--depth", type=int, default=4, help="depth of the random-init model (without --source)")
     e.add_argument("--seq-len", type=int, default=512, help="context of the random-init model")
@@ -119,6 +128,9 @@ def parse_args(argv=None):
     v.add_argument("--seconds", type=float, default=120.0, help="no new request of a level starts after this")
     v.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
     v.add_argument("--threads", type=int, default=0, help="the server's torch threads (0 = chat_web's default)")
+
+
+def add_quality_benchmark(sub):
     q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
     q.add_argument("--source", default="builtin",
                    help="builtin, brown, or a source you imported (python -m nanochat.dataset import NAME ...)")
@@ -146,7 +158,6 @@ def parse_args(argv=None):
     q.add_argument("--adam-betas", type=float, nargs=2, default=[0.8, 0.95], help="AdamW's beta1 beta2 (embedding, lm_head)")
     q.add_argument("--seeds", type=int, nargs="+", default=[42, 43])
     q.add_argument("--vocab-size", type=int, default=BENCH_TOKENIZER_VOCAB)
-    return p.parse_args(argv)
 
 
 def main(argv=None):

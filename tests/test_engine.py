@@ -314,3 +314,19 @@ def test_bench_engine_runs_and_ends_with_its_json_line(tiny_env, capsys):
     assert result["prefill_tok_per_s"] > 0 and result["speedup_vs_naive"] > 0
     assert set(result["decode"]) == {"1", "2"} and result["decode"]["2"]["tok_per_s"] > 0
     assert set(result["step_ms_by_cached_length"]) == {"8", "16"}
+
+
+def test_a_model_with_the_reference_forward_signature_generates(tokenizer):
+    """The engine's contract is forward(ids, kv_cache=cache): a model without our logits_at (a user's own class, a
+    mock) gives every position's logits and still generates, the same tokens as with logits_at."""
+    script, filler, choose = tool_script(tokenizer, "2+3")
+
+    class ReferenceProtocolModel(ScriptedModel):
+        def forward(self, ids, kv_cache=None):  # no logits_at: the reference project's signature
+            return super().forward(ids, kv_cache=kv_cache)
+
+    prompt = [tokenizer.get_bos_token_id()]
+    ours = Engine(ScriptedModel(tokenizer.get_vocab_size(), choose), tokenizer).generate_batch(prompt, max_tokens=20)
+    theirs = Engine(ReferenceProtocolModel(tokenizer.get_vocab_size(), choose), tokenizer).generate_batch(
+        prompt, max_tokens=20)
+    assert theirs == ours and ours[0][0][1:len(script) + 1] == script

@@ -437,3 +437,36 @@ def test_eval_bundle_with_wrong_hash_or_escaping_paths_is_refused(tmp_path, monk
             core_eval.load_core_tasks(bundle_dir)
     finally:
         httpd.shutdown()
+
+
+def test_torch_floor_excludes_versions_whose_safe_loading_is_bypassable():
+    """Checkpoints and imports are read with torch.load(weights_only=True), which torch below 2.6 (CVE-2025-32434) and
+    below 2.10 (CVE-2026-24747) let a crafted file bypass: the project must not allow those versions."""
+    import re
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")) as f:
+        floor = re.search(r'"torch>=(\d+)\.(\d+)', f.read())
+    assert floor and (int(floor.group(1)), int(floor.group(2))) >= (2, 10)
+    import torch
+
+    assert tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
+
+
+def test_scripts_stay_thin_and_functions_short():
+    """The house rules: a script is a thin entry point of at most 250 lines, and no function anywhere runs past 100."""
+    import ast
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    too_long = []
+    for path in sorted(glob.glob(os.path.join(root, "scripts", "*.py")) + glob.glob(os.path.join(root, "nanochat", "**", "*.py"),
+                                                                                       recursive=True)):
+        with open(path) as f:
+            source = f.read()
+        name = os.path.relpath(path, root)
+        if name.startswith("scripts") and len(source.splitlines()) > 250:
+            too_long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                too_long.append(f"{name}: {node.name}() {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
