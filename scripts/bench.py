@@ -1,5 +1,6 @@
 """
-Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, the tokenizer, inference, quality.
+Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, the tokenizer, inference, serving,
+quality, time budgets.
 
     python -m scripts.bench train          # CPU: d4/T=256/B=8 and d6/T=512/B=8, eager and compiled
     python -m scripts.bench train --depth=20 --seq-len=2048 --device-batch-size=32 --compile=1   # a GPU
@@ -12,6 +13,8 @@ Benchmarks for the numbers in BENCHMARKS.md: the training step, the dataloader, 
     python -m scripts.bench kernels        # a GPU: fp8 linear and sliding-window attention, numerics and speed
     python -m scripts.bench import --depth=20   # scripts.import_model on a d20 karpathy/nanochat checkpoint: time, memory
     python -m scripts.bench serve -i sft --max-batch 1 64   # chat_web under 1..64 concurrent openai clients
+    python -m scripts.bench serve --fresh --lm-eval --concurrency 1 8   # lm-evaluation-harness against chat_web
+    python -m scripts.bench budget --budgets 2m 5m 10m     # base_train --time-budget: plan, time, predicted vs val bpb
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -32,7 +35,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from nanochat.bench import dataloader, engine, importing, kernels, quality, serve, tokenizer, train
+from nanochat.bench import budget, dataloader, engine, importing, kernels, quality, serve, tokenizer, train
 from nanochat.bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -46,6 +49,13 @@ def parse_args(argv=None):
     add_training_benchmarks(sub)
     add_inference_benchmarks(sub)
     add_quality_benchmark(sub)
+    b = sub.add_parser("budget", help="base_train --time-budget: plan, wall time, predicted against measured val bpb")
+    b.add_argument("--budgets", nargs="+", default=["2m", "5m", "10m"], help="one run each, one after another")
+    b.add_argument("--base-dir", default="", help="a base dir with data and a tokenizer (default: the built-in corpus "
+                   "and a 4,096-token tokenizer, built in the work dir)")
+    b.add_argument("--data-source", default="", help="base_train --data-source (default: builtin)")
+    b.add_argument("--work-dir", default="", help="where the runs go (default: the temp dir)")
+    b.add_argument("--device-type", default="", help="cuda|cpu (default: autodetect)")
     return p.parse_args(argv)
 
 
@@ -128,6 +138,9 @@ def add_inference_benchmarks(sub):
     v.add_argument("--seconds", type=float, default=120.0, help="no new request of a level starts after this")
     v.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
     v.add_argument("--threads", type=int, default=0, help="the server's torch threads (0 = chat_web's default)")
+    v.add_argument("--lm-eval", action="store_true", help="instead: lm-evaluation-harness's log-likelihood requests at "
+                   "each --concurrency (requests/s), and a scoring request's cost against a generation's")
+    v.add_argument("--lm-eval-items", type=int, default=100, help="multiple-choice items (x 4 requests each)")
 
 
 def add_quality_benchmark(sub):
@@ -163,7 +176,7 @@ def add_quality_benchmark(sub):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "serve": serve.cmd_serve, "quality": quality.cmd_quality}
+                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget}
     commands[args.command](args)
 
 

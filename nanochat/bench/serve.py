@@ -152,6 +152,91 @@ async def drive(url, concurrency, requests, seconds, max_tokens):
     return results, errors, wall
 
 
+def lm_eval_items(count):
+    """Multiple-choice items of a few dozen tokens each, four one-word choices: a log-likelihood task's shape."""
+    words = ["north", "south", "east", "west"]
+    return [{"query": f"{TOPICS[i % len(TOPICS)].capitalize()} is a subject of item {i}. " * 3 + "The answer is",
+             "choices": words, "gold": i % 4} for i in range(count)]
+
+
+def lm_eval_throughput(url, concurrency, items, work):
+    """lm-evaluation-harness's local-completions on a log-likelihood task of `items` against the server, `concurrency`
+    requests at once: (requests, prompt tokens scored, seconds)."""
+    import json
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks = os.path.join(work, "lm_eval_tasks")
+    os.makedirs(tasks, exist_ok=True)
+    data = os.path.join(tasks, "items.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(item) + "\n" for item in items)
+    with open(os.path.join(tasks, "bench_mc.yaml"), "w") as f:
+        f.write(f"task: bench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+                "output_type: multiple_choice\ndoc_to_text: '{{query}}'\ndoc_to_choice: '{{choices}}'\n"
+                "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    args = f"base_url={url}/v1/completions,tokenizer_backend=remote,model=x,num_concurrent={concurrency}"
+    started = time.perf_counter()
+    out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["bench_mc"],
+                                  task_manager=TaskManager(include_path=tasks), log_samples=True)
+    seconds = time.perf_counter() - started
+    requests = sum(len(s["arguments"]) for s in out["samples"]["bench_mc"])
+    return requests, seconds
+
+
+def scoring_against_generation(url, prompt_tokens, repeats=5):
+    """Milliseconds of a completion that scores a prompt (echo, logprobs, max_tokens 0: one forward pass), of the one
+    that also draws the next token from it (max_tokens 1, what lm-eval sends), and of a 1- and 16-token continuation
+    through the engine (prefill, then decode), on the same prompt of `prompt_tokens` token ids."""
+    import httpx
+
+    prompt = list(range(300, 300 + prompt_tokens))
+    bodies = {"score (max_tokens 0)": {"max_tokens": 0, "echo": True, "logprobs": 1},
+              "score + 1 token": {"max_tokens": 1, "echo": True, "logprobs": 1},
+              "generate 1 token": {"max_tokens": 1}, "generate 16 tokens": {"max_tokens": 16}}
+    times = {}
+    with httpx.Client(timeout=600) as http:
+        for name, body in bodies.items():
+            runs = []
+            for _ in range(repeats + 1):  # the first warms up
+                started = time.perf_counter()
+                r = http.post(f"{url}/v1/completions", json={"prompt": prompt, "temperature": 0, **body})
+                r.raise_for_status()
+                runs.append(time.perf_counter() - started)
+            times[name] = 1000 * statistics.median(runs[1:])
+    return times
+
+
+def cmd_lm_eval(args, base_dir, source, tag, work):
+    flags = ["-i", source, "--max-tokens", str(args.max_tokens), "--queue-timeout", "600"] + (["-g", tag] if tag else [])
+    server = ChatWeb(base_dir, flags, args.threads)
+    try:
+        import httpx
+
+        items = lm_eval_items(args.lm_eval_items)
+        # each request scores its context and one choice, after the server's <|bos|>
+        tokens = len(httpx.post(f"{server.url}/tokenize", json={"prompt": items[0]["query"] + " north"}).json()["tokens"])
+        rows, runs = [], []
+        for concurrency in args.concurrency:
+            requests, seconds = lm_eval_throughput(server.url, concurrency, items, work)
+            runs.append({"concurrency": concurrency, "requests": requests, "seconds": seconds,
+                         "requests_per_s": requests / seconds, "tokens_per_request": tokens,
+                         "tokens_per_s": requests * tokens / seconds})
+            rows.append([concurrency, requests, f"{seconds:.1f}", f"{requests / seconds:.1f}",
+                         f"{requests * tokens / seconds:,.0f}"])
+        costs = {length: scoring_against_generation(server.url, length) for length in (64, 192)}
+    finally:
+        server.stop()
+    print_table(f"lm-evaluation-harness local-completions, a log-likelihood task of {len(items)} items x 4 choices "
+                f"({tokens} tokens a request)", ["concurrency", "requests", "seconds", "requests/s", "tokens/s"], rows)
+    print_table("one /v1/completions request, ms (median of 5)", ["prompt tokens", *costs[64]],
+                [[length, *(f"{v:.1f}" for v in c.values())] for length, c in costs.items()])
+    emit_json({"bench": "serve-lm-eval", "machine": machine_info(), "source": source, "tag": tag, "runs": runs,
+               "request_ms": costs})
+
+
 def cmd_serve(args):
     work = tempfile.mkdtemp(prefix="nanochat_bench_serve_")
     base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
@@ -159,6 +244,8 @@ def cmd_serve(args):
     if args.fresh:
         base_dir = work
         source, tag = fresh_checkpoint(work)
+    if args.lm_eval:
+        return cmd_lm_eval(args, base_dir, source, tag, work)
     log(f"bench serve | {source}/{tag or 'latest'} in {base_dir} | concurrency {args.concurrency} | max-batch "
         f"{args.max_batch} | {args.max_tokens} tokens per reply")
     rows, runs = [], []
