@@ -11,7 +11,9 @@ others wait and then read what it fetched.
 Models: GET {endpoint}/api/models/{owner}/{name}/tree/{revision}?recursive=true lists the files (sizes, LFS sha256),
 GET {endpoint}/{owner}/{name}/resolve/{revision}/{path} fetches one, into
 <base_dir>/hub_cache/models/{owner}/{name}/{revision}/ with a manifest written last; a revision with a manifest is
-read again without the network.
+read again without the network. A listed path is only ever written inside that folder: one with '..', '.' or empty
+parts, an absolute path or a backslash refuses the whole listing, and one that resolves outside the folder (through
+a link there) is refused before anything is downloaded.
 """
 
 import json
@@ -47,6 +49,24 @@ def model_cache_dir(repo, revision):
     return os.path.join(get_base_dir(), "hub_cache", "models", repo, revision.replace("/", "--"))
 
 
+def plain_repo_path(name):
+    """Whether a listed file path is relative and plain: parts joined by '/', none empty, '.' or '..', no backslash
+    or drive letter. The hub lists nothing else; anything else would be written outside the download folder."""
+    parts = name.split("/")
+    return bool(name) and "\\" not in name and not re.match(r"^[A-Za-z]:", name) and \
+        all(part not in ("", ".", "..") for part in parts)
+
+
+def local_path_in(directory, name):
+    """Where repo file `name` goes under `directory`, or None when it would land outside it (its path resolved, links
+    in the folder followed)."""
+    if not plain_repo_path(name):
+        return None
+    path = os.path.join(directory, *name.split("/"))
+    inside = os.path.realpath(directory)
+    return path if os.path.commonpath([inside, os.path.realpath(path)]) == inside else None
+
+
 def fetch_json(url, attempts=3, backoff=1.0):
     """(value, text) of a JSON answer of the hub's API, fetched like every file (download_file's retries). An answer
     that is not JSON raises DownloadError at once: asking again would get the same."""
@@ -78,6 +98,10 @@ def list_model_files(repo, revision):
                         "and revision, the network, or set HF_ENDPOINT to a reachable mirror") from None
     listing = {}
     for entry in entries:
+        if not plain_repo_path(entry["path"]):
+            raise UserError(f"refusing hub repo {repo}@{revision}: its listing names {entry['path']!r}, a path that "
+                            "would be written outside its download folder (a '..', '.' or empty part, or an absolute "
+                            "path)")
         if entry.get("type", "file") == "file":
             lfs = entry.get("lfs") if isinstance(entry.get("lfs"), dict) else {}
             size = entry.get("size") if isinstance(entry.get("size"), int) else None
@@ -95,8 +119,10 @@ def cached_model_files(repo, revision):
             names = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    paths = {name: os.path.join(directory, name) for name in names}
-    return paths if all(os.path.isfile(p) for p in paths.values()) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    paths = {name: local_path_in(directory, name) for name in names}
+    return paths if all(p is not None and os.path.isfile(p) for p in paths.values()) else None
 
 
 def fetch_model_files(repo, revision, choose):
@@ -111,11 +137,19 @@ def fetch_model_files(repo, revision, choose):
     listing = list_model_files(repo, revision)
     names = choose(listing)
     directory = model_cache_dir(repo, revision)
+    unlisted = [n for n in names if n not in listing]
+    if unlisted:
+        raise UserError(f"hub repo {repo}@{revision} does not list {', '.join(unlisted)}")
+    targets = {name: local_path_in(directory, name) for name in names}  # all checked before anything is fetched
+    outside = [n for n, path in targets.items() if path is None]
+    if outside:
+        raise UserError(f"refusing hub repo {repo}@{revision}: {', '.join(outside)} would be written outside its "
+                        f"download folder {directory} (a link there leads elsewhere); delete that folder and try again")
     total = sum(listing[n]["size"] or 0 for n in names)
     print0(f"hub: downloading {len(names)} file(s) of {repo}@{revision} ({total / 2**20:,.1f} MiB) -> {directory}")
     paths = {}
     for name in names:
-        path = os.path.join(directory, *name.split("/"))
+        path = targets[name]
         url = f"{hub_endpoint()}/{repo}/resolve/{quote(revision, safe='')}/{quote(name)}"
         size = listing[name]["size"]
         try:

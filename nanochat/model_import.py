@@ -11,14 +11,17 @@ What is read, and how (nothing is unpickled except through a restricted unpickle
 
 The reference project's model changed over time in ways its files do not all record. Its components (value
 embeddings, residual lambdas, smear, backout) and their sizes are read off the state dict; the numbers below are
-what each era's forward did besides (ERAS), and become GPTConfig's exact-math options. The era is told from the
-files where they differ; `--era` names it where they do not (a checkpoint of 2-8 March 2026 looks like January's).
+what each era's forward did besides (ERAS), and become GPTConfig's exact-math options. The state dict and
+model_config narrow the era down (era_candidates); a `--era` outside what they allow is refused. A checkpoint that
+looks like January's may also be of 2-8 March 2026: its training config (the meta's user_config) settles it when it
+lacks fields every script of those days saved (then it is January's), and otherwise `--era` must say which.
 """
 
 import dataclasses
 import json
 import os
 import pickle
+import posixpath
 import re
 import time
 
@@ -66,6 +69,27 @@ ERAS = {era: dict(zip(ERA_FIELDS, row)) for era, row in {
                    3.0, _short_window_quarter, lambda n_layer: n_layer // 2),
 }.items()}
 KARPATHY_CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+LOOKS_LIKE_JANUARY = ("2026-01", "2026-03-02", "2026-03-04")  # same parameters, same model_config; other math
+# The training config (the meta's user_config: the script's arguments) that karpathy/nanochat's scripts saved from 2
+# to 8 March 2026: base_train's fields from 3 February, chat_sft's from 16 February (chat_rl saves none). A
+# January-looking checkpoint whose user_config lacks some field of both was written by an older script: January's.
+MARCH_2_TO_8_USER_CONFIGS = (
+    frozenset({"adam_beta1", "adam_beta2", "aspect_ratio", "core_metric_every", "core_metric_max_per_task", "depth",
+               "device_batch_size", "device_type", "embedding_lr", "eval_every", "eval_tokens", "final_lr_frac", "fp8",
+               "fp8_recipe", "head_dim", "matrix_lr", "max_seq_len", "model_tag", "num_iterations", "resume_from_step",
+               "run", "sample_every", "save_every", "scalar_lr", "target_flops", "target_param_data_ratio",
+               "total_batch_size", "unembedding_lr", "warmdown_ratio", "warmup_ratio", "weight_decay",
+               "window_pattern"}),
+    frozenset({"chatcore_every", "chatcore_max_cat", "chatcore_max_sample", "device_batch_size", "device_type",
+               "embedding_lr", "eval_every", "eval_tokens", "final_lr_frac", "gsm8k_epochs", "init_lr_frac",
+               "load_optimizer", "matrix_lr", "max_seq_len", "mmlu_epochs", "model_step", "model_tag", "num_iterations",
+               "run", "total_batch_size", "unembedding_lr", "warmdown_ratio", "warmup_ratio"}),
+)
+# Where a checkpoint folder's tokenizer.pkl may be, best first, relative to the folder: beside it, in its tokenizer/,
+# one folder up, and in a base dir's tokenizer/ (<base>/<stage>_checkpoints/<tag>/). Local folders and hub repos
+# are searched alike (tokenizer_candidates).
+TOKENIZER_SEARCH = ("tokenizer.pkl", "tokenizer/tokenizer.pkl", "../tokenizer.pkl", "../tokenizer/tokenizer.pkl",
+                    "../../tokenizer/tokenizer.pkl")
 
 
 # -----------------------------------------------------------------------------
@@ -208,18 +232,32 @@ def tokenizer_from_hf_json(path):
 # Formats: files -> (GPTConfig, our state dict, tokenizer, description)
 
 
-def find_karpathy_tokenizer(model_dir, tokenizer_path):
+def tokenizer_candidates(folder):
+    """TOKENIZER_SEARCH from `folder`, a '/'-separated path under some root ('' or '.' = the root itself), as paths
+    under that same root; the ones that would leave the root are left out."""
+    found = []
+    for relative in TOKENIZER_SEARCH:
+        path = posixpath.normpath(posixpath.join(folder or ".", relative))
+        if path != ".." and not path.startswith("../"):
+            found.append(path)
+    return found
+
+
+def find_karpathy_tokenizer(model_dir, tokenizer_path, root=None):
+    """The tokenizer.pkl for a checkpoint folder: --tokenizer, else the first of tokenizer_candidates that exists. A
+    hub download is searched within its cache folder (`root`), so nothing outside what was fetched is picked up."""
     if tokenizer_path:
         path = os.path.join(tokenizer_path, "tokenizer.pkl") if os.path.isdir(tokenizer_path) else tokenizer_path
         if not os.path.isfile(path):
             raise UserError(f"--tokenizer {tokenizer_path}: no such file (give tokenizer.pkl or the folder holding it)")
         return path
-    for candidate in (os.path.join(model_dir, "tokenizer.pkl"), os.path.join(model_dir, "tokenizer", "tokenizer.pkl"),
-                      os.path.join(model_dir, "..", "..", "tokenizer", "tokenizer.pkl")):
+    root = os.path.abspath(root or os.sep)
+    folder = os.path.relpath(os.path.abspath(model_dir), root).replace(os.sep, "/")
+    candidates = [os.path.join(root, *c.split("/")) for c in tokenizer_candidates(folder)]
+    for candidate in candidates:
         if os.path.isfile(candidate):
-            return os.path.normpath(candidate)
-    raise UserError(f"no tokenizer.pkl beside {model_dir} or in its base dir's tokenizer/ (../../tokenizer); pass "
-                    "--tokenizer PATH")
+            return candidate
+    raise UserError(f"no tokenizer.pkl for {model_dir} (looked at {', '.join(candidates)}); pass --tokenizer PATH")
 
 
 def karpathy_step(model_dir, step):
@@ -231,16 +269,39 @@ def karpathy_step(model_dir, step):
     return step
 
 
-def detect_era(model_config, state):
-    """The era of karpathy/nanochat a checkpoint comes from, as far as its files tell."""
+def era_candidates(model_config, state):
+    """The eras whose model these files fit, and what in them says so."""
     if "window_pattern" not in model_config:
-        return "2025-10"
-    if "smear_gate.weight" in state or "backout_lambda" in state:
-        return "2026-03-14"
-    gates = [v for k, v in state.items() if k.endswith(".attn.ve_gate.weight")]
-    if gates and gates[0].shape[1] == 12:
-        return "2026-03-09"
-    return "2026-01"
+        return ("2025-10",), "a model_config without window_pattern"
+    if "smear_gate.weight" in state or "smear_lambda" in state or "backout_lambda" in state:
+        return ("2026-03-14",), "smear/backout parameters"
+    widths = sorted({v.shape[1] for k, v in state.items() if k.endswith(".attn.ve_gate.weight") and v.ndim == 2})
+    if widths == [12]:
+        return ("2026-03-09",), "12-channel value-embedding gates"
+    if not widths:  # value embeddings came on 16 January 2026 and every later model has them
+        return ("2026-01",), "a window_pattern but no value embeddings"
+    return LOOKS_LIKE_JANUARY, f"{'/'.join(map(str, widths))}-channel value-embedding gates"
+
+
+def choose_era(meta, state, era, where):
+    """(era, how it was told): --era if the files allow it, else what the files and the training config say; a
+    checkpoint they cannot place is refused, naming the --era values it may have."""
+    candidates, evidence = era_candidates(meta["model_config"], state)
+    if era is not None:
+        if era not in candidates:
+            raise UserError(f"{where} has {evidence}, which the {era} model never had: drop --era, or pass "
+                            f"{', '.join(candidates)}")
+        return era, "as --era says"
+    if len(candidates) == 1:
+        return candidates[0], "told by its files"
+    user_config = meta.get("user_config")
+    if isinstance(user_config, dict) and not any(fields <= set(user_config) for fields in MARCH_2_TO_8_USER_CONFIGS):
+        return "2026-01", "its training config lacks fields every script of 2-8 March 2026 saved"
+    why = "has no training config (user_config)" if not isinstance(user_config, dict) else \
+        "has the training config fields base_train/chat_sft saved both before and during 2-8 March"
+    raise UserError(f"{where}: January 2026's checkpoints and those of 2-8 March look alike (the same parameters, other "
+                    f"math), and its meta {why}: pass the --era of the karpathy/nanochat code that trained it, "
+                    "2026-01 (11 January to 1 March 2026), 2026-03-02 (2-3 March) or 2026-03-04 (4-8 March)")
 
 
 def karpathy_windows(pattern, sequence_len, era, n_layer):
@@ -256,13 +317,14 @@ def karpathy_windows(pattern, sequence_len, era, n_layer):
     return windows if any(windows) else None
 
 
-def read_karpathy(model_dir, step, tokenizer_path, era):
+def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
     step = karpathy_step(model_dir, step)
     model_path = os.path.join(model_dir, f"model_{step:06d}.pt")
     meta_path = os.path.join(model_dir, f"meta_{step:06d}.json")
     if not os.path.isfile(meta_path):
         raise UserError(f"{meta_path} is missing: the model's shape lives there; copy it from where {model_path} came from")
-    model_config = read_json(meta_path, "checkpoint metadata").get("model_config")
+    meta = read_json(meta_path, "checkpoint metadata")
+    model_config = meta.get("model_config")
     if not isinstance(model_config, dict):
         raise UserError(f"{meta_path} has no model_config")
     unknown = sorted(set(model_config) - set(KARPATHY_CONFIG_FIELDS) - {"window_pattern"})
@@ -272,11 +334,10 @@ def read_karpathy(model_dir, step, tokenizer_path, era):
     missing = [f for f in KARPATHY_CONFIG_FIELDS if not (type(model_config.get(f)) is int and model_config[f] > 0)]
     if missing:
         raise UserError(f"{meta_path}: model_config lacks positive integers for {', '.join(missing)}")
-    tokenizer_file = find_karpathy_tokenizer(model_dir, tokenizer_path)
+    tokenizer_file = find_karpathy_tokenizer(model_dir, tokenizer_path, root)
     tokenizer = tokenizer_from_pickle(tokenizer_file)  # before the weights: a refused pickle is the quicker answer
     state = load_torch_weights(model_path)
-    detected = detect_era(model_config, state)
-    era = era or detected
+    era, era_told = choose_era(meta, state, era, model_path)
     mc, n_layer = model_config, model_config["n_layer"]
     vocab_size = mc["vocab_size"]
     if vocab_size != tokenizer.get_vocab_size():
@@ -291,12 +352,9 @@ def read_karpathy(model_dir, step, tokenizer_path, era):
                         "embeddings without a gate (experiments of 16 January 2026) cannot be reproduced")
     residual = "resid_lambdas" in state or "x0_lambdas" in state
     smear, backout = "smear_gate.weight" in state or "smear_lambda" in state, "backout_lambda" in state
-    if numbers["backout"] is None and (smear or backout):
-        raise UserError(f"{model_path} has smear/backout parameters, which the {era} model has no place for: drop --era "
-                        f"(detected {detected})")
-    if era == "2025-10" and (ve_layers or "window_pattern" in mc):
-        raise UserError(f"{model_path} has value embeddings or a window_pattern, which the 2025-10 model has no place "
-                        f"for: drop --era (detected {detected})")
+    if era == "2025-10" and (ve_layers or smear or backout):
+        raise UserError(f"{model_path} has value embeddings or smear/backout parameters but its model_config has no "
+                        "window_pattern: no era of karpathy/nanochat had both, so this model cannot be reproduced")
     fields = dict(sequence_len=mc["sequence_len"], vocab_size=vocab_size, n_layer=n_layer, n_head=mc["n_head"],
                   n_kv_head=mc["n_kv_head"], n_embd=mc["n_embd"], residual_scalars=residual, smear=smear, backout=backout,
                   rope_theta=numbers["rope_theta"], rotary_bf16=numbers["rotary_bf16"], norm_eps=None,
@@ -313,7 +371,7 @@ def read_karpathy(model_dir, step, tokenizer_path, era):
         fields["attention_windows"] = karpathy_windows(mc["window_pattern"], mc["sequence_len"], era, n_layer)
     config = make_config(fields, meta_path)
     files = {"model": model_path, "meta": meta_path, "tokenizer": tokenizer_file}
-    description = {"format": KARPATHY_FORMAT, "era": era, "era_detected": detected, "step": step,
+    description = {"format": KARPATHY_FORMAT, "era": era, "era_told": era_told, "step": step,
                    "summary": numbers["summary"]}
     return config, state, tokenizer, files, description
 
@@ -478,11 +536,12 @@ def build_imported_model(config, state):
 
 
 def resolve_source(source, step):
-    """A local directory holding the source's files: the path itself, or a hub repo's files in the cache."""
-    from nanochat.hub import fetch_model_files, parse_repo_id
+    """(directory holding the source's files, hub repo@revision or None, root): the path itself, or a hub repo's
+    files in the cache (root: the download's folder, which the tokenizer search does not leave)."""
+    from nanochat.hub import fetch_model_files, model_cache_dir, parse_repo_id
 
     if os.path.exists(source) or source.startswith((".", "/", "~")):
-        return os.path.abspath(os.path.expanduser(source)), None
+        return os.path.abspath(os.path.expanduser(source)), None, None
     parsed = parse_repo_id(source)
     if parsed is None:
         raise UserError(f"{source} is neither a local directory nor a hub repo id (owner/name or owner/name@revision)")
@@ -494,9 +553,9 @@ def resolve_source(source, step):
             wanted = [n for n in names if "/" not in n and (n.endswith(".safetensors") or n in (
                 "config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"))]
             return sorted(wanted)
-        models = {n: MODEL_FILE_RE.match(os.path.basename(n)) for n in names}
+        models = {n: MODEL_FILE_RE.match(posixpath.basename(n)) for n in names}
         models = {n: int(m.group(1)) for n, m in models.items() if m}
-        folders = sorted({os.path.dirname(n) for n in models})
+        folders = sorted({posixpath.dirname(n) for n in models})
         if not models:
             raise UserError(f"hub repo {repo}@{revision} has neither config.json nor model_XXXXXX.pt files")
         if len(folders) > 1:
@@ -507,26 +566,73 @@ def resolve_source(source, step):
         chosen = steps[-1] if step is None else step
         if chosen not in steps:
             raise UserError(f"hub repo {repo}@{revision} has no model_{chosen:06d}.pt; steps there: {steps}")
-        prefix = f"{folder}/" if folder else ""
-        wanted = [f"{prefix}model_{chosen:06d}.pt", f"{prefix}meta_{chosen:06d}.json"]
-        tokenizers = [n for n in (f"{prefix}tokenizer.pkl", "tokenizer/tokenizer.pkl", "tokenizer.pkl") if n in names]
-        return wanted + tokenizers[:1]
+        model = posixpath.join(folder, f"model_{chosen:06d}.pt")
+        meta = posixpath.join(folder, f"meta_{chosen:06d}.json")
+        if meta not in listing:
+            raise UserError(f"hub repo {repo}@{revision} has {model} but no {meta} beside it: the model's shape lives "
+                            "there, and the import cannot go without it")
+        tokenizers = [n for n in tokenizer_candidates(folder) if n in listing]  # the search a local folder gets
+        return [model, meta] + tokenizers[:1]
 
     try:
         paths = fetch_model_files(repo, revision, choose)
     except UserError as e:
         raise UserError(f"{source} is no local directory, and as a hub repo: {e}") from None
-    any_model = next((p for n, p in paths.items() if MODEL_FILE_RE.match(os.path.basename(n)) or n == "config.json"), None)
+    any_model = next((p for n, p in paths.items() if MODEL_FILE_RE.match(posixpath.basename(n)) or n == "config.json"), None)
     if any_model is None:
         raise UserError(f"the cached download of {repo}@{revision} holds no model files; delete "
-                        f"{os.path.dirname(next(iter(paths.values())))} to fetch it again")
-    return os.path.dirname(any_model), f"{repo}@{revision}"
+                        f"{model_cache_dir(repo, revision)} to fetch it again")
+    return os.path.dirname(any_model), f"{repo}@{revision}", model_cache_dir(repo, revision)
 
 
 def default_tag(directory, repo):
     name = repo.split("@")[0].split("/")[-1] if repo else os.path.basename(os.path.normpath(directory))
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip(".") or "imported"
     return name if TAG_RE.match(name) else "imported"
+
+
+def target_checkpoint(stage, model_tag, directory, repo):
+    """(tag, checkpoint dir, a note or ''). Our base dir defaults to the reference's (~/.cache/nanochat) with the same
+    stage folders, so the default target can be the source folder itself, or another folder of karpathy/nanochat's
+    files: the import then goes to TAG-imported beside it (an explicit --model-tag there is refused), and the
+    reference's folder is left as it is."""
+    tag = model_tag or default_tag(directory, repo)
+    ckpt_dir = checkpoint_dir(stage, tag)
+    theirs = os.path.isdir(ckpt_dir) and (os.path.realpath(ckpt_dir) == os.path.realpath(directory)
+                                          or any(MODEL_FILE_RE.match(n) for n in os.listdir(ckpt_dir)))
+    if not theirs:
+        return tag, ckpt_dir, ""
+    if model_tag:
+        raise UserError(f"--model-tag {model_tag}: {ckpt_dir} is the source folder or holds karpathy/nanochat's own "
+                        f"model_XXXXXX.pt files, which the import leaves alone; pick another --model-tag (the default "
+                        f"is {tag}-imported)")
+    return f"{tag}-imported", checkpoint_dir(stage, f"{tag}-imported"), f" ({stage}/{tag} is karpathy/nanochat's own folder)"
+
+
+def base_dir_tokenizer(tokenizer):
+    """The base dir's tokenizer, if it has one (it must be `tokenizer`), else None: ours is to be written. A base dir
+    of karpathy/nanochat (ours by default) has its tokenizer.pkl there and none of our files: ours goes beside it
+    when it is the same tokenizer, and the reference's files are left as they are."""
+    tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
+    ours = [os.path.join(tokenizer_dir, name) for name in ("tokenizer.json", "tokenizer.tiktoken")]
+    if not os.path.exists(tokenizer_dir):
+        return None
+    if not any(os.path.exists(p) for p in ours) and os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.pkl")):
+        theirs = tokenizer_from_pickle(os.path.join(tokenizer_dir, "tokenizer.pkl"))
+        if theirs.fingerprint() != tokenizer.fingerprint():
+            raise UserError(f"the base dir's {tokenizer_dir} holds karpathy/nanochat's tokenizer.pkl of another "
+                            "vocabulary than this model's, and every checkpoint there must share one: import into a "
+                            "fresh NANOCHAT_BASE_DIR")
+        return None
+    try:
+        existing = RustBPETokenizer.from_directory(tokenizer_dir)
+    except UserError as e:
+        raise UserError(f"the base dir's tokenizer {tokenizer_dir} is unreadable ({e}); import into a fresh "
+                        "NANOCHAT_BASE_DIR") from None
+    if existing.fingerprint() != tokenizer.fingerprint():
+        raise UserError(f"the base dir already has a different tokenizer ({tokenizer_dir}), and every checkpoint there "
+                        "must share it: import into a fresh NANOCHAT_BASE_DIR")
+    return existing
 
 
 def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, era=None):
@@ -537,21 +643,21 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
         raise UserError(f"--as must be one of {', '.join(STAGE_DIRS)} (got {stage!r})")
     if era is not None and era not in ERAS:
         raise UserError(f"--era must be one of {', '.join(ERAS)} (got {era!r})")
-    directory, repo = resolve_source(source, step)
+    directory, repo, root = resolve_source(source, step)
     fmt = detect_format(directory)
     if fmt == KARPATHY_FORMAT:
-        config, state, tokenizer, files, description = read_karpathy(directory, step, tokenizer_path, era)
+        config, state, tokenizer, files, description = read_karpathy(directory, step, tokenizer_path, era, root)
     else:
         if era is not None or tokenizer_path is not None or step is not None:
             raise UserError("--era, --tokenizer and --step apply to karpathy/nanochat checkpoints, not to a transformers "
                             "directory (its tokenizer.json is read)")
         config, state, tokenizer, files, description = read_transformers(directory)
     state = to_our_state(state, config, directory)
-    model_tag = model_tag or default_tag(directory, repo)
-    ckpt_dir = checkpoint_dir(stage, model_tag)
+    model_tag, ckpt_dir, note = target_checkpoint(stage, model_tag, directory, repo)
     print0(f"import_model | {repo or directory} | {description['format']}"
-           + (f", era {description['era']}: {description['summary']}" if description["era"] else "")
-           + f" | -> {stage}/{model_tag}")
+           + (f", era {description['era']} ({description['era_told']}): {description['summary']}"
+              if description["era"] else "")
+           + f" | -> {stage}/{model_tag}{note}")
     hashes = {os.path.basename(path): sha256_of(path) for path in files.values()}
     imported_from = {"source": repo or directory, "format": description["format"], "era": description["era"],
                      "sha256": hashes}
@@ -565,17 +671,7 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
             return ckpt_dir
         raise UserError(f"{ckpt_dir} already holds checkpoints (steps {steps[0]}..{steps[-1]}); import with another "
                         "--model-tag, or into a fresh NANOCHAT_BASE_DIR")
-    tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
-    existing = None
-    if os.path.exists(tokenizer_dir):
-        try:
-            existing = RustBPETokenizer.from_directory(tokenizer_dir)
-        except UserError as e:
-            raise UserError(f"the base dir's tokenizer {tokenizer_dir} is unreadable ({e}); import into a fresh "
-                            "NANOCHAT_BASE_DIR") from None
-        if existing.fingerprint() != tokenizer.fingerprint():
-            raise UserError(f"the base dir already has a different tokenizer ({tokenizer_dir}), and every checkpoint there "
-                            "must share it: import into a fresh NANOCHAT_BASE_DIR")
+    existing = base_dir_tokenizer(tokenizer)
 
     model = build_imported_model(config, state)
     with torch.no_grad():  # a last look before writing: a forward pass that gives finite logits
@@ -583,6 +679,7 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
     if not torch.isfinite(logits).all():
         raise UserError(f"{directory}: the imported model's logits are not finite; its weights are damaged")
     if existing is None:
+        tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
         tokenizer.save(tokenizer_dir)
         print0(f"tokenizer: {tokenizer.get_vocab_size():,} tokens -> {tokenizer_dir}")
     from nanochat.training import config_dict

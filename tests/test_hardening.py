@@ -149,17 +149,23 @@ def test_one_rank_failing_stops_every_rank_with_its_message(tiny_base_dir, tmp_p
     assert "[rank0]:" not in p.stderr and p.returncode != 0
 
 
-def out_of_memory_lines(monkeypatch, capsys, main, argv):
-    """Run a stage's main() in this process with every forward out of memory, as on a GPU when a micro-batch does not fit:
-    it must exit 1; returns its stderr lines."""
+def out_of_memory_lines(monkeypatch, capsys, main, argv, after=0):
+    """Run a stage's main() in this process with every forward after the first `after` out of memory, as on a GPU when a
+    micro-batch does not fit: it must exit 1; returns its stderr lines."""
     import torch
 
     from nanochat.common import run_main
     from nanochat.gpt import GPT
 
+    calls, real = [0], getattr(GPT.forward, "real", GPT.forward)  # not an earlier call's stand-in
+
     def forward(self, idx, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] <= after:
+            return real(self, idx, *args, **kwargs)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ...")
 
+    forward.real = real
     monkeypatch.setattr(GPT, "forward", forward)
     with pytest.raises(SystemExit) as exit_info:
         run_main(lambda: main(argv))
@@ -175,14 +181,21 @@ def test_out_of_memory_names_the_stage_and_the_batch_to_try(tiny_base_dir, tmp_p
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", fresh_base(tiny_base_dir, tmp_path, "oom"))
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    # after the first steps (which halve the device batch instead: memory_fallback), the stage and what to try
     for batch, expected in ((6, "try --device-batch-size=3; gradient accumulation keeps the global batch "
                                 "(--total-batch-size=768) with 2x the micro-steps per optimizer step"),
                             (1, "--device-batch-size is 1 already; try a shorter --max-seq-len, a smaller --depth, or "
                                 "more GPUs")):
-        argv = TINY + ["--num-iterations=2", "--eval-every=-1", f"--device-batch-size={batch}",
+        argv = TINY + ["--num-iterations=6", "--eval-every=-1", f"--device-batch-size={batch}",
                        f"--total-batch-size={batch * 128}", f"--model-tag=oom{batch}"]
-        lines = out_of_memory_lines(monkeypatch, capsys, base_train.main, argv)
+        lines = out_of_memory_lines(monkeypatch, capsys, base_train.main, argv, after=3 * 2)
         assert lines == [f"error: out of memory in base_train (depth 2, --device-batch-size={batch}): {expected}"], lines
+    # in the first steps, down to one row, then the depth and the memory in one line
+    argv = TINY + ["--num-iterations=6", "--eval-every=-1", "--device-batch-size=4", "--total-batch-size=512",
+                   "--model-tag=oom-first"]
+    lines = out_of_memory_lines(monkeypatch, capsys, base_train.main, argv)
+    assert lines == ["error: d2 does not fit in the cpu's memory even at --device-batch-size=1 (rows of 64 tokens): "
+                     "train a smaller --depth or a shorter --max-seq-len, or use a device with more memory"], lines
     # the CPU's own allocation failure is a RuntimeError, recognised as running out of memory too
     with pytest.raises(RuntimeError) as error:
         torch.empty(2**62, dtype=torch.uint8)

@@ -1,0 +1,222 @@
+"""
+scripts.import_model, hardened: a karpathy/nanochat checkpoint's era is told from its files or refused, never
+guessed, and a --era its files rule out is refused; a hub listing cannot write outside the cache; a hub repo without
+its meta is one line; a hub repo and a local folder find the tokenizer alike; and the documented first use (a
+checkpoint in the reference's base dir, ~/.cache/nanochat, which is ours by default too) works.
+
+The reference-format files, the reference forward and the stand-in hub come from test_model_import.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from nanochat.common import UserError
+from test_model_import import ModelHub, long_ids, our_model, source_logits, target, write_base_dir  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+# The training config (user_config) base_train wrote from 3 February 2026 to 8 March: its arguments, at their defaults.
+BASE_TRAIN_CONFIG = {
+    "run": "d4", "device_type": "", "fp8": False, "fp8_recipe": "tensorwise", "depth": 4, "aspect_ratio": 64,
+    "head_dim": 128, "max_seq_len": 64, "window_pattern": "SSSL", "num_iterations": -1, "target_flops": -1.0,
+    "target_param_data_ratio": 10.5, "device_batch_size": 32, "total_batch_size": -1, "embedding_lr": 0.3,
+    "unembedding_lr": 0.004, "weight_decay": 0.2, "matrix_lr": 0.02, "scalar_lr": 0.5, "adam_beta1": 0.8,
+    "adam_beta2": 0.95, "warmup_ratio": 0.0, "warmdown_ratio": 0.5, "final_lr_frac": 0.0, "resume_from_step": -1,
+    "eval_every": 250, "eval_tokens": 41943040, "core_metric_every": 2000, "core_metric_max_per_task": 500,
+    "sample_every": 2000, "save_every": -1, "model_tag": None,
+}
+# chat_sft's, from 16 February 2026 on.
+CHAT_SFT_CONFIG = {
+    "run": "sft", "device_type": "", "model_tag": None, "model_step": None, "load_optimizer": 1, "num_iterations": -1,
+    "max_seq_len": 64, "device_batch_size": 32, "total_batch_size": 524288, "embedding_lr": None,
+    "unembedding_lr": None, "matrix_lr": None, "init_lr_frac": 0.8, "warmup_ratio": 0.0, "warmdown_ratio": 0.5,
+    "final_lr_frac": 0.0, "eval_every": 200, "eval_tokens": 41943040, "chatcore_every": 200, "chatcore_max_cat": -1,
+    "chatcore_max_sample": 24, "mmlu_epochs": 3, "gsm8k_epochs": 4,
+}
+
+
+def set_user_config(folder, user_config, step=20):
+    """Give a written checkpoint's meta this training config (None: none at all, as chat_rl's meta has)."""
+    path = os.path.join(folder, f"meta_{step:06d}.json")
+    meta = json.load(open(path))
+    meta.pop("user_config")
+    if user_config is not None:
+        meta["user_config"] = user_config
+    json.dump(meta, open(path, "w"))
+
+
+# -----------------------------------------------------------------------------
+# 8: the era is told from the files or refused
+
+
+@pytest.mark.parametrize("user_config", [BASE_TRAIN_CONFIG, CHAT_SFT_CONFIG, None], ids=["base_train", "chat_sft", "none"])
+def test_a_checkpoint_that_may_be_january_or_early_march_is_refused_without_era(tmp_path, target, user_config):
+    """January's files and those of 2-8 March are alike; a training config written by the scripts of both periods (or
+    none) cannot tell them apart, so the import names the --era values instead of taking January's math."""
+    from nanochat.model_import import import_model
+
+    folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2026-01", sequence_len=64)
+    set_user_config(folder, user_config)
+    with pytest.raises(UserError, match=r"pass the --era .* 2026-01 .*, 2026-03-02 .* or 2026-03-04 "):
+        import_model(folder, "base")
+    assert not os.path.exists(target)
+
+
+def test_a_training_config_older_than_march_tells_january(tmp_path, target, capsys):
+    """base_train of 11 January to 2 February saved no fp8 fields: its checkpoint is January's, and the summary
+    line says how that was told."""
+    from nanochat.model_import import import_model
+
+    folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2026-01", sequence_len=64)
+    set_user_config(folder, {k: v for k, v in BASE_TRAIN_CONFIG.items() if k not in ("fp8", "fp8_recipe")})
+    import_model(folder, "base")
+    assert "era 2026-01 (its training config lacks fields every script of 2-8 March 2026 saved)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("era_written, era_given, message", [
+    ("2026-03-09", "2026-01", "12-channel value-embedding gates, which the 2026-01 model never had"),
+    ("2026-01", "2026-03-14", "32-channel value-embedding gates, which the 2026-03-14 model never had"),
+    ("2025-10", "2026-03-04", "a model_config without window_pattern, which the 2026-03-04 model never had"),
+])
+def test_an_era_the_files_contradict_is_refused(tmp_path, target, era_written, era_given, message):
+    from nanochat.model_import import import_model
+
+    folder, *_ = write_base_dir(str(tmp_path / "theirs"), era_written, sequence_len=64)
+    with pytest.raises(UserError, match=message):
+        import_model(folder, "base", era=era_given)
+    assert not os.path.exists(target)
+
+
+# -----------------------------------------------------------------------------
+# 9, 10: the hub path
+
+
+def hub_files(tmp_path, layout):
+    """A 2026-03-14 checkpoint's files under the repo paths `layout` gives: {"model": .., "meta": .., "tokenizer": ..}
+    (a tokenizer of None is left out)."""
+    folder, state, model_config, enc = write_base_dir(str(tmp_path / "theirs"), "2026-03-14", step=650)
+    root = os.path.dirname(os.path.dirname(folder))
+    sources = {"model": os.path.join(folder, "model_000650.pt"), "meta": os.path.join(folder, "meta_000650.json"),
+               "tokenizer": os.path.join(root, "tokenizer", "tokenizer.pkl")}
+    files = {layout[kind]: open(path, "rb").read() for kind, path in sources.items() if layout.get(kind)}
+    return files, state, model_config, enc
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    hubs = []
+
+    def start(files):
+        hubs.append(ModelHub("someone/nanochat-d4", files))
+        monkeypatch.setenv("HF_ENDPOINT", hubs[-1].endpoint)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        return hubs[-1]
+
+    yield start
+    for h in hubs:
+        h.close()
+
+
+@pytest.mark.parametrize("folder", ["../../../../../tokenizer", "/abs/d4", "linked"])
+def test_a_hub_listing_cannot_write_outside_the_cache(tmp_path, target, hub, folder):
+    """A listed path with '..' parts or an absolute path is refused with the whole listing; one that resolves outside
+    the cache through a link there is refused before anything is fetched."""
+    from nanochat.hub import model_cache_dir
+    from nanochat.model_import import import_model
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if folder == "linked":  # a link left in the cache folder, pointing elsewhere
+        cache = model_cache_dir("someone/nanochat-d4", "main")
+        os.makedirs(cache)
+        os.symlink(outside, os.path.join(cache, "linked"))
+    layout = {kind: f"{folder}/{name}" for kind, name in (("model", "model_000650.pt"), ("meta", "meta_000650.json"),
+                                                          ("tokenizer", "tokenizer.pkl"))}
+    server = hub(hub_files(tmp_path, layout)[0])
+    with pytest.raises(UserError, match=r"refusing hub repo someone/nanochat-d4@main: .*outside its download folder"):
+        import_model("someone/nanochat-d4", "sft")
+    assert not [r for r in server.requests if "/resolve/" in r]  # nothing was fetched
+    assert os.listdir(outside) == [] and not os.path.exists(os.path.join(target, "tokenizer"))
+    assert not os.path.exists(os.path.join(target, "hub_cache", "models", "someone", "nanochat-d4", "main", "abs"))
+
+
+def test_a_hub_repo_without_its_meta_is_refused_in_one_line(tmp_path, target, hub):
+    from nanochat.model_import import import_model
+
+    hub(hub_files(tmp_path, {"model": "model_000650.pt", "tokenizer": "tokenizer.pkl"})[0])
+    with pytest.raises(UserError, match=r"has model_000650.pt but no meta_000650.json beside it"):
+        import_model("someone/nanochat-d4", "sft")
+
+
+@pytest.mark.parametrize("tokenizer", ["models/tokenizer/tokenizer.pkl", "tokenizer/tokenizer.pkl"])
+def test_a_hub_repo_and_a_local_folder_find_the_tokenizer_alike(tmp_path, target, hub, tokenizer):
+    """A checkpoint one folder deep, its tokenizer in its own tokenizer/ or in the repo's: the same search finds it in
+    the hub repo and in the same files as a local folder, and both imports give the source's logits."""
+    from nanochat.model_import import import_model
+
+    layout = {"model": "models/model_000650.pt", "meta": "models/meta_000650.json", "tokenizer": tokenizer}
+    files, state, model_config, enc = hub_files(tmp_path, layout)
+    hub(files)
+    local = tmp_path / "local"
+    for name, data in files.items():
+        os.makedirs(os.path.dirname(local / name), exist_ok=True)
+        (local / name).write_bytes(data)
+    import_model("someone/nanochat-d4", "sft", model_tag="from-hub")
+    import_model(str(local / "models"), "sft", model_tag="from-folder")
+    idx = long_ids(enc.n_vocab)
+    for tag in ("from-hub", "from-folder"):
+        with torch.no_grad():
+            assert (our_model("sft", tag)[0](idx) - source_logits(state, model_config, "2026-03-14", idx)).abs().max() <= 1e-4
+
+
+def test_the_tokenizer_search_of_a_hub_download_stays_in_its_folder(tmp_path, target, hub):
+    """A flat hub repo without a tokenizer: a tokenizer.pkl two folders above its download (where a local folder's
+    base-dir search would look) is not picked up; the import asks for --tokenizer."""
+    from nanochat.hub import model_cache_dir
+    from nanochat.model_import import import_model
+
+    files, *_ = hub_files(tmp_path, {"model": "model_000650.pt", "meta": "meta_000650.json"})
+    hub(files)
+    stray = os.path.join(model_cache_dir("someone/nanochat-d4", "main"), "..", "..", "tokenizer")
+    os.makedirs(stray)
+    with open(os.path.join(stray, "tokenizer.pkl"), "wb") as f:
+        f.write((tmp_path / "theirs" / "tokenizer" / "tokenizer.pkl").read_bytes())
+    with pytest.raises(UserError, match=r"no tokenizer.pkl for .*pass --tokenizer PATH"):
+        import_model("someone/nanochat-d4", "sft")
+
+
+# -----------------------------------------------------------------------------
+# 11: the documented first use
+
+
+def test_the_documented_first_use_imports_from_the_reference_base_dir(tmp_path, monkeypatch, capsys):
+    """docs/import.md's first example, as written: the default base dir (~/.cache/nanochat) is the reference's, and
+    the source is its own chatsft_checkpoints/d32. The import goes to sft/d32-imported, leaves the reference's files
+    as they were, and is then the stage's latest model; the same command again is a no-op, and --model-tag d32 (the
+    reference's folder) is refused."""
+    from scripts.import_model import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("NANOCHAT_BASE_DIR", raising=False)
+    base = home / ".cache" / "nanochat"
+    folder, state, model_config, enc = write_base_dir(str(base), "2026-03-14", tag="d32")
+    theirs = {p: (base / p).read_bytes() for p in ("chatsft_checkpoints/d32/model_000020.pt",
+                                                   "chatsft_checkpoints/d32/meta_000020.json", "tokenizer/tokenizer.pkl")}
+    main(["~/.cache/nanochat/chatsft_checkpoints/d32", "--as", "sft"])
+    out = capsys.readouterr().out
+    assert "-> sft/d32-imported (sft/d32 is karpathy/nanochat's own folder)" in out
+    assert sorted(os.listdir(folder)) == ["meta_000020.json", "model_000020.pt"]
+    assert all((base / p).read_bytes() == data for p, data in theirs.items())
+    model, _, meta = our_model("sft", None)
+    assert meta["model_tag"] == "d32-imported"
+    idx = long_ids(enc.n_vocab)
+    with torch.no_grad():
+        assert (model(idx) - source_logits(state, model_config, "2026-03-14", idx)).abs().max() <= 1e-4
+    main(["~/.cache/nanochat/chatsft_checkpoints/d32", "--as", "sft"])
+    assert "already imported" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"--model-tag d32: .* pick another --model-tag \(the default is d32-imported\)"):
+        main(["~/.cache/nanochat/chatsft_checkpoints/d32", "--as", "sft", "--model-tag", "d32"])
