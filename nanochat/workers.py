@@ -1,12 +1,14 @@
 """
-The worker processes behind chat_web: each holds a model replica (or, on a CPU, shares one copy of the weights) and runs
-continuous batching over its requests (nanochat/batch_engine.py); the server's handles on them, and the pool that sends
-each request to the least loaded one. The HTTP side is nanochat/serve.py, the OpenAI protocol nanochat/openai_api.py.
+The worker processes behind chat_web, from the server's side: its handle on each (nanochat/worker_loop.py runs in them),
+the pool that sends each request to the least loaded one, and starting them. The HTTP side is nanochat/serve.py, the
+OpenAI protocol nanochat/openai_api.py.
 
 A request goes to the least loaded worker and waits for rows of its batch; one that waits longer than the pool's
-queue timeout gets a 503. The worker sends the replies' text back in batches, a few steps' worth at a time; a client
-that disconnects is cancelled and frees its rows at the worker's next step. A scoring request (the log probabilities
-of prompts, for /v1/completions' echo) needs no rows: the worker runs its forward pass between two decode steps.
+queue timeout gets a 503, as does one beyond --max-queue waiting requests. The worker sends the replies' text back in
+batches, a few steps' worth at a time; a client that disconnects is cancelled and frees its rows at the worker's next
+step (while it still waits, before it is ever prefilled). A scoring request (the log probabilities of prompts, for
+/v1/completions' echo) needs no rows: the worker runs its forward pass between two decode steps. On a stop every
+request ends at once, with its reason.
 """
 
 import asyncio
@@ -20,271 +22,16 @@ import signal
 import sys
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes, steer
-from nanochat.chat import SEED_MODULUS, Finish, Piece, ReplyStream, RequestError, model_info, summary_line
+from nanochat.batch_engine import Sampling
+from nanochat.chat import SEED_MODULUS, RequestError, summary_line
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
-                             use_cuda_device)
-from nanochat.engine import GREEDY_BELOW, sample_next_tokens, token_logprobs
+from nanochat.common import UserError, inference_threads, print0, resolve_device_type, return_freed_memory
 from nanochat.tokenizer import get_tokenizer
-
-FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
-IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
-
-# -----------------------------------------------------------------------------
-# Workers: each runs continuous batching in a process of its own
-#
-# A process, not a thread: a small model's decode step is hundreds of small ops, each of which takes Python's lock
-# back from the event loop, whose own Python (every client's stream) it then waits for. Measured at 16 clients on a
-# 2-core CPU: 6.9 ms a step in a thread beside the server, 4.7 ms for the same load with nothing beside it; served
-# tok/s went from ~2,000 to ~2,800 (BENCHMARKS.md "Serving"). The worker process sends each request's events (text
-# pieces, its end) to the server process in batches; the server sends it requests and cancellations.
-
-
-@dataclass
-class Admitted:
-    """A request's samples have rows of the batch: it no longer counts against the queue timeout."""
-
-
-@dataclass
-class Ended:
-    """A request's last event, with what it cost (for the server's log and /stats)."""
-
-    tokens: int
-    seconds: float
-    replies_finished: int
-
-
-@dataclass
-class Token:
-    """A reply's token with its log probability and the most likely alternatives [(id, log p)], for a request that
-    asked for logprobs (sent before the text it adds)."""
-
-    index: int
-    token: int
-    logprob: float
-    top: list
-
-
-@dataclass
-class Scored:
-    """A prompt's tokens' log probabilities: [(log p or None, [(id, log p)])] per token, for /v1/completions' echo."""
-
-    index: int
-    tokens: list
-
-
-class Job:
-    """A request as its worker process sees it: its sequences in the engine and its replies' text so far."""
-
-    def __init__(self, key, samplings, stop, chat, tokenizer):
-        self.key, self.samplings = key, samplings
-        self.streams = [ReplyStream(tokenizer, stop, chat) for _ in samplings]
-        self.seqs = []
-        self.outbox = []  # events not yet sent to the server
-        self.admitted, self.started, self.tokens, self.replies_finished = False, None, 0, 0
-
-    def emit(self, event):
-        self.outbox.append(event)
-
-    def take_outbox(self):
-        events, self.outbox = self.outbox, []
-        return events
-
-    def note_admission(self):
-        if not self.admitted and self.seqs and all(seq.row is not None for seq in self.seqs):
-            self.admitted, self.started = True, time.perf_counter()
-            self.emit(Admitted())
-
-    def push(self, index, token, seq):
-        stream = self.streams[index]
-        if seq.logprob is not None:  # the token that ends the reply too: the endpoints decide what to show
-            self.emit(Token(index, token, *seq.logprob))
-        for kind, text in stream.push(token):
-            self.emit(Piece(index, kind, text))
-        if stream.finish_reason is None and seq.finished == "length":
-            for kind, text in stream.finish("length"):
-                self.emit(Piece(index, kind, text))
-        if stream.finish_reason is not None:
-            self.tokens += stream.num_tokens
-            self.replies_finished += 1
-            self.emit(Finish(index, stream.finish_reason, stream.num_tokens, stream.parts))
-
-    def done(self):
-        return self.replies_finished == len(self.samplings)
-
-    def end(self):
-        """Its last event; called once, as the job leaves the loop's jobs (or is refused)."""
-        seconds = time.perf_counter() - self.started if self.started else 0.0
-        self.emit(Ended(self.tokens, seconds, self.replies_finished))
-
-
-class EngineLoop:
-    """
-    The worker process: between two decode steps of its BatchEngine it takes the server's messages (a request to add,
-    one to cancel, stop), and it hands every request's new text to the server.
-    """
-
-    def __init__(self, conn, engine):
-        self.conn, self.engine = conn, engine
-        self.jobs = {}  # key -> Job, given to the engine (waiting for rows, or running)
-        self.ended = []  # ended since the last flush: their last events are still to be sent
-        self.owner = {}  # id(Sequence) -> (Job, sample index)
-        self.flushed = 0.0  # when events were last sent
-        self.trimmed = True  # nothing allocated since the last malloc_trim
-
-    def run(self):
-        try:
-            while True:
-                self._flush(force=not self.jobs)
-                if not self.jobs:  # idle: wait for the next message
-                    if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
-                        return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
-                        self.trimmed = True
-                    if not self._handle(self.conn.recv()):
-                        return
-                    continue
-                while self.conn.poll():
-                    if not self._handle(self.conn.recv()):
-                        return
-                if self.engine.busy():
-                    self._step()
-        except (EOFError, OSError):  # the server process is gone: nobody is left to answer
-            return
-
-    def _handle(self, message):
-        kind = message[0]
-        if kind == "stop":
-            return False
-        if kind == "add":
-            self._add(*message[1:])
-        elif kind == "score":
-            self._score(*message[1:])
-        elif kind == "cancel" and message[1] in self.jobs:
-            self._drop(self.jobs[message[1]])
-        return True
-
-    def _step(self):
-        self.trimmed = False
-        try:
-            steps = self.engine.step()
-        except Exception as e:  # a bug, or the device failing: every request in flight gets a 500
-            traceback.print_exc()
-            for job in list(self.jobs.values()):
-                job.emit(f"generation failed: {type(e).__name__}: {e}")
-                self._drop(job)
-            return
-        for job in self.jobs.values():
-            job.note_admission()
-        for seq, token, _ in steps:
-            job, index = self.owner[id(seq)]
-            job.push(index, token, seq)
-            if job.streams[index].finish_reason is not None and seq.finished is None:
-                self.engine.cancel(seq)  # a stop string, or a turn token the engine does not end on
-        for job in [j for j in self.jobs.values() if j.done()]:
-            self._drop(job)
-
-    def _flush(self, force=False):
-        """
-        Send the requests' new events every FLUSH_SECONDS, or at once when a request was just admitted or ended or the
-        worker is about to wait: one message, and one write per client, for several steps' tokens, which is what the
-        server's event loop can keep up with at dozens of streams. The engine's occupancy goes along, for /stats.
-        """
-        now = time.perf_counter()
-        urgent = force or self.ended or any(j.outbox and isinstance(j.outbox[0], Admitted) for j in self.jobs.values())
-        if not urgent and now - self.flushed < FLUSH_SECONDS:
-            return
-        self.flushed = now
-        ready = [(job.key, job.take_outbox()) for job in list(self.jobs.values()) + self.ended if job.outbox]
-        self.ended = []
-        if ready or force:
-            self.conn.send(("events", ready, self.engine.occupancy()))
-
-    def _add(self, key, prompt_ids, samplings, stop, chat):
-        job = Job(key, samplings, stop, chat, self.engine.tokenizer)
-        try:
-            job.seqs = self.engine.add_group(prompt_ids, samplings)
-        except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
-            job.emit(f"generation failed: {e}")
-            job.end()
-            self.ended.append(job)
-            return
-        for index, seq in enumerate(job.seqs):
-            self.owner[id(seq)] = (job, index)
-        self.jobs[key] = job
-
-    def _score(self, key, prompts, top, samplings):
-        """
-        The prompts' log probabilities (BatchEngine.score: one forward pass between two decode steps) and, for each
-        Sampling given, the one token that follows each prompt, drawn from the same pass (a max_tokens 1 request needs
-        no decode step). Its events go out at once.
-        """
-        events, started = [], time.perf_counter()
-        try:
-            for i, (scored, last) in enumerate(self.engine.score(prompts, top)):
-                events.append(Scored(i, scored))
-                for j, s in enumerate(samplings):
-                    generator = torch.Generator(device=last.device)
-                    generator.manual_seed(s.seed)
-                    logits = steer(last, s, {}) if s.steers() else last
-                    token = int(logits.argmax()) if s.temperature < GREEDY_BELOW else \
-                        int(sample_next_tokens(logits, generator, s.temperature, s.top_k, s.top_p))
-                    events.append(Token(i * len(samplings) + j, token, *token_logprobs(last, token, top)))
-        except Exception as e:  # a bug, or the device failing: this request gets a 500
-            traceback.print_exc()
-            events.append(f"scoring failed: {type(e).__name__}: {e}")
-        events.append(Ended(len(prompts) * len(samplings), time.perf_counter() - started, len(prompts)))
-        self.conn.send(("events", [(key, events)], self.engine.occupancy()))
-
-    def _drop(self, job):
-        for seq in job.seqs:
-            self.engine.cancel(seq)
-            self.owner.pop(id(seq), None)
-        del self.jobs[job.key]
-        job.end()
-        self.ended.append(job)
-
-
-def worker_main(conn, inherited, device, settings, preloaded):
-    """
-    A worker process: load the model (or take the one the server forked with), make its engine, report ("ready",
-    model info, rows, KV cache bytes) or ("failed", reason), then run the EngineLoop until the server stops it or
-    goes away. settings: load_workers' arguments. inherited: what a fork copied from the server that this process
-    must not hold: the server's ends of the pipes (a server that dies must read as end-of-file to every worker).
-    It starts with SIGINT and SIGTERM ignored (load_workers): Ctrl-C or a service manager's SIGTERM reach every
-    process of the group, and the server, which stops its workers itself, must outlive them to end its requests.
-    """
-    for connection in inherited:
-        connection.close()
-    try:
-        torch.set_num_threads(settings["threads"])
-        if device.type == "cuda":
-            use_cuda_device(device)  # CUDA ops go to the process's current GPU: this replica's
-        if preloaded is None:
-            model, tokenizer, meta = load_model(settings["source"], device, model_tag=settings["model_tag"],
-                                                step=settings["step"])
-            model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
-        else:
-            model, tokenizer, meta = preloaded
-        row_bytes = kv_row_bytes(model.config, device)
-        budget = kv_budget_bytes(device, settings["kv_memory_gib"])
-        budget //= settings["num_workers"] if device.type != "cuda" else 1  # CPU workers share the memory
-        rows = min(settings["max_batch"], budget // row_bytes)
-        if rows < 1:
-            raise UserError(f"one sequence's KV cache needs {row_bytes / 2**20:.0f} MiB, more than the "
-                            f"{budget / 2**20:.0f} MiB budget; give --kv-memory-gib more")
-        engine = BatchEngine(model, tokenizer, rows, settings["prefill_chunk"])
-    except Exception as e:  # reported by the server, which stops before serving anything
-        conn.send(("failed", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", model_info(meta, model, str(device), settings["source"]), rows, engine.cache.nbytes()))
-    EngineLoop(conn, engine).run()
+from nanochat.worker_loop import IDLE_TRIM_SECONDS, Admitted, Ended, Scored, Token, worker_main  # noqa: F401
 
 
 def stop_processes(processes, seconds=0.0):

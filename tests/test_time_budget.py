@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -192,7 +191,7 @@ def test_a_budgeted_speedrun_gives_each_training_stage_a_share(tmp_path):
     assert list(seconds) == ["base_train", "mid_train", "chat_sft"], seconds
     assert not any(f.startswith(("--num-iterations", "--depth")) for m, _, flags in commands(p.stdout) for f in flags
                    if m.split(".")[-1] in seconds)
-    assert all(f"-g budget-30m" in line or "--model-tag=budget-30m" in line for line in p.stdout.splitlines()
+    assert all("-g budget-30m" in line or "--model-tag=budget-30m" in line for line in p.stdout.splitlines()
                if "scripts.base_" in line or "scripts.chat_" in line or "scripts.mid_" in line)
     assert 0.3 * 1800 < seconds["base_train"] < 1800  # the largest share; the dry run spends no time
     p = dry_run(tmp_path, "cpu", 0, NANOCHAT_TIME_BUDGET="2m")
