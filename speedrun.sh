@@ -156,7 +156,12 @@ stage_budget() {  # stage_budget STAGE: --time-budget=<its share of the time lef
         [ "$name" = "$stage" ] && { seen=1; mine=${entry##*:}; }
         [ "$seen" = 1 ] && rest=$((rest + ${entry##*:}))
     done
-    echo "--time-budget=$(( (DEADLINE - $(date +%s)) * mine / rest ))s"
+    local seconds=$(( (DEADLINE - $(date +%s)) * mine / rest )) least=$([ "$stage" = base_train ] && echo 30 || echo 10)
+    if [ "$seconds" -lt "$least" ]; then  # the stages before ran long: this one gets the least it can run in
+        echo "speedrun: the time budget has run short; $stage gets ${least}s" >&2
+        seconds=$least
+    fi
+    echo "--time-budget=${seconds}s"
 }
 
 # The pretraining text: the preset's default, or NANOCHAT_DATA_SOURCE (hub, built-in, brown, or your own import)

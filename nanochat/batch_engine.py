@@ -27,6 +27,10 @@ from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
 from nanochat.engine import GREEDY_BELOW, ChatTokens, ToolState, sample_next_tokens, token_logprobs
 
 
+SCORE_LOGITS_BYTES = 512 * 2**20  # fp32 logits one scoring pass may hold (a row of a 2048-token context at a
+# 65,536-token vocabulary is one pass by itself)
+
+
 def steer(logits, sampling, counts):
     """A row's (1, V) logits with the OpenAI API's logit_bias added and its presence and frequency penalties taken off
     the tokens the reply has written so far (counts: token -> times)."""
@@ -291,18 +295,28 @@ class BatchEngine:
     @torch.inference_mode()
     def score(self, prompts, top):
         """
-        The log probability of every token of each prompt given the tokens before it, in one forward pass over the
-        prompts padded to the longest (padding comes after a prompt's tokens, which causal attention keeps it from):
-        per prompt, [(log p, [(id, log p)] of the `top` most likely)] for its tokens 1.. (None for token 0), and its
-        last position's (1, V) logits, for a token to follow. The cache is not touched: rows that are decoding go on.
+        The log probability of every token of each prompt given the tokens before it, as few forward passes as the
+        logits' memory allows (SCORE_LOGITS_BYTES: one for lm-eval's usual requests), each over prompts padded to the
+        longest of them (padding comes after a prompt's tokens, which causal attention keeps it from): per prompt,
+        [(log p, [(id, log p)] of the `top` most likely)] for its tokens 1.. (None for token 0), and its last
+        position's (1, V) logits, for a token to follow. The cache is not touched: rows that are decoding go on.
         """
+        results, start = [], 0
+        vocab = self.model.config.vocab_size
+        while start < len(prompts):
+            rows = max(1, SCORE_LOGITS_BYTES // (4 * vocab * max(len(p) for p in prompts[start:start + 64])))
+            results += self._score_rows(prompts[start:start + rows], top)
+            start += rows
+        return results
+
+    def _score_rows(self, prompts, top):
         width = max(len(p) for p in prompts)
         ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
         with autocast_for(self.device):
-            logits = self.model.forward(ids)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = ids[:, 1:]
-        chosen = logprobs[:, :-1].gather(-1, targets[..., None])[..., 0].tolist()
+            logits = self.model.forward(ids).float()
+        last = [logits[b, len(prompt) - 1][None].clone() for b, prompt in enumerate(prompts)]
+        logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one copy of (B, T, V) at a time
+        chosen = logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
         if top:
             values, indices = torch.topk(logprobs[:, :-1], min(top, logprobs.size(-1)), dim=-1)
             values, indices = values.tolist(), indices.tolist()
@@ -310,7 +324,7 @@ class BatchEngine:
         for b, prompt in enumerate(prompts):
             scored = [(None, [])] + [(chosen[b][i], list(zip(indices[b][i], values[b][i])) if top else [])
                                      for i in range(len(prompt) - 1)]
-            results.append((scored, logits[b, len(prompt) - 1][None]))
+            results.append((scored, last[b]))
         return results
 
     def occupancy(self):

@@ -156,7 +156,7 @@ def validate_logit_bias(value, vocab_size):
         raise RequestError("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias entries")
     bias = {}
     for key, number in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 and int(key) < vocab_size):
             raise RequestError("logit_bias", f"{key!r:.20} is not a token id of this model (0 to {vocab_size - 1})")
         bias[int(key)] = check_number(f"logit_bias[{key}]", number, *BIAS_RANGE)
     return bias or None

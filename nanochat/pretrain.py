@@ -134,7 +134,7 @@ def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast):
     shape = RunShape(vocab_size, args.max_seq_len, args.total_batch_size, world_size, args.aspect_ratio, args.head_dim,
                      args.num_kv_heads or None, model_components, optimizer_components, bool(args.fp8),
                      args.device_batch_size, args.eval_tokens, args.eval_every, args.sample_every > 0,
-                     COMPILE_SECONDS.get(device.type, 30.0) if compiling else 0.0)
+                     COMPILE_SECONDS.get(device.type, 30.0) if compiling else 0.0, args.save_every)
     t0 = time.time()
     plan = make_plan(law, shape, args.time_budget, started_at, device, autocast, depth=args.depth,
                      warmdown_ratio=args.warmdown_ratio)

@@ -39,16 +39,17 @@ def default_max_connections(open_files):
 
 class ConnectionGuard:
     """
-    The server's open connections, at most max_connections. A connection that has not sent a whole request within
-    header_timeout seconds (one that sends nothing, or its headers a byte at a time) is closed; one that waits for its
-    next request is closed by uvicorn's keep-alive timeout. When the bound is reached, a new connection closes the
-    connection that has waited longest without a request in progress, or itself if every one is busy: idle sockets
-    cannot keep a client with a request out.
+    The server's open connections, at most max_connections. A connection has header_timeout seconds to send a whole
+    request, headers and body (one that sends nothing, or its headers or body a byte at a time, is closed); one that
+    waits for its next request is closed by uvicorn's keep-alive timeout, or by this one if it starts a request and
+    does not finish it. Only a connection whose whole request is in counts as busy: when the bound is reached, a new
+    connection closes the one that has waited longest without a complete request, or itself if every one is busy, so
+    idle and slow sockets cannot keep a client with a request out.
     """
 
     def __init__(self, max_connections, header_timeout=HEADER_TIMEOUT):
         self.max_connections, self.header_timeout = max_connections, header_timeout
-        self.idle = OrderedDict()  # protocol -> since when it has had no request in progress, oldest first
+        self.idle = OrderedDict()  # protocol -> since when it has waited for a complete request, oldest first
         self.busy = set()
         self.closed_idle = 0
 
@@ -62,7 +63,7 @@ class ConnectionGuard:
 
             def data_received(self, data):
                 super().data_received(data)
-                if self.cycle is not None and not self.cycle.response_complete:
+                if guard.serving(self):
                     guard.started(self)
 
             def on_response_complete(self):
@@ -75,6 +76,12 @@ class ConnectionGuard:
 
         return GuardedH11Protocol
 
+    @staticmethod
+    def serving(protocol):
+        """A whole request (headers and body) is in and its response not complete yet."""
+        cycle = protocol.cycle
+        return cycle is not None and not cycle.more_body and not cycle.response_complete
+
     def opened(self, protocol):
         if len(self.idle) + len(self.busy) >= self.max_connections:
             victim = next(iter(self.idle), protocol)
@@ -83,12 +90,17 @@ class ConnectionGuard:
             self.closed_idle += 1
             if victim is protocol:
                 return
-        self.idle[protocol] = time.monotonic()
-        protocol.loop.call_later(self.header_timeout, self.expire, protocol)
+        self.wait_for_request(protocol)
 
-    def expire(self, protocol):
-        """A connection still without its first request: closed (a flood's socket, or a slow-header one)."""
-        if protocol in self.idle and protocol.cycle is None:
+    def wait_for_request(self, protocol):
+        since = time.monotonic()
+        self.idle[protocol] = since
+        self.idle.move_to_end(protocol)
+        protocol.loop.call_later(self.header_timeout, self.expire, protocol, since)
+
+    def expire(self, protocol, since):
+        """Still no complete request since `since`: closed (a flood's socket, slow headers, a slow body)."""
+        if self.idle.get(protocol) == since:
             self.lost(protocol)
             protocol.transport.abort()
             self.closed_idle += 1
@@ -99,8 +111,11 @@ class ConnectionGuard:
 
     def waiting(self, protocol):
         self.busy.discard(protocol)
-        if not protocol.transport.is_closing():
-            self.idle[protocol] = time.monotonic()
+        if protocol.transport.is_closing() or self.serving(protocol):  # closing, or a pipelined request began
+            if self.serving(protocol):
+                self.busy.add(protocol)
+            return
+        self.wait_for_request(protocol)
 
     def lost(self, protocol):
         self.idle.pop(protocol, None)

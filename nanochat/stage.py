@@ -274,7 +274,8 @@ def stage_budget(args, start, model, device, world_size, step_tokens, eval_token
     step_seconds = model.estimate_flops() * step_tokens / flops_per_second
     eval_seconds = 0.5 + model.estimate_flops() / 3 * eval_tokens / flops_per_second
     plan = plan_stage_steps(args.time_budget, stage_start_time(), step_seconds, eval_seconds, args.eval_every,
-                            args.warmdown_ratio, model.config.n_layer, args.total_batch_size, args.device_batch_size, 1)
+                            args.warmdown_ratio, model.config.n_layer, args.total_batch_size, args.device_batch_size, 1,
+                            device, args.save_every)
     args.num_iterations = plan.num_iterations
     print0(f"plan | budget {duration_label(plan.budget_seconds)}, ending by {clock(plan.deadline)}: {plan.num_iterations:,} "
            f"steps at a guessed {step_seconds * 1000:,.0f} ms each" +

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nanochat.common import (UserError, all_reduce_max, format_duration, get_peak_flops, is_out_of_memory, print0)
+from nanochat.common import UserError, all_reduce_max, format_duration, get_peak_flops, is_out_of_memory, print0
 from nanochat.memory_fallback import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
@@ -178,6 +178,8 @@ class Plan:
     eval_seconds: float  # one evaluation, estimated, then measured
     end_seconds: float  # after the last step: the final save, samples, the report, the exit
     eval_every: int
+    save_every: int
+    save_seconds: float
     predicted_bpb: float | None
     calibrate_at: int | None  # the step the step count is set again at (None: too short a run to calibrate)
     calibrated: bool = False
@@ -206,6 +208,7 @@ class RunShape:
     eval_every: int | None  # None: PLANNED_EVALS evaluations
     sample_at_end: bool
     compile_seconds: float  # the guess for torch.compile's first steps (0 when not compiling)
+    save_every: int = -1  # periodic checkpoints (--save-every): their time counts too
 
 
 def meta_recipe(depth, shape):
@@ -236,25 +239,30 @@ def planned_eval_every(num_iterations, given):
     return given if given else max(1, math.ceil(num_iterations / (PLANNED_EVALS - 1)))
 
 
-def steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, first=0):
-    """The largest step count N > first whose steps after `first` and evaluations fit in `seconds` (first when none)."""
+def steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, first=0, save_every=-1, save_seconds=0.0):
+    """The largest step count N > first whose steps after `first`, evaluations and periodic checkpoints fit in
+    `seconds` (first when none)."""
+    def cost(n):
+        saves = n // save_every - first // save_every if save_every > 0 else 0
+        return (n - first) * step_seconds + evals_between(first, n, planned_eval_every(n, eval_every)) * eval_seconds \
+            + saves * save_seconds
+
     n = first + max(0, int(seconds / step_seconds))
-    while n > first and (n - first) * step_seconds + \
-            evals_between(first, n, planned_eval_every(n, eval_every)) * eval_seconds > seconds:
+    while n > first and cost(n) > seconds:
         n = first + int((n - first) * 0.99)
     return n
 
 
 def estimate_seconds(recipe, shape, device_batch, step_seconds, device):
-    """(one evaluation, the end of the run) in seconds, from the probe's step time: an evaluation is a forward pass,
-    about a third of a step's work per token, over each rank's share of --eval-tokens; the end is the final checkpoint
-    (weights and optimizer state, ~3x the weights), the samples and the exit."""
+    """(one evaluation, one checkpoint, the end of the run) in seconds, from the probe's step time: an evaluation is a
+    forward pass, about a third of a step's work per token, over each rank's share of --eval-tokens; a checkpoint is
+    the weights and optimizer state (~3x the weights); the end is the final checkpoint, the samples and the exit."""
     micro_seconds = step_seconds / (shape.total_batch_size // (device_batch * shape.seq_len * shape.world_size))
     eval_batches = max(1, shape.eval_tokens // (device_batch * shape.seq_len * shape.world_size))
     eval_seconds = 0.5 + eval_batches * micro_seconds / 3
     save_seconds = 0.3 + 12 * recipe.num_params / shape.world_size / SAVE_BYTES_PER_SECOND
     sample_seconds = (3.0 if device.type == "cuda" else 1.0) if shape.sample_at_end else 0.0
-    return eval_seconds, save_seconds + sample_seconds + END_SECONDS
+    return eval_seconds, save_seconds, save_seconds + sample_seconds + END_SECONDS
 
 
 @dataclass
@@ -265,6 +273,7 @@ class Candidate:
     num_iterations: int = 0
     predicted_bpb: float = math.inf
     eval_seconds: float = 0.0
+    save_seconds: float = 0.0
     end_seconds: float = 0.0
     reused: bool = False  # measured by an earlier probe on this machine (PROBE_FILE), not now
 
@@ -272,10 +281,11 @@ class Candidate:
 def forecast(candidate, law, shape, deadline, now, device):
     """Fill in the candidate's steps and predicted val bpb, for a run whose first step comes after `now`."""
     recipe = meta_recipe(candidate.depth, shape)
-    candidate.eval_seconds, candidate.end_seconds = estimate_seconds(recipe, shape, candidate.device_batch_size,
-                                                                     candidate.step_seconds, device)
+    candidate.eval_seconds, candidate.save_seconds, candidate.end_seconds = estimate_seconds(
+        recipe, shape, candidate.device_batch_size, candidate.step_seconds, device)
     seconds = deadline - now - START_SECONDS - shape.compile_seconds - candidate.end_seconds - candidate.eval_seconds
-    candidate.num_iterations = steps_that_fit(seconds, candidate.step_seconds, candidate.eval_seconds, shape.eval_every)
+    candidate.num_iterations = steps_that_fit(seconds, candidate.step_seconds, candidate.eval_seconds, shape.eval_every,
+                                              save_every=shape.save_every, save_seconds=candidate.save_seconds)
     candidate.predicted_bpb = law.predict(recipe.scaling_params, candidate.num_iterations * shape.total_batch_size)
     return candidate
 
@@ -284,30 +294,56 @@ def forecast(candidate, law, shape, deadline, now, device):
 # The probe
 
 
+class ProbeOutOfMemory(Exception):
+    """Some rank ran out of memory in a probe step; every rank raises it at the same point."""
+
+
 def time_steps(depth, device_batch, shape, device, autocast, seconds):
-    """Seconds per optimizer step of base_train at this depth and device batch: a warm-up step, then timed steps on
-    random tokens for about `seconds` (at least one), each micro-batch's forward/backward and the optimizer update timed
-    apart; a step is grad_accum micro-batches and one update."""
+    """
+    Seconds per optimizer step of base_train at this depth and device batch, on random tokens: a warm-up step, then as
+    many timed steps as fit in about `seconds` (2 to 6, one count for every rank, taken from the warm-up), each
+    micro-batch's forward/backward and the optimizer update timed apart (a step is grad_accum micro-batches and one
+    update). Running out of memory anywhere raises ProbeOutOfMemory on every rank, before any collective of the
+    optimizers, so no rank is left waiting in one.
+    """
     from nanochat.fp8 import convert_to_fp8
     from nanochat.gpt import build_model
     from nanochat.training import build_optimizers
 
-    recipe = meta_recipe(depth, shape)
-    model = build_model(recipe.model_config, device)
-    if shape.fp8:
-        convert_to_fp8(model.transformer.h)
-    optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=shape.optimizer_components)
-    x = torch.randint(0, shape.vocab_size, (device_batch, shape.seq_len + 1), device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    micro, update = [], []
-    started = time.perf_counter()
-    while len(micro) < 2 or (len(micro) < 6 and time.perf_counter() - started < seconds):
-        t0 = time.perf_counter()
+    def agreed(work):
+        """work() on every rank; a rank that runs out of memory makes every rank raise ProbeOutOfMemory."""
+        failed, result = False, None
+        try:
+            result = work()
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            failed = True
+        if any_rank_out_of_memory(failed, device):
+            raise ProbeOutOfMemory()
+        return result
+
+    def build():
+        recipe = meta_recipe(depth, shape)
+        model = build_model(recipe.model_config, device)
+        if shape.fp8:
+            convert_to_fp8(model.transformer.h)
+        return model, build_optimizers(model, **recipe.lrs(), optimizer_components=shape.optimizer_components)
+
+    def forward_backward():
         simulate_out_of_memory(device_batch)
         with autocast:
             loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         sync()
+
+    model, optimizers = agreed(build)
+    x = torch.randint(0, shape.vocab_size, (device_batch, shape.seq_len + 1), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    micro, update, steps, started = [], [], 3, time.perf_counter()
+    while len(micro) < steps:
+        t0 = time.perf_counter()
+        agreed(forward_backward)
         t1 = time.perf_counter()
         for opt in optimizers:
             opt.step()
@@ -315,6 +351,9 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds):
         sync()
         micro.append(t1 - t0)
         update.append(time.perf_counter() - t1)
+        if len(micro) == 1:  # the warm-up step says how many more fit, the same count on every rank
+            first = all_reduce_max([time.perf_counter() - started], device)[0]
+            steps = 1 + max(2, min(5, int(seconds / max(first, 1e-6))))
     accum = shape.total_batch_size // (device_batch * shape.seq_len * shape.world_size)
     return accum * statistics.median(micro[1:]) + statistics.median(update[1:])  # the first step warms up
 
@@ -326,17 +365,12 @@ def probe_depth(depth, shape, device, autocast, seconds):
     device_batch = shape.max_device_batch
     rows_per_step = shape.total_batch_size // (shape.seq_len * shape.world_size)
     while True:
-        failed, step_seconds = False, 0.0
         try:
             step_seconds = time_steps(depth, device_batch, shape, device, autocast, seconds)
-        except Exception as e:
-            if not is_out_of_memory(e):
-                raise
-            failed = True
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not any_rank_out_of_memory(failed, device):
             return device_batch, all_reduce_max([step_seconds], device)[0]
+        except ProbeOutOfMemory:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         device_batch = smaller_device_batch(device_batch, rows_per_step)
         if device_batch is None:
             return None, None
@@ -441,6 +475,9 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
     else:
         start = guess_depth(law, shape, device, budget_seconds)
         best = measure(start)
+        while best is None and start > 1:  # the law's favourite does not fit this device's memory: smaller ones
+            start -= 1
+            best = measure(start)
         probe_end = now() + allowance
         for direction in (1, -1):  # outward from the guess while the prediction improves
             d = start + direction
@@ -469,7 +506,8 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
                 total_batch_size=shape.total_batch_size, num_iterations=n, params=recipe.num_params,
                 scaling_params=recipe.scaling_params, step_seconds=chosen.step_seconds,
                 eval_seconds=chosen.eval_seconds, end_seconds=chosen.end_seconds,
-                eval_every=planned_eval_every(n, shape.eval_every), predicted_bpb=chosen.predicted_bpb,
+                eval_every=planned_eval_every(n, shape.eval_every), save_every=shape.save_every,
+                save_seconds=chosen.save_seconds, predicted_bpb=chosen.predicted_bpb,
                 calibrate_at=calibrate_at if calibrate_at < (1 - warmdown_ratio) * n else None,
                 probe=[{"depth": c.depth, "device_batch_size": c.device_batch_size, "step_seconds": c.step_seconds,
                         "predicted_bpb": c.predicted_bpb, "reused": c.reused} for c in sorted(fitting, key=lambda c: c.depth)])
@@ -477,19 +515,23 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
 
 
 def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eval_every, warmdown_ratio, depth,
-                     total_batch_size, device_batch_size, grad_accum):
+                     total_batch_size, device_batch_size, grad_accum, device, save_every=-1):
     """
     A chat stage's plan: no depth to choose, only the steps that fit in the budget at a guessed step time (the chat
-    stages' lrs do not depend on the step count, so a rough guess only moves where the calibration comes).
+    stages' lrs do not depend on the step count, so a rough guess only moves where the calibration comes). Every rank
+    plans from the same clock (the earliest start, the latest now), so every rank makes the same plan.
     """
+    started_at = -all_reduce_max([-started_at], device)[0]
+    now = all_reduce_max([time.time()], device)[0]
     end_seconds = END_SECONDS + 1.0  # the final save of a small model; calibration cannot see it coming
-    seconds = started_at + budget_seconds - time.time() - START_SECONDS - end_seconds - eval_seconds
-    n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every))
+    seconds = started_at + budget_seconds - now - START_SECONDS - end_seconds - eval_seconds
+    n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every,
+                              save_seconds=1.0))
     calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
     return Plan(budget_seconds=budget_seconds, started_at=started_at, law="", depth=depth, aspect_ratio=0, head_dim=0,
                 device_batch_size=device_batch_size, grad_accum=grad_accum, total_batch_size=total_batch_size,
                 num_iterations=n, params=0, scaling_params=0, step_seconds=step_seconds, eval_seconds=eval_seconds,
-                end_seconds=end_seconds, eval_every=eval_every, predicted_bpb=None,
+                end_seconds=end_seconds, eval_every=eval_every, save_every=save_every, save_seconds=1.0, predicted_bpb=None,
                 calibrate_at=calibrate_at if calibrate_at < (1 - warmdown_ratio) * n else None)
 
 
@@ -537,7 +579,8 @@ class BudgetClock:
             [loop.timer.mean(), loop.eval_seconds.get(self.eval_name, plan.eval_seconds), time.time()], loop.device)
         if not math.isfinite(step_seconds):
             step_seconds = plan.step_seconds
-        n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step)
+        n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step,
+                           save_every=plan.save_every, save_seconds=plan.save_seconds)
         n = max(n, step + 1, math.ceil(step / (1 - self.warmdown_ratio)))  # the warmdown must not have begun
         end = now + (n - step) * step_seconds + evals_between(step, n, plan.eval_every) * eval_seconds + plan.end_seconds
         print0(f"plan | step {step}: {step_seconds * 1000:,.1f} ms a step (estimated {plan.step_seconds * 1000:,.1f}), "

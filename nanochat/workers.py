@@ -231,7 +231,13 @@ class WorkerPool:
         needed, so no queue). samplings: engine Samplings of a max_tokens 1 request, whose one token comes from the
         same pass.
         """
-        worker = min(self.alive(), key=lambda w: w.load())
+        if self.stopping:
+            raise ServerStopping(self.stopping)
+        alive = self.alive()
+        if sum(1 for w in alive for g in w.generations.values() if isinstance(g, Scoring)) >= self.max_queue:
+            self.requests_rejected += 1
+            raise QueueFull(f"{self.max_queue} scoring requests are already waiting (--max-queue); try again shortly")
+        worker = min(alive, key=lambda w: w.load())
         scoring = Scoring(worker, next(self.keys))
         worker.generations[scoring.key] = scoring
         worker.send(("score", scoring.key, prompts, top, list(samplings)))

@@ -202,7 +202,7 @@ REFUSED = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
     ({"presence_penalty": 3}, "presence_penalty", "-2"),
     ({"logit_bias": {"99999": 1}}, "logit_bias", "not a token id"),
-    ({"logit_bias": {"5": 101}}, "logit_bias[5]", "100"),
+    ({"logit_bias": {"5": 101}}, "logit_bias[5]", "100"), ({"logit_bias": {"²": 1}}, "logit_bias", "not a token id"),
     ({"reasoning_effort": "high"}, "reasoning_effort", "no hidden reasoning"),
     ({"frobnicate": 1}, "frobnicate", "not a field of the chat completions request"),
 ]

@@ -44,6 +44,14 @@ def test_a_flood_of_idle_sockets_does_not_lock_out_a_keyed_client(web_base_dir):
         started = time.monotonic()
         assert slow.recv(100) == b"" and time.monotonic() - started < 5  # closed by the server
         slow.close()
+        # so is one whose headers are whole but whose body never comes (it never counts as a request being served)
+        body = socket.create_connection((host, int(port)))
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer sekrit\r\nContent-Length: 1000\r\n\r\n{")
+        body.settimeout(10)
+        started = time.monotonic()
+        assert body.recv(100) == b"" and time.monotonic() - started < 5
+        body.close()
         assert "Too many open files" not in "".join(server.lines)
     finally:
         for s in sockets:
