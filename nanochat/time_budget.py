@@ -123,11 +123,14 @@ LAWS = {
         "gpu-reference", "the reference project's compute-optimal runs (its data, tokenizer and recipe), ~10.5 tok/param",
         E=0.5229, A=REFERENCE_A, alpha=REFERENCE_ALPHA, B=REFERENCE_A * REFERENCE_RATIO ** REFERENCE_ALPHA,
         beta=REFERENCE_ALPHA, aspect_ratio=64, head_dim=128),
-    # PLACEHOLDER: plain-recipe fits of BENCHMARKS' older tables, until the default recipe's miniseries is in
-    "cpu-builtin": ScalingLaw("cpu-builtin", "placeholder", E=0.0859, A=136.0, alpha=0.54, B=483.1, beta=0.54,
-                              aspect_ratio=32, head_dim=32),
-    "cpu-brown": ScalingLaw("cpu-brown", "placeholder", E=1.6767, A=89.04, alpha=0.515, B=234.4, beta=0.515,
-                            aspect_ratio=32, head_dim=32),
+    # The CPU miniseries of the default recipe (base_train's components) at n_embd 32 x depth, heads of 32, 256-token
+    # rows, 2,048-token steps, a 4,096-token vocabulary, each run's final val bpb (BENCHMARKS.md "Scaling laws for
+    # --time-budget"): on the built-in corpus (6 MB) 16 runs, d2-d8 at 2.5e12-8e13 FLOPs (the 8e13 runs read it 1.2-11
+    # times, as a long CPU run does), rmse 0.016 bpb; on Brown 12 runs, d2-d6 at 2.5e12-2.5e13, rmse 0.021 bpb.
+    "cpu-builtin": ScalingLaw("cpu-builtin", "16 CPU miniseries runs on the built-in corpus, d2-d8, 2.5e12-8e13 FLOPs",
+                              E=0.2056, A=3775.88, alpha=0.836, B=9573.91, beta=0.836, aspect_ratio=32, head_dim=32),
+    "cpu-brown": ScalingLaw("cpu-brown", "12 CPU miniseries runs on the Brown corpus, d2-d6, 2.5e12-2.5e13 FLOPs",
+                            E=1.6362, A=141.40, alpha=0.533, B=298.26, beta=0.533, aspect_ratio=32, head_dim=32),
 }
 
 
