@@ -14,7 +14,7 @@ How a plan is made:
    from the law's guess for this device until the predicted val bpb stops improving, within PROBE_SECONDS.
 3. The choice. For each measured depth: the time left for steps (the budget, less what has run, the evaluations, the
    final checkpoint and the end of the process), so many steps, so many tokens, the law's val bpb; the lowest wins.
-4. Calibration. Once, early in the run and before the lr warmdown begins, the measured seconds per step and per
+4. Calibration. A tenth and half of the way in, before the lr warmdown begins, the measured seconds per step and per
    evaluation replace the estimates and the number of steps is set for the rest of the budget, so the warmdown still
    ends on the last step. The plan is saved in every checkpoint, and a resume follows it as it stands.
 """
@@ -36,7 +36,8 @@ from nanochat.memory_fallback import any_rank_out_of_memory, simulate_out_of_mem
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
 PROBE_SECONDS, PROBE_FRACTION = 60.0, 0.1  # the probe takes at most min(60 s, a tenth of the budget)
 PLANNED_EVALS = 5  # val bpb at 0, 1/4, 1/2, 3/4 and the end, unless --eval-every says otherwise
-CALIBRATE_FRACTION, MIN_CALIBRATE_STEP = 0.1, 4  # the step count is set again a tenth of the way in
+CALIBRATE_FRACTION, MIN_CALIBRATE_STEP = 0.1, 4  # the step count is set again a tenth of the way in,
+SECOND_CALIBRATION = 0.5  # and again half of the way in (the warmdown begins after)
 COMPILE_SECONDS = {"cuda": 60.0, "cpu": 30.0}  # a guess at torch.compile's first steps, until calibration measures them
 GUESS_MFU = {"cuda": 0.35, "cpu": 0.45}  # the fraction of peak FLOP/s where the probe starts looking
 START_SECONDS = 2.0  # after the plan, before the first step: the model, the data stream, the peak-FLOPs probe
@@ -184,8 +185,8 @@ class Plan:
     save_every: int
     save_seconds: float
     predicted_bpb: float | None
-    calibrate_at: int | None  # the step the step count is set again at (None: too short a run to calibrate)
-    calibrated: bool = False
+    calibrate_at: int | None  # the next step the step count is set again at (None: no more, or too short a run)
+    calibrated: bool = False  # at least once
     probe: list = field(default_factory=list)  # what the probe measured: [{depth, device_batch_size, step_seconds}]
 
     @property
@@ -561,25 +562,28 @@ def describe_plan(plan, law, probe_seconds, device_label):
 
 class BudgetClock:
     """
-    Keeps a budgeted run on time: at plan.calibrate_at (a tenth of the way in, before the warmdown), the run's own
-    seconds per step and per evaluation replace the estimates and the step count is set for the rest of the budget.
-    Only the process that made the plan calibrates: a resumed run follows the plan it finds in the checkpoint. With
-    no plan (a run without a budget) it does nothing.
+    Keeps a budgeted run on time: twice before the lr warmdown (a tenth and half of the way in), the run's own seconds
+    per step (since the last calibration: a machine that slows down mid-run is caught at the second) and per evaluation
+    replace the estimates, and the step count is set for the rest of the budget. The warmdown begins after both, so it
+    still ends on the last step. Only the process that made the plan calibrates: a resumed run follows the plan it finds
+    in the checkpoint. With no plan (a run without a budget) it does nothing.
     """
 
     def __init__(self, plan, active, warmdown_ratio, eval_name="val_bpb"):
         self.plan, self.active, self.warmdown_ratio, self.eval_name = plan, active, warmdown_ratio, eval_name
+        self.timed = (0.0, 0)  # the loop timer's (total seconds, steps) at the last calibration
 
     def due(self, step):
-        return self.active and not self.plan.calibrated and self.plan.calibrate_at is not None \
-            and step == self.plan.calibrate_at
+        return self.active and self.plan.calibrate_at is not None and step == self.plan.calibrate_at
 
     def calibrate(self, loop):
         """Set loop.num_iterations for the rest of the budget from what the loop measured (agreed by every rank), and
-        the plan the checkpoints record."""
-        plan, step = self.plan, loop.step
+        the plan the checkpoints record; plan the second calibration after the first."""
+        plan, step, timer = self.plan, loop.step, loop.timer
+        total, count = timer.total - self.timed[0], timer.count - max(timer.skip, self.timed[1])
         step_seconds, eval_seconds, now = all_reduce_max(
-            [loop.timer.mean(), loop.eval_seconds.get(self.eval_name, plan.eval_seconds), time.time()], loop.device)
+            [total / count if count > 0 else math.nan, loop.eval_seconds.get(self.eval_name, plan.eval_seconds),
+             time.time()], loop.device)
         if not math.isfinite(step_seconds):
             step_seconds = plan.step_seconds
         n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step,
@@ -589,7 +593,10 @@ class BudgetClock:
         print0(f"plan | step {step}: {step_seconds * 1000:,.1f} ms a step (estimated {plan.step_seconds * 1000:,.1f}), "
                f"{eval_seconds:.1f} s an evaluation (estimated {plan.eval_seconds:.1f}): {plan.num_iterations:,} -> "
                f"{n:,} steps, ending by {clock(end)}")
+        second = round(SECOND_CALIBRATION * n)
+        plan.calibrate_at = second if not plan.calibrated and step < second < (1 - self.warmdown_ratio) * n else None
         plan.num_iterations, plan.step_seconds, plan.eval_seconds, plan.calibrated = n, step_seconds, eval_seconds, True
+        self.timed = (timer.total, timer.count)
         loop.num_iterations = n
         loop.meta["time_plan"] = plan_dict(plan)
 
