@@ -7,6 +7,7 @@ scaling law predicted against the one the run measured at its end. One at a time
 
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,11 +30,12 @@ def run_budget(base_dir, budget, flags, work_dir):
             os.symlink(os.path.join(base_dir, entry), os.path.join(run_dir, entry))
     command = [sys.executable, "-m", "scripts.base_train", f"--time-budget={budget}", *flags]
     log(f"$ NANOCHAT_BASE_DIR={run_dir} {' '.join(command)}")
-    started = time.time()
-    with OtherLoad() as load:
-        p = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, NANOCHAT_BASE_DIR=run_dir), capture_output=True,
-                           text=True)
+    started, busy, ours = time.time(), OtherLoad._busy_seconds(), cpu_seconds()
+    p = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, NANOCHAT_BASE_DIR=run_dir), capture_output=True,
+                       text=True)
     wall = time.time() - started
+    # cores' worth of CPU that processes other than this one and the run used meanwhile (near 0: a quiet machine)
+    other_load = max(0.0, (OtherLoad._busy_seconds() - busy) - (cpu_seconds() - ours)) / wall
     with open(os.path.join(run_dir, "output.log"), "w") as f:
         f.write(p.stdout + p.stderr)
     if p.returncode != 0:
@@ -50,8 +52,14 @@ def run_budget(base_dir, budget, flags, work_dir):
             "planned_steps": number(plan.group(4)), "steps": number(calibrated.group(1)) if calibrated else number(plan.group(4)),
             "tokens": int(final.group(1)) * number(plan.group(5)), "device_batch": int(plan.group(6)),
             "predicted_bpb": float(plan.group(8)), "val_bpb": float(final.group(2)),
-            "probe": re.search(r"plan \| probe (.*)", out).group(1), "other_load": round(load.cores, 2),
+            "probe": re.search(r"plan \| probe (.*)", out).group(1), "other_load": round(other_load, 2),
             "log": os.path.join(run_dir, "output.log")}
+
+
+def cpu_seconds():
+    """CPU time of this process and its finished children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def budget_seconds(text):
