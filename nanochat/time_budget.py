@@ -36,8 +36,8 @@ from nanochat.memory_fallback import any_rank_out_of_memory, simulate_out_of_mem
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
 PROBE_SECONDS, PROBE_FRACTION = 60.0, 0.1  # the probe takes at most min(60 s, a tenth of the budget)
 PLANNED_EVALS = 5  # val bpb at 0, 1/4, 1/2, 3/4 and the end, unless --eval-every says otherwise
-CALIBRATE_FRACTION, MIN_CALIBRATE_STEP = 0.1, 4  # the step count is set again a tenth of the way in,
-SECOND_CALIBRATION = 0.5  # and again half of the way in (the warmdown begins after)
+CALIBRATE_FRACTION, MIN_CALIBRATE_STEP = 0.1, 10  # the step count is set again a tenth of the way in (10 steps at
+SECOND_CALIBRATION = 0.5  # least), and again half of the way in or just before the warmdown, whichever comes first
 COMPILE_SECONDS = {"cuda": 60.0, "cpu": 30.0}  # a guess at torch.compile's first steps, until calibration measures them
 GUESS_MFU = {"cuda": 0.35, "cpu": 0.45}  # the fraction of peak FLOP/s where the probe starts looking
 START_SECONDS = 2.0  # after the plan, before the first step: the model, the data stream, the peak-FLOPs probe
@@ -593,7 +593,7 @@ class BudgetClock:
         print0(f"plan | step {step}: {step_seconds * 1000:,.1f} ms a step (estimated {plan.step_seconds * 1000:,.1f}), "
                f"{eval_seconds:.1f} s an evaluation (estimated {plan.eval_seconds:.1f}): {plan.num_iterations:,} -> "
                f"{n:,} steps, ending by {clock(end)}")
-        second = round(SECOND_CALIBRATION * n)
+        second = round(min(SECOND_CALIBRATION, 0.9 * (1 - self.warmdown_ratio)) * n)  # before the warmdown
         plan.calibrate_at = second if not plan.calibrated and step < second < (1 - self.warmdown_ratio) * n else None
         plan.num_iterations, plan.step_seconds, plan.eval_seconds, plan.calibrated = n, step_seconds, eval_seconds, True
         self.timed = (timer.total, timer.count)
