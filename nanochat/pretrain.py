@@ -12,7 +12,8 @@ from nanochat.stage import check_flag, validate_training_flags
 from nanochat.time_budget import (COMPILE_SECONDS, MIN_BUDGET_SECONDS, BudgetClock, RunShape, describe_plan,
                                   duration_label, law_for, make_plan, parse_duration, plan_dict, plan_from_dict,
                                   stage_start_time)
-from nanochat.training import DEFAULT_COMPONENTS, canonical_components, depth_recipe, split_components
+from nanochat.training import (DEFAULT_COMPONENTS, canonical_components, depth_recipe, model_config_for_depth,
+                               split_components)
 
 # Flags a resumed run must keep: they fix the batches, the optimizer shards or the model, so changing them breaks exactness.
 RESUME_FIXED_FLAGS = ["depth", "aspect_ratio", "head_dim", "num_kv_heads", "max_seq_len", "device_batch_size",
@@ -60,6 +61,14 @@ def validate_args(args):
         compile_backend()  # a bad NANOCHAT_COMPILE_BACKEND is refused here, not at the first step
     if args.components is not None:  # one spelling ('' = plain), for the resume check; an unknown name fails here
         args.components = canonical_components(args.components)
+
+
+def check_shape(args, vocab_size):
+    """The model's shape (head dim, heads and kv heads) checked from the flags before anything is claimed, where they
+    fix it: a time budget that chooses the depth checks each depth it tries."""
+    if None not in (args.depth, args.aspect_ratio, args.head_dim):
+        model_config_for_depth(args.depth, vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim,
+                               args.num_kv_heads or None, split_components(args.components)[0])
 
 
 def model_tag(args):
@@ -127,8 +136,8 @@ def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast):
         return BudgetClock(None, active=False, warmdown_ratio=args.warmdown_ratio)
     started_at = stage_start_time()
     law = law_for(args.scaling_law, device.type, args.data_source)
-    args.aspect_ratio = args.aspect_ratio or law.aspect_ratio
-    args.head_dim = args.head_dim or law.head_dim
+    args.aspect_ratio = law.aspect_ratio if args.aspect_ratio is None else args.aspect_ratio
+    args.head_dim = law.head_dim if args.head_dim is None else args.head_dim
     model_components, optimizer_components = split_components(args.components)
     compiling = args.compile == "1" or (args.compile == "auto" and device.type == "cuda")
     shape = RunShape(vocab_size, args.max_seq_len, args.total_batch_size, world_size, args.aspect_ratio, args.head_dim,

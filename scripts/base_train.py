@@ -22,7 +22,7 @@ from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.memory_fallback import FittingBatches
 from nanochat.presets import fill_from_preset, preset_help
-from nanochat.pretrain import (RESUME_FIXED_FLAGS, check_budget_flags, describe_run, model_tag, plan_budget, plan_meta,
+from nanochat.pretrain import (RESUME_FIXED_FLAGS, check_budget_flags, check_shape, describe_run, model_tag, plan_budget, plan_meta,
                                recipe_from_flags, resolve_components, resume_meta, use_fp8, val_bpb_evaluator, validate_args)
 from nanochat.report import get_report
 from nanochat.stage import add_optimization_flags, refuse_changed_flags
@@ -102,8 +102,9 @@ def parse_args(argv=None):
     if args.target_param_data_ratio is None:
         args.target_param_data_ratio = 20.0
     fill_from_preset(args, "base_train", leave=("depth", "num_iterations", "eval_every") if args.time_budget else ())
-    if not args.time_budget:
-        args.aspect_ratio, args.head_dim = args.aspect_ratio or 64, args.head_dim or 128
+    if not args.time_budget:  # with one, the scaling law's shape (pretrain.plan_budget)
+        args.aspect_ratio = 64 if args.aspect_ratio is None else args.aspect_ratio
+        args.head_dim = 128 if args.head_dim is None else args.head_dim
     validate_args(args)
     return args
 
@@ -118,12 +119,13 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     autocast = autocast_for(device)
+    grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)  # an exact split
+    check_shape(args, tokenizer.get_vocab_size())  # heads and head dim, where the flags fix them
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
     resume_step = meta["step"] if meta is not None else refuse_to_overwrite(ckpt_dir)  # None: a new run
     if meta is not None:
         refuse_later_checkpoints(ckpt_dir, resume_step)
-    grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)  # an exact split
     budget = plan_budget(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast)
     if args.dry_run:
         return compute_cleanup()

@@ -68,6 +68,7 @@ def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(bas
     assert "training (" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 18 s: an isoflop family of real runs
 def test_isoflop_sweep_records_a_failed_run_and_completes_the_others(base, monkeypatch):
     plan = ms.plan_isoflop
 

@@ -510,6 +510,7 @@ def test_an_existing_checkpoint_or_other_tokenizer_is_never_overwritten(tmp_path
 # Downstream: an imported model is an ordinary checkpoint
 
 
+@pytest.mark.slow  # 22 s: an import, SFT, a kill and a resume
 def test_sft_from_an_imported_model_on_custom_conversations_resumes_exactly(tmp_path):
     """chat_sft fine-tunes an imported later-era model on a user's CustomJSON file; killed after its step-2 save and
     resumed, it ends with the weights of an uninterrupted run."""

@@ -78,6 +78,7 @@ def test_a_budgeted_run_prints_its_plan_ends_on_time_and_resumes_exactly(tiny_ba
     assert_same_weights(final_weights(base, steps, tag="budget-30s"), final_weights(base, steps, tag="copy"))
 
 
+@pytest.mark.slow  # 8 s: two runs, one under torchrun
 def test_one_rank_and_two_ranks_make_the_same_plan(tiny_base_dir, tmp_path):
     """Given the same measured speed (the base dir's record of earlier probes), 1 rank and 2 ranks choose the same
     depth, device batch and tokens; within the 2-rank job every rank holds the same plan (checked by the run)."""
@@ -108,6 +109,7 @@ def test_one_rank_and_two_ranks_make_the_same_plan(tiny_base_dir, tmp_path):
     assert int(d1) > 1 and LAWS["cpu-builtin"].aspect_ratio == 32
 
 
+@pytest.mark.slow  # 18 s: four short runs
 def test_a_device_batch_that_does_not_fit_is_halved_and_the_run_is_the_same(tiny_base_dir, tmp_path):
     tiny = GEOMETRY[:3] + ["--depth=2", "--eval-tokens=1024", "--eval-every=-1", "--sample-every=-1",
                            "--core-metric-every=-1"]
@@ -229,3 +231,17 @@ def test_the_plan_grows_with_the_budget_and_the_loss_surface_fit_recovers_a_law(
     law_file.write_text(json.dumps({"name": "mine", **fit, "aspect_ratio": 32, "head_dim": 32}))
     mine = tb.law_for(str(law_file), "cpu", "builtin")
     assert mine.name == "mine" and mine.predict(1e6, 1e6) == pytest.approx(0.3 + 0.12 + 0.4, abs=0.01)
+
+
+@pytest.mark.slow  # 2 x 2-rank runs: ~25 s
+def test_two_ranks_halve_their_device_batch_together(tiny_base_dir, tmp_path):
+    """Under torchrun the ranks agree on running out of memory before any collective and go on together at the smaller
+    device batch, with the losses of a 2-rank run started there."""
+    tiny = GEOMETRY[:3] + ["--depth=2", "--eval-tokens=1024", "--eval-every=-1", "--sample-every=-1",
+                           "--core-metric-every=-1", "--num-iterations=3", "--total-batch-size=512"]
+    small = fresh_base(tiny_base_dir, tmp_path, "small2")
+    assert base_train(small, tiny + ["--device-batch-size=2"], nproc=2).returncode == 0
+    shrunk = fresh_base(tiny_base_dir, tmp_path, "shrunk2")
+    p = base_train(shrunk, tiny + ["--device-batch-size=4"], nproc=2, env_extra={"NANOCHAT_SIMULATE_OOM_ROWS": "2"})
+    assert p.returncode == 0 and "going on at 2 with 2 micro-steps" in p.stdout, p.stderr[-2000:]
+    assert train_losses(shrunk) == pytest.approx(train_losses(small), rel=1e-5)
