@@ -191,6 +191,130 @@ class RowView:
             self.cache.lengths[i] += new
 
 
+class StaticDecodeView:
+    """
+    One decode step (a token per row) of rows 0..batch-1 whose shapes depend on (batch, extent) alone, every other
+    input in a device tensor loaded before the step: a step that can be captured once as a CUDA graph and replayed
+    (CapturedDecode). Attention reads each row's first `extent` positions, masked by its length. A row that is not fed
+    this step (free, or a prompt still prefilling) writes its key at the cache's last position, which a sequence reads
+    only after writing it itself, and keeps its smear embedding: it loses nothing, so no row needs resetting.
+    """
+
+    per_row = True
+
+    def __init__(self, cache, batch, extent):
+        device = cache.device
+        self.cache, self.batch, self.extent = cache, batch, extent
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.write_at = torch.full((batch,), cache.seq_len - 1, dtype=torch.long, device=device)
+        self.fed = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.row_index = torch.arange(batch, device=device)
+        self.key_positions = torch.arange(extent, device=device)
+        self.masks = {}
+
+    def load(self, inputs):
+        """{row: token} of the rows fed this step into the static tensors (each row writes at its own length)."""
+        ids, write_at, fed = [0] * self.batch, [self.cache.seq_len - 1] * self.batch, [False] * self.batch
+        for row, token in inputs.items():
+            ids[row], write_at[row], fed[row] = token, self.cache.lengths[row], True
+        self.ids.copy_(torch.tensor(ids, dtype=torch.long)[:, None])
+        self.write_at.copy_(torch.tensor(write_at, dtype=torch.long))
+        self.fed.copy_(torch.tensor(fed))
+        self.masks = {}  # an eager step computes them again; a captured one replays their kernels
+
+    def positions(self, T):
+        return self.write_at[:, None]
+
+    def max_position(self, T):
+        return self.cache.seq_len  # the last position, where unfed rows write
+
+    def update(self, layer, k, v, window):
+        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        k_cache.index_put_((self.row_index, self.write_at), k[:, :, 0].to(k_cache.dtype))
+        v_cache.index_put_((self.row_index, self.write_at), v[:, :, 0].to(v_cache.dtype))
+        if window not in self.masks:
+            query, keys = self.write_at[:, None, None, None], self.key_positions[None, None, None, :]
+            allowed = keys <= query
+            if window is not None:
+                allowed = allowed & (keys > query - window)
+            self.masks[window] = allowed  # (batch, 1, 1, extent)
+        keys, values = k_cache[:self.batch, :self.extent], v_cache[:self.batch, :self.extent]
+        return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
+
+    def swap_last_embedding(self, x):
+        stored = self.cache.last_embedding[:self.batch]
+        previous = torch.where((self.write_at > 0)[:, None, None], stored, torch.zeros_like(stored))
+        self.cache.last_embedding[:self.batch] = torch.where(self.fed[:, None, None], x[:, -1:].to(stored.dtype), stored)
+        return previous
+
+    def advance(self, T):
+        pass  # the engine advances the fed rows' lengths on the host
+
+
+def decode_buckets(max_batch, seq_len):
+    """The shapes a static decode step takes: rows 1, 2, 4, ... up to max_batch, extents 32, 64, ... up to seq_len (a
+    step reads at most twice the keys it needs, and a 2,048-token context with 64 rows has 8 x 7 shapes)."""
+    rows = sorted({min(max_batch, 1 << i) for i in range(max_batch.bit_length() + 1)})
+    extents = sorted({min(seq_len, 32 << i) for i in range(max(1, seq_len.bit_length()))})
+    return rows, extents
+
+
+class CapturedDecode:
+    """
+    The decode step as CUDA graphs, one per (rows, extent) bucket, captured the first time a step needs it (a few
+    hundred kernel launches replayed as one; they share one memory pool). Where CUDA graphs cannot run (a CPU), or a
+    capture fails, the same static step runs eagerly and says why once.
+    """
+
+    def __init__(self, model, cache, max_batch):
+        self.model, self.cache = model, cache
+        self.rows, self.extents = decode_buckets(max_batch, cache.seq_len)
+        self.graphs, self.pool = {}, None
+        self.capture = cache.device.type == "cuda"
+        self.why_eager = None if self.capture else f"CUDA graphs need a GPU (this is {cache.device.type})"
+
+    def bucket(self, fed_rows, fed_lengths):
+        batch = next(b for b in self.rows if b > max(fed_rows))
+        extent = next(e for e in self.extents if e > max(fed_lengths))  # the new token's key is at its length
+        return batch, extent
+
+    def step(self, inputs):
+        """{row: token} -> (rows, vocab) logits of rows 0..rows-1 (a row's own are at its index)."""
+        batch, extent = self.bucket(list(inputs), [self.cache.lengths[row] for row in inputs])
+        if self.capture:
+            try:
+                return self._replay(batch, extent, inputs)
+            except Exception as e:  # decoding goes on eagerly: a server must not fail on an optimisation
+                self.capture, self.why_eager = False, f"capture failed ({type(e).__name__}: {e})"
+                print(f"captured decode off: {self.why_eager}", flush=True)
+        view = StaticDecodeView(self.cache, batch, extent)
+        view.load(inputs)
+        with autocast_for(self.cache.device):
+            return self.model.forward(view.ids, kv_cache=view)[:, -1, :]
+
+    def _replay(self, batch, extent, inputs):
+        if (batch, extent) not in self.graphs:
+            view = StaticDecodeView(self.cache, batch, extent)
+            view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), autocast_for(self.cache.device):
+                for _ in range(2):  # allocations and lazy initialisation happen outside the capture
+                    view.masks = {}
+                    self.model.forward(view.ids, kv_cache=view)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            view.masks = {}
+            with torch.cuda.graph(graph, pool=self.pool), autocast_for(self.cache.device):
+                logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
+            self.pool = graph.pool()
+            self.graphs[(batch, extent)] = (view, graph, logits)
+        view, graph, logits = self.graphs[(batch, extent)]
+        view.load(inputs)
+        graph.replay()
+        return logits
+
+
 # -----------------------------------------------------------------------------
 # Sequences and the engine
 
@@ -235,10 +359,15 @@ class Sequence:
     logprob: tuple | None = None  # the last token's (log p, [(id, log p)] alternatives), when sampling.logprobs asks
 
 
+DECODE_MODES = ("eager", "captured")
+
+
 class BatchEngine:
-    def __init__(self, model, tokenizer, max_batch, prefill_chunk=256):
+    def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, decode="eager"):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1 (got {max_batch}, {prefill_chunk})")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)} (got {decode!r})")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         c = model.config
@@ -254,6 +383,8 @@ class BatchEngine:
         self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
         # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
         self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
+        # decode="captured": the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere)
+        self.captured = CapturedDecode(model, self.cache, max_batch) if decode == "captured" else None
 
     # -- requests ----------------------------------------------------------------------
 
@@ -274,7 +405,7 @@ class BatchEngine:
             seq.generator.manual_seed(seq.sampling.seed)
         self.waiting.append(group)
         self.num_waiting += len(group)
-        return group
+        return list(group)  # the caller's own list: what it appends to never joins the queued group
 
     def cancel(self, seq):
         """Stop a sequence now: its row is free for the next step. A waiting one is only marked (O(1), however long
@@ -343,7 +474,13 @@ class BatchEngine:
             self._prefill()
             emitted, to_feed = self._sample()
             to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
-            if to_feed:
+            if to_feed and self.captured is not None:
+                self.shared_steps += len(to_feed) > 1
+                logits = self.captured.step({seq.row: seq.next_input for seq in to_feed})
+                for seq in to_feed:  # copies: the next replay writes the same output tensor
+                    seq.logits = logits[seq.row:seq.row + 1].clone()
+                    self.cache.lengths[seq.row] += 1
+            elif to_feed:
                 self.shared_steps += len(to_feed) > 1
                 fed = [seq.row for seq in to_feed]
                 padding = self._padding_rows(fed) if self.round_batches else []

@@ -258,7 +258,7 @@ def worker_main(conn, inherited, device, settings, preloaded):
         if rows < 1:
             raise UserError(f"one sequence's KV cache needs {row_bytes / 2**20:.0f} MiB, more than the "
                             f"{budget / 2**20:.0f} MiB budget; give --kv-memory-gib more")
-        engine = BatchEngine(model, tokenizer, rows, settings["prefill_chunk"])
+        engine = BatchEngine(model, tokenizer, rows, settings["prefill_chunk"], decode=settings.get("decode", "eager"))
     except Exception as e:  # reported by the server, which stops before serving anything
         conn.send(("failed", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
         return

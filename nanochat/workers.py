@@ -378,7 +378,7 @@ class Scoring:
 
 
 def load_workers(source, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
-                 threads=0, start_method=None):
+                 threads=0, start_method=None, decode="eager"):
     """
     (workers, tokenizer, model info) for a stage's checkpoint, each worker a process: one replica per GPU on CUDA
     (num_workers 0: every GPU); on CPU every worker shares one copy of the weights (num_workers 0: one worker). Each
@@ -402,7 +402,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         devices = [device] * count
     threads = inference_threads(device, threads, count)
     settings = {"source": source, "model_tag": model_tag, "step": step, "threads": threads, "max_batch": max_batch,
-                "kv_memory_gib": kv_memory_gib, "num_workers": count, "prefill_chunk": prefill_chunk}
+                "kv_memory_gib": kv_memory_gib, "num_workers": count, "prefill_chunk": prefill_chunk, "decode": decode}
     preloaded = None
     if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
         # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it

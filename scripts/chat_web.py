@@ -56,6 +56,8 @@ def parse_args(argv=None):
                    help="seconds a new connection has to send its request's headers")
     p.add_argument("--max-batch", type=int, default=64,
                    help="sequences each worker decodes together (fewer if their KV cache would not fit --kv-memory-gib)")
+    p.add_argument("--decode", default="eager", choices=["eager", "captured"],
+                   help="captured: the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere)")
     p.add_argument("--kv-memory-gib", type=float, default=None,
                    help="memory for each worker's KV cache (default: half the GPU's free memory; on a CPU a quarter "
                         "of the RAM, at most 4 GiB)")
@@ -107,7 +109,7 @@ def main(argv=None):
     open_files = raise_open_file_limit()  # every connection is a file: a flood must not run the process out of them
     sock = bind_socket(args.host, args.port)
     workers, tokenizer, info = load_workers(args.source, args.model_tag, args.step, args.device_type, args.workers,
-                                            args.max_batch, args.kv_memory_gib, threads=args.threads)
+                                            args.max_batch, args.kv_memory_gib, threads=args.threads, decode=args.decode)
     if args.source == "base":
         print0("note: a base model was never taught the chat format; expect it to ramble "
                "(chat_cli -i base continues plain text)")
@@ -120,6 +122,7 @@ def main(argv=None):
         print0(f"warning: listening on {args.host} without --api-key: anyone who can reach this address can use the "
                "model")
     url = f"http://{shown_host}:{port}/"
+    sock.listen(128)  # from the line below on, a connection waits in the kernel's queue while uvicorn starts: not refused
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
     guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout)
     # backlog: also how many connections asyncio accepts in one go before the guard sees them (uvicorn's 2048 could

@@ -362,3 +362,36 @@ def test_the_kv_cache_is_allocated_once_and_its_rows_reused(model, tokenizer):  
         engine.add(list(range(1, CONTEXT + 1)), Sampling())
     with pytest.raises(ValueError, match="more than the 2 rows"):
         engine.add_group(ps[0], [Sampling()] * 3)
+
+
+def test_the_static_decode_step_gives_the_eager_tokens(model, tokenizer):  # noqa: F811
+    """decode="captured" (static shapes: rows 0..bucket, keys up to an extent bucket, every input a device tensor; on a
+    GPU replayed as CUDA graphs, here run eagerly): the same tokens as the eager step, token for token, while a long
+    prompt prefills in chunks beside rows that decode (its row unfed, its cache and smear state untouched), with n
+    samples of one prompt, a row cancelled mid-way, rows reused, and replies that cross the sliding window."""
+    ps = prompts(tokenizer, [1, 5, 17, 40, 9])
+    greedy, sampled = Sampling(temperature=0.0, max_tokens=24), Sampling(temperature=0.9, top_k=50, max_tokens=24, seed=7)
+    joins = {0: [(ps[0], greedy), (ps[1], sampled)], 2: [(ps[3], greedy)], 5: [(ps[2], greedy)], 12: [(ps[4], sampled)]}
+    results = {}
+    for decode in ("eager", "captured"):
+        engine = BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8, decode=decode)
+        seqs = engine.add_group(ps[4], [Sampling(temperature=0.0, max_tokens=10), sampled])
+        tokens = {id(seq): [] for seq in seqs}
+        for step in range(200):
+            for prompt, sampling in joins.get(step, []):
+                seqs.append(engine.add(prompt, sampling))
+                tokens[id(seqs[-1])] = []
+            if step == 7:
+                engine.cancel(seqs[3])  # ps[1], sampled: its row frees mid-reply
+            for seq, token, _ in engine.step():
+                tokens[id(seq)].append(token)
+            if not engine.busy() and step > max(joins):
+                break
+        results[decode] = ([tokens[id(s)] for s in seqs], [s.finished for s in seqs])
+    assert results["eager"] == results["captured"]
+    lengths = [len(t) for t in results["captured"][0]]
+    assert lengths[3] < 24 and max(lengths) == 24 and max(len(p) for p in ps) + 24 > 32  # cancelled; across the window
+    assert engine.captured.why_eager.startswith("CUDA graphs need a GPU")
+    assert engine.captured.bucket([0, 2], [5, 40]) == (4, 64) and engine.captured.bucket([0], [31]) == (1, 32)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        BatchEngine(model, tokenizer, max_batch=2, decode="graphs")

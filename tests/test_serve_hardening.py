@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from nanochat.bench.serve import ChatWeb
 from test_chat_web import HELLO, LONG_REPLY, Server, sse_events, wait_until, web_base_dir  # noqa: F401 (a fixture)
 
 
@@ -141,3 +142,15 @@ def test_settings_a_server_must_refuse_or_get_right(monkeypatch):
         return time.perf_counter() - started
 
     assert cancel_seconds(20_000) < 5 * cancel_seconds(1000) + 0.05
+
+
+def test_a_client_that_connects_as_soon_as_serving_is_printed_is_answered(web_base_dir):  # noqa: F811
+    """Once "serving at" is out, a connection is queued, not refused, while the server starts up (a script that starts
+    chat_web and sends its first request at once got ECONNREFUSED)."""
+    server = ChatWeb(web_base_dir, ["--device-type", "cpu", "--max-tokens", "4"], threads=1, timeout=60)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # at once, no retry: queued, not refused
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    finally:
+        server.stop()
