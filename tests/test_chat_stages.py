@@ -302,6 +302,7 @@ def test_flags_that_need_the_models_context_fail_before_it_loads(trained_base, t
             script.main(flags + [f"--out-tag=case{i}"])  # each its own directory: this process keeps each one's lock
 
 
+@pytest.mark.slow  # 26 s; test_kill_9_and_resume_is_exact covers a chat stage's resume in the default run
 def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trained_base, tmp_path, monkeypatch):
     base = copy_base(trained_base, tmp_path, "resume")
     run(base, "chat_sft", SFT + ["--num-iterations=2", "-i", "base"])

@@ -300,6 +300,7 @@ def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
     assert "value_embed_layers must be" in validate_meta({**meta, "model_config": {**plain, "value_embed_layers": "top"}})
 
 
+@pytest.mark.slow  # 16 s; validate_meta's refusals are tested in the default run
 def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_base_dir, tmp_path):
     import shutil
     import subprocess
