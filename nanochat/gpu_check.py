@@ -2,8 +2,8 @@
 What `python -m scripts.gpu_check` measures on a node before the speedrun, and how it judges the result: the
 machine (torch, CUDA, driver, NCCL, each GPU, disk), the speed of a base_train run read off its report curve, the
 largest device batch that fits a model of the speedrun's depth (one compiled bf16 training step, probed), NCCL
-all-reduce bandwidth, engine decode speed, and the verdict with what to change. The script wires these together
-and runs the training smokes as real base_train processes; this module knows nothing of scripts.
+all-reduce bandwidth, engine decode speed, and the verdict with what to change; and how a smoke runs, as a real
+base_train process in a base dir of its own. The script wires these together.
 """
 
 import json
@@ -27,6 +27,9 @@ SHARD_GIB = 0.1  # an assumption: a climbmix shard of ~60M tokens as zstd parque
 # after the smoke. Each rank reads its own row groups, so the runs train on other batches in another order, which alone
 # moved a 30-step d2 run by 0.97 % on a CPU; a broken all-reduce moves it by far more.
 AGREEMENT_AT_START, AGREEMENT = 0.001, 0.03
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The subprocesses find this repo first, and keep whatever the user's PYTHONPATH adds (packages installed with --target).
+CHILD_PYTHONPATH = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 # -----------------------------------------------------------------------------
@@ -94,6 +97,28 @@ def speedrun_disk_gib(num_params, matrix_params):
 
 # -----------------------------------------------------------------------------
 # Training speed and memory
+
+
+def run_smoke(name, command, workspace, root, timeout=None):
+    """Run a base_train smoke in a fresh base dir of its own (the workspace's data and tokenizer linked in)."""
+    base = os.path.join(root, "runs", name)
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    for entry in ("tokenizer", "base_data"):
+        os.symlink(os.path.join(workspace["base_dir"], entry), os.path.join(base, entry))
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE=workspace["source"], PYTHONPATH=CHILD_PYTHONPATH)
+    t0 = time.time()
+    try:
+        p = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {timeout:.0f} s", "base_dir": base}
+    with open(os.path.join(base, "output.log"), "w") as f:  # the whole run's output, for when a smoke fails
+        f.write(p.stdout + p.stderr)
+    if p.returncode != 0:
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")] or p.stderr.strip().splitlines()[-1:]
+        error = errors[0].removeprefix("error: ")[:300] if errors else f"exit code {p.returncode}"
+        return {"error": f"{error} (whole output: {base}/output.log)", "base_dir": base}
+    return {**curve_summary(base), "seconds": time.time() - t0, "base_dir": base}
 
 
 def curve_summary(base_dir, skip=3):
@@ -223,13 +248,16 @@ def verdict(results):
     return not changes, changes
 
 
+def machine_label(env):
+    """The machine as a BENCHMARKS.md row names it: GPUs (or the CPU), torch, CUDA."""
+    if env["gpus"]:
+        return f"{len(env['gpus'])}x {env['gpus'][0]['name']}, torch {env['torch']}, CUDA {env['cuda']}"
+    return f"{env['cpu']} ({env['cpu_count']} cores), torch {env['torch']}, no CUDA"
+
+
 def markdown_rows(results, date, commit):
     """Rows in BENCHMARKS.md's table format: date | machine | check | result | command."""
-    env = results["environment"]
-    if env["gpus"]:
-        machine = f"{len(env['gpus'])}x {env['gpus'][0]['name']}, torch {env['torch']}, CUDA {env['cuda']}"
-    else:
-        machine = f"{env['cpu']} ({env['cpu_count']} cores), torch {env['torch']}, no CUDA"
+    machine = machine_label(results["environment"])
     command = f"`python -m scripts.gpu_check` at {commit}"
     rows = []
     for name, smoke in results["smokes"].items():

@@ -72,6 +72,8 @@ def add_training_benchmarks(sub):
     t.add_argument("--probe-seconds", type=float, default=0.2,
                    help="peak-matmul probe after every timed step, for the interleaved MFU (0: none)")
     t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
+    t.add_argument("--fp8", default="", choices=["", "ours", "torchao"],
+                   help="the blocks' matmuls in fp8: base_train's --fp8 (ours) or torchao's float8 training")
     t.add_argument("--components", nargs="+", default=["none", "default"],
                    help="recipes to time, each a comma list of components, 'none' (the plain recipe) or 'default' "
                         "(base_train's default set); default: both")
@@ -138,6 +140,7 @@ def add_inference_benchmarks(sub):
     v.add_argument("--seconds", type=float, default=120.0, help="no new request of a level starts after this")
     v.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
     v.add_argument("--threads", type=int, default=0, help="the server's torch threads (0 = chat_web's default)")
+    v.add_argument("--decode", default="eager", choices=["eager", "captured"], help="chat_web's --decode")
     v.add_argument("--lm-eval", action="store_true", help="instead: lm-evaluation-harness's log-likelihood requests at "
                    "each --concurrency (requests/s), and a scoring request's cost against a generation's")
     v.add_argument("--lm-eval-items", type=int, default=100, help="multiple-choice items (x 4 requests each)")

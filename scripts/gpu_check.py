@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,13 +24,13 @@ import time
 import torch
 
 from nanochat import gpu_check as check
+from nanochat import gpu_suite as suite
 from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
 from nanochat.corpus import ensure_builtin_workspace, holds_training_data
 from nanochat.training import DEFAULT_COMPONENTS, depth_recipe, split_components
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The subprocesses find this repo first, and keep whatever the user's PYTHONPATH adds (packages installed with --target).
-CHILD_PYTHONPATH = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+REPO_ROOT, CHILD_PYTHONPATH = check.REPO_ROOT, check.CHILD_PYTHONPATH
+run_smoke = check.run_smoke
 
 
 def parse_args(argv=None):
@@ -45,7 +44,14 @@ def parse_args(argv=None):
     p.add_argument("--speedrun-batch", type=int, default=None,
                    help="the device batch the speedrun will use (default: $NANOCHAT_DEVICE_BATCH, else speedrun.sh's 16)")
     p.add_argument("--append", default=None, help="append the result rows to this markdown file (e.g. BENCHMARKS.md)")
-    p.add_argument("--worker", choices=["probe", "allreduce"], help=argparse.SUPPRESS)  # the subprocesses' own jobs
+    p.add_argument("--suite", action="store_true", help="instead: the GPU suite (nanochat/gpu_suite.py): ours against "
+                   "the reference, fp8, a 200-step run, decode, serving, the stages in miniature")
+    p.add_argument("--only", default="", help="--suite's sections, comma-separated (default: all)")
+    p.add_argument("--suite-minutes", type=float, default=9.0, help="--suite's deadline: later sections are skipped")
+    p.add_argument("--reference", default=suite.REFERENCE_DIR, help="a checkout of karpathy/nanochat for --suite")
+    p.add_argument("--worker", choices=["probe", "allreduce", "decode"], help=argparse.SUPPRESS)  # subprocesses' jobs
+    p.add_argument("--decode-depth", type=int, default=12, help=argparse.SUPPRESS)
+    p.add_argument("--decode-rows", default="1,16,64", help=argparse.SUPPRESS)
     p.add_argument("--probe-batch", type=int, default=16, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -73,25 +79,6 @@ def train_command(nproc, depth, args, tag):
                      f"--eval-tokens={4 * total}", "--core-metric-every=-1", "--sample-every=-1", f"--model-tag={tag}"]
 
 
-def run_smoke(name, command, workspace, root):
-    """Run a base_train smoke in a fresh base dir of its own (the workspace's data and tokenizer linked in)."""
-    base = os.path.join(root, "runs", name)
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
-    for entry in ("tokenizer", "base_data"):
-        os.symlink(os.path.join(workspace["base_dir"], entry), os.path.join(base, entry))
-    env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE=workspace["source"], PYTHONPATH=CHILD_PYTHONPATH)
-    t0 = time.time()
-    p = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
-    with open(os.path.join(base, "output.log"), "w") as f:  # the whole run's output, for when a smoke fails
-        f.write(p.stdout + p.stderr)
-    if p.returncode != 0:
-        errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")] or p.stderr.strip().splitlines()[-1:]
-        error = errors[0].removeprefix("error: ")[:300] if errors else f"exit code {p.returncode}"
-        return {"error": f"{error} (whole output: {base}/output.log)", "base_dir": base}
-    return {**check.curve_summary(base), "seconds": time.time() - t0, "base_dir": base}
-
-
 def probe_batches(args, workspace_dir, log):
     """The largest device batch that fits at the speedrun's depth: the speedrun's own, then doubling while it fits (up to
     one micro-batch per step), or halving until one does. Each candidate is one fresh process (a clean CUDA heap)."""
@@ -116,6 +103,9 @@ def probe_batches(args, workspace_dir, log):
 
 def run_worker(args):
     """The jobs gpu_check runs in processes of their own: one memory probe, or the all-reduce timing under torchrun."""
+    if args.worker == "decode":
+        return suite.decode_worker(args.decode_depth, args.seq_len, [int(r) for r in args.decode_rows.split(",")],
+                                   get_base_dir())
     if args.worker == "probe":
         s = check.SPEEDRUN
         print(json.dumps(check.probe_device_batch(s["depth"], s["seq_len"], s["vocab_size"], args.probe_batch,
@@ -135,6 +125,8 @@ def main(argv=None):
     cuda, t_start = torch.cuda.is_available(), time.time()
     root = os.path.join(get_base_dir(), "gpu_check")
     log = lambda message: print0(f"[{time.time() - t_start:5.0f}s] {message}")  # noqa: E731
+    if args.suite:
+        return None if suite.main(args, log) else sys.exit(1)
     if not cuda:
         print0("no CUDA GPU visible: running the CPU checks only (on a GPU node, check the driver and that torch is a "
                "CUDA build: python -c 'import torch; print(torch.version.cuda)')")

@@ -251,7 +251,7 @@ def cmd_serve(args):
     rows, runs = [], []
     for max_batch in args.max_batch:
         flags = ["-i", source, "--max-tokens", str(args.max_tokens), "--max-batch", str(max_batch), "--queue-timeout",
-                 "600"] + (["-g", tag] if tag else [])
+                 "600", "--decode", args.decode] + (["-g", tag] if tag else [])
         server = ChatWeb(base_dir, flags, args.threads)
         try:
             asyncio.run(drive(server.url, 1, 2, 60, 4))  # warm-up: first allocations, code paths
@@ -292,5 +292,6 @@ def cmd_serve(args):
     print_table(f"serve: {source}/{tag or 'latest'}, greedy streamed replies of up to {args.max_tokens} tokens",
                 ["max batch", "concurrency", "done", "errors", "tok/s", "first p50 s", "first p99 s", "total p50 s",
                  "total p99 s", "tokens/reply", "cores server/clients", "server memory MiB"], rows)
-    emit_json({"bench": "serve", "machine": machine_info(), "source": source, "tag": tag, "max_tokens": args.max_tokens,
+    emit_json({"bench": "serve", "machine": machine_info(), "source": source, "tag": tag, "decode": args.decode,
+               "max_tokens": args.max_tokens,
                "runs": runs})

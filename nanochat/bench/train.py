@@ -23,7 +23,7 @@ GPU_CONFIGS = [(12, 2048, 32), (20, 2048, 32)]
 class Run:
     """Everything one base_train step needs, built exactly as base_train builds it."""
 
-    def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile, components):
+    def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile, components, fp8=""):
         from nanochat.dataloader import DataLoader
         from nanochat.gpt import build_model
         from nanochat.tokenizer import get_tokenizer
@@ -42,6 +42,12 @@ class Run:
                               components=model_components)
         self.config = recipe.model_config
         self.model = build_model(self.config, device)
+        if fp8:  # base_train's --fp8 (ours), or torchao's float8 training: the blocks' linears, before compile
+            from nanochat.fp8 import convert_to_fp8, convert_with_torchao, torchao_unavailable
+
+            if fp8 == "torchao" and torchao_unavailable(device):
+                raise UserError(torchao_unavailable(device))
+            (convert_with_torchao if fp8 == "torchao" else convert_to_fp8)(self.model.transformer.h)
         self.flops_per_token = recipe.flops_per_token
         self.dtype = get_compute_dtype(device)
         self.autocast = autocast_for(device)
@@ -101,7 +107,7 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     _, _, _, _, device = compute_init(args.device_type)  # as base_train: picks the device, tf32 on CUDA
     vocab_size = bench_vocab_size(args.vocab_size, device.type)
     ensure_data(vocab_size)
-    run = Run(depth, seq_len, batch, vocab_size, device, use_compile, components)
+    run = Run(depth, seq_len, batch, vocab_size, device, use_compile, components, fp8=args.fp8)
     # The peak is measured before and after the timed steps and the higher value kept: on a shared VM the
     # speed of the same matmul drifts by 10-20 % over seconds, and the higher value gives the lower, honest MFU.
     with OtherLoad() as peak_other:
@@ -137,7 +143,7 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     peak_mem_mib = peak_memory_mib(device)
     return {
         "depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
-        "components": components or "none",
+        "components": components or "none", "fp8": args.fp8 or None,
         "compile": bool(use_compile), "device": device.type, "dtype": str(run.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "params": run.model.num_params(), "flops_per_token": run.flops_per_token,
         "steps": args.steps, "ms_per_step": step_s * 1000, "ms_per_step_min": min(step_times) * 1000,
@@ -254,7 +260,7 @@ def cmd_train(args):
             cmd = [sys.executable, "-m", "scripts.bench", "train", f"--depth={d}", f"--seq-len={t}",
                    f"--device-batch-size={b}", f"--compile={int(c)}", f"--steps={args.steps}", f"--warmup={args.warmup}",
                    f"--breakdown-steps={args.breakdown_steps}", f"--peak-seconds={args.peak_seconds}",
-                   f"--probe-seconds={args.probe_seconds}",
+                   f"--probe-seconds={args.probe_seconds}", f"--fp8={args.fp8}",
                    f"--vocab-size={args.vocab_size}", f"--threads={args.threads}", f"--components={comp or 'none'}"]
             if args.device_type:
                 cmd.append(f"--device-type={args.device_type}")
