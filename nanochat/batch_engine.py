@@ -283,7 +283,8 @@ class CapturedDecode:
         batch, extent = self.bucket(list(inputs), [self.cache.lengths[row] for row in inputs])
         if self.capture:
             try:
-                return self._replay(batch, extent, inputs)
+                with torch.cuda.device(self.cache.device):  # its streams and graphs on the cache's GPU
+                    return self._replay(batch, extent, inputs)
             except Exception as e:  # decoding goes on eagerly: a server must not fail on an optimisation
                 self.capture, self.why_eager = False, f"capture failed ({type(e).__name__}: {e})"
                 print(f"captured decode off: {self.why_eager}", flush=True)
@@ -292,20 +293,29 @@ class CapturedDecode:
         with autocast_for(self.cache.device):
             return self.model.forward(view.ids, kv_cache=view)[:, -1, :]
 
+    def _autocast(self):
+        """bf16 autocast without its cache of cast weights: a graph captured with it would keep reading casts that
+        are freed when the context exits (PyTorch's CUDA graphs notes)."""
+        from contextlib import nullcontext
+
+        dtype = get_compute_dtype(self.cache.device)
+        return nullcontext() if dtype == torch.float32 else \
+            torch.autocast(self.cache.device.type, dtype=dtype, cache_enabled=False)
+
     def _replay(self, batch, extent, inputs):
         if (batch, extent) not in self.graphs:
             view = StaticDecodeView(self.cache, batch, extent)
             view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), autocast_for(self.cache.device):
+            with torch.cuda.stream(side), self._autocast():
                 for _ in range(2):  # allocations and lazy initialisation happen outside the capture
                     view.masks = {}
                     self.model.forward(view.ids, kv_cache=view)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             view.masks = {}
-            with torch.cuda.graph(graph, pool=self.pool), autocast_for(self.cache.device):
+            with torch.cuda.graph(graph, pool=self.pool), self._autocast():
                 logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
             self.pool = graph.pool()
             self.graphs[(batch, extent)] = (view, graph, logits)
