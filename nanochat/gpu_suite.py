@@ -132,12 +132,13 @@ def section_train(scale, deadline, out, reference, root, workspace):
         ours = out[f"train_d{depth}"] = bench_train(scale, depth, min(scale.seconds["train"] / 2, left(deadline)))
         theirs = out[f"reference_d{depth}"] = reference_train(scale, depth, left(deadline), path) if path else \
             {"skipped": commit}
-        label = f"d{depth} bf16 training, compiled, device batch {scale.device_batch} x {scale.seq_len}"
+        label = f"d{depth} {ours.get('dtype', '')} training, compiled, device batch {scale.device_batch} x {scale.seq_len}"
         rows.append((f"{label}, ours (default recipe)", speed(ours)))
         ratio = ""
         if "tok_per_s" in ours and "tok_per_s" in theirs:
             ratio = f"; ours / reference {ours['tok_per_s'] / theirs['tok_per_s']:.2f}x"
-        rows.append((f"{label}, reference {commit[:7] if path else ''} ({theirs.get('attention', '-')}, full windows)",
+        rows.append((f"{label}, reference {commit[:7] if path else ''} ({theirs.get('attention', '-')}, full windows, "
+                     f"{theirs.get('dtype', '-').replace('torch.', '')})",
                      speed(theirs, ours.get("peak_flops")) + ratio))
     return rows
 

@@ -50,7 +50,7 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])["gpu_suite"]
     rows = dict(result["rows"])
-    ours = [r for name, r in rows.items() if name.startswith("d2 bf16 training") and "ours" in name]
+    ours = [r for name, r in rows.items() if re.match(r"d2 (bfloat16|float32) training", name) and "ours" in name]
     assert len(ours) == 1 and re.fullmatch(r"[\d,]+ tok/s, MFU [\d.]+ %", ours[0])
     reference = [r for name, r in rows.items() if "reference" in name]
     assert reference and reference[0].startswith("skipped: no reference checkout") and "git clone" in reference[0]
