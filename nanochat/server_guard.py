@@ -33,8 +33,10 @@ def raise_open_file_limit():
 
 def default_max_connections(open_files):
     """Connections the server keeps open at once: room below the open-file limit for the model's files, the workers'
-    pipes, and the up to 100 connections asyncio accepts in one go before the guard sees any of them."""
-    return max(16, min(4096, open_files - 256))
+    pipes, and the batches of up to 128 connections (the backlog) asyncio accepts before the guard sees them, while
+    the ones it evicted are still closing: half the limit, at least 256 files, in reserve (with 256, a flood under a
+    1,024-file limit ran the server out of files now and then)."""
+    return max(16, min(4096, open_files - max(256, open_files // 2)))
 
 
 class ConnectionGuard:

@@ -356,6 +356,7 @@ def test_base_train_saves_components_and_refuses_to_resume_with_other_ones(tiny_
     assert mid_meta["optimizer_components"] == ["normuon"] and mid_meta["model_config"]["smear"] is True
 
 
+@pytest.mark.slow  # 11 s: checkpoints from before the components, a compatibility path
 def test_old_recipe_checkpoints_resume_as_the_plain_recipe(tiny_base_dir, tmp_path):
     # A checkpoint from before --components existed has no "components" in its flags: a resume without the flag keeps
     # the plain recipe (not today's default), and one that names any component, Muon's included, is refused.

@@ -51,7 +51,8 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     result = json.loads(p.stdout.strip().splitlines()[-1])["gpu_suite"]
     rows = dict(result["rows"])
     ours = [r for name, r in rows.items() if re.match(r"d2 (bfloat16|float32) training", name) and "ours" in name]
-    assert len(ours) == 1 and re.fullmatch(r"[\d,]+ tok/s, MFU [\d.]+ %", ours[0])
+    assert len(ours) == 1 and re.fullmatch(r"[\d,]+ tok/s, MFU [\d.]+ % \(data \d+ / forward \d+ / backward \d+ / "
+                                           r"optimizer \d+ ms\)", ours[0]), ours
     reference = [r for name, r in rows.items() if "reference" in name]
     assert reference and reference[0].startswith("skipped: no reference checkout") and "git clone" in reference[0]
     fp8 = {name.split("(")[1].split(")")[0]: r for name, r in rows.items() if "fp8 training" in name}
