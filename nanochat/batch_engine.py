@@ -237,7 +237,9 @@ class StaticDecodeView:
             allowed = keys <= query
             if window is not None:
                 allowed = allowed & (keys > query - window)
-            self.masks[window] = allowed  # (batch, 1, 1, extent)
+            # an unfed row's query sits past the extent: with a window it could see no key at all, and a fully masked
+            # row can come out NaN, which its key at the last position would then keep
+            self.masks[window] = allowed | ~self.fed[:, None, None, None]  # (batch, 1, 1, extent)
         keys, values = k_cache[:self.batch, :self.extent], v_cache[:self.batch, :self.extent]
         return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
 
@@ -261,9 +263,9 @@ def decode_buckets(max_batch, seq_len):
 
 class CapturedDecode:
     """
-    The decode step as CUDA graphs, one per (rows, extent) bucket, captured the first time a step needs it (a few
-    hundred kernel launches replayed as one; they share one memory pool). Where CUDA graphs cannot run (a CPU), or a
-    capture fails, the same static step runs eagerly and says why once.
+    The decode step as CUDA graphs, one per (rows, extent) bucket, all captured when the engine is built (a few hundred
+    kernel launches replayed as one; they share one memory pool, and each replay's logits are copied out before the
+    next). Where CUDA graphs cannot run (a CPU), or a capture fails, the same static step runs eagerly and says why.
     """
 
     def __init__(self, model, cache, max_batch):
@@ -272,6 +274,16 @@ class CapturedDecode:
         self.graphs, self.pool = {}, None
         self.capture = cache.device.type == "cuda"
         self.why_eager = None if self.capture else f"CUDA graphs need a GPU (this is {cache.device.type})"
+        if self.capture:
+            try:
+                with torch.inference_mode(), torch.cuda.device(cache.device):
+                    for batch in self.rows:
+                        for extent in self.extents:
+                            self.graphs[(batch, extent)] = self._capture(batch, extent)
+            except Exception as e:  # decoding goes on eagerly: a server must not fail on an optimisation
+                self.graphs, self.capture = {}, False
+                self.why_eager = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                print(f"captured decode off: {self.why_eager}", flush=True)
 
     def bucket(self, fed_rows, fed_lengths):
         batch = next(b for b in self.rows if b > max(fed_rows))
@@ -282,12 +294,10 @@ class CapturedDecode:
         """{row: token} -> (rows, vocab) logits of rows 0..rows-1 (a row's own are at its index)."""
         batch, extent = self.bucket(list(inputs), [self.cache.lengths[row] for row in inputs])
         if self.capture:
-            try:
-                with torch.cuda.device(self.cache.device):  # its streams and graphs on the cache's GPU
-                    return self._replay(batch, extent, inputs)
-            except Exception as e:  # decoding goes on eagerly: a server must not fail on an optimisation
-                self.capture, self.why_eager = False, f"capture failed ({type(e).__name__}: {e})"
-                print(f"captured decode off: {self.why_eager}", flush=True)
+            view, graph, logits = self.graphs[(batch, extent)]
+            view.load(inputs)
+            graph.replay()
+            return logits
         view = StaticDecodeView(self.cache, batch, extent)
         view.load(inputs)
         with autocast_for(self.cache.device):
@@ -302,27 +312,34 @@ class CapturedDecode:
         return nullcontext() if dtype == torch.float32 else \
             torch.autocast(self.cache.device.type, dtype=dtype, cache_enabled=False)
 
-    def _replay(self, batch, extent, inputs):
-        if (batch, extent) not in self.graphs:
-            view = StaticDecodeView(self.cache, batch, extent)
-            view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), self._autocast():
-                for _ in range(2):  # allocations and lazy initialisation happen outside the capture
-                    view.masks = {}
-                    self.model.forward(view.ids, kv_cache=view)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            view.masks = {}
-            with torch.cuda.graph(graph, pool=self.pool), self._autocast():
-                logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
-            self.pool = graph.pool()
-            self.graphs[(batch, extent)] = (view, graph, logits)
-        view, graph, logits = self.graphs[(batch, extent)]
-        view.load(inputs)
-        graph.replay()
-        return logits
+    def _capture(self, batch, extent):
+        view = StaticDecodeView(self.cache, batch, extent)
+        view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), self._autocast():
+            for _ in range(2):  # allocations and lazy initialisation happen outside the capture
+                view.masks = {}
+                self.model.forward(view.ids, kv_cache=view)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph, view.masks, error, logits = torch.cuda.CUDAGraph(), {}, None, None
+        with torch.cuda.stream(side):  # begin and end by hand: a failure inside still ends the capture and the stream
+            graph.capture_begin(pool=self.pool)
+            try:
+                with self._autocast():
+                    logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
+            except Exception as e:
+                error = e
+            try:
+                graph.capture_end()
+            except Exception as e:
+                error = error or e
+        torch.cuda.current_stream().wait_stream(side)
+        if error is not None:
+            raise error
+        self.pool = graph.pool()
+        return view, graph, logits
 
 
 # -----------------------------------------------------------------------------

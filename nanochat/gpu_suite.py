@@ -14,9 +14,9 @@ process of its own under one deadline, so that a section that fails or hangs cos
             base_eval, mid_train, chat_sft, chat_rl, chat_eval on the built-in corpus and its offline tasks: every
             CUDA path speedrun.sh takes), then chat_web answering one request
 
-Sections run in that order until the deadline (--suite-minutes); `--only` picks some. On one H100 the compiles dominate
-(each training configuration compiles for ~40-90 s), so all six do not fit one 9-minute command: `--only
-train,decode,fp8` first, `--only run,serve,stages` in a second. Without CUDA the same sections run scaled down (tiny
+Sections run in that order until the deadline (--suite-minutes); `--only` picks some. On one GPU the compiles dominate
+(a d12 fp8 smoke's first step took 82 s on an H200), so the six do not fit one 9-minute command: `--only train,fp8`
+(six compiled processes, fp8 reusing train's bf16 d24), then `--only decode,run,serve`, then `--only stages`. Without CUDA the same sections run scaled down (tiny
 depths, a few steps), which is what CI runs. The rows go to stdout in BENCHMARKS.md's table format, the device named in
 every row, with one JSON line; --append adds the rows to a file.
 """
@@ -24,6 +24,7 @@ every row, with one JSON line; --append adds the rows to a file.
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,7 +64,7 @@ class Scale:
 
 GPU = Scale(train_depths=(12, 24), seq_len=2048, device_batch=16, timed_steps=8, warmup=3, fp8_depth=24, run_depth=12,
             run_steps=200, decode_depth=12, decode_rows=(1, 16, 64), serve_clients=(1, 16, 64), serve_tokens=64,
-            vocab=32768, seconds={"train": 330, "fp8": 200, "run": 180, "decode": 90, "serve": 150, "stages": 420})
+            vocab=32768, seconds={"train": 360, "decode": 90, "fp8": 240, "run": 150, "serve": 180, "stages": 420})
 CPU = Scale(train_depths=(2,), seq_len=64, device_batch=4, timed_steps=2, warmup=1, fp8_depth=2, run_depth=2,
             run_steps=30, decode_depth=2, decode_rows=(1, 4), serve_clients=(1, 4), serve_tokens=8, vocab=4096,
             seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600})
@@ -83,15 +84,20 @@ def reference_checkout(path):
 
 
 def run_json(command, timeout, env=None, cwd=check.REPO_ROOT):
-    """A child that ends with one JSON line: its dict, or {"error": a line} when it fails, hangs or says nothing."""
+    """A child that ends with one JSON line: its dict, or {"error": a line} when it fails, hangs or says nothing. A child
+    that outlives `timeout` is killed with everything it started (a chat_web and its GPU workers among them)."""
     env = {**os.environ, "PYTHONPATH": check.CHILD_PYTHONPATH, **(env or {})}
+    p = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=max(1, timeout))
+        stdout, stderr = p.communicate(timeout=max(1, timeout))
     except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
         return {"error": f"did not finish in {timeout:.0f} s"}
-    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        tail = [line for line in p.stderr.splitlines() if line.strip()][-1:] or [f"exit code {p.returncode}"]
+        tail = [line for line in stderr.splitlines() if line.strip()][-1:] or [f"exit code {p.returncode}"]
         return {"error": tail[0][:300]}
     return json.loads(lines[-1])
 
@@ -198,9 +204,14 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     vocab = tokenizer.get_vocab_size()
     recipe = depth_recipe(depth, vocab, seq_len, seq_len, components=split_components(DEFAULT_COMPONENTS)[0])
     torch.manual_seed(0)
-    model = build_model(recipe.model_config, device).eval().prepare_for_inference()
+    model = build_model(recipe.model_config, device).eval()
+    with torch.no_grad():  # initialised to zero, every block's output would be nothing: the token would depend on the
+        for block in model.transformer.h:  # last one alone, and a captured step's wrong keys could not show
+            block.attn.c_proj.weight.normal_(std=0.05)
+            block.mlp.c_proj.weight.normal_(std=0.05)
+    model.prepare_for_inference()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    results = {"engine_batch1_tok_per_s": check.decode_speed(model, tokenizer, 1)}
+    results = {"engine_batch1_tok_per_s": check.decode_speed(model, tokenizer, 1), "vocab": vocab}
     prompt_tokens, new_tokens = min(128, seq_len // 4), min(64, seq_len // 4)
     generator = torch.Generator().manual_seed(0)
     prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, vocab - 9, (prompt_tokens - 1,), generator=generator)
@@ -238,7 +249,7 @@ def section_decode(scale, deadline, out, reference, root, workspace):
                                        f"--decode-depth={scale.decode_depth}", f"--decode-rows={rows_arg}",
                                        f"--seq-len={2048 if torch.cuda.is_available() else 256}"],
                                       left(deadline), env={"NANOCHAT_BASE_DIR": workspace["base_dir"]})
-    label = f"d{scale.decode_depth} decode, random init, greedy"
+    label = f"d{scale.decode_depth} decode, random init, vocab {result.get('vocab', 0):,}, greedy"
     if "error" in result:
         return [(label, f"failed: {result['error']}")]
     speed1 = result["engine_batch1_tok_per_s"]
@@ -380,7 +391,10 @@ def run_suite(only, minutes, reference, root, workspace, log):
         log(f"suite: {name} (at most {min(scale.seconds[name], left(deadline)):.0f} s)")
         section_deadline = min(deadline, time.time() + scale.seconds[name])
         t0 = time.time()
-        new = globals()[f"section_{name}"](scale, section_deadline, out, reference, root, workspace)
+        try:
+            new = globals()[f"section_{name}"](scale, section_deadline, out, reference, root, workspace)
+        except Exception as e:  # one section's surprise is its row: the others' numbers still come out
+            new = [(f"section {name}", f"failed: {type(e).__name__}: {e}")]
         for check_name, result in new:
             log(f"  {check_name}: {result}")
         rows += new

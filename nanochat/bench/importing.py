@@ -19,7 +19,7 @@ import time
 import tiktoken
 import torch
 
-from nanochat.bench.common import emit_json, log, machine_info, print_table
+from nanochat.bench.common import child_pythonpath, emit_json, log, machine_info, print_table
 from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,7 +74,7 @@ def cmd_import(args):
         runs = []
         for i in range(args.repeats):
             base = os.path.join(work, f"base{i}")
-            env = dict(os.environ, NANOCHAT_BASE_DIR=base, PYTHONPATH=REPO_ROOT)
+            env = dict(os.environ, NANOCHAT_BASE_DIR=base, PYTHONPATH=child_pythonpath(REPO_ROOT))
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, "-m", "scripts.import_model", folder, "--as", "base"], cwd=REPO_ROOT, env=env,
                                capture_output=True, text=True)

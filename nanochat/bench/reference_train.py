@@ -35,9 +35,14 @@ def main():
     p.add_argument("--compile", type=int, default=1)
     args = p.parse_args()
 
+    # Python put this file's folder (our nanochat/bench) first on sys.path, where the reference's `import kernels`
+    # (its Flash Attention 3 loader) would find our bench's kernels.py: the reference sees only its own checkout
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: its FA3 download fails at once, SDPA instead
     import nanochat.gpt as reference_gpt  # the reference's, by PYTHONPATH
 
-    if os.path.dirname(os.path.abspath(__file__)) in os.path.dirname(os.path.abspath(reference_gpt.__file__)):
+    if os.path.dirname(os.path.dirname(os.path.abspath(reference_gpt.__file__))) == os.path.dirname(os.path.dirname(here)):
         sys.exit("error: this imported our own nanochat, not the reference's: put its checkout first on PYTHONPATH")
     from nanochat.common import COMPUTE_DTYPE
     from nanochat.flash_attention import USE_FA3

@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from nanochat.bench.common import emit_json, log, machine_info, print_table
+from nanochat.bench.common import child_pythonpath, emit_json, log, machine_info, print_table
 from nanochat.workers import IDLE_TRIM_SECONDS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,7 +58,7 @@ class ChatWeb:
     fills); url once it serves. The tests start their servers with it too."""
 
     def __init__(self, base_dir, flags, threads=0, timeout=300, preexec_fn=None):
-        env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, PYTHONPATH=REPO_ROOT)
+        env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, PYTHONPATH=child_pythonpath(REPO_ROOT))
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         command = [sys.executable, "-m", "scripts.chat_web", "--port", "0", *flags]
