@@ -439,7 +439,11 @@ def write_measurements(signature, measurements):
 
 def guess_depth(law, shape, device, budget_seconds):
     """Where the probe starts: the depth the law prefers if this device trains at GUESS_MFU of its peak FLOP/s."""
-    flops_per_second = GUESS_MFU.get(device.type, 0.4) * get_peak_flops(device) * shape.world_size
+    # a CPU's peak is measured, by each rank apart: the fastest rank's figure, so that every rank starts its walk at the
+    # same depth and makes the same collectives (ranks that started apart deadlocked, one in the probe's all-reduce,
+    # the other already comparing plans)
+    peak = all_reduce_max([get_peak_flops(device)], device)[0]
+    flops_per_second = GUESS_MFU.get(device.type, 0.4) * peak * shape.world_size
     best = None
     for depth in range(1, MAX_DEPTH + 1):
         recipe = meta_recipe(depth, shape)

@@ -78,6 +78,23 @@ def test_a_budgeted_run_prints_its_plan_ends_on_time_and_resumes_exactly(tiny_ba
     assert_same_weights(final_weights(base, steps, tag="budget-30s"), final_weights(base, steps, tag="copy"))
 
 
+def test_every_rank_guesses_its_first_depth_from_one_agreed_peak(monkeypatch):
+    """A CPU's peak FLOP/s is measured by each rank apart; the first depth is guessed from the fastest rank's figure
+    (all_reduce_max), not each rank's own, so every rank walks the same depths through the same collectives."""
+    import nanochat.time_budget as tb
+
+    shape = tb.RunShape(1024, 64, 256, 2, 32, 32, None, [], [], False, 2, 1024, None, False, 0.0)
+    guesses = {}
+    for rank_peak in (1e9, 1e12):  # two ranks that measured their matmuls a thousand times apart
+        monkeypatch.setattr(tb, "get_peak_flops", lambda device: rank_peak)
+        monkeypatch.setattr(tb, "all_reduce_max", lambda values, device: [max(v, 1e12) for v in values])
+        guesses[rank_peak] = tb.guess_depth(tb.LAWS["cpu-builtin"], shape, torch.device("cpu"), 600)
+    assert guesses[1e9] == guesses[1e12]
+    monkeypatch.setattr(tb, "all_reduce_max", lambda values, device: values)  # each its own: they would part
+    monkeypatch.setattr(tb, "get_peak_flops", lambda device: 1e9)
+    assert tb.guess_depth(tb.LAWS["cpu-builtin"], shape, torch.device("cpu"), 600) != guesses[1e12]
+
+
 @pytest.mark.slow  # 8 s: two runs, one under torchrun
 def test_one_rank_and_two_ranks_make_the_same_plan(tiny_base_dir, tmp_path):
     """Given the same measured speed (the base dir's record of earlier probes), 1 rank and 2 ranks choose the same
