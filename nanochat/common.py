@@ -528,6 +528,12 @@ def all_reduce_mean(value, device):
     return value
 
 
+def child_pythonpath(repo_root):
+    """PYTHONPATH for a child process: this repo first, then what the user's adds (packages installed with --target,
+    as a GPU machine without network gets its wheels)."""
+    return os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
+
+
 def all_reduce_max(values, device):
     """Each of a list of Python numbers maxed over all ranks (the numbers themselves without a process group): what
     every rank must agree on before deciding alike (a plan's timings, an out-of-memory flag)."""

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nanochat.common import autocast_for, compile_model
+from nanochat.common import autocast_for, child_pythonpath, compile_model
 from nanochat.training import REFERENCE_BATCH
 
 # The speedrun's base model (speedrun.sh, gpu preset): depth 24, 2^19 tokens per step of 2048-token rows, 10 tokens per
@@ -28,8 +28,7 @@ SHARD_GIB = 0.1  # an assumption: a climbmix shard of ~60M tokens as zstd parque
 # moved a 30-step d2 run by 0.97 % on a CPU; a broken all-reduce moves it by far more.
 AGREEMENT_AT_START, AGREEMENT = 0.001, 0.03
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The subprocesses find this repo first, and keep whatever the user's PYTHONPATH adds (packages installed with --target).
-CHILD_PYTHONPATH = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+CHILD_PYTHONPATH = child_pythonpath(REPO_ROOT)
 
 
 # -----------------------------------------------------------------------------

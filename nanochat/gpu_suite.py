@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat import gpu_check as check
+from nanochat.common import child_pythonpath
 
 REFERENCE_URL = "https://github.com/karpathy/nanochat"
 REFERENCE_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # 2026-07-03, the newest this project has read
@@ -117,8 +118,7 @@ def reference_train(scale, depth, timeout, reference):
                f"--depth={depth}", f"--seq-len={scale.seq_len}", f"--device-batch-size={scale.device_batch}",
                f"--vocab-size={scale.vocab}", f"--steps={scale.timed_steps}", f"--warmup={scale.warmup}"]
     # the reference's package first, and whatever the user's PYTHONPATH adds (wheels installed with --target), not ours
-    return run_json(command, timeout, env={"PYTHONPATH": os.pathsep.join(
-        p for p in (reference, os.environ.get("PYTHONPATH")) if p)})
+    return run_json(command, timeout, env={"PYTHONPATH": child_pythonpath(reference)})
 
 
 def speed(result, peak=None):

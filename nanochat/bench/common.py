@@ -31,12 +31,6 @@ def print_table(title, headers, rows):
             print("  ".join("-" * w for w in widths))
 
 
-def child_pythonpath(repo_root):
-    """PYTHONPATH for a child process: this repo first, then what the user's adds (packages installed with --target,
-    as a GPU machine without network gets its wheels)."""
-    return os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
-
-
 def emit_json(result):
     print(json.dumps(result), flush=True)
 

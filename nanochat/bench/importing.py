@@ -19,7 +19,8 @@ import time
 import tiktoken
 import torch
 
-from nanochat.bench.common import child_pythonpath, emit_json, log, machine_info, print_table
+from nanochat.bench.common import emit_json, log, machine_info, print_table
+from nanochat.common import child_pythonpath
 from nanochat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -18,7 +18,8 @@ import time
 
 import psutil
 
-from nanochat.bench.common import child_pythonpath, emit_json, log, machine_info, print_table
+from nanochat.bench.common import emit_json, log, machine_info, print_table
+from nanochat.common import child_pythonpath
 from nanochat.workers import IDLE_TRIM_SECONDS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
