@@ -64,6 +64,9 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     assert len(decode) == 4 and all("ms a step" in r for r in decode.values())
     captured = [r for name, r in decode.items() if name.endswith("captured")]
     assert all(re.search(r"the eager tokens in (\d+)/\1 rows \(ran eagerly: CUDA graphs need a GPU", r) for r in captured)
+    # the control for a captured step's disagreement: eager decoding against itself at fewer rows (one CPU: the same)
+    assert decode[next(name for name in decode if name.endswith("4 rows, eager"))].endswith(
+        "the tokens eager decoding wrote with fewer rows in 1/1 rows of 1")
     serve = {name: r for name, r in rows.items() if name.startswith("chat_web (")}
     assert len(serve) == 6 and all(r.endswith("0 errors") or "0 errors;" in r for r in serve.values()), serve
     assert any("x one at a time" in r for r in serve.values())

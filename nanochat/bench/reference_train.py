@@ -81,6 +81,23 @@ def main():
             torch.cuda.synchronize()
         return value
 
+    def timed_phases(i):
+        """One step taken apart, synced between phases, as `bench train --breakdown-steps` takes ours apart."""
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        x = batches[i % len(batches)]
+        sync()
+        t0 = time.perf_counter()
+        loss = train_model(x, torch.roll(x, -1, dims=1))
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        sync()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": time.perf_counter() - t2}
+
     t0 = time.perf_counter()
     first_loss = step(0)
     for i in range(1, args.warmup):
@@ -92,12 +109,14 @@ def main():
         loss = step(args.warmup + i)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
+    breakdown = [timed_phases(args.warmup + args.steps + i) for i in range(2)]
     tokens = args.device_batch_size * args.seq_len
     print(json.dumps({
         "project": "reference", "depth": args.depth, "seq_len": args.seq_len, "device_batch_size": args.device_batch_size,
         "window_pattern": args.window_pattern, "attention": "fa3" if USE_FA3 else "sdpa", "dtype": str(COMPUTE_DTYPE),
         "params": params, "flops_per_token": flops_per_token, "ms_per_step": step_s * 1000, "tok_per_s": tokens / step_s,
         "warmup_s": warmup_s, "first_loss": first_loss, "final_loss": loss,
+        "breakdown_ms": {k: statistics.median(b[k] for b in breakdown) * 1000 for k in breakdown[0]},
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }))
 
