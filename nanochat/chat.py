@@ -33,8 +33,6 @@ TOP_K_RANGE = (1, 200)
 TOP_P_RANGE = (0.0, 1.0)  # 0, as the OpenAI API allows: the most likely token only
 MAX_TOKENS_RANGE = (1, 4096)
 NUM_SAMPLES_RANGE = (1, 8)  # the OpenAI API's n: samples are decoded together as one batch
-MAX_STOP_STRINGS = 4  # as the OpenAI API allows
-MAX_STOP_CHARS = 100
 SEED_MODULUS = 2**63  # any integer is a valid seed; torch takes it modulo this
 
 ROLES = ("system", "user", "assistant")
@@ -71,7 +69,8 @@ def check_number(field, value, low, high, integer=False, low_open=False):
 
 
 def _is_text_part(part):
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and \
+        set(part) == {"type", "text"}
 
 
 def _text_parts_only(field, content):
@@ -80,7 +79,9 @@ def _text_parts_only(field, content):
         return content
     if isinstance(content, list) and all(_is_text_part(p) for p in content):
         return "".join(p["text"] for p in content)
-    raise RequestError(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
+    kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"}) if isinstance(content, list) else []
+    reason = f" ({', '.join(kinds)}: this model reads text only)" if kinds else ""
+    raise RequestError(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts" + reason)
 
 
 def _assistant_parts(field, content, markup=False):
@@ -92,7 +93,7 @@ def _assistant_parts(field, content, markup=False):
         raise RequestError(field, "must be a string or a list of parts")
     parts = []
     for i, part in enumerate(content):
-        well_formed = isinstance(part, dict) and part.get("type") in ASSISTANT_PART_TYPES
+        well_formed = isinstance(part, dict) and part.get("type") in ASSISTANT_PART_TYPES and set(part) == {"type", "text"}
         if not (well_formed and isinstance(part.get("text"), str)):
             raise RequestError(f"{field}[{i}]", f"must be {{\"type\": one of {', '.join(ASSISTANT_PART_TYPES)}, "
                                                 "\"text\": a string}")
@@ -104,13 +105,32 @@ def content_chars(content):
     return len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
 
 
-def validate_messages(messages, markup=False):
+# What a message may carry besides role and content: nothing the model can read, so each is refused with its reason
+# (null, and an empty list of tool calls, count as absent: what clients send back from a reply object)
+MESSAGE_REFUSED = {"name": "this model's chat format has no participant names",
+                   "tool_calls": "this model calls no user tools (its only tool is its own calculator)",
+                   "function_call": "this model calls no user tools", "tool_call_id": "this model calls no user tools",
+                   "audio": "this model reads and writes text only", "refusal": "this model writes no refusals",
+                   "annotations": "this server writes no annotations"}
+MESSAGE_ABSENT = (None, [], "")
+
+
+def check_message_keys(field, message):
+    for key, value in message.items():
+        if key in ("role", "content") or (key in MESSAGE_REFUSED and value in MESSAGE_ABSENT):
+            continue
+        raise RequestError(f"{field}.{key}", MESSAGE_REFUSED.get(key) or "is not a field of a message this server reads "
+                           "(role and content)")
+
+
+def validate_messages(messages, markup=False, for_reply=True):
     """
     A client's messages, checked against the limits above and normalised for the tokenizer: user and system
     content as strings, assistant content as a list of parts, consecutive messages of one role merged (some
     clients send two user messages in a row), a system message only first, the last message from the user.
     markup: an assistant string's tool calls in MODEL_MARKUP become tool parts (a conversation sent back as the
-    model wrote it); otherwise text that spells a special token is only text.
+    model wrote it); otherwise text that spells a special token is only text. for_reply False: the conversation may
+    also end with the assistant's turn (a conversation rendered whole, not for a reply).
     """
     if not isinstance(messages, list):
         raise RequestError("messages", "must be a list of {\"role\": ..., \"content\": ...} objects")
@@ -123,6 +143,7 @@ def validate_messages(messages, markup=False):
         field = f"messages[{i}]"
         if not isinstance(message, dict):
             raise RequestError(field, "must be an object with \"role\" and \"content\"")
+        check_message_keys(field, message)
         role = message.get("role")
         if role == "developer":  # what newer OpenAI clients send in place of "system"
             role = "system"
@@ -155,7 +176,7 @@ def validate_messages(messages, markup=False):
     first_turn = normalised[1] if normalised[0]["role"] == "system" else normalised[0]
     if first_turn["role"] != "user":
         raise RequestError("messages", "the conversation must start with a user message (after an optional system one)")
-    if normalised[-1]["role"] != "user":
+    if for_reply and normalised[-1]["role"] != "user":
         raise RequestError("messages", "the last message must be from the user: the model writes the reply to it")
     return normalised
 

@@ -19,6 +19,8 @@ began in training) that is not echoed: so even its first token has a log probabi
 """
 
 import asyncio
+import codecs
+import dataclasses
 import json
 import secrets
 import time
@@ -26,16 +28,20 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanochat.chat import (MAX_TOKENS_RANGE, MAX_TOTAL_CHARS, MODEL_MARKUP, NUM_SAMPLES_RANGE, READABLE_MARKUP,
                            SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, Finish, MarkupWriter, Piece,
                            RequestError, check_number, validate_messages, whole_conversation)
+from nanochat.common import print0
 from nanochat.workers import Token, engine_samplings
 
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/chat.py is well under this, JSON-escaped
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 100  # as the OpenAI API allows
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 100  # OpenAI allows 4 and vLLM any number; harnesses add their own end string
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_CHOICES = 64  # prompts x n of one /v1/completions request: what one reply may hold
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the request has none, as in OpenAI's API and vLLM's
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 PENALTY_RANGE, BIAS_RANGE = (-2.0, 2.0), (-100.0, 100.0)
 CHAT_TOP_LOGPROBS, COMPLETION_LOGPROBS = 20, 5  # the most alternatives per token each endpoint gives, as OpenAI's
@@ -62,18 +68,41 @@ REFUSED = {
 
 
 class HTTPProblem(Exception):
-    def __init__(self, status, message, kind="invalid_request_error", param=None):
+    def __init__(self, status, message, kind="invalid_request_error", param=None, code=None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+MODEL_ALIASES = ("nanochat",)  # what a client may call the one served model besides its id (docs/serving.md)
+
+
+def served_names(model_id):
+    return (model_id,) + MODEL_ALIASES
+
+
+def check_model(body, model_id):
+    """A request's model: absent, or the served model's id or an alias; any other name is the API's 404."""
+    if "model" not in body:
+        return
+    name = body["model"]
+    if not isinstance(name, str):
+        raise RequestError("model", f"must be a string: the served model's id ({model_id!r}) or {MODEL_ALIASES[0]!r}")
+    if name not in served_names(model_id):
+        raise HTTPProblem(404, f"model {name!r:.100} is not served here; this server serves {model_id!r} (also "
+                          f"called {MODEL_ALIASES[0]!r})", param="model", code="model_not_found")
 
 
 async def read_json_body(request):
     size, chunks = 0, []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise HTTPProblem(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise HTTPProblem(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # cut off mid-body: nobody to answer, and one line in the log rather than a traceback
+        print0(f"a client left in the middle of its request's body ({size} bytes in)")
+        raise ClientGone() from None
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -202,6 +231,23 @@ def read_sampling(body, temperature, top_k, max_tokens, vocab_size=None, min_tok
                     validate_logit_bias(body.get("logit_bias"), vocab_size or 2**31))
 
 
+def reply_length_given(body):
+    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+
+
+def reply_room(body, max_tokens, prompt_tokens, context, what):
+    """A reply's max_tokens for a prompt of prompt_tokens: one the client gave must fit the context with the prompt (a
+    400 context_length_exceeded otherwise, as vLLM answers); the default yields to the context."""
+    room = context - prompt_tokens
+    if not reply_length_given(body):
+        return min(max_tokens, room)
+    if max_tokens > room:
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise RequestError(field, f"this model's context is {context} tokens and {what} take {prompt_tokens}: at most "
+                           f"{room} tokens of reply fit (got {max_tokens})", code="context_length_exceeded")
+    return max_tokens
+
+
 def read_stream_options(body):
     """Whether a streamed reply ends with a usage chunk: stream_options.include_usage (only with stream true)."""
     options = body.get("stream_options")
@@ -211,6 +257,9 @@ def read_stream_options(body):
         raise RequestError("stream_options", "is only allowed with \"stream\": true")
     if not isinstance(options, dict) or not set(options) <= {"include_usage", "include_obfuscation"}:
         raise RequestError("stream_options", "must be {\"include_usage\": true or false}")
+    if check_bool(options, "include_obfuscation"):
+        raise RequestError("stream_options.include_obfuscation", "this server does not pad its stream chunks: false, or "
+                           "leave it out")
     return check_bool(options, "include_usage")
 
 
@@ -290,36 +339,56 @@ def sse(payload):
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def token_text(tokenizer, token):
-    """A token as text ("<|python_start|>" for a special one; a piece of a character decodes to U+FFFD)."""
-    return tokenizer.decode([token])
+class TokenTable:
+    """
+    Every token's bytes and its text as the tokenizer decodes it alone ("<|python_start|>" for a special one; a token
+    that holds part of a UTF-8 character reads U+FFFD), read once when the server starts: a long prompt's logprobs name
+    thousands of tokens and their alternatives, and decoding each one on the event loop stalled every other client.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        enc = tokenizer.enc
+        self.bytes = [token_bytes(enc, i) for i in range(enc.n_vocab)]
+        self.text = [b.decode("utf-8", errors="replace") for b in self.bytes]
+        self.special = special_ids(tokenizer)
 
 
-def chat_logprob(tokenizer, token, logprob, top):
-    """One token of a chat reply's logprobs.content, with its alternatives."""
+def token_bytes(enc, token):
+    try:
+        return enc.decode_single_token_bytes(token)
+    except KeyError:  # an id no token has (some tiktoken vocabularies have gaps): never sampled, never sent
+        return b""
+
+
+def chat_logprob(table, token, logprob, top):
+    """One token of a chat reply's logprobs.content, with its alternatives: `bytes` are the token's own."""
     def entry(t, lp):
-        text = token_text(tokenizer, t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": table.text[t], "logprob": lp, "bytes": list(table.bytes[t])}
     return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
 
 
 class CompletionLogprobs:
-    """A completion choice's logprobs in OpenAI's shape: tokens, token_logprobs, top_logprobs and text_offset (each
-    token's first character in the choice's text), built token by token; take() gives what came since the last take."""
+    """A completion choice's logprobs in OpenAI's shape: tokens, token_logprobs, top_logprobs and text_offset, built
+    token by token; take() gives what came since the last take. text_offset is where a token's text begins in the
+    choice's text, in characters: the tokens' bytes decoded as they come, so a token that ends in the middle of a
+    character points at that character, and the offsets index the text the reply returns."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.offset = tokenizer, 0
+    def __init__(self, table):
+        self.table, self.offset = table, 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.fields = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.taken = 0
 
-    def add(self, token, logprob, top):
-        text = token_text(self.tokenizer, token)
-        self.fields["tokens"].append(text)
+    def add(self, token, logprob, top, in_text=True):
+        """in_text: the token's text is part of the choice's text (not a special token that ended the reply)."""
+        text = self.table.text
+        self.fields["tokens"].append(text[token])
         self.fields["token_logprobs"].append(logprob)
-        self.fields["top_logprobs"].append(None if logprob is None else
-                                           {token_text(self.tokenizer, t): lp for t, lp in top})
+        self.fields["top_logprobs"].append(None if logprob is None else {text[t]: lp for t, lp in top})
         self.fields["text_offset"].append(self.offset)
-        self.offset += len(text)
+        if in_text:
+            self.offset += len(self.decoder.decode(self.table.bytes[token]))
 
     def whole(self):
         return self.fields
@@ -342,6 +411,7 @@ class OpenAIRoutes:
         self.pool, self.tokenizer, self.defaults = pool, tokenizer, defaults
         self.context, self.model_id = model_info["context"], model_info["id"]
         self.bos = tokenizer.get_bos_token_id()
+        self.table = TokenTable(tokenizer)
 
     def mount(self, app):
         app.post("/v1/chat/completions")(self.chat_completion)
@@ -359,8 +429,7 @@ class OpenAIRoutes:
 
     def read_common(self, body, endpoint, fields):
         check_fields(body, fields, endpoint)
-        if "model" in body and not isinstance(body["model"], str):
-            raise RequestError("model", "must be a string")
+        check_model(body, self.model_id)
         check_bool(body, "stream")
         return read_stream_options(body)
 
@@ -382,9 +451,10 @@ class OpenAIRoutes:
         # tokenizing up to MAX_TOTAL_CHARS takes milliseconds: off the event loop. An API client keeps its own context,
         # so its messages go in whole or not at all (a 400 context_length_exceeded).
         prompt = await asyncio.to_thread(whole_conversation, self.tokenizer, messages, self.context)
+        sampling.max_tokens = reply_room(body, sampling.max_tokens, len(prompt.ids), self.context, "the messages")
         generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling))
         head = openai_head(self.model_id, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
-        replies = ChatReplies(self.tokenizer, sampling.num_samples, MODEL_MARKUP if markup else READABLE_MARKUP,
+        replies = ChatReplies(self.table, sampling.num_samples, MODEL_MARKUP if markup else READABLE_MARKUP,
                               sampling.logprobs is not None)
         if body.get("stream"):
             return StreamingResponse(self.chat_stream(generation, prompt, head, replies, include_usage),
@@ -422,36 +492,43 @@ class OpenAIRoutes:
         include_usage = self.read_common(body, "completions", COMPLETION_FIELDS)
         if body.get("suffix", "") != "":
             raise RequestError("suffix", "this model does not fill in the middle")
-        if body.get("best_of", 1) != 1:
-            raise RequestError("best_of", "only 1: ask for n replies and choose among them")
+        best_of = body.get("best_of", 1)
+        if isinstance(best_of, bool) or best_of != 1:
+            raise RequestError("best_of", f"only 1: ask for n replies and choose among them (got {best_of!r:.20})")
         echo = check_bool(body, "echo")
         d = self.defaults
-        sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"], self.tokenizer.get_vocab_size(),
-                                 min_tokens=0)
+        sampling = read_sampling(body, d["temperature"], d["top_k"], COMPLETION_MAX_TOKENS,
+                                 self.tokenizer.get_vocab_size(), min_tokens=0)
         if "logprobs" in body:
             sampling.logprobs = check_number("logprobs", body["logprobs"], 0, COMPLETION_LOGPROBS, integer=True)
-        prompts = await asyncio.to_thread(read_prompts, body.get("prompt"), self.tokenizer)
-        model_prompts = []  # each read after a <|bos|>, as every training document began; not echoed
-        for i, (ids, _) in enumerate(prompts):
-            ids = ids if ids and ids[0] == self.bos else [self.bos] + ids
-            if len(ids) + (sampling.max_tokens > 0) > self.context:
-                raise RequestError(f"prompt[{i}]" if len(prompts) > 1 else "prompt", f"this model's context is "
-                                   f"{self.context} tokens and the prompt takes {len(ids)} with <|bos|>" +
-                                   (", leaving no room for a reply" if sampling.max_tokens else ""),
-                                   code="context_length_exceeded")
-            model_prompts.append(ids)
-        head = openai_head(self.model_id, f"cmpl-{uuid.uuid4().hex}", int(time.time()))
-        choices = Completions(self.tokenizer, prompts, model_prompts, sampling, echo)
         scoring = echo and sampling.logprobs is not None
-        if scoring:  # the prompts' log probabilities in one forward pass; a one-token reply is drawn from it too
-            one_token = sampling.max_tokens == 1 and not sampling.stop
-            scored, drawn = await self.pool.score(model_prompts, sampling.logprobs,
-                                                  engine_samplings(sampling) if one_token else [])
-            choices.add_scores(scored, drawn)
+        one_token = scoring and sampling.max_tokens == 1 and not sampling.stop  # drawn from the scoring pass
+        if sampling.max_tokens == 0 and sampling.num_samples > 1:
+            raise RequestError("n", "a prompt scored with max_tokens 0 has one answer: n copies would only repeat it "
+                               "(ask with n 1)")
+        prompts = await asyncio.to_thread(read_prompts, body.get("prompt"), self.tokenizer)
+        if len(prompts) * sampling.num_samples > MAX_CHOICES:
+            raise RequestError("n", f"prompts x n may be at most {MAX_CHOICES} choices in one reply (got "
+                               f"{len(prompts)} x {sampling.num_samples})")
+        model_prompts, limits = [], []
+        for i, (ids, _) in enumerate(prompts):
+            field = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+            ids = self.read_after_bos(ids, 0 if sampling.max_tokens == 0 or one_token else
+                                      sampling.max_tokens if reply_length_given(body) else 1, field)
+            model_prompts.append(ids)
+            limits.append(sampling.max_tokens if sampling.max_tokens == 0 or one_token else
+                          reply_room(body, sampling.max_tokens, len(ids), self.context, field))
+        head = openai_head(self.model_id, f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+        choices = Completions(self.table, prompts, model_prompts, sampling, echo)
+        if scoring:  # the prompts' log probabilities, in slices between decode steps; a one-token reply drawn from them
+            scored, drawn = await until_disconnect(request, self.pool.score(
+                model_prompts, sampling.logprobs, engine_samplings(sampling) if one_token else []))
+            await asyncio.to_thread(choices.add_scores, scored, drawn)  # thousands of entries: off the event loop
         generations = []
         try:
-            for ids in ([] if choices.done() else model_prompts):
-                generations.append(await until_disconnect(request, self.pool.submit(ids, sampling, chat=False)))
+            for ids, limit in ([] if choices.done() else zip(model_prompts, limits)):
+                generations.append(await until_disconnect(request, self.pool.submit(
+                    ids, dataclasses.replace(sampling, max_tokens=limit), chat=False)))
         except BaseException:  # the rest will not be asked for: free the rows of those that were
             for generation in generations:
                 generation.cancel()
@@ -462,7 +539,22 @@ class OpenAIRoutes:
         failure = await collect(request, generations, choices.take)
         if failure or not choices.done():
             return self.failed(failure)
-        return {**head, "object": "text_completion", "choices": choices.whole(), "usage": choices.usage()}
+        return await whole_json({**head, "object": "text_completion", "choices": choices.whole(),
+                                 "usage": choices.usage()})
+
+    def read_after_bos(self, ids, room, field):
+        """
+        A completion prompt as the model reads it: after a <|bos|> (how every training document began; not echoed),
+        unless it begins with one, or the <|bos|> would leave the prompt and `room` tokens of reply no longer fitting
+        the context: then as sent (its first token has no log probability). So a client that counts its prompt's
+        tokens against max_model_len is never refused for a token it did not send.
+        """
+        with_bos = ids if ids[:1] == [self.bos] else [self.bos] + ids
+        ids = with_bos if len(with_bos) + room <= self.context else ids
+        if len(ids) + room > self.context:
+            raise RequestError(field, f"this model's context is {self.context} tokens and the prompt takes {len(ids)}"
+                               + (f", with {room} of reply asked for" if room else ""), code="context_length_exceeded")
+        return ids
 
     async def completion_stream(self, generations, choices, head, include_usage):
         def render():
@@ -473,7 +565,8 @@ class OpenAIRoutes:
         def end():
             return [sse(openai_usage_chunk(head, choices.usage(), "text_completion"))] if include_usage else []
 
-        async for text in stream_events(generations, choices.take, render, end, render()):  # echoes, one-token replies
+        start = await asyncio.to_thread(render)  # echoed prompts and their scores, one-token replies: off the event loop
+        async for text in stream_events(generations, choices.take, render, end, start):
             yield text
 
     # -- the model and its tokenizer -------------------------------------------------------------
@@ -482,35 +575,50 @@ class OpenAIRoutes:
         return {"object": "list", "data": [openai_model_card(self.model_id, int(self.pool.started), self.context)]}
 
     async def model(self, name: str):
-        if name != self.model_id:
-            raise HTTPProblem(404, f"model {name!r} is not served here; this server has {self.model_id!r}",
-                              kind="invalid_request_error", param="model")
+        check_model({"model": name}, self.model_id)
         return openai_model_card(self.model_id, int(self.pool.started), self.context)
 
     async def tokenize(self, request: Request):
-        """POST /tokenize (vLLM's): {"prompt": text, "add_special_tokens": true} or {"messages": [...]} -> ids. As in
-        vLLM, special tokens spelled in the prompt are special here, and add_special_tokens puts <|bos|> first."""
+        """
+        POST /tokenize (vLLM's): {"prompt": text, "add_special_tokens": true} or {"messages": [...],
+        "add_generation_prompt": true, "add_special_tokens": false} -> ids. As in vLLM, special tokens spelled in the
+        prompt are special here; add_special_tokens puts <|bos|> first (a conversation's template writes its own, so
+        there it defaults to false); add_generation_prompt ends a conversation with <|assistant_start|>, and without it
+        the conversation may end with the assistant's turn. Any length the request body allows (a remote tokenizer
+        reads whole documents), tokenized off the event loop.
+        """
         body = await read_json_body(request)
         check_fields(body, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"}, "tokenize")
+        check_model(body, self.model_id)
         if "messages" in body:
-            ids = self.tokenizer.render_for_completion({"messages": validate_messages(body["messages"])})
-        elif isinstance(body.get("prompt"), str) and len(body["prompt"]) <= MAX_TOTAL_CHARS:
+            if "prompt" in body:
+                raise RequestError("prompt", "give prompt or messages, not both")
+            for_reply = check_bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
+            messages = validate_messages(body["messages"], for_reply=for_reply)
+            conversation = {"messages": messages}
+            render = (lambda: self.tokenizer.render_for_completion(conversation)) if for_reply else \
+                (lambda: self.tokenizer.render_conversation(conversation, max_tokens=None)[0])
+            ids = ([self.bos] if check_bool(body, "add_special_tokens") else []) + await asyncio.to_thread(render)
+        elif isinstance(body.get("prompt"), str):
+            if "add_generation_prompt" in body:
+                raise RequestError("add_generation_prompt", "is for messages; a prompt is tokenized as it is")
+            bos = [self.bos] if check_bool({"add_special_tokens": True, **body}, "add_special_tokens") else []
             specials = self.tokenizer.get_special_tokens()
-            ids = self.tokenizer.enc.encode(body["prompt"], allowed_special=specials)
-            ids = ([self.bos] if body.get("add_special_tokens", True) else []) + ids
+            ids = bos + await asyncio.to_thread(self.tokenizer.enc.encode, body["prompt"], allowed_special=specials)
         else:
-            raise RequestError("prompt", f"must be a string of at most {MAX_TOTAL_CHARS} characters (or give messages)")
+            raise RequestError("prompt", "must be a string (or give messages)")
         return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
 
     async def detokenize(self, request: Request):
-        """POST /detokenize (vLLM's): {"tokens": ids} -> {"prompt": text}."""
+        """POST /detokenize (vLLM's): {"tokens": ids} -> {"prompt": text}, as many ids as the request body holds."""
         body = await read_json_body(request)
         check_fields(body, {"model", "tokens"}, "detokenize")
+        check_model(body, self.model_id)
         ids, vocab = body.get("tokens"), self.tokenizer.get_vocab_size()
-        if not isinstance(ids, list) or len(ids) > 4 * self.context or \
-                not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise RequestError("tokens", f"must be a list of at most {4 * self.context} token ids, 0 to {vocab - 1}")
-        return {"prompt": self.tokenizer.decode(ids)}
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise RequestError("tokens", f"must be a list of token ids, 0 to {vocab - 1}")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids)}
 
     async def tokenizer_info(self):
         """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
@@ -557,6 +665,20 @@ async def stream_events(generations, take, render, end, start):
             task.cancel()
         for generation in generations:
             generation.cancel()
+
+
+async def whole_json(payload, key="choices"):
+    """
+    A reply that can hold megabytes (a prompt's scores: a few hundred bytes a token), serialised in a thread a choice
+    at a time: each json.dumps holds the interpreter's lock only for one choice, so the event loop, and every other
+    client, keeps its turns.
+    """
+    def dumps():
+        rest = json.dumps({k: v for k, v in payload.items() if k != key})[:-1]
+        items = ", ".join(json.dumps(item) for item in payload[key])
+        return (rest + (", " if len(rest) > 1 else "") + f'"{key}": [{items}]}}').encode()
+
+    return Response(await asyncio.to_thread(dumps), media_type="application/json")
 
 
 class ClientGone(Exception):
@@ -618,11 +740,12 @@ class ChatReplies:
     """The n replies of a chat request as their events come in: content as readable text (or markup), logprobs,
     finish reasons; deltas() gives what is new since the last call, for a stream."""
 
-    def __init__(self, tokenizer, n, markup, logprobs):
-        self.tokenizer, self.n, self.logprobs = tokenizer, n, logprobs
+    def __init__(self, table, n, markup, logprobs):
+        self.table, self.n, self.logprobs = table, n, logprobs
         self.writers = [MarkupWriter(markup) for _ in range(n)]
         # what content.logprobs leaves out: the token that ends the turn, and in readable text the markers
-        self.left_out = special_ids(tokenizer) if markup is READABLE_MARKUP else \
+        tokenizer = table.tokenizer
+        self.left_out = table.special if markup is READABLE_MARKUP else \
             {tokenizer.encode_special(t) for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
                                                    "<|assistant_end|>")}
         self.text = [""] * n
@@ -635,7 +758,7 @@ class ChatReplies:
         for event in events:
             if isinstance(event, Token):
                 if event.token not in self.left_out:
-                    entry = chat_logprob(self.tokenizer, event.token, event.logprob, event.top)
+                    entry = chat_logprob(self.table, event.token, event.logprob, event.top)
                     self.entries[event.index].append(entry)
                     self._new(event.index)[2].append(entry)
             elif isinstance(event, Piece):
@@ -672,19 +795,18 @@ class Completions:
     in: the echoed prompt and its scores, the reply's pieces, tokens and finish; deltas() gives what is new, for a stream.
     """
 
-    def __init__(self, tokenizer, prompts, model_prompts, sampling, echo):
-        self.tokenizer, self.sampling, self.n = tokenizer, sampling, sampling.num_samples
+    def __init__(self, table, prompts, model_prompts, sampling, echo):
+        self.table, self.sampling, self.n = table, sampling, sampling.num_samples
         self.prompts, self.model_prompts, self.echo = prompts, model_prompts, echo
         count = len(prompts) * self.n
         self.text, self.reason = [""] * count, [None] * count
-        self.logprobs = [CompletionLogprobs(tokenizer) for _ in range(count)] if sampling.logprobs is not None else None
+        self.logprobs = [CompletionLogprobs(table) for _ in range(count)] if sampling.logprobs is not None else None
         self.completion_tokens = 0
-        self.special_ids = special_ids(tokenizer)
         self.new = {}  # choice -> text since the last deltas()
         if echo:
             for i, (ids, text) in enumerate(prompts):
                 for j in range(self.n):
-                    self._add_text(i * self.n + j, text if text is not None else tokenizer.decode(ids))
+                    self._add_text(i * self.n + j, text if text is not None else table.tokenizer.decode(ids))
         if sampling.max_tokens == 0:
             self.reason = ["length"] * count
 
@@ -702,10 +824,10 @@ class Completions:
                 self.new.setdefault(i * self.n + j, "")
         for choice, (token, logprob, top) in enumerate(drawn):
             self.completion_tokens += 1
-            special = token in self.special_ids  # a base model ends its text with one: no text, but its logprob
-            self.logprobs[choice].add(token, logprob, top)  # (lm-eval reads the prompt's as all but the last)
-            if not special:
-                self._add_text(choice, token_text(self.tokenizer, token))
+            special = token in self.table.special  # a base model ends its text with one: no text, but its logprob
+            self.logprobs[choice].add(token, logprob, top, in_text=not special)  # (lm-eval reads the prompt's as
+            if not special:  # all but the last)
+                self._add_text(choice, self.table.text[token])
             self.reason[choice] = "stop" if special else "length"
 
     def done(self):
@@ -716,7 +838,8 @@ class Completions:
         for event in events:
             choice = prompt_index * self.n + getattr(event, "index", 0)
             if isinstance(event, Token) and self.logprobs is not None:
-                self.logprobs[choice].add(event.token, event.logprob, event.top)
+                self.logprobs[choice].add(event.token, event.logprob, event.top,
+                                          in_text=event.token not in self.table.special)
                 self.new.setdefault(choice, "")
             elif isinstance(event, Piece):
                 self._add_text(choice, event.text)

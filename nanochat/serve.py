@@ -17,9 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanochat.chat import Finish, Piece, RequestError, fit_conversation, prompt_budget, validate_messages
 from nanochat.common import UserError
-from nanochat.openai_api import (SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes, check_bool, openai_error,
+from nanochat.openai_api import (SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes, check_bool, check_model, openai_error,
                                  openai_usage, read_json_body, read_sampling, sse, until_disconnect)
-from nanochat.server_guard import RequireLocalJSON
+from nanochat.server_guard import RequireJSONAndHost
 from nanochat.workers import NoWorkerAlive, QueueTimeout, ServerStopping
 
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
@@ -31,6 +31,7 @@ class UIRoutes:
 
     def __init__(self, pool, tokenizer, model_info, defaults):
         self.pool, self.tokenizer, self.defaults, self.context = pool, tokenizer, defaults, model_info["context"]
+        self.model_id = model_info["id"]
 
     async def ui_completion(self, request: Request):
         """POST /chat/completions: the UI's stream of {"token"}, {"python"}, {"python_output"} ..., then {"done"}."""
@@ -39,6 +40,7 @@ class UIRoutes:
                                       "model", "stream"})
         if unknown:
             raise RequestError(unknown[0], "is not a field of this endpoint (the OpenAI API is at /v1)")
+        check_model(body, self.model_id)
         check_bool(body, "stream")  # it always streams; a client that says so must say it as a boolean
         messages = validate_messages(body.get("messages"))
         d = self.defaults
@@ -85,6 +87,12 @@ class UIRoutes:
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+# The page may not be framed by another site (clickjacking), reads and sends only to this server, and runs only its
+# own inline script and style
+UI_HEADERS = {"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+              "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                         "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                         "form-action 'none'; frame-ancestors 'none'"}
 OPEN_PATHS = ("/", "/health")  # the UI's page (it holds no model access: it asks for the key) and monitoring
 
 
@@ -112,11 +120,11 @@ class RequireKey:
         return await self.app(scope, receive, send)
 
 
-def create_app(pool, tokenizer, model_info, defaults, api_key=None, bound_host="127.0.0.1"):
+def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_hosts=("127.0.0.1", "localhost", "::1")):
     """
     The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests that omit them; api_key:
-    a key every route but OPEN_PATHS requires (RequireKey), or None; bound_host: where it listens (on a loopback
-    address it answers only to loopback Host names: server_guard.RequireLocalJSON).
+    a key every route but OPEN_PATHS requires (RequireKey), or None; allowed_hosts: the names a request's Host header
+    may give (server_guard.allowed_host_names), or None for any.
     """
     ui_routes = UIRoutes(pool, tokenizer, model_info, defaults)
     with open(UI_PATH, encoding="utf-8") as f:
@@ -136,7 +144,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None, bound_host="
 
     @app.exception_handler(HTTPProblem)
     async def http_problem(request, e):
-        return JSONResponse(openai_error(e.message, e.kind, e.param), status_code=e.status)
+        return JSONResponse(openai_error(e.message, e.kind, e.param, e.code), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):  # an unknown path or method: in the API's error shape too, not {"detail": ...}
@@ -157,7 +165,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None, bound_host="
         return Response(status_code=499)
 
     async def ui():
-        return HTMLResponse(ui_html)
+        return HTMLResponse(ui_html, headers=UI_HEADERS)
 
     async def health():
         alive = sum(1 for w in pool.workers if w.alive)
@@ -173,7 +181,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None, bound_host="
     app.get("/stats")(stats)
     app.post("/chat/completions")(ui_routes.ui_completion)
     OpenAIRoutes(pool, tokenizer, model_info, defaults).mount(app)
-    return RequireLocalJSON(RequireKey(app, api_key) if api_key else app, bound_host)
+    return RequireJSONAndHost(RequireKey(app, api_key) if api_key else app, allowed_hosts)
 
 
 # -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ tok/s went from ~2,000 to ~2,800 (BENCHMARKS.md "Serving").
 
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ from nanochat.engine import GREEDY_BELOW, sample_next_tokens, token_logprobs
 
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
+# Prompt tokens (padded to the slice's longest) scored between two decode steps: a request scoring 64 prompts of a
+# 2,048-token context runs as 64 slices, and every stream decoding beside it waits at most one slice for its next token
+SCORE_SLICE_TOKENS = 2048
 
 
 @dataclass
@@ -57,6 +61,22 @@ class Scored:
 
     index: int
     tokens: list
+
+
+class ScoringJob:
+    """A scoring request as its worker process sees it: its prompts, scored a slice at a time from `next` on."""
+
+    def __init__(self, key, prompts, top, samplings):
+        self.key, self.prompts, self.top, self.samplings = key, prompts, top, samplings
+        self.next, self.started = 0, time.perf_counter()
+
+    def next_slice(self):
+        """The prompts of the next slice: as many as fit SCORE_SLICE_TOKENS padded to their longest, at least one."""
+        end, width = self.next + 1, len(self.prompts[self.next])
+        while end < len(self.prompts) and (end + 1 - self.next) * max(width, len(self.prompts[end])) <= SCORE_SLICE_TOKENS:
+            width = max(width, len(self.prompts[end]))
+            end += 1
+        return range(self.next, end)
 
 
 class Job:
@@ -113,6 +133,7 @@ class EngineLoop:
     def __init__(self, conn, engine):
         self.conn, self.engine = conn, engine
         self.jobs = {}  # key -> Job, given to the engine (waiting for rows, or running)
+        self.scorings = OrderedDict()  # key -> ScoringJob, served a slice each in turn
         self.ended = []  # ended since the last flush: their last events are still to be sent
         self.owner = {}  # id(Sequence) -> (Job, sample index)
         self.flushed = 0.0  # when events were last sent
@@ -121,8 +142,8 @@ class EngineLoop:
     def run(self):
         try:
             while True:
-                self._flush(force=not self.jobs)
-                if not self.jobs:  # idle: wait for the next message
+                self._flush(force=not self.jobs and not self.scorings)
+                if not self.jobs and not self.scorings:  # idle: wait for the next message
                     if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
                         return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
                         self.trimmed = True
@@ -134,6 +155,8 @@ class EngineLoop:
                         return
                 if self.engine.busy():
                     self._step()
+                if self.scorings:  # one slice between two decode steps: generation keeps its pace
+                    self._score_slice()
         except (EOFError, OSError):  # the server process is gone: nobody is left to answer
             return
 
@@ -144,9 +167,13 @@ class EngineLoop:
         if kind == "add":
             self._add(*message[1:])
         elif kind == "score":
-            self._score(*message[1:])
+            self.scorings[message[1]] = ScoringJob(*message[1:])
         elif kind == "cancel" and message[1] in self.jobs:
             self._drop(self.jobs[message[1]])
+        elif kind == "cancel" and message[1] in self.scorings:  # its client left: the slices not yet run never run
+            job = self.scorings.pop(message[1])
+            self.conn.send(("events", [(job.key, [Ended(0, time.perf_counter() - job.started, 0)])],
+                            self.engine.occupancy()))
         return True
 
     def _step(self):
@@ -198,27 +225,37 @@ class EngineLoop:
             self.owner[id(seq)] = (job, index)
         self.jobs[key] = job
 
-    def _score(self, key, prompts, top, samplings):
+    def _score_slice(self):
         """
-        The prompts' log probabilities (BatchEngine.score: one forward pass between two decode steps) and, for each
-        Sampling given, the one token that follows each prompt, drawn from the same pass (a max_tokens 1 request needs
-        no decode step). Its events go out at once.
+        The next slice of the first scoring request's prompts (BatchEngine.score: their log probabilities, one forward
+        pass), and for each Sampling given, the one token that follows each prompt, drawn from the same pass (a
+        max_tokens 1 request needs no decode step); then that request goes to the back of the line. Each slice's
+        events go out at once; the last one ends the request.
         """
-        events, started = [], time.perf_counter()
+        key, job = next(iter(self.scorings.items()))
+        events, indices = [], job.next_slice()
         try:
-            for i, (scored, last) in enumerate(self.engine.score(prompts, top)):
-                events.append(Scored(i, scored))
-                for j, s in enumerate(samplings):
+            scored = self.engine.score([job.prompts[i] for i in indices], job.top)
+            for i, (tokens, last) in zip(indices, scored):
+                events.append(Scored(i, tokens))
+                for j, s in enumerate(job.samplings):
                     generator = torch.Generator(device=last.device)
                     generator.manual_seed(s.seed)
                     logits = steer(last, s, {}) if s.steers() else last
                     token = int(logits.argmax()) if s.temperature < GREEDY_BELOW else \
                         int(sample_next_tokens(logits, generator, s.temperature, s.top_k, s.top_p))
-                    events.append(Token(i * len(samplings) + j, token, *token_logprobs(last, token, top)))
+                    events.append(Token(i * len(job.samplings) + j, token, *token_logprobs(last, token, job.top)))
+            job.next = indices[-1] + 1
         except Exception as e:  # a bug, or the device failing: this request gets a 500
             traceback.print_exc()
             events.append(f"scoring failed: {type(e).__name__}: {e}")
-        events.append(Ended(len(prompts) * len(samplings), time.perf_counter() - started, len(prompts)))
+            job.next = len(job.prompts)
+        self.scorings.move_to_end(key)
+        if job.next == len(job.prompts):
+            del self.scorings[key]
+            events.append(Ended(len(job.prompts) * len(job.samplings), time.perf_counter() - job.started,
+                                len(job.prompts)))
+        self.trimmed = False
         self.conn.send(("events", [(key, events)], self.engine.occupancy()))
 
     def _drop(self, job):

@@ -33,6 +33,11 @@ from nanochat.common import UserError, inference_threads, print0, resolve_device
 from nanochat.tokenizer import get_tokenizer
 from nanochat.worker_loop import IDLE_TRIM_SECONDS, Admitted, Ended, Scored, Token, worker_main  # noqa: F401
 
+# Prompt tokens that may wait to be scored at once, over all workers (a request past it gets a 503, unless nothing
+# waits): ~40 bytes a token on the server while a request waits, so at most ~40 MB, and in work what 8 requests of 64
+# prompts of a 2,048-token context ask for
+MAX_SCORING_TOKENS = 8 * 64 * 2048
+
 
 def stop_processes(processes, seconds=0.0):
     """Give the worker processes `seconds` in all to end, then kill those left (they ignore SIGTERM)."""
@@ -146,6 +151,7 @@ class WorkerPool:
         self.requests_cancelled = 0
         self.requests_rejected = 0
         self.requests_withdrawn = 0  # their client left while they waited for a row
+        self.scorings, self.scoring_tokens = set(), 0  # scoring requests in flight, and their prompts' tokens
         self.tokens_generated = 0
         self.generation_seconds = 0.0
         self.started = time.time()
@@ -169,10 +175,10 @@ class WorkerPool:
         failure (a stream's error event, a waiting or whole request's 503), so none is cut off later mid-reply.
         Returns how many were ended."""
         self.stopping = reason
-        ended = list(self.active)
+        ended = list(self.active) + list(self.scorings)
         for generation in ended:
             generation.cancel()
-            generation.receive([reason, Ended(generation.tokens, 0.0, 0)])
+            generation.receive([reason, Ended(getattr(generation, "tokens", 0), 0.0, 0)])
         return len(ended)
 
     def stop(self):
@@ -227,24 +233,30 @@ class WorkerPool:
     async def score(self, prompts, top, samplings=()):
         """
         (per prompt [(log p or None, alternatives)], per choice (token, log p, alternatives) for each of `samplings`
-        after each prompt): the worker with the fewest rows asked of it runs one forward pass over the prompts (no rows
-        needed, so no queue). samplings: engine Samplings of a max_tokens 1 request, whose one token comes from the
-        same pass.
+        after each prompt): the worker with the fewest rows asked of it scores the prompts in slices between its decode
+        steps (no rows needed). samplings: engine Samplings of a max_tokens 1 request, whose one token comes from the
+        same pass. At most MAX_SCORING_TOKENS of prompts wait to be scored at once (a 503 beyond); a request cancelled
+        while it waits (its client left) is withdrawn from its worker, whose slices not yet run never run.
         """
         if self.stopping:
             raise ServerStopping(self.stopping)
         alive = self.alive()
-        if sum(1 for w in alive for g in w.generations.values() if isinstance(g, Scoring)) >= self.max_queue:
+        tokens = sum(len(p) for p in prompts)
+        if self.scoring_tokens + tokens > MAX_SCORING_TOKENS and self.scoring_tokens:
             self.requests_rejected += 1
-            raise QueueFull(f"{self.max_queue} scoring requests are already waiting (--max-queue); try again shortly")
+            raise QueueFull(f"{self.scoring_tokens:,} prompt tokens are already waiting to be scored (at most "
+                            f"{MAX_SCORING_TOKENS:,}); try again shortly")
         worker = min(alive, key=lambda w: w.load())
-        scoring = Scoring(worker, next(self.keys))
-        worker.generations[scoring.key] = scoring
+        scoring = Scoring(self, worker, next(self.keys), tokens)
         worker.send(("score", scoring.key, prompts, top, list(samplings)))
-        events = await scoring.done
+        try:
+            events = await scoring.done
+        except BaseException:  # cancelled: the client left, or the server is stopping
+            scoring.cancel()
+            raise
         failure = next((e for e in events if isinstance(e, str)), None)
         if failure:
-            raise RuntimeError(failure)
+            raise ServerStopping(failure) if self.stopping else RuntimeError(failure)
         scored = [e.tokens for e in sorted((e for e in events if isinstance(e, Scored)), key=lambda e: e.index)]
         tokens = [(e.token, e.logprob, e.top) for e in sorted((e for e in events if isinstance(e, Token)),
                                                               key=lambda e: e.index)]
@@ -359,18 +371,33 @@ class Generation:
 
 
 class Scoring:
-    """A scoring request on the server's side: its worker's events, all at once (Worker._read hands them over)."""
+    """A scoring request on the server's side: its worker's events, a slice at a time, until its Ended (Worker._read
+    hands them over); `done` then holds them all."""
 
     num_samples = 0  # it takes no rows
 
-    def __init__(self, worker, key):
-        self.worker, self.key = worker, key
+    def __init__(self, pool, worker, key, tokens):
+        self.pool, self.worker, self.key, self.tokens = pool, worker, key, tokens
+        self.events, self.ended = [], False
         self.done = asyncio.get_running_loop().create_future()
+        worker.generations[key] = self
+        pool.scorings.add(self)
+        pool.scoring_tokens += tokens
 
     def receive(self, events):
+        self.events += events
+        if self.ended or not any(isinstance(e, Ended) for e in events):
+            return
+        self.ended = True
         if not self.done.done():
-            self.done.set_result(events)
+            self.done.set_result(self.events)
         self.worker.generations.pop(self.key, None)
+        self.pool.scorings.discard(self)
+        self.pool.scoring_tokens -= self.tokens
+
+    def cancel(self):
+        if not self.ended:
+            self.worker.send(("cancel", self.key))
 
 
 # -----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import uvicorn
 from nanochat.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
 from nanochat.common import UserError, print0, run_main
 from nanochat.serve import bind_socket, create_app
-from nanochat.server_guard import HEADER_TIMEOUT, ConnectionGuard, default_max_connections, raise_open_file_limit
+from nanochat.server_guard import (HEADER_TIMEOUT, LOOPBACK, WRITE_TIMEOUT, ConnectionGuard, allowed_host_names,
+                                   default_max_connections, raise_open_file_limit)
 from nanochat.workers import WorkerPool, load_workers
 
 
@@ -54,6 +55,13 @@ def parse_args(argv=None):
                    "limit allows, at most 4096); when full, the longest-idle connection makes room")
     p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
                    help="seconds a new connection has to send its request's headers")
+    p.add_argument("--write-timeout", type=float, default=WRITE_TIMEOUT,
+                   help="seconds a reply may wait for its client to read what was sent before the connection is closed "
+                        "and the reply cancelled")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="more names a request's Host header may give, comma-separated (without --api-key the server "
+                        "answers only to its own names and addresses; '*': to any, which a web page can then reach by "
+                        "DNS rebinding)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="sequences each worker decodes together (fewer if their KV cache would not fit --kv-memory-gib)")
     p.add_argument("--decode", default="eager", choices=["eager", "captured"],
@@ -81,6 +89,7 @@ def parse_args(argv=None):
         check_number("--max-queue", args.max_queue, 1, 1_000_000, integer=True)
         check_number("--max-connections", args.max_connections, 0, 1_000_000, integer=True)
         check_number("--header-timeout", args.header_timeout, 0.0, 3600.0, low_open=True)
+        check_number("--write-timeout", args.write_timeout, 0.0, 3600.0, low_open=True)
         if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
             raise RequestError("--api-key", "must be a non-empty key without surrounding spaces")
         if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
@@ -89,6 +98,21 @@ def parse_args(argv=None):
     except RequestError as e:
         raise UserError(str(e)) from None
     return args
+
+
+def allowed_hosts(args):
+    """The Host names the server answers to, said at start: without a key its own names and addresses on any bind
+    (DNS rebinding), with one on loopback only the loopback names; None (any) with a key elsewhere, or '*'."""
+    extra = [name.strip() for name in args.allowed_hosts.split(",") if name.strip()]
+    if "*" in extra:
+        print0("warning: --allowed-hosts '*': any Host name is answered, so a web page can reach this server by DNS "
+               "rebinding" + ("" if args.api_key else " and use the model without a key"))
+        return None
+    if args.api_key and args.host not in LOOPBACK:
+        return None  # the key guards it: a page cannot send it
+    names = allowed_host_names(args.host, extra)
+    print0(f"answering requests whose Host is {', '.join(names)} (--allowed-hosts adds names)")
+    return names
 
 
 class StoppingServer(uvicorn.Server):
@@ -115,16 +139,17 @@ def main(argv=None):
                "(chat_cli -i base continues plain text)")
     pool = WorkerPool(workers, args.queue_timeout, args.max_queue)
     defaults = {"temperature": args.temperature, "top_k": args.top_k, "max_tokens": args.max_tokens}
-    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key, bound_host=args.host)
+    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key, allowed_hosts=allowed_hosts(args))
     host, port = sock.getsockname()[:2]
     shown_host = {"0.0.0.0": "localhost", "::": "localhost"}.get(host, f"[{host}]" if ":" in host else host)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in LOOPBACK and not args.api_key:
         print0(f"warning: listening on {args.host} without --api-key: anyone who can reach this address can use the "
                "model")
     url = f"http://{shown_host}:{port}/"
     sock.listen(128)  # from the line below on, a connection waits in the kernel's queue while uvicorn starts: not refused
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
-    guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout)
+    guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout,
+                            args.write_timeout)
     # backlog: also how many connections asyncio accepts in one go before the guard sees them (uvicorn's 2048 could
     # take more files than a 1,024 limit has)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=guard.protocol_class(),

@@ -181,8 +181,8 @@ def test_openai_client_non_stream_and_stream(client, tokenizer):
 
 def test_openai_api_takes_a_conversation_whole_or_refuses_it(server, client, tokenizer):
     """An API client keeps its own context: nothing it sent is dropped behind its back (the UI's endpoint trims and
-    says so, above). Too long for the context: a 400 with OpenAI's code; a long max_tokens only ends the reply at the
-    context, it never costs the prompt tokens."""
+    says so, above). Too long for the context: a 400 with OpenAI's code; so is a max_tokens that cannot fit beside the
+    prompt (as vLLM answers), while one that just fits runs to the context."""
     turns = []
     for i in range(30):
         turns += [{"role": "user", "content": f"question {i}: " + "tell me about the river " * 40},
@@ -195,7 +195,11 @@ def test_openai_api_takes_a_conversation_whole_or_refuses_it(server, client, tok
     fits = turns[-8:] + [{"role": "user", "content": "and the last one?"}]
     prompt_tokens = len(tokenizer.render_for_completion({"messages": fits}))
     assert CONTEXT // 2 < prompt_tokens < CONTEXT - 64  # more than half the context: the UI would have trimmed it
-    reply = client.chat.completions.create(model="nanochat", messages=fits, max_tokens=CONTEXT, temperature=0.0)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="nanochat", messages=fits, max_tokens=CONTEXT - prompt_tokens + 1)
+    assert error.value.code == "context_length_exceeded" and error.value.param == "max_tokens"
+    reply = client.chat.completions.create(model="nanochat", messages=fits, max_tokens=CONTEXT - prompt_tokens,
+                                           temperature=0.0)
     assert reply.usage.prompt_tokens == prompt_tokens  # every message went in
     assert reply.usage.completion_tokens == CONTEXT - prompt_tokens and reply.choices[0].finish_reason == "length"
 
@@ -298,7 +302,10 @@ BAD_REQUESTS = [
     (json.dumps({"messages": HELLO, "max_tokens": 0}), "max_tokens"),
     (json.dumps({"messages": HELLO, "max_tokens": 4097}), "max_tokens"),
     (json.dumps({"messages": HELLO, "n": 9}), "n:"),
-    (json.dumps({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}), "stop"),
+    (json.dumps({"messages": HELLO, "stop": [str(i) for i in range(17)]}), "stop"),
+    (json.dumps({"messages": HELLO, "model": "gpt-4"}), "not served here"),
+    (json.dumps({"messages": HELLO, "model": {"id": "nanochat"}}), "model: must be a string"),
+    (json.dumps({"messages": [{**HELLO[0], "name": "ann"}]}), "messages[0].name"),
     (json.dumps({"messages": HELLO, "stream": "yes"}), "stream"),
 ]
 

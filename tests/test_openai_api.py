@@ -92,14 +92,14 @@ def model_logprobs(model, ids):
 
 def test_a_calculator_reply_reads_as_text_and_its_markup_renders_back_to_the_models_tokens(client, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
-    whole = client.chat.completions.create(model="x", messages=QUESTION, temperature=0, max_tokens=40)
+    whole = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=40)
     assert whole.choices[0].message.content == "Let me compute: 3*4 = 12. So 12."
     assert whole.choices[0].finish_reason == "stop"
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model="x", messages=QUESTION, temperature=0, max_tokens=40, stream=True) if chunk.choices)
+        model="nanochat", messages=QUESTION, temperature=0, max_tokens=40, stream=True) if chunk.choices)
     assert streamed == whole.choices[0].message.content
     # the model's markup, on request; sent back with it, the conversation renders to the tokens the model wrote
-    markup = client.chat.completions.create(model="x", messages=QUESTION, temperature=0, max_tokens=40,
+    markup = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=40,
                                             extra_body={"nanochat_markup": True}).choices[0].message.content
     assert markup == "Let me compute: <|python_start|>3*4<|python_end|><|output_start|>12<|output_end|>. So 12."
     from nanochat.chat import validate_messages
@@ -109,7 +109,7 @@ def test_a_calculator_reply_reads_as_text_and_its_markup_renders_back_to_the_mod
     written = tokenizer.render_conversation({"messages": QUESTION + [{"role": "assistant", "content": REPLY}]})[0]
     assert tokenizer.render_conversation({"messages": sent_back[:2]})[0] == written
     # and the conversation goes on from it
-    again = client.chat.completions.create(model="x", messages=QUESTION + [{"role": "assistant", "content": markup},
+    again = client.chat.completions.create(model="nanochat", messages=QUESTION + [{"role": "assistant", "content": markup},
                                            {"role": "user", "content": "ok"}], max_tokens=3,
                                            extra_body={"nanochat_markup": True})
     assert again.choices[0].finish_reason in ("stop", "length")
@@ -131,7 +131,7 @@ def test_text_that_spells_a_special_token_stays_text(api_server, model_and_token
 
 def test_logprobs_on_chat_whole_and_streamed_are_the_models(client, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    whole = client.chat.completions.create(model="x", messages=QUESTION, temperature=0, max_tokens=40, logprobs=True,
+    whole = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=40, logprobs=True,
                                            top_logprobs=3)
     entries = whole.choices[0].logprobs.content
     prompt = tokenizer.render_for_completion({"messages": QUESTION})
@@ -144,7 +144,7 @@ def test_logprobs_on_chat_whole_and_streamed_are_the_models(client, model_and_to
     assert [e.logprob for e in entries] == pytest.approx(kept, abs=2e-4)
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
     assert all(bytes(e.bytes).decode() == e.token for e in entries)
-    stream = client.chat.completions.create(model="x", messages=QUESTION, temperature=0, max_tokens=40, logprobs=True,
+    stream = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=40, logprobs=True,
                                             top_logprobs=3, stream=True)
     streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for e in chunk.choices[0].logprobs.content]
@@ -158,7 +158,7 @@ def test_completions_echo_logprobs_token_prompts_and_streams(client, model_and_t
     text = "What is 3*4?"
     ids = tokenizer.encode(text)
     expected = model_logprobs(model, [bos] + ids)[1:]  # read after a <|bos|> that is not echoed
-    scored = client.completions.create(model="x", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    scored = client.completions.create(model="nanochat", prompt=text, max_tokens=0, echo=True, logprobs=2)
     choice = scored.choices[0]
     assert choice.text == text and choice.finish_reason == "length"
     assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids]
@@ -167,7 +167,7 @@ def test_completions_echo_logprobs_token_prompts_and_streams(client, model_and_t
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
     assert scored.usage.prompt_tokens == len(ids) + 1 and scored.usage.completion_tokens == 0
     # lm-eval's loglikelihood request: token ids, one token to follow (drawn from the same pass), n > 1, two prompts
-    two = client.completions.create(model="x", prompt=[ids, ids[:3]], max_tokens=1, echo=True, logprobs=1,
+    two = client.completions.create(model="nanochat", prompt=[ids, ids[:3]], max_tokens=1, echo=True, logprobs=1,
                                     temperature=0, n=2)
     assert [c.index for c in two.choices] == [0, 1, 2, 3] and len({c.text for c in two.choices[:2]}) == 1
     for choice, prompt in zip(two.choices, [ids, ids, ids[:3], ids[:3]]):
@@ -178,13 +178,13 @@ def test_completions_echo_logprobs_token_prompts_and_streams(client, model_and_t
             greedy = int(model(torch.tensor([[bos] + prompt]))[0, -1].argmax())
         assert choice.logprobs.tokens[-1] == tokenizer.decode([greedy]) and lps[-1] == max(choice.logprobs.top_logprobs[-1].values())
     # a continuation from the engine, streamed, with its logprobs
-    chunks = list(client.completions.create(model="x", prompt=ids, max_tokens=6, logprobs=1, temperature=0, stream=True,
+    chunks = list(client.completions.create(model="nanochat", prompt=ids, max_tokens=6, logprobs=1, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     markers = {tokenizer.decode([tokenizer.encode_special(t)]) for t in tokenizer.get_special_tokens()}
     assert "".join(t for t in tokens if t not in markers) == text and chunks[-1].usage.completion_tokens == len(tokens)
-    whole = client.completions.create(model="x", prompt=ids, max_tokens=6, logprobs=1, temperature=0)
+    whole = client.completions.create(model="nanochat", prompt=ids, max_tokens=6, logprobs=1, temperature=0)
     assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
 
 
@@ -237,17 +237,17 @@ def test_every_field_is_read_or_refused_with_a_400_naming_it(api_server):
 def test_logit_bias_and_penalties_steer_the_sampler(client, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     first = tokenizer.encode("Let")[0]
-    plain = client.chat.completions.create(model="x", messages=QUESTION, temperature=0, max_tokens=1, logprobs=True)
+    plain = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=1, logprobs=True)
     assert plain.choices[0].logprobs.content[0].token == "Let"
-    biased = client.chat.completions.create(model="x", messages=QUESTION, temperature=0, max_tokens=1,
+    biased = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=1,
                                             logit_bias={str(first): -100}, logprobs=True)
     assert biased.choices[0].logprobs.content[0].token != "Let"
-    forced = client.completions.create(model="x", prompt="x", temperature=0, max_tokens=4, logit_bias={"300": 100})
+    forced = client.completions.create(model="nanochat", prompt="x", temperature=0, max_tokens=4, logit_bias={"300": 100})
     assert forced.choices[0].text == tokenizer.decode([300] * 4)
-    penalised = client.completions.create(model="x", prompt="x", temperature=0, max_tokens=4, logit_bias={"300": 100},
+    penalised = client.completions.create(model="nanochat", prompt="x", temperature=0, max_tokens=4, logit_bias={"300": 100},
                                           frequency_penalty=2.0, presence_penalty=2.0)
     assert penalised.choices[0].text == tokenizer.decode([300] * 4)  # +100 outweighs 4 x 2 + 2 of penalty
-    near_zero = client.chat.completions.create(model="x", messages=QUESTION, temperature=1e-300, max_tokens=40)
+    near_zero = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=1e-300, max_tokens=40)
     assert near_zero.choices[0].message.content == "Let me compute: 3*4 = 12. So 12."  # greedy, not NaN
 
 
@@ -307,11 +307,11 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     manager = TaskManager(include_path=str(tmp_path / "tasks"))
-    base = f"base_url={api_server.url}/v1/completions,tokenizer_backend=remote,tokenized_requests=True,model=x"
+    base = f"base_url={api_server.url}/v1/completions,tokenizer_backend=remote,tokenized_requests=True,model=nanochat"
     out = lm_eval.simple_evaluate(model="local-completions", model_args=base, tasks=["nano_mc", "nano_gen"],
                                   task_manager=manager, log_samples=True)
     chat = lm_eval.simple_evaluate(model="local-chat-completions", apply_chat_template=True, tasks=["nano_chat"],
-                                   model_args=f"base_url={api_server.url}/v1/chat/completions,model=x",
+                                   model_args=f"base_url={api_server.url}/v1/chat/completions,model=nanochat",
                                    task_manager=manager, log_samples=True)
     samples = {name: sorted(s, key=lambda x: x["doc_id"]) for name, s in {**out["samples"], **chat["samples"]}.items()}
     # multiple choice: CORE's mean loss of each one-token choice, after <|bos|> (as the server reads a prompt)

@@ -76,7 +76,7 @@ def test_a_full_queue_a_client_that_leaves_it_and_a_stop_in_the_middle_of_replie
                 next(lines)  # the one row is busy now
                 # a client that waits for a row and leaves is withdrawn, never admitted
                 try:
-                    second.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=1)
+                    second.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=0.3)
                 except httpx.TimeoutException:
                     pass
                 wait_until(lambda: httpx.get(f"{url}/stats").json()["requests_withdrawn"] == 1, 10, "the withdrawal")

@@ -178,7 +178,7 @@ def lm_eval_throughput(url, concurrency, items, work):
                 "output_type: multiple_choice\ndoc_to_text: '{{query}}'\ndoc_to_choice: '{{choices}}'\n"
                 "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    args = f"base_url={url}/v1/completions,tokenizer_backend=remote,model=x,num_concurrent={concurrency}"
+    args = f"base_url={url}/v1/completions,tokenizer_backend=remote,model=nanochat,num_concurrent={concurrency}"
     started = time.perf_counter()
     out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["bench_mc"],
                                   task_manager=TaskManager(include_path=tasks), log_samples=True)
