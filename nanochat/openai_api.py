@@ -235,6 +235,10 @@ def reply_length_given(body):
     return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
 
 
+def reply_length_field(body):
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
 def reply_room(body, max_tokens, prompt_tokens, context, what):
     """A reply's max_tokens for a prompt of prompt_tokens: one the client gave must fit the context with the prompt (a
     400 context_length_exceeded otherwise, as vLLM answers); the default yields to the context."""
@@ -242,8 +246,7 @@ def reply_room(body, max_tokens, prompt_tokens, context, what):
     if not reply_length_given(body):
         return min(max_tokens, room)
     if max_tokens > room:
-        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        raise RequestError(field, f"this model's context is {context} tokens and {what} take {prompt_tokens}: at most "
+        raise RequestError(reply_length_field(body), f"this model's context is {context} tokens and {what} take {prompt_tokens}: at most "
                            f"{room} tokens of reply fit (got {max_tokens})", code="context_length_exceeded")
     return max_tokens
 
@@ -513,7 +516,7 @@ class OpenAIRoutes:
         model_prompts, limits = [], []
         for i, (ids, _) in enumerate(prompts):
             field = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
-            ids = self.read_after_bos(ids, 0 if sampling.max_tokens == 0 or one_token else
+            ids = self.read_after_bos(body, ids, 0 if sampling.max_tokens == 0 or one_token else
                                       sampling.max_tokens if reply_length_given(body) else 1, field)
             model_prompts.append(ids)
             limits.append(sampling.max_tokens if sampling.max_tokens == 0 or one_token else
@@ -542,7 +545,7 @@ class OpenAIRoutes:
         return await whole_json({**head, "object": "text_completion", "choices": choices.whole(),
                                  "usage": choices.usage()})
 
-    def read_after_bos(self, ids, room, field):
+    def read_after_bos(self, body, ids, room, field):
         """
         A completion prompt as the model reads it: after a <|bos|> (how every training document began; not echoed),
         unless it begins with one, or the <|bos|> would leave the prompt and `room` tokens of reply no longer fitting
@@ -551,7 +554,8 @@ class OpenAIRoutes:
         """
         with_bos = ids if ids[:1] == [self.bos] else [self.bos] + ids
         ids = with_bos if len(with_bos) + room <= self.context else ids
-        if len(ids) + room > self.context:
+        if len(ids) + room > self.context:  # the reply asked for is at fault where the prompt alone would fit
+            field = reply_length_field(body) if len(ids) < self.context and room > 1 else field
             raise RequestError(field, f"this model's context is {self.context} tokens and the prompt takes {len(ids)}"
                                + (f", with {room} of reply asked for" if room else ""), code="context_length_exceeded")
         return ids

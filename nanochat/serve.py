@@ -120,11 +120,13 @@ class RequireKey:
         return await self.app(scope, receive, send)
 
 
-def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_hosts=("127.0.0.1", "localhost", "::1")):
+def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_hosts=("127.0.0.1", "localhost", "::1"),
+               connections=None):
     """
     The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests that omit them; api_key:
     a key every route but OPEN_PATHS requires (RequireKey), or None; allowed_hosts: the names a request's Host header
-    may give (server_guard.allowed_host_names), or None for any.
+    may give (server_guard.allowed_host_names), or None for any; connections: a function giving the connections'
+    counts for /stats (server_guard.ConnectionGuard.stats).
     """
     ui_routes = UIRoutes(pool, tokenizer, model_info, defaults)
     with open(UI_PATH, encoding="utf-8") as f:
@@ -174,7 +176,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_host
         return body if alive else JSONResponse(body, status_code=503)
 
     async def stats():
-        return pool.stats()
+        return {**pool.stats(), **({"connections": connections()} if connections else {})}
 
     app.get("/")(ui)
     app.get("/health")(health)

@@ -113,6 +113,11 @@ class ConnectionGuard:
                 return
         self.wait_for_request(protocol)
 
+    def stats(self):
+        """For /stats: connections open, and how many were closed for sending no request or reading no reply."""
+        return {"open": len(self.idle) + len(self.busy), "busy": len(self.busy), "stalled": len(self.stalled),
+                "closed_idle": self.closed_idle, "closed_stalled": self.closed_stalled}
+
     def write_paused(self, protocol):
         since = time.monotonic()
         self.stalled[protocol] = since

@@ -292,6 +292,7 @@ class WorkerPool:
             "requests_cancelled": self.requests_cancelled,
             "requests_rejected": self.requests_rejected,
             "requests_withdrawn": self.requests_withdrawn,
+            "scoring": {"requests": len(self.scorings), "prompt_tokens": self.scoring_tokens},
             "tokens_generated": self.tokens_generated,
             "tokens_per_second": round(self.tokens_generated / max(self.generation_seconds, 1e-9), 1),
             "uptime_seconds": round(time.time() - self.started, 1),

@@ -139,7 +139,10 @@ def main(argv=None):
                "(chat_cli -i base continues plain text)")
     pool = WorkerPool(workers, args.queue_timeout, args.max_queue)
     defaults = {"temperature": args.temperature, "top_k": args.top_k, "max_tokens": args.max_tokens}
-    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key, allowed_hosts=allowed_hosts(args))
+    guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout,
+                            args.write_timeout)
+    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key, allowed_hosts=allowed_hosts(args),
+                     connections=guard.stats)
     host, port = sock.getsockname()[:2]
     shown_host = {"0.0.0.0": "localhost", "::": "localhost"}.get(host, f"[{host}]" if ":" in host else host)
     if args.host not in LOOPBACK and not args.api_key:
@@ -148,8 +151,6 @@ def main(argv=None):
     url = f"http://{shown_host}:{port}/"
     sock.listen(128)  # from the line below on, a connection waits in the kernel's queue while uvicorn starts: not refused
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
-    guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout,
-                            args.write_timeout)
     # backlog: also how many connections asyncio accepts in one go before the guard sees them (uvicorn's 2048 could
     # take more files than a 1,024 limit has)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=guard.protocol_class(),

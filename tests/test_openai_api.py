@@ -9,6 +9,7 @@ training), so its reply is known.
 
 import json
 import os
+import random
 import shutil
 
 import httpx
@@ -16,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from test_chat_web import Server
+from test_chat_web import Server, web_base_dir  # noqa: F401 (a fixture: the 2,048-token model)
 
 CONTEXT = 128
 QUESTION = [{"role": "user", "content": "What is 3*4?"}]
@@ -24,13 +25,13 @@ REPLY = [{"type": "text", "text": "Let me compute: "}, {"type": "python", "text"
          {"type": "python_output", "text": "12"}, {"type": "text", "text": ". So 12."}]
 
 
-def load(base_dir):
+def load(base_dir, tag="calc"):
     from nanochat.checkpoint_manager import load_model_from_dir
 
     old = os.environ.get("NANOCHAT_BASE_DIR")
     os.environ["NANOCHAT_BASE_DIR"] = base_dir
     try:
-        model, tokenizer, _ = load_model_from_dir(os.path.join(base_dir, "chatsft_checkpoints", "calc"), "cpu")
+        model, tokenizer, _ = load_model_from_dir(os.path.join(base_dir, "chatsft_checkpoints", tag), "cpu")
     finally:
         os.environ.pop("NANOCHAT_BASE_DIR") if old is None else os.environ.__setitem__("NANOCHAT_BASE_DIR", old)
     return model.eval(), tokenizer
@@ -205,12 +206,27 @@ REFUSED = [
     ({"logit_bias": {"5": 101}}, "logit_bias[5]", "100"), ({"logit_bias": {"²": 1}}, "logit_bias", "not a token id"),
     ({"reasoning_effort": "high"}, "reasoning_effort", "no hidden reasoning"),
     ({"frobnicate": 1}, "frobnicate", "not a field of the chat completions request"),
+    # a message carries role and content: a name, tool calls, any other key, or a part that is not text is refused
+    ({"messages": [{**QUESTION[0], "name": "ann"}]}, "messages[0].name", "no participant names"),
+    ({"messages": [{**QUESTION[0], "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls", "no user tools"),
+    ({"messages": [{**QUESTION[0], "colour": "red"}]}, "messages[0].colour", "not a field of a message"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "image_url: this model reads text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "must be a string"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation",
+     "does not pad"),
+    ({"model": 3}, "model", "must be a string"), ({"model": {"id": "nanochat"}}, "model", "must be a string"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
 ]
 COMPLETION_REFUSED = [
     ({"suffix": "end"}, "suffix", "fill in the middle"), ({"best_of": 2}, "best_of", "only 1"),
     ({"logprobs": 6}, "logprobs", "5"), ({"prompt": [[1, 99999]]}, "prompt[0]", "token ids"),
     ({"prompt": []}, "prompt", "must be a string"), ({"prompt": "x" * 40000}, "prompt", "characters"),
     ({"prompt": list(range(1, CONTEXT + 1))}, "prompt", "context"), ({"messages": QUESTION}, "messages", "not a field"),
+    ({"best_of": True}, "best_of", "only 1"), ({"max_tokens": 0, "echo": True, "logprobs": 1, "n": 2}, "n", "one answer"),
+    ({"prompt": ["hi"] * 9, "n": 8}, "n", "at most 64"), ({"max_tokens": CONTEXT}, "max_tokens", "context is"),
 ]
 
 
@@ -227,11 +243,83 @@ def test_every_field_is_read_or_refused_with_a_400_naming_it(api_server):
     # accepted: the no-op fields, tool_choice none/auto without tools, text format, usage in a stream, penalties, bias
     accepted = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u", "metadata": {"k": "v"},
                 "store": False, "service_tier": "auto", "parallel_tool_calls": False, "max_completion_tokens": 3,
-                "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"5": -100}, "functions": None}
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": QUESTION, **accepted}, timeout=60)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+                "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"5": -100}, "functions": None,
+                "stop": ["a", "b", "c", "d", "e"], "model": "nanochat"}  # five stop strings: lm-eval adds its own
+    # what clients send back from a reply object: null (or empty) fields of a message count as absent
+    sent_back = [*QUESTION, {"role": "assistant", "content": "12", "refusal": None, "tool_calls": [], "audio": None,
+                             "annotations": [], "function_call": None}, {"role": "user", "content": "And 3*5?"}]
+    for messages in (QUESTION, sent_back):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, **accepted}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+    # another model's name is the API's 404, on a request as on /v1/models/{id}; the served id and "nanochat" are served
+    wrong = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "model": "gpt-4"}, timeout=60)
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    assert [httpx.get(f"{url}/v1/models/{name}").status_code for name in (served, "nanochat", "gpt-4")] == [200, 200, 404]
     models = httpx.get(f"{url}/v1/models").json()["data"]
     assert models[0]["context_length"] == CONTEXT == models[0]["max_model_len"]
+
+
+def test_counts_a_client_sees_are_the_tokens_the_server_reads(client, api_server, model_and_tokenizer):
+    """max_model_len, /tokenize and usage agree with what is scored: a prompt that fills the context with its reply is
+    read as sent (its <|bos|> would not fit), the API's default max_tokens (16) yields to the context, an explicit one
+    that cannot fit is a 400 naming it, and a scored prompt of exactly the context is answered."""
+    model, tokenizer = model_and_tokenizer
+    bos, url = tokenizer.get_bos_token_id(), api_server.url
+    force = {"logit_bias": {"300": 100}, "temperature": 0}  # token 300 every time: no reply ends early
+    default = client.completions.create(model="nanochat", prompt="x", **force)
+    assert default.usage.completion_tokens == 16 and default.choices[0].finish_reason == "length"
+    ids = [t for t in tokenizer.encode("the river " * 200) if t != bos][:CONTEXT - 5]
+    yields = client.completions.create(model="nanochat", prompt=ids, **force)  # <|bos|> + 123 ids: 4 tokens of room
+    assert (yields.usage.prompt_tokens, yields.usage.completion_tokens) == (CONTEXT - 4, 4)
+    exact = client.completions.create(model="nanochat", prompt=ids, max_tokens=5, **force)  # fits only as sent
+    assert (exact.usage.prompt_tokens, exact.usage.completion_tokens) == (CONTEXT - 5, 5)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="nanochat", prompt=ids, max_tokens=6)
+    assert error.value.code == "context_length_exceeded" and error.value.param == "max_tokens"
+    # lm-eval's windows: a scored prompt of exactly max_model_len ids, and one a token shorter with its one-token reply
+    full = [t for t in tokenizer.encode("the river of the town " * 100) if t != bos][:CONTEXT]
+    scored = client.completions.create(model="nanochat", prompt=full, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(model_logprobs(model, full), abs=2e-4)
+    assert scored.usage.prompt_tokens == CONTEXT
+    one = client.completions.create(model="nanochat", prompt=full[:-1], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lps = one.choices[0].logprobs.token_logprobs
+    assert one.usage.prompt_tokens == CONTEXT and lps[:-1] == pytest.approx(model_logprobs(model, [bos] + full[:-1])[1:],
+                                                                            abs=2e-4)
+    # /tokenize: add_generation_prompt and add_special_tokens honoured for messages; a prompt as long as the body allows
+    conversation = QUESTION + [{"role": "assistant", "content": REPLY}]
+    whole = tokenizer.render_conversation({"messages": conversation}, max_tokens=None)[0]
+    as_sent = httpx.post(f"{url}/tokenize", json={"messages": conversation, "add_generation_prompt": False}).json()
+    assert as_sent["tokens"] == whole and as_sent["count"] == len(whole)
+    for_reply = httpx.post(f"{url}/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    assert for_reply == tokenizer.render_for_completion({"messages": QUESTION}) and for_reply[-1] != whole[-1]
+    without_prompt = httpx.post(f"{url}/tokenize", json={"messages": QUESTION, "add_generation_prompt": False}).json()
+    assert without_prompt["tokens"] == for_reply[:-1]  # no <|assistant_start|>
+    doubled = httpx.post(f"{url}/tokenize", json={"messages": QUESTION, "add_special_tokens": True}).json()["tokens"]
+    assert doubled == [bos] + for_reply  # as vLLM: the template writes its own <|bos|>
+    long_text = "a long document about the river. " * 3000  # ~100,000 characters
+    long_ids = httpx.post(f"{url}/tokenize", json={"prompt": long_text, "add_special_tokens": False}, timeout=60).json()
+    assert long_ids["tokens"] == tokenizer.encode(long_text)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": long_ids["tokens"]}, timeout=60).json()["prompt"]
+    assert back == long_text
+
+
+def test_logprobs_of_tokens_that_hold_part_of_a_character(client, model_and_tokenizer):
+    """A token of a character's first byte: its `bytes` are that byte, not U+FFFD's; text_offset indexes the text the
+    reply returns, each token at the character it begins or continues."""
+    _, tokenizer = model_and_tokenizer
+    text = "naïve café 日本 ☃"
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.enc.decode_single_token_bytes(t) for t in ids]
+    assert any(not p.decode("utf-8", errors="ignore") for p in pieces)  # some token holds only part of a character
+    echoed = client.completions.create(model="nanochat", prompt=text, max_tokens=0, echo=True, logprobs=1).choices[0]
+    expected = [len(b"".join(pieces[:i]).decode("utf-8", errors="ignore")) for i in range(len(ids))]
+    assert echoed.text == text and echoed.logprobs.text_offset == expected and max(expected) < len(text)
+    first_byte = tokenizer.enc.encode_single_token("日".encode()[:1])
+    reply = client.chat.completions.create(model="nanochat", messages=QUESTION, max_tokens=1, logprobs=True,
+                                           logit_bias={str(first_byte): 100})
+    entry = reply.choices[0].logprobs.content[0]
+    assert entry.bytes == list("日".encode()[:1]) and entry.token == "\ufffd"
 
 
 def test_logit_bias_and_penalties_steer_the_sampler(client, model_and_tokenizer):
@@ -345,3 +433,88 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
     assert [s["resps"][0][0] for s in samples["nano_chat"]] == readable and all(readable), readable
     hits = sum(reply == it["answer"] for reply, it in zip(readable, items))
     assert chat["results"]["nano_chat"]["exact_match,none"] == pytest.approx(hits / len(items))
+
+
+def write_long_tasks(directory, documents, queries, until):
+    """A perplexity task over whole documents (loglikelihood_rolling) and a generate_until task with several stop
+    strings, as local files."""
+    os.makedirs(directory, exist_ok=True)
+    files = {}
+    for name, rows in (("docs", [{"text": d} for d in documents]), ("queries", [{"query": q} for q in queries])):
+        files[name] = os.path.join(directory, f"{name}.jsonl")
+        with open(files[name], "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+    with open(os.path.join(directory, "nano_ppl.yaml"), "w") as f:
+        f.write("task: nano_ppl\n" + common.format(files["docs"]) + "output_type: loglikelihood_rolling\n"
+                "doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n"
+                "  - metric: bits_per_byte\n")
+    with open(os.path.join(directory, "nano_until.yaml"), "w") as f:
+        f.write("task: nano_until\n" + common.format(files["queries"]) + "output_type: generate_until\n"
+                f"doc_to_text: '{{{{query}}}}'\ndoc_to_target: ''\ngeneration_kwargs:\n  until: {json.dumps(until)}\n"
+                "  max_gen_toks: 12\n  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
+
+
+def rolling_loglikelihood(model, tokenizer, text, max_length):
+    """A document's log-likelihood as lm-evaluation-harness windows it for an API model of this max_length (its own
+    utils), each window scored in this process as the server reads it: after a <|bos|>, unless it begins with one."""
+    from lm_eval import utils
+
+    bos = tokenizer.get_bos_token_id()
+    total = 0.0
+    windows = utils.get_rolling_token_windows(tokenizer.encode(text), prefix_token=bos, max_seq_len=max_length - 2,
+                                              context_len=1)
+    for context, continuation in map(utils.make_disjoint_window, windows):
+        ids = context + continuation
+        read = ids if ids[0] == bos else [bos] + ids
+        assert len(read) <= model.config.sequence_len
+        total += sum(model_logprobs(model, read)[-len(continuation):])
+    return total
+
+
+@pytest.mark.slow  # ~40 s: two servers, lm-eval's perplexity over ~30,000-character documents and a generation task
+def test_lm_eval_perplexity_over_documents_longer_than_the_context(api_server, model_and_tokenizer, web_base_dir,
+                                                                   tmp_path, monkeypatch):
+    """lm-evaluation-harness's local-completions with the remote tokenizer, on documents ~4x the context: with its
+    defaults (max_length 2,048) against a 2,048-token model, and with max_length the advertised max_model_len of a
+    128-token one; each document's log-likelihood equals scoring lm-eval's own windows in this process. A
+    generate_until task with 4 stop strings (lm-eval adds a fifth, its end of text) runs at num_concurrent 1, its
+    replies our greedy ones cut at the first stop."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from nanochat.engine import Engine
+
+    rng = random.Random(0)
+    words = "the river town of old stone bridge where people walk and talk about the weather in spring".split()
+    documents = [" ".join(rng.choice(words) for _ in range(5000)) + "." for _ in range(2)]  # ~30,000 characters each
+    queries = ["Where is the river? The", "People walk and", "In spring the town"]
+    until = ["\n\n", "Question:", "?", " stone"]
+    write_long_tasks(str(tmp_path / "tasks"), documents, queries, until)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    manager = TaskManager(include_path=str(tmp_path / "tasks"))
+    long_server = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    try:
+        long_model, long_tokenizer = load(web_base_dir, "tiny")
+        results = []
+        for url, max_length, (model, tokenizer), tasks in (
+                (long_server.url, None, (long_model, long_tokenizer), ["nano_ppl", "nano_until"]),
+                (api_server.url, CONTEXT, model_and_tokenizer, ["nano_ppl"])):
+            args = f"base_url={url}/v1/completions,tokenizer_backend=remote,model=nanochat,num_concurrent=1"
+            out = lm_eval.simple_evaluate(model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
+                                          model_args=args + (f",max_length={max_length}" if max_length else ""))
+            samples = sorted(out["samples"]["nano_ppl"], key=lambda s: s["doc_id"])
+            for document, sample in zip(documents, samples):
+                expected = rolling_loglikelihood(model, tokenizer, document, max_length or 2048)
+                assert sample["resps"][0][0] == pytest.approx(expected, rel=1e-4), (url, max_length)
+            assert out["results"]["nano_ppl"]["word_perplexity,none"] > 1
+            results.append(out)
+        engine, bos = Engine(long_model, long_tokenizer), long_tokenizer.get_bos_token_id()
+        replies = [s["resps"][0][0] for s in sorted(results[0]["samples"]["nano_until"], key=lambda s: s["doc_id"])]
+        for query, reply in zip(queries, replies):
+            ids = engine.generate_batch([bos] + long_tokenizer.encode(query), max_tokens=12, temperature=0)[0][0]
+            text = long_tokenizer.decode(ids[len(long_tokenizer.encode(query)) + 1:])
+            assert reply == text[:min([text.find(s) for s in until if s in text] or [len(text)])], (reply, text)
+    finally:
+        long_server.stop()
