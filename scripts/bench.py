@@ -14,6 +14,7 @@ quality, time budgets.
     python -m scripts.bench import --depth=20   # scripts.import_model on a d20 karpathy/nanochat checkpoint: time, memory
     python -m scripts.bench serve -i sft --max-batch 1 64   # chat_web under 1..64 concurrent openai clients
     python -m scripts.bench serve --fresh --lm-eval --concurrency 1 8   # lm-evaluation-harness against chat_web
+    python -m scripts.bench serve --fresh --scoring          # the largest scoring request beside a stream
     python -m scripts.bench budget --budgets 2m 5m 10m     # base_train --time-budget: plan, time, predicted vs val bpb
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
@@ -144,6 +145,8 @@ def add_inference_benchmarks(sub):
     v.add_argument("--lm-eval", action="store_true", help="instead: lm-evaluation-harness's log-likelihood requests at "
                    "each --concurrency (requests/s), and a scoring request's cost against a generation's")
     v.add_argument("--lm-eval-items", type=int, default=100, help="multiple-choice items (x 4 requests each)")
+    v.add_argument("--scoring", action="store_true", help="instead: the largest scoring request beside a streaming "
+                   "client (its time and memory, /health's latency, the stream's gaps; --fresh: a 2,048-token d4)")
 
 
 def add_quality_benchmark(sub):

@@ -15,7 +15,8 @@ Endpoints:
 One worker process per GPU (one on CPU) holds a model and decodes every request it has in one batch (continuous
 batching, nanochat/batch_engine.py): new requests join between steps, up to --max-batch sequences; one that waits
 longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
-`Authorization: Bearer KEY`. The server itself (workers, batching, cancellation, both APIs) is nanochat/serve.py;
+`Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
+names). A reply whose client stops reading is closed after --write-timeout (docs/serving.md "Under hostile load"). The server itself (workers, batching, cancellation, both APIs) is nanochat/serve.py;
 request limits are the constants at the top of nanochat/chat.py.
 """
 

@@ -27,8 +27,9 @@ TOPICS = ["the river country", "the capital of Zorland", "what 12 * 3 is", "who 
           "the lazy dog", "numbers like 1024", "spelling the word strawberry"]
 
 
-def fresh_checkpoint(base_dir):
-    """A random d4 of the CPU preset's shape, saved as an sft checkpoint with the built-in workspace's tokenizer."""
+def fresh_checkpoint(base_dir, context=256):
+    """A random d4 of the CPU preset's shape (its context `context` tokens), saved as an sft checkpoint with the
+    built-in workspace's tokenizer."""
     import torch
 
     from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
@@ -40,7 +41,7 @@ def fresh_checkpoint(base_dir):
     workspace = ensure_builtin_workspace(os.path.join(tempfile.gettempdir(), "nanochat_bench"), 4096, log=log)
     tokenizer = RustBPETokenizer.from_directory(os.path.join(workspace["base_dir"], "tokenizer"))
     tokenizer.save(os.path.join(base_dir, "tokenizer"))
-    recipe = depth_recipe(4, tokenizer.get_vocab_size(), 256, 2048, components=split_components(
+    recipe = depth_recipe(4, tokenizer.get_vocab_size(), context, 2048, components=split_components(
         "value_embeds,residual_scalars,smear")[0])
     torch.manual_seed(0)
     model = build_model(recipe.model_config, "cpu")
@@ -238,15 +239,94 @@ def cmd_lm_eval(args, base_dir, source, tag, work):
                "request_ms": costs})
 
 
+def cmd_scoring(args, base_dir, source, tag):
+    """
+    The largest scoring request a client may send (64 prompts filling the context, echo, logprobs 5, max_tokens 0)
+    beside one client streaming a chat reply: the request's time and reply size, the server's memory (the sum of its
+    processes' RSS, sampled every 50 ms) before, at its peak and after, /health's latency, and the stream's first token
+    and the largest gap between its tokens while the scoring runs; then the same request from a client that leaves
+    after half a second: how long until its worker stops scoring it.
+    """
+    import json
+    import random
+
+    import httpx
+
+    flags = ["-i", source, "--queue-timeout", "600"] + (["-g", tag] if tag else [])
+    server = ChatWeb(base_dir, flags, args.threads)
+    try:
+        url = server.url
+        context = httpx.get(f"{url}/v1/models").json()["data"][0]["context_length"]
+        rng = random.Random(0)
+        big = {"prompt": [[rng.randrange(256) for _ in range(context - 2)] for _ in range(64)], "max_tokens": 0,
+               "echo": True, "logprobs": 5}
+        log(f"bench serve --scoring | {source}/{tag or 'latest'} | 64 x {context - 2} ids, logprobs 5")
+        memory = lambda: sum(p.memory_info().rss for p in server.processes())  # noqa: E731
+        before, peak, health, gaps, result = server.memory(), 0, [], [], {}
+
+        def score():
+            started = time.monotonic()
+            response = httpx.post(f"{url}/v1/completions", json=big, timeout=3600)
+            result.update(seconds=time.monotonic() - started, status=response.status_code, bytes=len(response.content))
+
+        scoring = threading.Thread(target=score)
+        scoring.start()
+        while httpx.get(f"{url}/stats").json()["scoring"]["requests"] == 0 and scoring.is_alive():
+            time.sleep(0.01)
+        asked = last = time.monotonic()
+        first = None
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=600,
+                          json={"messages": [{"role": "user", "content": "Tell me about the river."}],
+                                "max_tokens": 200, "stream": True, "temperature": 0}) as stream:
+            for line in stream.iter_lines():
+                chunk = json.loads(line[len("data: "):]) if line.startswith("data: {") else {}
+                if scoring.is_alive() and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    now = time.monotonic()
+                    if first is None:
+                        first = now - asked
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                peak = max(peak, memory())
+        while scoring.is_alive():
+            started = time.monotonic()
+            httpx.get(f"{url}/health", timeout=60)
+            health.append(time.monotonic() - started)
+            peak = max(peak, memory())
+            time.sleep(0.05)
+        after = server.memory()
+        try:  # a client that gives up: its slices not yet run never run
+            httpx.post(f"{url}/v1/completions", json=big, timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+        gave_up = time.monotonic()
+        while httpx.get(f"{url}/stats").json()["scoring"]["requests"]:
+            time.sleep(0.01)
+        withdrawn = time.monotonic() - gave_up
+    finally:
+        server.stop()
+    run = {"context": context, "prompts": 64, "status": result["status"], "seconds": result["seconds"],
+           "reply_mib": result["bytes"] / 2**20, "memory_before_mib": before / 2**20, "memory_peak_mib": peak / 2**20,
+           "memory_after_mib": after / 2**20, "health_max_s": max(health, default=0.0),
+           "stream_first_token_s": first, "stream_max_gap_s": max(gaps, default=None),
+           "stream_p50_gap_s": statistics.median(gaps) if gaps else None, "stream_chunks_beside": len(gaps) + 1,
+           "withdrawn_after_s": withdrawn}
+    print_table("the largest scoring request beside a stream", list(run), [[
+        f"{v:.2f}" if isinstance(v, float) else v for v in run.values()]])
+    emit_json({"bench": "serve-scoring", "machine": machine_info(), "source": source, "tag": tag, "run": run})
+
+
 def cmd_serve(args):
     work = tempfile.mkdtemp(prefix="nanochat_bench_serve_")
     base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
     source, tag = args.source, args.model_tag
     if args.fresh:
         base_dir = work
-        source, tag = fresh_checkpoint(work)
+        source, tag = fresh_checkpoint(work, 2048 if args.scoring else 256)
     if args.lm_eval:
         return cmd_lm_eval(args, base_dir, source, tag, work)
+    if args.scoring:
+        return cmd_scoring(args, base_dir, source, tag)
     log(f"bench serve | {source}/{tag or 'latest'} in {base_dir} | concurrency {args.concurrency} | max-batch "
         f"{args.max_batch} | {args.max_tokens} tokens per reply")
     rows, runs = [], []
