@@ -13,8 +13,8 @@
 #   NANOCHAT_DEVICE_BATCH=8 bash speedrun.sh   # gpu preset: rows per GPU per micro-step (default 16; less memory, same run)
 #   NANOCHAT_DATA_SOURCE=mine bash speedrun.sh  # pretrain on your own text, imported first with
 #                                               # python -m nanochat.dataset import mine FILES... (docs/data.md)
-#   NANOCHAT_TIME_BUDGET=30m bash speedrun.sh   # the whole pipeline in 30 minutes: base_train picks the depth and
-#                                               # tokens that do best here, each stage gets its share (docs/time_budget.md)
+#   NANOCHAT_TIME_BUDGET=5m bash speedrun.sh    # the whole pipeline in 5 minutes, planned at the start for the best
+#                                               # chat model here; too short a budget is refused (docs/time_budget.md)
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -42,11 +42,7 @@ if [ -n "$BUDGET" ]; then
     if [ "$DRY_RUN" = 1 ] && ! command -v uv >/dev/null 2>&1; then BUDGET_SECONDS=1800; BUDGET_LABEL=$BUDGET
     else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m nanochat.time_budget "$BUDGET" || echo "0 -")
     fi
-    if [ "$BUDGET_SECONDS" -lt 240 ]; then
-        [ "$BUDGET_SECONDS" -gt 0 ] && echo "NANOCHAT_TIME_BUDGET=$BUDGET is too short for the whole pipeline: give at" \
-            "least 4m (the training stages need ~30 s each, the evaluations the rest)" >&2
-        exit 1
-    fi
+    [ "$BUDGET_SECONDS" -gt 0 ] || exit 1
     DEADLINE=$((START_TIME + BUDGET_SECONDS))
 fi
 
@@ -131,38 +127,19 @@ else
 fi
 
 if [ -n "$BUDGET" ]; then
-    # The training stages take --time-budget instead of their step counts: base_train picks its depth and tokens, mid and
-    # SFT (and RL) their steps. Its model is not the preset's d4/d24, so the tag names the budget.
+    # One plan for the whole pipeline (nanochat/pipeline_plan.py): it measures this machine, then gives every stage
+    # its seconds or steps and decides which evaluations run; each stage asks for its flags as it starts, so a stage
+    # that ran long takes from the ones after it. The models are tagged with the budget.
     TAG="budget-$BUDGET_LABEL"
     # ~60M tokens a climbmix shard, and about one GPU-minute of training at small depths to read one
     [ "$PRESET" = gpu ] && SHARDS=$(( NGPU * BUDGET_SECONDS / 60 + 8 < 150 ? NGPU * BUDGET_SECONDS / 60 + 8 : 150 ))
+    # base_train: on a CPU the preset's model (d4, 256 wide), its tokens from the budget; on a GPU its own law's depth
     BASE_FLAGS=$([ "$PRESET" = gpu ] && echo "--save-every=1000 ${NANOCHAT_DEVICE_BATCH:+--device-batch-size=$DEVICE_BATCH}" \
-        || echo "--max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 --eval-tokens=32768 --save-every=100")
+        || echo "--depth=4 --aspect-ratio=64 --head-dim=128 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 \
+--eval-tokens=32768 --eval-every=-1 --save-every=200")
+    [ "$PRESET" = cpu ] && LOSS_FLAGS="--device-batch-size=8 --split-tokens=16384"  # a quarter of the preset's
     MID_STEPS=""; SFT_STEPS=""; RL_STEPS=""
 fi
-# Seconds per stage of the cpu preset's speedrun (BENCHMARKS.md "Speedrun, CPU preset"): a time budget is split in
-# these proportions, each training stage taking its share of what is left when it starts, so that a stage that ran
-# long or short moves the later ones; evaluations take what they take. (The gpu preset's have not been measured.)
-SHARES="base_train:130 base_loss:10 base_eval:8 chat_eval_base:6 mid_train:31 chat_eval_mid:10 chat_sft:70 \
-chat_eval_sft:9 chat_rl:60 chat_eval_rl:9 report:4"
-
-stage_budget() {  # stage_budget STAGE: --time-budget=<its share of the time left> (nothing without a budget)
-    [ -z "$BUDGET" ] && return
-    local stage=$1 seen=0 mine=0 rest=0 entry name
-    for entry in $SHARES; do
-        name=${entry%%:*}
-        if [ "$name" = chat_eval_base ] && [ -z "$BASE_CHAT_EVAL" ]; then continue; fi
-        if [[ "$name" == *rl ]] && [ "$RUN_RL" != 1 ]; then continue; fi
-        [ "$name" = "$stage" ] && { seen=1; mine=${entry##*:}; }
-        [ "$seen" = 1 ] && rest=$((rest + ${entry##*:}))
-    done
-    local seconds=$(( (DEADLINE - $(date +%s)) * mine / rest )) least=$([ "$stage" = base_train ] && echo 30 || echo 10)
-    if [ "$seconds" -lt "$least" ]; then  # the stages before ran long: this one gets the least it can run in
-        echo "speedrun: the time budget has run short; $stage gets ${least}s" >&2
-        seconds=$least
-    fi
-    echo "--time-budget=${seconds}s"
-}
 
 # The pretraining text: the preset's default, or NANOCHAT_DATA_SOURCE (hub, built-in, brown, or your own import)
 SOURCE="$NANOCHAT_DATA_SOURCE"
@@ -184,6 +161,16 @@ fi
 
 # -----------------------------------------------------------------------------
 # Running stages: skip what is finished, resume what was killed
+
+plan_flags() {  # plan_flags STAGE: its flags from the budget's plan as it starts (nothing without a budget)
+    [ -z "$BUDGET" ] && return
+    $PY -m nanochat.pipeline_plan flags "$1" --plan-file "$PLAN_FILE"
+}
+
+plan_runs() {  # plan_runs STAGE: does the budget's plan run this evaluation? (always, without a budget)
+    [ -z "$BUDGET" ] && return 0
+    [[ "$(plan_flags "$1")" != skip:* ]]
+}
 
 say() { echo "== $* ==" ; }
 
@@ -235,6 +222,7 @@ train_stage() {  # train_stage NAME STAGE_DIR SECTION COMMAND...: fresh, resumed
 # The pipeline
 
 echo "speedrun: preset $PRESET, $NGPU GPU(s), base dir $BASE_DIR, wandb run $RUN${BUDGET:+, time budget $BUDGET_LABEL (ends by $(date -d @"$DEADLINE" +%H:%M:%S))}"
+
 if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || command -v uv >/dev/null 2>&1; }; then
     # a typo fails here, not in base_train after the data stages, with the base dir's signature recording it
     $PY -c "import sys
@@ -257,8 +245,15 @@ else
              "settings to continue it, FORCE=1 to redo everything here, or point NANOCHAT_BASE_DIR elsewhere" >&2
         exit 1
     fi
-    echo "$SIGNATURE" > "$BASE_DIR/speedrun_config.txt"
 fi
+if [ -n "$BUDGET" ]; then
+    # the plan, before any stage: a budget too short for a chat model that answers is refused here, in one line
+    PLAN_FILE=$([ "$DRY_RUN" = 1 ] && mktemp -u /tmp/nanochat_plan_XXXXXX.json || echo "$BASE_DIR/speedrun_plan.json")
+    $PY -m nanochat.pipeline_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --rl "$RUN_RL" \
+        --base-chat-eval "$([ -n "$BASE_CHAT_EVAL" ] && echo 1 || echo 0)" --plan-file "$PLAN_FILE" \
+        $([ "$DRY_RUN" = 1 ] && echo --dry-run) $([ "$FORCE" = 1 ] && echo --fresh) || exit 1
+fi
+[ "$DRY_RUN" != 1 ] && echo "$SIGNATURE" > "$BASE_DIR/speedrun_config.txt"
 if [ "$DRY_RUN" != 1 ] && { [ "$FORCE" = 1 ] || [ ! -f "$BASE_DIR/report/header.json" ]; }; then
     $PY -m nanochat.report reset
     rm -f "$BASE_DIR/speedrun_times.txt"
@@ -279,33 +274,37 @@ else
     say "data: your source $SOURCE, imported into $BASE_DIR/base_data/$SOURCE"
 fi
 stage "tokenizer: train" "[ -f '$BASE_DIR/tokenizer/tokenizer.json' ] && report_has tokenizer-training" $PY -m scripts.tok_train $TOK_FLAGS
-stage "tokenizer: eval" "report_has tokenizer-evaluation" $PY -m scripts.tok_eval
+plan_runs tok_eval && stage "tokenizer: eval" "report_has tokenizer-evaluation" $PY -m scripts.tok_eval
 if [ "$SOURCE_KIND" = hub ] && [ "$DRY_RUN" != 1 ]; then
     say "waiting for the shard download (log: $BASE_DIR/dataset_download.log)"
     wait "$DATASET_PID"
 fi
 
 train_stage "base_train" base_checkpoints base-model-training \
-    $LAUNCH scripts.base_train $BASE_FLAGS $(stage_budget base_train) --model-tag=$TAG --seed=$SEED \
+    $LAUNCH scripts.base_train $BASE_FLAGS $(plan_flags base_train) --model-tag=$TAG --seed=$SEED \
     ${COMPONENTS:+--components=$COMPONENTS} --run="$RUN"
-stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
-stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
-if [ -n "$BASE_CHAT_EVAL" ]; then
+plan_runs base_loss && stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
+plan_runs base_eval && stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
+if [ -n "$BASE_CHAT_EVAL" ] && plan_runs "chat_eval base"; then
     stage "chat_eval base" "report_has chat-evaluation-base" \
         $LAUNCH scripts.chat_eval -i base -g $TAG -a $BASE_CHAT_EVAL $CHAT_EVAL_FLAGS
 fi
 
-train_stage "mid_train" mid_checkpoints midtraining \
-    $LAUNCH scripts.mid_train -g $TAG ${MID_STEPS:+--num-iterations=$MID_STEPS} $(stage_budget mid_train) $MID_FLAGS --run="$RUN"
-stage "chat_eval mid" "report_has chat-evaluation-mid" $LAUNCH scripts.chat_eval -i mid -g $TAG $CHAT_EVAL_FLAGS
+MID_PLAN=$(plan_flags mid_train)  # a budget can give mid_train's time to base_train: chat_sft then starts from base
+if [[ "$MID_PLAN" != skip:* ]]; then
+    train_stage "mid_train" mid_checkpoints midtraining \
+        $LAUNCH scripts.mid_train -g $TAG ${MID_STEPS:+--num-iterations=$MID_STEPS} $MID_PLAN $MID_FLAGS --run="$RUN"
+    plan_runs "chat_eval mid" && stage "chat_eval mid" "report_has chat-evaluation-mid" $LAUNCH scripts.chat_eval -i mid -g $TAG $CHAT_EVAL_FLAGS
+fi
 train_stage "chat_sft" chatsft_checkpoints chat-sft \
-    $LAUNCH scripts.chat_sft -g $TAG ${SFT_STEPS:+--num-iterations=$SFT_STEPS} $(stage_budget chat_sft) $SFT_FLAGS --run="$RUN"
-stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval -i sft -g $TAG $CHAT_EVAL_FLAGS
+    $LAUNCH scripts.chat_sft -g $TAG ${SFT_STEPS:+--num-iterations=$SFT_STEPS} $(plan_flags chat_sft) $SFT_FLAGS --run="$RUN"
+plan_runs "chat_eval sft" && stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval -i sft -g $TAG $CHAT_EVAL_FLAGS
 if [ "$RUN_RL" = 1 ]; then
     train_stage "chat_rl" chatrl_checkpoints chat-rl \
-        $LAUNCH scripts.chat_rl -g $TAG ${RL_STEPS:+--num-iterations=$RL_STEPS} $(stage_budget chat_rl) $RL_FLAGS --run="$RUN"
+        $LAUNCH scripts.chat_rl -g $TAG ${RL_STEPS:+--num-iterations=$RL_STEPS} $(plan_flags chat_rl) $RL_FLAGS --run="$RUN"
     stage "chat_eval rl" "report_has chat-evaluation-rl" $LAUNCH scripts.chat_eval -i rl -g $TAG $CHAT_EVAL_FLAGS
 fi
+[ -n "$BUDGET" ] && plan_flags report > /dev/null  # the plan's section of the report card, as it was kept
 stage "report" "false" $PY -m nanochat.report generate
 
 if [ "$DRY_RUN" != 1 ]; then
