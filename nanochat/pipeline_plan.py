@@ -190,21 +190,12 @@ def make_plan(budget_seconds, started_at, now, preset, speed, machine, rl=False,
     for name in needed[1:]:
         _, _, fewest, wanted = train_ref[name]
         steps[name] = min(wanted, max(fewest, steps_in(reference, name, SFT_SHARE * available, speed)))
-    # mid_train pays only where base_train keeps its preset's steps beside it (below, its seconds buy more base steps)
-    rest = available - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())
-    with_mid = rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) >= \
-        train_seconds(reference, "base_train", preset_steps["base_train"], speed)
-    if with_mid:
-        steps["mid_train"] = train_ref["mid_train"][3]
-    else:
-        for name, why in (("mid_train", f"skipped: with base_train below its preset's {preset_steps['base_train']} "
-                                        "steps, its time buys more as base_train's steps"),
-                          ("chat_eval mid", "skipped: no mid_train")):
-            stages[name] = Stage(name, "train" if name == "mid_train" else "eval", 0.0, run=False, why=why)
     # the evaluations besides the final one: none below the preset's time here (every second then goes to the chat
-    # model), else in priority order while they fit their share
+    # model), else in priority order while they fit their share (the mid-trained model's last, if mid_train runs)
     eval_time = 0.0
-    for name in [e for e in all_evals if with_mid or e != "chat_eval mid"]:
+
+    def consider(name):
+        nonlocal eval_time
         seconds = speed * reference["evals"][name]
         keep = budget_seconds >= preset_time and eval_time + seconds <= EVAL_SHARE * budget_seconds
         why = f"skipped: below the {preset} preset's time here every second goes to the chat model" \
@@ -212,6 +203,33 @@ def make_plan(budget_seconds, started_at, now, preset, speed, machine, rl=False,
                                                  f"{EVAL_SHARE:.0%} of the budget"
         stages[name] = Stage(name, "eval", seconds if keep else 0.0, run=keep, why="" if keep else why)
         eval_time += seconds if keep else 0.0
+
+    for name in all_evals:
+        if name != "chat_eval mid":
+            consider(name)
+    # mid_train pays only where base_train keeps its preset's steps beside it (below, its seconds buy more base steps)
+    rest = available - eval_time - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())
+    base_preset = train_seconds(reference, "base_train", preset_steps["base_train"], speed)
+    with_mid = rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) >= base_preset
+    if with_mid:
+        steps["mid_train"] = train_ref["mid_train"][3]
+        # and chat_sft its preset's steps too, where base_train still keeps its own (the preset's arithmetic)
+        more = train_seconds(reference, "chat_sft", preset_steps["chat_sft"], speed) - \
+            train_seconds(reference, "chat_sft", steps["chat_sft"], speed)
+        if rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) - more >= base_preset:
+            rest -= more
+            steps["chat_sft"] = preset_steps["chat_sft"]
+        mid_eval = speed * reference["evals"]["chat_eval mid"]
+        if rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) - mid_eval >= base_preset:
+            consider("chat_eval mid")
+        else:
+            stages["chat_eval mid"] = Stage("chat_eval mid", "eval", 0.0, run=False,
+                                            why="skipped: its time keeps base_train at its preset's steps")
+    else:
+        for name, why in (("mid_train", f"skipped: with base_train below its preset's {preset_steps['base_train']} "
+                                        "steps, its time buys more as base_train's steps"),
+                          ("chat_eval mid", "skipped: no mid_train")):
+            stages[name] = Stage(name, "train" if name == "mid_train" else "eval", 0.0, run=False, why=why)
     # base_train the rest; below its floor the other stages give back steps, down to theirs
     while True:
         rest = available - eval_time - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())

@@ -27,6 +27,8 @@ def commands(stdout):
     """(module, launcher words, flags) of each printed command."""
     out = []
     for line in stdout.splitlines():
+        if " -m " not in line or line.startswith("plan | "):  # commands only, not the budget's printed plan
+            continue
         words = shlex.split(line.rstrip(" &"))
         if "-m" not in words:
             continue

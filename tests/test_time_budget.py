@@ -200,24 +200,6 @@ def test_bad_budgets_are_refused_in_one_line_before_any_compute(tiny_base_dir, t
     assert p.returncode == 1 and "NANOCHAT_TIME_BUDGET=abc is not a duration" in p.stderr and "-m scripts" not in p.stdout
 
 
-def test_a_budgeted_speedrun_gives_each_training_stage_a_share(tmp_path):
-    from test_speedrun import commands, dry_run
-
-    p = dry_run(tmp_path, "cpu", 0, NANOCHAT_TIME_BUDGET="30m")
-    assert p.returncode == 0, p.stderr
-    budgets = {m.split(".")[-1]: next(f for f in flags if f.startswith("--time-budget=")) for m, _, flags in commands(p.stdout)
-               if any(f.startswith("--time-budget=") for f in flags)}
-    seconds = {name: int(flag.split("=")[1].rstrip("s")) for name, flag in budgets.items()}
-    assert list(seconds) == ["base_train", "mid_train", "chat_sft"], seconds
-    assert not any(f.startswith(("--num-iterations", "--depth")) for m, _, flags in commands(p.stdout) for f in flags
-                   if m.split(".")[-1] in seconds)
-    assert all("-g budget-30m" in line or "--model-tag=budget-30m" in line for line in p.stdout.splitlines()
-               if "scripts.base_" in line or "scripts.chat_" in line or "scripts.mid_" in line)
-    assert 0.3 * 1800 < seconds["base_train"] < 1800  # the largest share; the dry run spends no time
-    p = dry_run(tmp_path, "cpu", 0, NANOCHAT_TIME_BUDGET="2m")
-    assert p.returncode == 1 and "too short for the whole pipeline" in p.stderr
-
-
 def test_the_plan_grows_with_the_budget_and_the_loss_surface_fit_recovers_a_law(tiny_base_dir, monkeypatch, tmp_path):
     """In process, from measured step times on disk: a longer budget trains a deeper model on more tokens; and the
     miniseries' surface fit gets back the law that made its points."""

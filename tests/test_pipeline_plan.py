@@ -1,0 +1,160 @@
+"""
+The speedrun to one time budget (nanochat/pipeline_plan.py, NANOCHAT_TIME_BUDGET): the plan printed before any stage
+with every stage's seconds or steps and the evaluations kept and skipped; a budget below this machine's minimum
+refused in one line before any work; no stage planned below its floor at any budget or machine speed; a resumed
+speedrun follows the plan it made; and (slow) a real pipeline at this machine's minimum ending within 10 % of its
+budget, killed in its last training stage and continued with the same flags.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from nanochat import pipeline_plan as pp
+from nanochat.common import UserError
+from test_speedrun import commands, dry_run
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_plan_is_printed_for_a_small_budget_with_every_stage_and_what_is_skipped(tmp_path):
+    p = dry_run(tmp_path, "cpu", 0, NANOCHAT_TIME_BUDGET="2m30s")
+    assert p.returncode == 0, p.stderr
+    plan = [line for line in p.stdout.splitlines() if line.startswith("plan | ")]
+    assert re.search(r"speedrun in 2m 30s .* least budget here \d+m \d+s, the cpu preset about \d+m \d+s", plan[0])
+    described = {line.split()[2]: line for line in plan[1:]}
+    assert set(described) >= {"data", "tok_train", "tok_eval", "base_train", "base_loss", "base_eval", "mid_train",
+                              "chat_sft", "chat_eval", "report"}
+    assert re.search(r"base_train +~[\d,]+ steps in \d+ s", described["base_train"])
+    assert re.search(r"chat_sft +~1[0-5]\d steps", described["chat_sft"])  # the steps it needs, before base_train's
+    assert "skipped: below the cpu preset's time" in described["base_eval"] and "skipped" in described["mid_train"]
+    flags = {m.split(".")[-1]: f for m, _, f in commands(p.stdout)}
+    assert any(f.startswith("--time-budget=") for f in flags["base_train"]) and "--depth=4" in flags["base_train"]
+    sft_steps = int(next(f for f in flags["chat_sft"] if f.startswith("--num-iterations=")).split("=")[1])
+    assert sft_steps >= pp.REFERENCE["cpu"]["train"]["chat_sft"][2] and "-i base" in " ".join(flags["chat_sft"])
+    assert "mid_train" not in flags and "base_eval" not in flags  # skipped, and said so
+    assert all("-g budget-2m30s" in line or "--model-tag=budget-2m30s" in line for line in p.stdout.splitlines()
+               if " -m scripts.base_" in line or " -m scripts.chat_" in line)
+    assert "speedrun: base_eval skipped" in p.stderr and "speedrun: mid_train skipped" in p.stderr
+    # at the preset's time or more: mid_train runs, and evaluations up to their share
+    p = dry_run(tmp_path, "cpu", 0, NANOCHAT_TIME_BUDGET="10m")
+    assert p.returncode == 0, p.stderr
+    ran = [m.split(".")[-1] for m, _, _ in commands(p.stdout)]
+    assert "mid_train" in ran and "base_eval" in ran and ran.count("chat_eval") >= 2
+
+
+def test_a_budget_below_this_machines_minimum_is_refused_in_one_line_before_any_work(tmp_path):
+    base = tmp_path / "base"
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0",
+               NANOCHAT_TIME_BUDGET="40s")
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    errors = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: NANOCHAT_TIME_BUDGET=40s is too short for a chat model that answers on this machine: give at least "
+        r"\d+m \d+s \(base_train 220 steps, chat_sft 80, the final evaluation\); the cpu preset takes about \d+m \d+s "
+        r"here", errors[0]), errors
+    assert "== " not in p.stdout and not (base / "base_data").exists() and not (base / "speedrun_config.txt").exists()
+
+
+@pytest.mark.parametrize("speed", [0.5, 1.0, 3.0])
+def test_no_stage_is_planned_below_its_floor_and_the_plan_fits_the_budget(speed):
+    reference = pp.REFERENCE["cpu"]
+    floor = {name: entry[2] for name, entry in reference["train"].items()}
+    started = 1_000.0
+    least = None
+    for budget in range(30, 3_600, 7):
+        try:
+            plan = pp.make_plan(budget, started, started + 5, "cpu", speed, "test")
+        except UserError as e:
+            assert least is None, f"{budget} s refused after {least} s was accepted: {e}"
+            continue
+        least = least or budget
+        assert abs(plan.minimum_seconds - least) < 8 + 0.02 * budget, (plan.minimum_seconds, least)
+        trains = [s for s in plan.stages if s.kind == "train" and s.run]
+        assert {s.name for s in trains} >= {"base_train", "chat_sft"}
+        assert all(s.steps >= floor[s.name] for s in trains), [(s.name, s.steps) for s in trains]
+        sft, mid, base = plan.stage("chat_sft"), plan.stage("mid_train"), plan.stage("base_train")
+        mid_in_base_steps = pp.train_seconds(reference, "mid_train", reference["train"]["mid_train"][3], 1.0) / \
+            reference["train"]["base_train"][0]
+        if mid.run:  # mid_train only beside the preset's base steps; skipped, its time would not have left them
+            assert base.steps >= reference["preset_steps"]["base_train"]
+        else:
+            assert base.steps < reference["preset_steps"]["base_train"] + mid_in_base_steps + 1
+        assert sft.steps <= (reference["preset_steps"]["chat_sft"] if mid.run else reference["train"]["chat_sft"][3])
+        assert 5 + sum(s.seconds for s in plan.stages if s.run) <= budget * (1 - pp.MARGIN) + 1e-6
+        kept = [s for s in plan.stages if s.kind == "eval" and s.run]
+        assert not kept or budget >= plan.preset_seconds
+    assert least is not None
+
+
+def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
+    path = str(tmp_path / "plan.json")
+    started = time.time()
+    plan = pp.make_plan(600, started, started + 5, "cpu", 1.0, "test")
+    pp.save(plan, path)
+    assert plan.stage("mid_train").run and plan.stage("base_eval").run
+    # the first run: the stages up to chat_sft are given their flags as they start (chat_sft late), then it is killed
+    given = {}
+    for name in ("data", "tok_train", "base_train", "base_eval", "mid_train", "chat_sft"):
+        given[name] = pp.stage_flags(plan, name, started + {"base_train": 12, "chat_sft": 585}.get(name, 6))
+        pp.save(plan, path)
+    assert given["base_train"][0].startswith("--time-budget=")
+    late = int(given["chat_sft"][0].split("=")[1])
+    assert pp.REFERENCE["cpu"]["train"]["chat_sft"][2] <= late < plan.stage("chat_sft").steps  # late: fewer steps
+    # the second run, much later: the same plan, the same flags for what was decided, the planned ones for the rest
+    monkeypatch.setattr(time, "time", lambda: started + 3_600)
+    pp.main(["plan", "10m", "--preset", "cpu", "--plan-file", path])
+    resumed = pp.load(path)
+    assert resumed.resumed == 1 and [s.name for s in resumed.stages] == [s.name for s in plan.stages]
+    assert all(pp.stage_flags(resumed, name, time.time()) == flags for name, flags in given.items())
+    assert pp.stage_flags(resumed, "chat_eval mid", time.time()) == []  # not late: the time lost is not counted
+
+
+def measured_minimum(env):
+    """This machine's least budget, as the speedrun states it (a budget of one second is refused with it)."""
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env={**env, "NANOCHAT_TIME_BUDGET": "1s"},
+                       capture_output=True, text=True, timeout=300)
+    found = re.search(r"give at least (?:(\d+)m )?(\d+)s", p.stderr)
+    assert p.returncode == 1 and found, p.stderr
+    return 60 * int(found.group(1) or 0) + int(found.group(2))
+
+
+@pytest.mark.slow  # ~4 minutes on a 2-core CPU: the whole pipeline at this machine's minimum, twice (a kill between)
+def test_a_pipeline_at_the_minimum_ends_on_time_and_a_kill_continues_with_the_same_flags(tmp_path):
+    base = tmp_path / "base"
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0")
+    budget = measured_minimum(env)
+    env["NANOCHAT_TIME_BUDGET"] = f"{budget}s"
+    started = time.time()
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    wall = time.time() - started
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert abs(wall / budget - 1) <= 0.10, (wall, budget)
+    plan = pp.load(str(base / pp.PLAN_FILE))
+    assert all(s.steps >= pp.REFERENCE["cpu"]["train"][s.name][2] for s in plan.stages if s.kind == "train" and s.run)
+    report = (base / "report" / "report.md").read_text()
+    assert "Speedrun plan" in report and "skipped" in report and "WorldQA" in report
+    # again from scratch, killed as chat_sft starts, then continued: every stage keeps the flags it was given
+    again = tmp_path / "again"
+    env["NANOCHAT_BASE_DIR"] = str(again)
+    process = subprocess.Popen(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in process.stdout:
+        if line.startswith("== chat_sft =="):
+            time.sleep(2)
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+    process.wait()
+    decided = json.loads((again / pp.PLAN_FILE).read_text())["decided"]
+    assert "chat_sft" in decided and "chat_eval sft" not in decided
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "plan | resumed" in p.stdout and "base_train: done already" in p.stdout
+    after = json.loads((again / pp.PLAN_FILE).read_text())["decided"]
+    assert {k: after[k] for k in decided} == decided and "chat_eval sft" in after
