@@ -58,7 +58,7 @@ REFERENCE = {
         # 77-91 % after 480-500 base steps and 300 fewer (58 % after 300); mid_train pays only once base_train has
         # its preset's steps (480 base + 150 SFT without it: 77 / 86.5 %; 500 + 30 + 150 with it: 91 / 80.5 %).
         "train": {"base_train": (0.155, 9.0, 220, None), "mid_train": (0.35, 4.0, 20, 30),
-                  "chat_sft": (0.17, 4.0, 80, 150), "chat_rl": (2.0, 8.0, 10, 30)},
+                  "chat_sft": (0.19, 4.0, 80, 150), "chat_rl": (2.0, 8.0, 10, 30)},
         # the preset's own steps, for its time here
         "preset_steps": {"base_train": 700, "mid_train": 60, "chat_sft": 300, "chat_rl": 30},
         "preset_extra": 12.0,  # the preset's periodic evaluations, samples and checkpoints in base_train
