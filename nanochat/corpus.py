@@ -1,5 +1,5 @@
 """
-The built-in corpus: pretraining shards about the synthetic world of nanochat.builtin, generated
+The built-in corpus: pretraining shards about the synthetic world of nanochat.data.builtin, generated
 from a seed with no network, in the same parquet layout as downloaded data.
 
     python -m nanochat.corpus [--seed 42] [--size-mb 6] [--out DIR]
@@ -24,12 +24,12 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.builtin.core_bundle import write_eval_bundle
-from nanochat.builtin.documents import generate_world_documents
-from nanochat.builtin.drills import arithmetic_document, spelling_document
-from nanochat.builtin.world import build_world
 from nanochat.common import UserError, atomic_write_text, ensure_writable, print0, run_main
 from nanochat.core_eval import BUILTIN_BUNDLE_NAME, builtin_eval_bundle_dir
+from nanochat.data.builtin.core_bundle import write_eval_bundle
+from nanochat.data.builtin.documents import generate_world_documents
+from nanochat.data.builtin.drills import arithmetic_document, spelling_document
+from nanochat.data.builtin.world import build_world
 from nanochat.dataset import SHARD_RE, get_data_dir, get_source, shard_filename
 
 CORPUS_VERSION = 1  # bump when the generator changes what a seed produces

@@ -13,7 +13,7 @@ streamed to a temp file, checked (size, sha256 when the hub gives one, readable 
 and only then renamed into place, so a killed run never leaves a truncated shard and a
 re-run skips what is already there.
 
-Your own text becomes a source the same way every stage can read (nanochat.text_import):
+Your own text becomes a source the same way every stage can read (nanochat.data.text_import):
     python -m nanochat.dataset import NAME INPUT... [--max-doc-chars N] [--val-frac F | --val-docs N]
     python -m nanochat.dataset import NAME --hf-repo owner/name [--config C] [--split S] [--column C]
     python -m nanochat.dataset list
@@ -36,7 +36,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
-from nanochat.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
+from nanochat.data.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
 
 # -----------------------------------------------------------------------------
 # Sources
@@ -63,7 +63,7 @@ SOURCES = {
 SHARD_RE = re.compile(r"^shard_(\d{5,})\.parquet$")
 
 
-IMPORT_MANIFEST = "import.json"  # written by `python -m nanochat.dataset import` (nanochat.text_import)
+IMPORT_MANIFEST = "import.json"  # written by `python -m nanochat.dataset import` (nanochat.data.text_import)
 
 
 def imported_source(name):
@@ -350,7 +350,7 @@ def main(argv=None):
 
 
 def import_main(argv):
-    from nanochat import text_import as ti
+    from nanochat.data import text_import as ti
 
     parser = argparse.ArgumentParser(prog="python -m nanochat.dataset import",
                                      description="Build a data source NAME from your own text (files, folders, globs "

@@ -62,8 +62,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanochat import cpu_ops
 from nanochat.common import bound_onednn_caches, get_compute_dtype
+from nanochat.model import cpu_ops
 
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
 ROPE_THETA = 10000.0

@@ -19,8 +19,8 @@ from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import (UserError, atomic_write_text, autocast_for, compute_cleanup, compute_init, ensure_writable,
                              get_base_dir, print0, run_main)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
-from nanochat.presets import fill_from_preset, preset_help
 from nanochat.report import get_report
+from nanochat.training.presets import fill_from_preset, preset_help
 
 
 def parse_args(argv=None):

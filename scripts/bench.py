@@ -36,8 +36,8 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from nanochat.bench import budget, dataloader, engine, importing, kernels, quality, serve, tokenizer, train
-from nanochat.bench.common import BENCH_TOKENIZER_VOCAB
+from bench import budget, dataloader, engine, importing, kernels, quality, serve, tokenizer, train
+from bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
 # -----------------------------------------------------------------------------

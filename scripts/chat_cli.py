@@ -16,12 +16,12 @@ import sys
 
 import torch
 
-from nanochat.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, Finish, MarkupWriter,
-                           Piece, RequestError, check_number, fit_conversation, fit_text, generate_replies,
-                           model_summary, prompt_budget)
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine
+from nanochat.serving.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, Finish, MarkupWriter,
+                                   Piece, RequestError, check_number, fit_conversation, fit_text, generate_replies,
+                                   model_summary, prompt_budget)
 
 
 def parse_args(argv=None):

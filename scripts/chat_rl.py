@@ -16,15 +16,15 @@ import time
 
 import torch
 
-from nanochat.chat_data import ProblemSchedule
 from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
-from nanochat.presets import preset_help
-from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
-                            start_stage, validate_stage_flags)
 from nanochat.tasks import TaskMixture, get_task
-from nanochat.training import lr_multiplier, muon_momentum, train_step
+from nanochat.training.chat_data import ProblemSchedule
+from nanochat.training.presets import preset_help
+from nanochat.training.recipe import lr_multiplier, muon_momentum, train_step
+from nanochat.training.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
+                                     start_stage, validate_stage_flags)
 
 
 def parse_args(argv=None):

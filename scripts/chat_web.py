@@ -5,7 +5,7 @@ Serve a trained model over HTTP: a chat UI in the browser and an OpenAI-compatib
     python -m scripts.chat_web -i rl --num-gpus 8 --host 0.0.0.0 --port 8000
 
 Endpoints:
-    GET  /                      the chat UI (nanochat/ui.html)
+    GET  /                      the chat UI (nanochat/serving/ui.html)
     GET  /health                {"status": "ok", "workers": N, "model": {...}}
     GET  /stats                 queue depth, busy/free workers, requests served, tokens generated, tokens/s
     POST /chat/completions      nanochat's own: SSE of {"token"}, {"python"}, {"python_output"} ... then {"done": true}
@@ -16,8 +16,8 @@ One worker process per GPU (one on CPU) holds a model and decodes every request 
 batching, nanochat/batch_engine.py): new requests join between steps, up to --max-batch sequences; one that waits
 longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
 `Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
-names). A reply whose client stops reading is closed after --write-timeout (docs/serving.md "Under hostile load"). The server itself (workers, batching, cancellation, both APIs) is nanochat/serve.py;
-request limits are the constants at the top of nanochat/chat.py.
+names). A reply whose client stops reading is closed after --write-timeout (docs/serving.md "Under hostile load"). The server itself (workers, batching, cancellation, both APIs) is nanochat/serving/serve.py;
+request limits are the constants at the top of nanochat/serving/chat.py.
 """
 
 import argparse
@@ -26,12 +26,12 @@ import signal
 
 import uvicorn
 
-from nanochat.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
 from nanochat.common import UserError, print0, run_main
-from nanochat.serve import bind_socket, create_app
-from nanochat.server_guard import (HEADER_TIMEOUT, LOOPBACK, WRITE_TIMEOUT, ConnectionGuard, allowed_host_names,
-                                   default_max_connections, raise_open_file_limit)
-from nanochat.workers import WorkerPool, load_workers
+from nanochat.serving.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
+from nanochat.serving.serve import bind_socket, create_app
+from nanochat.serving.server_guard import (HEADER_TIMEOUT, LOOPBACK, WRITE_TIMEOUT, ConnectionGuard, allowed_host_names,
+                                           default_max_connections, raise_open_file_limit)
+from nanochat.serving.workers import WorkerPool, load_workers
 
 
 def parse_args(argv=None):

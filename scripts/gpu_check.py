@@ -3,7 +3,9 @@ Is this node ready for the speedrun? What to run on a machine you just rented, b
 
     python -m scripts.gpu_check                          # every check, then a verdict and one JSON line
     DRY_RUN=1 python -m scripts.gpu_check                # print what it would run, run nothing
-    python -m scripts.gpu_check --append BENCHMARKS.md   # also append its rows to that file
+    python -m scripts.gpu_check --append my_nodes.md     # also append its rows to that file
+    python -m scripts.gpu_check --suite                  # developers: ours against the reference, every GPU path;
+                                                         # the rows also go to dev/gpu_results/<date>_<machine>.md
 
 On CUDA: the environment (torch, CUDA, driver, NCCL, each GPU's memory and bf16/fp8 support, free disk), a d4 and a
 d12 base_train smoke (compiled, bf16) with tok/s and MFU against the data-sheet peak, the largest --device-batch-size
@@ -23,11 +25,11 @@ import time
 
 import torch
 
-from nanochat import gpu_check as check
-from nanochat import gpu_suite as suite
+from bench import gpu_check as check
+from bench import gpu_suite as suite
 from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
 from nanochat.corpus import ensure_builtin_workspace, holds_training_data
-from nanochat.training import DEFAULT_COMPONENTS, depth_recipe, split_components
+from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
 REPO_ROOT, CHILD_PYTHONPATH = check.REPO_ROOT, check.CHILD_PYTHONPATH
 run_smoke = check.run_smoke
@@ -43,10 +45,12 @@ def parse_args(argv=None):
                    help="ranks for the distributed checks (all GPUs; 2 on a CPU runs them over gloo)")
     p.add_argument("--speedrun-batch", type=int, default=None,
                    help="the device batch the speedrun will use (default: $NANOCHAT_DEVICE_BATCH, else speedrun.sh's 16)")
-    p.add_argument("--append", default=None, help="append the result rows to this markdown file (e.g. BENCHMARKS.md)")
-    p.add_argument("--suite", action="store_true", help="instead: the GPU suite (nanochat/gpu_suite.py): ours against "
+    p.add_argument("--append", default=None, help="append the result rows to this markdown file (not --suite's: it writes --results-dir)")
+    p.add_argument("--suite", action="store_true", help="instead: the GPU suite (bench/gpu_suite.py): ours against "
                    "the reference, fp8, a 200-step run, decode, serving, the stages in miniature")
     p.add_argument("--only", default="", help="--suite's sections, comma-separated (default: all)")
+    p.add_argument("--results-dir", default=os.path.join(REPO_ROOT, "dev", "gpu_results"),
+                   help="--suite's results: a dated markdown file per run (default: dev/gpu_results/)")
     p.add_argument("--suite-minutes", type=float, default=9.0, help="--suite's deadline: later sections are skipped")
     p.add_argument("--reference", default=suite.REFERENCE_DIR, help="a checkout of karpathy/nanochat for --suite")
     p.add_argument("--worker", choices=["probe", "allreduce", "decode"], help=argparse.SUPPRESS)  # subprocesses' jobs

@@ -1,5 +1,5 @@
 """
-Tests for talking to a model: nanochat/chat.py (validation, trimming to the context, streaming replies with tool
+Tests for talking to a model: nanochat/serving/chat.py (validation, trimming to the context, streaming replies with tool
 calls and stop strings) and scripts/chat_cli.py run as a real subprocess against a tiny random checkpoint.
 build_chat_checkpoint is shared with tests/test_chat_web.py.
 """
@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, Finish, MarkupWriter,
-                           Piece, RequestError, ReplyStream, fit_conversation, generate_replies, parse_markup,
-                           parts_as_markup, validate_messages)
 from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
 from nanochat.engine import Engine
-from nanochat.openai_api import read_sampling
 from nanochat.gpt import GPTConfig, build_model
+from nanochat.serving.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, Finish, MarkupWriter,
+                                   Piece, RequestError, ReplyStream, fit_conversation, generate_replies, parse_markup,
+                                   parts_as_markup, validate_messages)
+from nanochat.serving.openai_api import read_sampling
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +145,7 @@ def test_long_conversation_drops_oldest_turns_instead_of_crashing(cli_base_dir):
 
 
 # -----------------------------------------------------------------------------
-# nanochat/chat.py: replies through the real engine with a scripted model
+# nanochat/serving/chat.py: replies through the real engine with a scripted model
 
 
 @pytest.fixture(scope="module")

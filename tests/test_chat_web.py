@@ -19,7 +19,7 @@ import openai
 import psutil
 import pytest
 
-from nanochat.bench.serve import ChatWeb
+from bench.serve import ChatWeb
 from tests.test_chat_cli import REPO_ROOT, build_chat_checkpoint
 
 CONTEXT = 2048  # room for a reply long enough to take seconds
@@ -366,9 +366,9 @@ def test_samples_go_to_a_worker_with_rows_for_all_of_them():
     """Workers' rows may differ (each GPU's free memory sizes its KV cache): n goes to one that can hold it."""
     import asyncio
 
-    from nanochat.chat import RequestError
-    from nanochat.openai_api import read_sampling
-    from nanochat.workers import WorkerPool
+    from nanochat.serving.chat import RequestError
+    from nanochat.serving.openai_api import read_sampling
+    from nanochat.serving.workers import WorkerPool
 
     class FakeWorker:
         alive = True
@@ -473,8 +473,9 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
     """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
     model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
     from nanochat.batch_engine import Sampling
-    from nanochat.chat import Finish
-    from nanochat.workers import Admitted, Ended, load_workers, stop_processes
+    from nanochat.serving.chat import Finish
+    from nanochat.serving.messages import Add, Admitted, Ended, Stop
+    from nanochat.serving.workers import load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
     workers, _, info = load_workers("sft", None, None, "cpu", 1, 3, threads=1, start_method="spawn")
@@ -482,16 +483,17 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
     try:
         assert worker.rows == 3 and info["context"] == CONTEXT and info["params"] > 0
         prompt = tokenizer.render_for_completion({"messages": HELLO})
-        worker.conn.send(("add", 7, prompt, [Sampling(temperature=0.0, max_tokens=5)], [], True))
+        worker.conn.send(Add(7, prompt, [Sampling(temperature=0.0, max_tokens=5)], True))
         events = []
         while not any(isinstance(e, Ended) for e in events):
             assert worker.conn.poll(30), "the worker stopped answering"
-            kind, ready, occupancy = worker.conn.recv()
-            events += [e for key, batch in ready if key == 7 for e in batch]
+            message = worker.conn.recv()
+            occupancy = message.occupancy
+            events += [e for key, batch in message.ready if key == 7 for e in batch]
         assert isinstance(events[0], Admitted) and occupancy["rows"] == 3
         finish = next(e for e in events if isinstance(e, Finish))
         assert finish.completion_tokens == 5 and events[-1].tokens == 5
-        worker.conn.send(("stop",))
+        worker.conn.send(Stop())
         worker.process.join(10)
         assert worker.process.exitcode == 0
     finally:

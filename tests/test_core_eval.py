@@ -28,8 +28,8 @@ import torch
 import yaml
 
 from nanochat import core_eval
-from nanochat.builtin import core_bundle, world as world_mod
 from nanochat.common import UserError
+from nanochat.data.builtin import core_bundle, world as world_mod
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

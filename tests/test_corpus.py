@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanochat import core_eval, corpus
-from nanochat.builtin import core_bundle, documents, drills, world as world_mod
 from nanochat.common import UserError
+from nanochat.data.builtin import core_bundle, documents, drills, world as world_mod
 
 SIZE_MB = 0.3
 

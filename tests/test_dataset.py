@@ -16,7 +16,7 @@ import pytest
 
 from nanochat import dataset
 from nanochat.common import UserError
-from nanochat.download import sha256_from_etag
+from nanochat.data.download import sha256_from_etag
 
 REPO = dataset.SOURCES["fineweb-edu"].hf_repo
 VAL = dataset.SOURCES["fineweb-edu"].val_index

@@ -1,5 +1,5 @@
 """
-scripts/export_hf and nanochat/hf_export: tiny random checkpoints exported and loaded back with transformers
+scripts/export_hf and nanochat/interop/hf_export: tiny random checkpoints exported and loaded back with transformers
 (AutoModelForCausalLM, AutoTokenizer), checked against our model and tokenizer: logits, greedy generation,
 token ids, the chat template, bf16, and the refusals (missing checkpoint, non-empty --out, unknown feature).
 """
@@ -128,7 +128,7 @@ def run_export(base, *args):
 @pytest.fixture(scope="module")
 def exported(export_base, tmp_path_factory):
     """{tag: export dir}: gqa through the real script, the others by direct calls (same code, less startup)."""
-    from nanochat.hf_export import export_checkpoint
+    from nanochat.interop.hf_export import export_checkpoint
 
     root = tmp_path_factory.mktemp("exports")
     dirs = {}
@@ -380,7 +380,7 @@ def test_nonempty_out_refused(export_base, tmp_path):
 
 def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
     from nanochat.common import UserError
-    from nanochat.hf_export import check_output_dir
+    from nanochat.interop.hf_export import check_output_dir
 
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="notes.txt is a file, not a directory"):
@@ -398,7 +398,7 @@ def test_unrepresentable_config_refused(export_base, tmp_path):
 
 def test_merges_from_ranks():
     from nanochat.common import UserError
-    from nanochat.hf_export import merges_from_ranks
+    from nanochat.interop.hf_export import merges_from_ranks
 
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({b"bc": 256, b"ab": 257, b"abc": 258})  # abc is reached as a + bc: bc merges before ab
@@ -411,7 +411,7 @@ def test_merges_from_ranks():
 
 def test_extra_parameter_refused(single_torch_thread):
     from nanochat.common import UserError
-    from nanochat.hf_export import hf_state_dict
+    from nanochat.interop.hf_export import hf_state_dict
 
     model = build_model(tiny_config(n_kv_head=4, vocab_size=300), "cpu")
     model.resid_lambdas = torch.nn.Parameter(torch.ones(2))  # a per-layer scalar NanoChat has no place for

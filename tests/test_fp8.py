@@ -1,4 +1,4 @@
-"""FP8 linear layers (nanochat/fp8.py): quantization, the _scaled_mm path against its fp32 emulation, error
+"""FP8 linear layers (nanochat/model/fp8.py): quantization, the _scaled_mm path against its fp32 emulation, error
 against fp32 F.linear, the F.linear fallback, module conversion, and a short training run. All on the CPU,
 where torch._scaled_mm runs (slowly: training there uses the emulation), so the real fp8 op is what gets tested."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat import fp8
+from nanochat.model import fp8
 
 
 
@@ -188,7 +188,7 @@ def test_gpt_blocks_train_with_fp8_matmuls(monkeypatch):
     # base_train --fp8 converts the blocks' linears; every one of them (the MLP too, which the CPU fast path would
     # otherwise run from its weights) must then go through fp8, and the model must learn about as well as in fp32.
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.training import build_optimizers, train_step
+    from nanochat.training.recipe import build_optimizers, train_step
 
     products = []
     real = fp8._mm_abt

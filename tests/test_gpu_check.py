@@ -12,7 +12,7 @@ import sys
 import pytest
 from test_base_train import fresh_base
 
-from nanochat import gpu_check as check
+from bench import gpu_check as check
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

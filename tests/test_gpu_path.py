@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from test_base_train import final_weights, fresh_base, run_train, train_losses, val_bpbs
 from test_gpt import build, reference_forward, tiny_config
 
-from nanochat import cpu_ops
+from nanochat.model import cpu_ops
 
 BF16 = {"NANOCHAT_DTYPE": "bfloat16"}  # autocast alone sends every op down the plain path, as on a GPU
 COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}  # dynamo says so on stderr if either happens

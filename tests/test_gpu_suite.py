@@ -1,9 +1,9 @@
 """
-gpu_check --suite (nanochat/gpu_suite.py) scaled down on a CPU, as CI runs it: every section gives its rows: ours
+gpu_check --suite (bench/gpu_suite.py) scaled down on a CPU, as CI runs it: every section gives its rows: ours
 against the reference (here: no checkout, and the row says how to get one), fp8 (ours emulated against bf16; torchao
 skipped with its reason), a base_train whose val bpb falls, eager and captured decoding (the captured step run
 eagerly, the same tokens), chat_web one at a time and batched, every stage for a few steps and chat_web answering on
-their model; the rows go to --append's file and a JSON line. Bad --only / --suite-minutes are refused before any work.
+their model; the rows go to a dated file under --results-dir and a JSON line. Bad --only / --suite-minutes are refused before any work.
 """
 
 import json
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from nanochat import gpu_suite
+from bench import gpu_suite
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,9 +44,8 @@ def test_reference_checkout_is_found_or_explained(tmp_path):
 
 @pytest.mark.slow  # ~3 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
 def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
-    rows_file = tmp_path / "BENCHMARKS.md"
     p = suite(tmp_path / "base", ["--suite-minutes", "14",
-                                  "--reference", str(tmp_path / "no_reference"), "--append", str(rows_file)])
+                                  "--reference", str(tmp_path / "no_reference"), "--results-dir", str(tmp_path / "results")])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])["gpu_suite"]
     rows = dict(result["rows"])
@@ -75,7 +74,9 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
                                                                          "base_eval", "mid_train", "chat_sft", "chat_rl",
                                                                          "chat_eval")), stages
     assert rows["chat_web on the stages' RL model, one request"].startswith("200, a reply of")
-    appended = rows_file.read_text().splitlines()
-    assert len(appended) == len(rows) and all(line.startswith("| ") and "no CUDA" in line for line in appended)
+    written = list((tmp_path / "results").iterdir())  # one dated file of this run's rows, BENCHMARKS.md untouched
+    assert len(written) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d{6}_.+\.md", written[0].name), written
+    table = [line for line in written[0].read_text().splitlines() if line.startswith("| 20")]
+    assert len(table) == len(rows) and all("no CUDA" in line for line in table)
     assert not [r for r in rows.values() if r.startswith("failed")]
     assert {r for r in rows.values() if r.startswith("skipped")} == {reference[0], fp8["torchao"]}

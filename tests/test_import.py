@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat import dataset, text_import
+from nanochat import dataset
 from nanochat.common import UserError
+from nanochat.data import text_import
 from nanochat.dataset import list_parquet_files, parquets_iter_batched
 from scripts import bench
 

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from nanochat import miniseries as ms
 from nanochat.common import UserError
-from nanochat.training import DEFAULT_COMPONENTS
+from nanochat.training import miniseries as ms
+from nanochat.training.recipe import DEFAULT_COMPONENTS
 from scripts import miniseries
 
 from conftest import REPO_ROOT  # noqa: E402

@@ -1,5 +1,5 @@
 """
-The OpenAI API of chat_web (nanochat/openai_api.py) as the ecosystem uses it: the `openai` client on both endpoints,
+The OpenAI API of chat_web (nanochat/serving/openai_api.py) as the ecosystem uses it: the `openai` client on both endpoints,
 streamed and whole, with logprobs checked against the model's own numbers; a calculator reply that reads as text and
 its markup variant that renders back to the model's tokens; every refused field's 400; vLLM's tokenizer endpoints;
 and lm-evaluation-harness's local-completions and local-chat-completions on local task files, scored as our own code
@@ -43,7 +43,7 @@ def api_base_dir(tiny_base_dir, tmp_path_factory):
     from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
     from nanochat.gpt import GPTConfig, build_model
     from nanochat.tokenizer import RustBPETokenizer
-    from nanochat.training import config_dict
+    from nanochat.training.recipe import config_dict
 
     base_dir = str(tmp_path_factory.mktemp("openai_api") / "base")
     shutil.copytree(tiny_base_dir, base_dir)
@@ -103,7 +103,7 @@ def test_a_calculator_reply_reads_as_text_and_its_markup_renders_back_to_the_mod
     markup = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=40,
                                             extra_body={"nanochat_markup": True}).choices[0].message.content
     assert markup == "Let me compute: <|python_start|>3*4<|python_end|><|output_start|>12<|output_end|>. So 12."
-    from nanochat.chat import validate_messages
+    from nanochat.serving.chat import validate_messages
 
     sent_back = validate_messages(QUESTION + [{"role": "assistant", "content": markup}, {"role": "user", "content": "ok"}],
                                   markup=True)
@@ -383,8 +383,8 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
     from lm_eval.tasks import TaskManager
 
     from nanochat import chat_eval, core_eval
-    from nanochat.chat import READABLE_MARKUP, parse_markup, parts_as_markup
     from nanochat.engine import Engine
+    from nanochat.serving.chat import READABLE_MARKUP, parse_markup, parts_as_markup
 
     model, tokenizer = model_and_tokenizer
     words = ["city", "language", "people", "name"]

@@ -1,4 +1,4 @@
-"""Tests for nanochat.adamw and nanochat.muon: AdamW math, orthogonalisation, resume, and a real 2-rank run."""
+"""Tests for nanochat.training.adamw and nanochat.training.muon: AdamW math, orthogonalisation, resume, and a real 2-rank run."""
 
 import copy
 import importlib.util
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nanochat import adamw  # noqa: E402
-from nanochat.adamw import DistAdamW, build_adamw  # noqa: E402
+from nanochat.training import adamw  # noqa: E402
+from nanochat.training.adamw import DistAdamW, build_adamw  # noqa: E402
 from nanochat import common  # noqa: E402
 from nanochat.common import UserError  # noqa: E402
-from nanochat.muon import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
+from nanochat.training.muon import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
 
 WORKER_PATH = os.path.join(REPO, "tests", "dist_optim_worker.py")
 
@@ -213,7 +213,7 @@ def test_muon_rejects_mixed_shapes_and_vectors():
 
 def reference_muon(p0, grads, lrs, momenta, weight_decay, nesterov=True):
     """
-    Muon for one matrix, written from the math in float64 (nothing from nanochat.muon): returns the weights and
+    Muon for one matrix, written from the math in float64 (nothing from nanochat.training.muon): returns the weights and
     the momentum buffer after every step.
         buf <- buf + (1 - m) (g - buf)                  momentum as an exponential average
         d   <- g + m (buf - g)                          Nesterov look-ahead (or buf without it)
@@ -368,7 +368,7 @@ def test_loading_state_from_another_world_size_is_a_clear_error():
 def test_polar_express_coefficients_are_minimax_and_end_closer_to_one():
     # Each step's quintic is the best worst case over where the singular values are: its error equioscillates,
     # and no small change of its coefficients lowers the worst case.
-    from nanochat.muon import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
+    from nanochat.training.muon import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
 
     (a, b, c), error = _minimax_odd_quintic(0.1, 1.0)
     x = np.linspace(0.1, 1.0, 20001)

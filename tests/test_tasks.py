@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from nanochat import hub
-from nanochat.builtin.world import RELATIONS
 from nanochat.common import UserError
+from nanochat.data import hub
+from nanochat.data.builtin.world import RELATIONS
 from nanochat.engine import use_calculator
 from nanochat.tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
                             TaskSequence, WorldQA, get_task, humaneval, validate_conversation)

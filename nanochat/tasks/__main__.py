@@ -11,9 +11,9 @@ import argparse
 import pyarrow.parquet as pq
 
 from nanochat.common import UserError, run_main
+from nanochat.data.hub import fetch_parquet_files, local_parquet_files, local_row_count, table_row
 from nanochat.tasks import BUILTIN_TASKS, HUB_TASKS, TASKS, arc, canonical_name, gsm8k, humaneval, mmlu, smoltalk
 from nanochat.tasks.base import conversation_text
-from nanochat.hub import fetch_parquet_files, local_parquet_files, local_row_count, table_row
 
 # name -> (repo, config, eval type, baseline as shown, row -> conversation)
 HUB_SOURCES = {

@@ -3,8 +3,8 @@ ARC (allenai/ai2_arc): grade-school science questions with 3-5 choices, configs 
 ARC-Challenge. Categorical: the assistant answers with the label of the right choice.
 """
 
+from nanochat.data.hub import load_table, table_row
 from nanochat.tasks.base import CategoricalTask, multiple_choice_conversation
-from nanochat.hub import load_table, table_row
 
 REPO = "allenai/ai2_arc"
 SUBSETS = ("ARC-Easy", "ARC-Challenge")

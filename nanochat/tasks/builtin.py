@@ -1,5 +1,5 @@
 """
-Built-in chat tasks about the offline world of nanochat.builtin, generated from a seed with no network:
+Built-in chat tasks about the offline world of nanochat.data.builtin, generated from a seed with no network:
 WorldQA (questions about the world's facts), Identity (who the assistant is) and Arithmetic (sums with
 the calculator tool). With SpellingBee and SimpleSpelling they are all the CPU preset's chat data.
 
@@ -15,8 +15,8 @@ import random
 import re
 import zlib
 
-from nanochat.builtin.drills import _equation
-from nanochat.builtin.world import build_world, render_question, render_statement
+from nanochat.data.builtin.drills import _equation
+from nanochat.data.builtin.world import build_world, render_question, render_statement
 from nanochat.tasks.base import Task, last_number, mentions, validate_conversation
 
 DEFAULT_WORLD_SEED = 42
@@ -268,7 +268,7 @@ class WorldFacts(WorldQA):
     eval_type = "completion"
 
     def _eval(self, rng):
-        from nanochat.builtin.core_bundle import object_last_templates
+        from nanochat.data.builtin.core_bundle import object_last_templates
 
         examples = []
         for fact in self.world.eval_facts():

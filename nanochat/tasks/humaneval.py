@@ -6,9 +6,9 @@ sandbox, and passes only if every test does.
 
 import re
 
+from nanochat.data.hub import load_table, table_row
 from nanochat.execution import execute_code
 from nanochat.tasks.base import Task
-from nanochat.hub import load_table, table_row
 
 REPO = "openai/openai_humaneval"
 CODE_BLOCK_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)

@@ -4,8 +4,8 @@ for evaluation; config "auxiliary_train" (split train, each row nested in a stru
 for mid-training. Categorical: the assistant answers with a letter A-D.
 """
 
+from nanochat.data.hub import load_table, table_row
 from nanochat.tasks.base import CategoricalTask, multiple_choice_conversation
-from nanochat.hub import load_table, table_row
 
 REPO = "cais/mmlu"
 SPLITS = {"all": ("test", "validation", "dev"), "auxiliary_train": ("train",)}

@@ -7,8 +7,8 @@ when the split loads; `skipped` counts them and the count is printed.
 """
 
 from nanochat.common import print0
+from nanochat.data.hub import load_table
 from nanochat.tasks.base import Task, validate_conversation
-from nanochat.hub import load_table
 
 REPO = "HuggingFaceTB/smol-smoltalk"
 SPLITS = ("train", "test")

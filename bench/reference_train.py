@@ -1,0 +1,125 @@
+"""
+The reference project's (karpathy/nanochat) training step, timed the way `bench train` times ours: its GPT built as
+its base_train builds it, torch.compile'd, its MuonAdamW, `loss = model(x, y)`, backward, step, on random tokens.
+
+This file imports the *reference's* `nanochat` package, not ours (both are named nanochat), so it is run as a file
+with a checkout of the reference first on PYTHONPATH, never imported:
+
+    PYTHONPATH=.reference python bench/reference_train.py --depth 12 --seq-len 2048 --device-batch-size 16
+
+(gpu_check --suite does this; the checkout comes from `git clone https://github.com/karpathy/nanochat .reference`
+at the commit gpu_suite.REFERENCE_COMMIT pins, and is never committed.) Without its Flash Attention 3 kernels, which
+it downloads from the Hugging Face hub, the reference runs PyTorch SDPA; SDPA has no sliding windows, so the window
+pattern defaults to "L" (full context everywhere), as the reference's own warning advises. One JSON line on stdout.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser(description="time the reference project's base_train step")
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--device-batch-size", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--window-pattern", default="L")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--compile", type=int, default=1)
+    args = p.parse_args()
+
+    # Python put this file's folder (our bench/) first on sys.path, where the reference's `import kernels`
+    # (its Flash Attention 3 loader) would find our bench's kernels.py: the reference sees only its own checkout
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: its FA3 download fails at once, SDPA instead
+    import nanochat.gpt as reference_gpt  # the reference's, by PYTHONPATH
+
+    if os.path.dirname(os.path.dirname(os.path.abspath(reference_gpt.__file__))) == os.path.dirname(here):
+        sys.exit("error: this imported our own nanochat, not the reference's: put its checkout first on PYTHONPATH")
+    from nanochat.common import COMPUTE_DTYPE
+    from nanochat.flash_attention import USE_FA3
+    from nanochat.gpt import GPT, GPTConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as the reference's compute_init
+    torch.manual_seed(42)
+    head_dim = 128 if args.depth * 64 >= 128 else args.depth * 64
+    model_dim = -(-args.depth * 64 // head_dim) * head_dim
+    config = GPTConfig(sequence_len=args.seq_len, vocab_size=args.vocab_size, n_layer=args.depth,
+                       n_head=model_dim // head_dim, n_kv_head=model_dim // head_dim, n_embd=model_dim,
+                       window_pattern=args.window_pattern)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    flops_per_token = model.estimate_flops()
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = model.setup_optimizer()
+    train_model = torch.compile(model, dynamic=False) if args.compile else model
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (args.device_batch_size, args.seq_len)
+    batches = [torch.randint(0, args.vocab_size, shape, device=device, generator=generator) for _ in range(4)]
+
+    def step(i):
+        x = batches[i % len(batches)]
+        loss = train_model(x, torch.roll(x, -1, dims=1))
+        loss.backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        value = loss.item()  # a sync, as the reference's step ends with one
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return value
+
+    def timed_phases(i):
+        """One step taken apart, synced between phases, as `bench train --breakdown-steps` takes ours apart."""
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        x = batches[i % len(batches)]
+        sync()
+        t0 = time.perf_counter()
+        loss = train_model(x, torch.roll(x, -1, dims=1))
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        sync()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": time.perf_counter() - t2}
+
+    t0 = time.perf_counter()
+    first_loss = step(0)
+    for i in range(1, args.warmup):
+        step(i)
+    warmup_s = time.perf_counter() - t0
+    times, loss = [], first_loss
+    for i in range(args.steps):
+        t = time.perf_counter()
+        loss = step(args.warmup + i)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    breakdown = [timed_phases(args.warmup + args.steps + i) for i in range(2)]
+    tokens = args.device_batch_size * args.seq_len
+    print(json.dumps({
+        "project": "reference", "depth": args.depth, "seq_len": args.seq_len, "device_batch_size": args.device_batch_size,
+        "window_pattern": args.window_pattern, "attention": "fa3" if USE_FA3 else "sdpa", "dtype": str(COMPUTE_DTYPE),
+        "params": params, "flops_per_token": flops_per_token, "ms_per_step": step_s * 1000, "tok_per_s": tokens / step_s,
+        "warmup_s": warmup_s, "first_loss": first_loss, "final_loss": loss,
+        "breakdown_ms": {k: statistics.median(b[k] for b in breakdown) * 1000 for k in breakdown[0]},
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }))
+
+
+if __name__ == "__main__":
+    main()

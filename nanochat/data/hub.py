@@ -1,0 +1,260 @@
+"""
+The Hugging Face hub without its client libraries: where the hub is ($HF_ENDPOINT for a mirror or a test server),
+a dataset split's parquet files (what the hub tasks and `nanochat.dataset import --hf-repo` read), and a model repo's
+files (what `scripts.import_model` reads). Every file comes through nanochat.data.download (retries, size caps, sha256).
+
+Datasets: GET {endpoint}/api/datasets/{repo}/parquet/{config}/{split} answers a JSON list of URLs. They are
+downloaded into <base_dir>/task_data/{repo}/{config}/{split}/ and a manifest (files.json) is written last, so a split
+with a manifest is complete and later loads need no network. One rank at a time downloads a split (a file lock); the
+others wait and then read what it fetched.
+
+Models: GET {endpoint}/api/models/{owner}/{name}/tree/{revision}?recursive=true lists the files (sizes, LFS sha256),
+GET {endpoint}/{owner}/{name}/resolve/{revision}/{path} fetches one, into
+<base_dir>/hub_cache/models/{owner}/{name}/{revision}/ with a manifest written last; a revision with a manifest is
+read again without the network. A listed path is only ever written inside that folder: one with '..', '.' or empty
+parts, an absolute path or a backslash refuses the whole listing, and one that resolves outside the folder (through
+a link there) is refused before anything is downloaded.
+"""
+
+import json
+import os
+import re
+import tempfile
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from filelock import FileLock
+
+from nanochat.common import UserError, atomic_write_text, get_base_dir, print0
+from nanochat.data.download import DownloadError, download_file
+
+REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MANIFEST = "files.json"  # written last into a download directory: its presence means complete
+
+
+def hub_endpoint():
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def parse_repo_id(source):
+    """'owner/name' or 'owner/name@revision' -> (repo, revision), or None when `source` is not written like one."""
+    repo, _, revision = source.partition("@")
+    if not REPO_RE.match(repo) or ".." in repo or (source.count("@") and not revision):
+        return None
+    return repo, revision or "main"
+
+
+def model_cache_dir(repo, revision):
+    return os.path.join(get_base_dir(), "hub_cache", "models", repo, revision.replace("/", "--"))
+
+
+def plain_repo_path(name):
+    """Whether a listed file path is relative and plain: parts joined by '/', none empty, '.' or '..', no backslash
+    or drive letter. The hub lists nothing else; anything else would be written outside the download folder."""
+    parts = name.split("/")
+    return bool(name) and "\\" not in name and not re.match(r"^[A-Za-z]:", name) and \
+        all(part not in ("", ".", "..") for part in parts)
+
+
+def local_path_in(directory, name):
+    """Where repo file `name` goes under `directory`, or None when it would land outside it (its path resolved, links
+    in the folder followed)."""
+    if not plain_repo_path(name):
+        return None
+    path = os.path.join(directory, *name.split("/"))
+    inside = os.path.realpath(directory)
+    return path if os.path.commonpath([inside, os.path.realpath(path)]) == inside else None
+
+
+def fetch_json(url, attempts=3, backoff=1.0):
+    """(value, text) of a JSON answer of the hub's API, fetched like every file (download_file's retries). An answer
+    that is not JSON raises DownloadError at once: asking again would get the same."""
+    answer = {}
+
+    def read(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            answer["text"] = f.read()
+        try:
+            answer["value"] = json.loads(answer["text"])
+        except ValueError:
+            raise DownloadError(f"expected JSON, got {answer['text'][:200]!r}") from None
+
+    with tempfile.TemporaryDirectory() as tmp:
+        download_file(url, os.path.join(tmp, "answer.json"), max_attempts=attempts, backoff=backoff, max_bytes=16 << 20,
+                      validate=read)
+    return answer["value"], answer["text"]
+
+
+def list_model_files(repo, revision):
+    """{path: {"size": int or None, "sha256": str or None}} of every file in the repo at `revision`."""
+    url = f"{hub_endpoint()}/api/models/{repo}/tree/{quote(revision, safe='')}?recursive=true"
+    try:
+        entries, text = fetch_json(url)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("path"), str) for e in entries):
+            raise DownloadError(f"expected a JSON list of files, got {text[:200]!r}")
+    except DownloadError as e:
+        raise UserError(f"cannot list the files of hub repo {repo}@{revision} at {url}: {e}; check the repo name "
+                        "and revision, the network, or set HF_ENDPOINT to a reachable mirror") from None
+    listing = {}
+    for entry in entries:
+        if not plain_repo_path(entry["path"]):
+            raise UserError(f"refusing hub repo {repo}@{revision}: its listing names {entry['path']!r}, a path that "
+                            "would be written outside its download folder (a '..', '.' or empty part, or an absolute "
+                            "path)")
+        if entry.get("type", "file") == "file":
+            lfs = entry.get("lfs") if isinstance(entry.get("lfs"), dict) else {}
+            size = entry.get("size") if isinstance(entry.get("size"), int) else None
+            listing[entry["path"]] = {"size": size, "sha256": lfs.get("oid") if isinstance(lfs.get("oid"), str) else None}
+    if not listing:
+        raise UserError(f"hub repo {repo}@{revision} lists no files at {url}")
+    return listing
+
+
+def cached_model_files(repo, revision):
+    """{path: local path} of a complete earlier download of this revision, else None. Never touches the network."""
+    directory = model_cache_dir(repo, revision)
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            names = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    paths = {name: local_path_in(directory, name) for name in names}
+    return paths if all(p is not None and os.path.isfile(p) for p in paths.values()) else None
+
+
+def fetch_model_files(repo, revision, choose):
+    """
+    Local paths of the files `choose(listing)` picks from the repo (a list of repo paths), downloaded into the cache
+    unless a complete download of the same choice is there already. Returns {repo path: local path}.
+    """
+    cached = cached_model_files(repo, revision)
+    if cached is not None:
+        print0(f"hub: {repo}@{revision} from the cache in {model_cache_dir(repo, revision)}")
+        return cached
+    listing = list_model_files(repo, revision)
+    names = choose(listing)
+    directory = model_cache_dir(repo, revision)
+    unlisted = [n for n in names if n not in listing]
+    if unlisted:
+        raise UserError(f"hub repo {repo}@{revision} does not list {', '.join(unlisted)}")
+    targets = {name: local_path_in(directory, name) for name in names}  # all checked before anything is fetched
+    outside = [n for n, path in targets.items() if path is None]
+    if outside:
+        raise UserError(f"refusing hub repo {repo}@{revision}: {', '.join(outside)} would be written outside its "
+                        f"download folder {directory} (a link there leads elsewhere); delete that folder and try again")
+    total = sum(listing[n]["size"] or 0 for n in names)
+    print0(f"hub: downloading {len(names)} file(s) of {repo}@{revision} ({total / 2**20:,.1f} MiB) -> {directory}")
+    paths = {}
+    for name in names:
+        path = targets[name]
+        url = f"{hub_endpoint()}/{repo}/resolve/{quote(revision, safe='')}/{quote(name)}"
+        size = listing[name]["size"]
+        try:
+            download_file(url, path, expected_sha256=listing[name]["sha256"],
+                          max_bytes=size if size is not None else 256 << 30)
+        except DownloadError as e:
+            raise UserError(f"hub repo {repo}@{revision}: {e}; run the import again to resume") from None
+        paths[name] = path
+    atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"files": names}, indent=2))
+    return paths
+
+
+# -----------------------------------------------------------------------------
+# Datasets: a split's parquet files
+
+LIST_ATTEMPTS = 3
+LIST_BACKOFF_SECONDS = 1.0  # doubled after each failed attempt to list a split
+
+
+def listing_url(repo, config, split):
+    return f"{hub_endpoint()}/api/datasets/{repo}/parquet/{config}/{split}"
+
+
+def split_dir(repo, config, split):
+    return os.path.join(get_base_dir(), "task_data", repo, config, split)
+
+
+def _how_to_fix():
+    return ("check the network, or set HF_ENDPOINT to a reachable mirror of huggingface.co; "
+            "offline, use the built-in tasks (WorldQA, Identity, Arithmetic, SpellingBee, SimpleSpelling) "
+            "as the CPU preset does")
+
+
+def local_parquet_files(repo, config, split):
+    """The split's parquet files if a complete download is on disk, else None. Never touches the network."""
+    directory = split_dir(repo, config, split)
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            names = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    paths = [os.path.join(directory, name) for name in names]
+    return paths if all(os.path.exists(p) for p in paths) else None
+
+
+def _list_parquet_urls(label, repo, config, split, how_to_fix):
+    """The split's parquet URLs, from the hub's listing: fetched like every file (download_file's retries)."""
+    url = listing_url(repo, config, split)
+    try:
+        urls, text = fetch_json(url, attempts=LIST_ATTEMPTS, backoff=LIST_BACKOFF_SECONDS)
+        if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
+            raise DownloadError(f"expected a non-empty JSON list of parquet URLs, got {text[:200]!r}")
+    except DownloadError as e:
+        raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: {e}; "
+                        f"{how_to_fix}") from None
+    return urls
+
+
+def fetch_parquet_files(task_name, repo, config, split, label=None, how_to_fix=None):
+    """Local paths of the split's parquet files, downloading whatever is missing. `label` and `how_to_fix` word the
+    errors for a caller other than a task (default: "task NAME", and the offline tasks to use instead)."""
+    label = label or f"task {task_name}"
+    how_to_fix = how_to_fix or _how_to_fix()
+    paths = local_parquet_files(repo, config, split)
+    if paths is not None:
+        return paths
+    directory = split_dir(repo, config, split)
+    os.makedirs(directory, exist_ok=True)
+    with FileLock(os.path.join(directory, ".lock")):
+        paths = local_parquet_files(repo, config, split)  # another rank may have finished while we waited
+        if paths is not None:
+            return paths
+        urls = _list_parquet_urls(label, repo, config, split, how_to_fix)
+        names = [f"part-{i:04d}.parquet" for i in range(len(urls))]
+        print0(f"{label}: downloading {len(urls)} parquet file(s) of {repo} {config}/{split} -> {directory}")
+        for url, name in zip(urls, names):
+            path = os.path.join(directory, name)
+            if os.path.exists(path):  # download_file renames only complete files into place
+                continue
+            try:
+                download_file(url, path)
+            except DownloadError as e:
+                raise UserError(f"{label}: {e}; {how_to_fix}") from None
+        atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"urls": urls, "files": names}, indent=2))
+        return [os.path.join(directory, name) for name in names]
+
+
+def load_table(task_name, repo, config, split):
+    """The whole split as one pyarrow Table (downloaded first if needed)."""
+    paths = fetch_parquet_files(task_name, repo, config, split)
+    try:
+        return pa.concat_tables([pq.read_table(p) for p in paths])
+    except (pa.ArrowInvalid, OSError) as e:
+        raise UserError(f"task {task_name}: cannot read the parquet files in {split_dir(repo, config, split)} ({e}); "
+                        f"delete that directory to download them again") from None
+
+
+def local_row_count(repo, config, split):
+    """Rows of a downloaded split, from the parquet footers only; None when the split is not on disk."""
+    paths = local_parquet_files(repo, config, split)
+    if paths is None:
+        return None
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+def table_row(table, index):
+    """Row `index` of a table as a dict of plain Python values (nested structs become dicts and lists)."""
+    return {name: table.column(name)[index].as_py() for name in table.column_names}

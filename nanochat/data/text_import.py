@@ -1,0 +1,614 @@
+"""
+Your own text as a data source: `python -m nanochat.dataset import NAME INPUT...` turns files, folders and globs of
+.txt/.md, .jsonl/.json and .parquet (each optionally .gz or .zst), or a Hugging Face dataset read through the hub's
+parquet API, into the layout every source has: base_data/NAME/shard_XXXXX.parquet, one `text` column, one document
+(or piece of one) per row. Every stage then trains on it by name (--data-source NAME, NANOCHAT_DATA_SOURCE=NAME).
+
+How the text becomes shards, and why:
+- shard_00000 is the fixed val shard. A document goes there by a hash of its text, never by its position, so the
+  split is the same however the inputs are ordered or re-imported: --val-frac F takes the documents whose hash falls
+  in the lowest F of the hash range (adding documents never moves one between train and val), --val-docs N the N
+  lowest. A document's pieces all go to the same side.
+- Training rows are ordered by the hash of each piece: a shuffle that needs no seed and ignores input order, so a
+  folder sorted by topic does not feed the model one topic after another.
+- --max-doc-chars cuts a long document into consecutive pieces at blank lines, else line ends, else sentence ends,
+  else spaces (mid-word only for a longer "word"); the pieces join back into the document. The loader keeps one
+  row's worth of each document, so uncut long documents would train on their openings only.
+- Exact duplicate documents are dropped, empty ones skipped, invalid UTF-8 replaced; each is counted.
+- Memory stays bounded: pass 1 streams the documents into hash buckets on disk, pass 2 sorts one bucket at a time.
+- Atomic and idempotent: the source is built in a temp dir and renamed into place, and import.json records the
+  inputs' sizes and sha256 with the options, so an unchanged re-run is a no-op and a changed input rebuilds.
+"""
+
+import codecs
+import glob
+import gzip
+import hashlib
+import heapq
+import json
+import os
+import re
+import shutil
+import struct
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from filelock import FileLock
+
+from nanochat.common import UserError, atomic_write_text, ensure_writable, get_base_dir, print0
+
+MANIFEST = "import.json"
+FORMAT_VERSION = 1  # bump when the same inputs and options would give other shards
+VAL_INDEX = 0
+TEXT_EXTS, JSON_EXTS, PARQUET_EXTS = (".txt", ".md"), (".jsonl", ".json"), (".parquet",)
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_VAL_FRAC = 0.01
+SHARD_CHARS = 250_000_000  # about the hub shards' size (~250 M characters each)
+MAX_ROWS_PER_GROUP = 1024  # the hub shards' row groups; smaller for a small source, so 8 ranks x 8 groups exist
+NUM_BUCKETS = 64
+CHARS_PER_TOKEN = 4.0  # the estimate when no tokenizer has been trained yet (English BPE: ~4 characters a token)
+RECORD = struct.Struct("<QQIII")  # piece hash, document hash, input index, piece index, text bytes
+
+
+def _count_invalid(error):
+    _count_invalid.replaced += 1
+    return "\ufffd", error.end
+
+
+_count_invalid.replaced = 0
+codecs.register_error("nanochat_count_replace", _count_invalid)
+
+
+# -----------------------------------------------------------------------------
+# Options and inputs
+
+
+@dataclass
+class ImportOptions:
+    split_on: str = "file"  # "file": one document per .txt/.md file; "blank-lines": documents between blank lines
+    field: str = "text"  # JSON(L): the (dotted) field holding the text
+    column: str = "text"  # parquet: the column holding the text
+    val_docs: int | None = None
+    val_frac: float | None = None
+    max_doc_chars: int | None = None
+    max_seq_len: int = 2048  # only for the summary's estimate of what the loader would crop
+
+
+@dataclass
+class Input:
+    """One INPUT argument (or the hub dataset): its label in the summary, its files, and how it was given."""
+    label: str
+    files: list  # paths, sorted
+    fingerprint: dict = field(default_factory=dict)  # what makes a re-import a no-op when unchanged
+
+
+def is_plain_name(name):
+    return bool(NAME_RE.match(name or ""))
+
+
+def split_extension(path):
+    """('.jsonl', 'gzip') for data.jsonl.gz; (ext, None) uncompressed; ext '' when not a supported kind."""
+    lower = path.lower()
+    compression = None
+    for suffix, codec in COMPRESSIONS.items():
+        if lower.endswith(suffix):
+            lower, compression = lower[: -len(suffix)], codec
+    ext = os.path.splitext(lower)[1]
+    return (ext if ext in TEXT_EXTS + JSON_EXTS + PARQUET_EXTS else ""), compression
+
+
+def _kinds():
+    return "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"
+
+
+def expand_input(arg):
+    """The files one INPUT argument names: a file, a folder (searched recursively) or a glob."""
+    if any(c in arg for c in "*?["):
+        paths = sorted(p for p in glob.glob(arg, recursive=True) if os.path.isfile(p))
+        files = [p for p in paths if split_extension(p)[0]]
+        if not files:
+            raise UserError(f"input {arg} matches no {_kinds()} files" +
+                            (f" ({len(paths)} other files)" if paths else ""))
+        return files
+    if os.path.isdir(arg):
+        files = []
+        for root, dirs, names in os.walk(arg):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            files += [os.path.join(root, n) for n in sorted(names) if not n.startswith(".") and split_extension(n)[0]]
+        if not files:
+            raise UserError(f"input folder {arg} holds no {_kinds()} files")
+        return files
+    if not os.path.exists(arg):
+        raise UserError(f"input {arg} does not exist; pass files, folders or globs of {_kinds()}")
+    if not split_extension(arg)[0]:
+        raise UserError(f"input {arg} is not a {_kinds()} file; rename it, or convert it to one of those")
+    return [arg]
+
+
+def file_fingerprint(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def local_inputs(args):
+    inputs = []
+    for arg in args:
+        files = expand_input(arg)
+        inputs.append(Input(arg, files, {"arg": arg, "files": [file_fingerprint(p) for p in files]}))
+    return inputs
+
+
+# -----------------------------------------------------------------------------
+# Reading documents
+
+
+def read_file_bytes(path):
+    """The file's bytes, decompressed."""
+    compression = split_extension(path)[1]
+    try:
+        if compression == "gzip":
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        if compression == "zstd":
+            with pa.input_stream(path, compression="zstd") as f:
+                return f.read()
+        with open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError, pa.ArrowException) as e:
+        raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); is it really {compression or 'uncompressed'}?")
+
+
+def decode_text(data, path, stats):
+    """bytes -> str, refusing binary files and replacing (and counting) invalid UTF-8."""
+    if b"\0" in data[:65536]:
+        raise UserError(f"{path} looks binary (it holds NUL bytes), not text; pass text, JSON(L) or parquet files")
+    _count_invalid.replaced = 0
+    text = data.decode("utf-8", errors="nanochat_count_replace")
+    stats.invalid_utf8 += _count_invalid.replaced
+    return text.replace("\r\n", "\n")
+
+
+def get_field(record, dotted):
+    """record['a']['b'][0] for 'a.b.0'; raises KeyError when the path does not exist."""
+    value = record
+    for part in dotted.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise KeyError(part)
+    return value
+
+
+def _field_text(record, dotted, where):
+    if isinstance(record, str) and dotted == "text":
+        return record  # a JSON list of plain strings
+    try:
+        value = get_field(record, dotted)
+    except KeyError:
+        keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+        raise UserError(f"{where}: no field {dotted!r}{keys}; pass --field with the (dotted) path to the text") from None
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {dotted!r} holds a {type(value).__name__}, not text; "
+                        f"pass --field with the path to a string")
+    return value
+
+
+def documents_in_file(path, options, stats):
+    """Yield the documents of one file."""
+    ext = split_extension(path)[0]
+    if ext in PARQUET_EXTS:
+        yield from _parquet_documents(path, options, stats)
+        return
+    text = decode_text(read_file_bytes(path), path, stats)
+    if ext in TEXT_EXTS:
+        if options.split_on == "blank-lines":
+            yield from re.split(r"\n[ \t]*\n", text)
+        else:
+            yield text
+    elif ext == ".jsonl":
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path} line {lineno}: not JSON ({e}); each line of a .jsonl file is one JSON "
+                                f"object") from None
+            yield _field_text(record, options.field, f"{path} line {lineno}")
+    else:
+        try:
+            records = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"{path}: not JSON ({e}); a .json input is a list of records (or use .jsonl)") from None
+        if not isinstance(records, list):
+            raise UserError(f"{path}: a .json input must be a JSON list of records or strings, "
+                            f"not a {type(records).__name__}")
+        for i, record in enumerate(records):
+            yield _field_text(record, options.field, f"{path} item {i}")
+
+
+def _parquet_documents(path, options, stats):
+    compression = split_extension(path)[1]
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(read_file_bytes(path)) if compression else path)
+    except UserError:
+        raise
+    except Exception as e:  # pyarrow raises several kinds for a file that is not parquet
+        raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
+    if options.column not in pf.schema_arrow.names:
+        raise UserError(f"{path} has no column {options.column!r} (its columns: {', '.join(pf.schema_arrow.names)}); "
+                        f"pass --column")
+    if not pa.types.is_string(pf.schema_arrow.field(options.column).type) and \
+            not pa.types.is_large_string(pf.schema_arrow.field(options.column).type):
+        raise UserError(f"{path}: column {options.column!r} holds {pf.schema_arrow.field(options.column).type}, "
+                        f"not text; pass --column with a string column")
+    for batch in pf.iter_batches(columns=[options.column], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            yield text or ""
+
+
+# -----------------------------------------------------------------------------
+# Cutting long documents
+
+_CUTS = [re.compile(r"\n[ \t]*\n"), re.compile(r"\n"), re.compile(r"[.!?][\"')\]]*[ \t]+"), re.compile(r"[ \t]+")]
+
+
+def cut_document(text, max_chars):
+    """
+    Consecutive pieces of at most max_chars characters that join back into text. Each cut goes after the last
+    separator of the strongest kind (blank line, line end, sentence end, space) found in the second half of the
+    window, so pieces stay long; a "word" longer than the window is cut where the window ends.
+    """
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        window = text[start:start + max_chars]
+        cut = max_chars
+        for pattern in _CUTS:
+            ends = [m.end() for m in pattern.finditer(window) if m.end() >= max_chars // 2]
+            if ends:
+                cut = ends[-1]
+                break
+        pieces.append(text[start:start + cut])
+        start += cut
+    return pieces + [text[start:]] if start < len(text) else pieces
+
+
+# -----------------------------------------------------------------------------
+# Building the source
+
+
+@dataclass
+class InputStats:
+    label: str
+    files: int = 0
+    documents: int = 0  # kept: non-empty, not duplicates
+    chars: int = 0
+    duplicates: int = 0
+    empty: int = 0
+    invalid_utf8: int = 0  # byte sequences replaced by U+FFFD
+    cut: int = 0  # documents cut into more than one piece
+    pieces: int = 0
+    val_documents: int = 0
+    tokens: float = 0.0  # estimated, filled in at the end
+
+
+def _hash64(data):
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+def _scatter(inputs, options, document_source, bucket_dir):
+    """Pass 1: every kept document's pieces into hash buckets on disk. Returns (stats per input, document hashes)."""
+    buckets = [open(os.path.join(bucket_dir, f"{i:03d}.bin"), "wb") for i in range(NUM_BUCKETS)]
+    seen, doc_hashes, all_stats = set(), [], []
+    try:
+        for index, item in enumerate(inputs):
+            stats = InputStats(item.label, files=len(item.files))
+            all_stats.append(stats)
+            for text in document_source(item, stats):
+                text = text.strip()
+                if not text:
+                    stats.empty += 1
+                    continue
+                _count_invalid.replaced = 0  # lone surrogates, which JSON can carry, are invalid UTF-8 too
+                encoded = text.encode("utf-8", errors="nanochat_count_replace")
+                if _count_invalid.replaced:
+                    stats.invalid_utf8 += _count_invalid.replaced
+                    text = encoded.decode("utf-8")
+                digest = hashlib.sha256(encoded).digest()
+                if digest[:16] in seen:
+                    stats.duplicates += 1
+                    continue
+                seen.add(digest[:16])
+                doc_hash = int.from_bytes(digest[:8], "big")
+                doc_hashes.append(doc_hash)
+                stats.documents += 1
+                stats.chars += len(text)
+                pieces = cut_document(text, options.max_doc_chars) if options.max_doc_chars else [text]
+                stats.cut += len(pieces) > 1
+                stats.pieces += len(pieces)
+                for k, piece in enumerate(pieces):
+                    data = piece.encode("utf-8")
+                    piece_hash = _hash64(data + digest)
+                    buckets[piece_hash * NUM_BUCKETS >> 64].write(
+                        RECORD.pack(piece_hash, doc_hash, index, k, len(data)) + data)
+    finally:
+        for f in buckets:
+            f.close()
+    return all_stats, doc_hashes
+
+
+def val_threshold(doc_hashes, options):
+    """Documents whose hash is below the returned value are val documents (see the module docstring)."""
+    n = len(doc_hashes)
+    if n == 0:
+        raise UserError("the inputs hold no documents (every one was empty or a duplicate)")
+    if options.val_docs is not None:
+        if options.val_docs < 1:
+            raise UserError(f"--val-docs must be at least 1 (got {options.val_docs}); the val shard would be empty")
+        if options.val_docs >= n:
+            raise UserError(f"--val-docs {options.val_docs} would take every one of the {n} documents; "
+                            f"pass a smaller --val-docs so some are left to train on")
+        return heapq.nsmallest(options.val_docs, doc_hashes)[-1] + 1
+    frac = DEFAULT_VAL_FRAC if options.val_frac is None else options.val_frac
+    threshold = int(frac * 2**64)
+    val = sum(h < threshold for h in doc_hashes)
+    if val == 0 and options.val_frac is None and n > 1:
+        return min(doc_hashes) + 1  # a small source: the default fraction holds no document, so take one
+    if val == 0:
+        raise UserError(f"--val-frac {frac:g} selects none of the {n} documents, so the val shard would be empty; "
+                        f"pass a larger --val-frac or --val-docs N")
+    if val == n:
+        raise UserError(f"--val-frac {frac:g} selects every one of the {n} documents; pass a smaller --val-frac or "
+                        f"--val-docs N")
+    return threshold
+
+
+class ShardWriter:
+    """Rows into shard_XXXXX.parquet files of about shard_chars characters each, row groups of rows_per_group."""
+
+    def __init__(self, out_dir, first_index, rows_per_group, shard_chars):
+        self.out_dir, self.index, self.rows_per_group, self.shard_chars = out_dir, first_index, rows_per_group, shard_chars
+        self.writer, self.rows, self.chars, self.paths = None, [], 0, []
+
+    def add(self, text):
+        self.rows.append(text)
+        self.chars += len(text)
+        if len(self.rows) == self.rows_per_group:
+            self._flush()
+            if self.chars >= self.shard_chars:
+                self._close_shard()
+
+    def _flush(self):
+        if not self.rows:
+            return
+        if self.writer is None:
+            path = os.path.join(self.out_dir, f"shard_{self.index:05d}.parquet")
+            self.writer = pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd")
+            self.paths.append(path)
+        self.writer.write_table(pa.table({"text": pa.array(self.rows, type=pa.string())}),
+                                row_group_size=self.rows_per_group)
+        self.rows = []
+
+    def _close_shard(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+            self.index += 1
+            self.chars = 0
+
+    def close(self):
+        self._flush()
+        self._close_shard()
+        return self.paths
+
+
+def _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_chars, sample, sample_size):
+    """Pass 2: bucket by bucket, pieces sorted by hash, to the val shard or the train shards."""
+    val = ShardWriter(out_dir, VAL_INDEX, rows_per_group, float("inf"))
+    train = ShardWriter(out_dir, VAL_INDEX + 1, rows_per_group, shard_chars)
+    for i in range(NUM_BUCKETS):
+        path = os.path.join(bucket_dir, f"{i:03d}.bin")
+        with open(path, "rb") as f:
+            data = f.read()
+        os.remove(path)
+        records, offset = [], 0
+        while offset < len(data):
+            piece_hash, doc_hash, index, k, size = RECORD.unpack_from(data, offset)
+            offset += RECORD.size
+            records.append((piece_hash, doc_hash, index, k, data[offset:offset + size].decode("utf-8")))
+            offset += size
+        records.sort()
+        for piece_hash, doc_hash, index, k, text in records:
+            if doc_hash < threshold:
+                val.add(text)
+                all_stats[index].val_documents += k == 0
+            else:
+                train.add(text)
+            if len(sample) < sample_size:
+                sample.append(text)
+    return val.close(), train.close()
+
+
+def estimate_tokens(texts, base_dir):
+    """(tokens per text, how): with the base dir's tokenizer when one is trained, else characters / CHARS_PER_TOKEN."""
+    if os.path.isfile(os.path.join(base_dir, "tokenizer", "tokenizer.pkl")) or \
+            os.path.isfile(os.path.join(base_dir, "tokenizer", "tokenizer.json")):
+        try:
+            from nanochat.tokenizer import RustBPETokenizer
+
+            tokenizer = RustBPETokenizer.from_directory(os.path.join(base_dir, "tokenizer"))
+            return [len(ids) for ids in tokenizer.encode(list(texts))], "the base dir's tokenizer"
+        except Exception:  # noqa: BLE001 -- an estimate is still an estimate; fall back to characters
+            pass
+    return [len(t) / CHARS_PER_TOKEN for t in texts], f"~{CHARS_PER_TOKEN:g} characters a token"
+
+
+def crop_fraction(token_counts, max_seq_len):
+    """Of the tokens in these pieces (each with its BOS), the fraction the loader crops at rows of max_seq_len + 1."""
+    total = sum(n + 1 for n in token_counts)
+    cropped = sum(max(0, n + 1 - (max_seq_len + 1)) for n in token_counts)
+    return cropped / total if total else 0.0
+
+
+def build_source(name, inputs, options, document_source=None, data_root=None, command=None, reserved=(),
+                 shard_chars=SHARD_CHARS):
+    """
+    Build (or confirm unchanged) the source `name` under data_root (default <base_dir>/base_data) from `inputs`,
+    reading their documents with document_source(input, stats) (default: the files' documents). `reserved` names the
+    sources that may not be overwritten (the dataset registry's). Returns the manifest dict; manifest["unchanged"] is
+    True when nothing was rebuilt.
+    """
+    if not is_plain_name(name):
+        raise UserError(f"{name!r} is not a plain source name: use letters, digits, '-', '_' and '.', starting with a "
+                        f"letter or digit (at most 64 characters)")
+    if name in reserved:
+        raise UserError(f"{name!r} is a built-in source ({', '.join(reserved)}); pick another name for your data")
+    if options.max_doc_chars is not None and options.max_doc_chars < 1:
+        raise UserError(f"--max-doc-chars must be at least 1 (got {options.max_doc_chars})")
+    if options.val_frac is not None and not 0 < options.val_frac < 1:
+        raise UserError(f"--val-frac must be between 0 and 1 (got {options.val_frac:g})")
+    if options.val_frac is not None and options.val_docs is not None:
+        raise UserError("pass --val-docs or --val-frac, not both")
+    if options.split_on not in ("file", "blank-lines"):
+        raise UserError(f"--split-on must be 'file' or 'blank-lines' (got {options.split_on!r})")
+    base_dir = get_base_dir()
+    data_root = data_root or os.path.join(base_dir, "base_data")
+    ensure_writable(data_root, f"the {name} source")
+    os.makedirs(data_root, exist_ok=True)
+    final_dir = os.path.join(data_root, name)
+    fingerprint = {"version": FORMAT_VERSION, "inputs": [i.fingerprint for i in inputs], "options": vars(options),
+                   "shard_chars": shard_chars}
+    with FileLock(os.path.join(data_root, f".{name}.lock")):
+        _recover(data_root, name)
+        old = _read_manifest(final_dir)
+        if old and old.get("fingerprint") == fingerprint and all(
+                os.path.isfile(os.path.join(final_dir, s)) for s in old.get("shards", [])):
+            print0(f"import {name}: unchanged since {old['created']} ({len(old['shards'])} shards in {final_dir}); "
+                   f"nothing to do")
+            return dict(old, unchanged=True)
+        tmp_dir = os.path.join(data_root, f".{name}.tmp-{os.getpid()}")
+        os.makedirs(os.path.join(tmp_dir, ".buckets"))
+        try:
+            manifest = _build(name, inputs, options, document_source or _file_documents(options), tmp_dir, base_dir,
+                              shard_chars)
+            manifest.update(name=name, fingerprint=fingerprint, command=command or f"python -m nanochat.dataset "
+                            f"import {name} ...", created=time.strftime("%Y-%m-%d %H:%M:%S"))
+            atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=2))
+            _swap_into_place(tmp_dir, final_dir, data_root, name)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return dict(manifest, unchanged=False)
+
+
+def _file_documents(options):
+    def documents(item, stats):
+        for path in item.files:
+            yield from documents_in_file(path, options, stats)
+    return documents
+
+
+def _build(name, inputs, options, document_source, out_dir, base_dir, shard_chars):
+    bucket_dir = os.path.join(out_dir, ".buckets")
+    t0 = time.time()
+    all_stats, doc_hashes = _scatter(inputs, options, document_source, bucket_dir)
+    threshold = val_threshold(doc_hashes, options)
+    total_pieces = sum(s.pieces for s in all_stats)
+    rows_per_group = max(1, min(MAX_ROWS_PER_GROUP, total_pieces // 64))
+    sample = []
+    val_paths, train_paths = _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_chars, sample,
+                                     2000)
+    os.rmdir(bucket_dir)
+    counts, how = estimate_tokens(sample, base_dir)
+    tokens_per_char = sum(counts) / max(1, sum(len(t) for t in sample))
+    for stats in all_stats:
+        stats.tokens = stats.chars * tokens_per_char
+    return {"shards": [os.path.basename(p) for p in val_paths + train_paths], "val_shard": os.path.basename(val_paths[0]),
+            "rows_per_group": rows_per_group, "inputs": [vars(s) for s in all_stats], "tokens_estimated_with": how,
+            "crop": {"max_seq_len": options.max_seq_len, "sampled_pieces": len(sample),
+                     "fraction": crop_fraction(counts, options.max_seq_len)},
+            "seconds": round(time.time() - t0, 2)}
+
+
+def _read_manifest(directory):
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _swap_into_place(tmp_dir, final_dir, data_root, name):
+    """Replace final_dir by tmp_dir; a kill between the two renames leaves .NAME.old, which _recover puts back."""
+    old_dir = os.path.join(data_root, f".{name}.old")
+    if os.path.exists(final_dir):
+        os.rename(final_dir, old_dir)
+    os.rename(tmp_dir, final_dir)
+    shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def _recover(data_root, name):
+    """Clear what a killed import left: its temp dirs, and an old copy that never got replaced."""
+    for path in glob.glob(os.path.join(data_root, f".{glob.escape(name)}.tmp-*")):
+        shutil.rmtree(path, ignore_errors=True)
+    old_dir = os.path.join(data_root, f".{name}.old")
+    if os.path.exists(old_dir):
+        if os.path.exists(os.path.join(data_root, name)):
+            shutil.rmtree(old_dir, ignore_errors=True)
+        else:
+            os.rename(old_dir, os.path.join(data_root, name))
+
+
+# -----------------------------------------------------------------------------
+# Reporting
+
+
+def summary_rows(manifest):
+    """The summary table: one row per input and a total."""
+    header = ["input", "files", "documents", "characters", "tokens (est.)", "val docs", "duplicates", "empty",
+              "bad UTF-8", "cut docs", "pieces"]
+    keys = ["files", "documents", "chars", "tokens", "val_documents", "duplicates", "empty", "invalid_utf8", "cut",
+            "pieces"]
+    rows = [[s["label"]] + [f"{s[k]:,.0f}" for k in keys] for s in manifest["inputs"]]
+    if len(manifest["inputs"]) > 1:
+        rows.append(["total"] + [f"{sum(s[k] for s in manifest['inputs']):,.0f}" for k in keys])
+    return header, rows
+
+
+def print_summary(manifest, data_dir):
+    header, rows = summary_rows(manifest)
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    for row in [header] + rows:
+        print0("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
+                                enumerate(zip(row, widths))))
+    crop = manifest["crop"]
+    print0(f"tokens estimated with {manifest['tokens_estimated_with']}; at --max-seq-len={crop['max_seq_len']} the "
+           f"loader would crop {100 * crop['fraction']:.1f} % of the tokens (measured on {crop['sampled_pieces']:,} "
+           f"pieces)" + (": pass --max-doc-chars to cut long documents into pieces that fit a row"
+                         if crop["fraction"] > 0.05 else ""))
+    print0(f"import {manifest['name']}: {len(manifest['shards']) - 1} train shard(s) + val shard "
+           f"{manifest['val_shard']} (row groups of {manifest['rows_per_group']:,}) in {data_dir} "
+           f"({manifest['seconds']:.1f} s); train on it with --data-source={manifest['name']} "
+           f"or NANOCHAT_DATA_SOURCE={manifest['name']}")
+
+
+def hub_input(repo, config, split):
+    """A Hugging Face dataset split as an input: its parquet files, fetched once through the hub's parquet API."""
+    from nanochat.data.hub import fetch_parquet_files
+
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo or ""):
+        raise UserError(f"--hf-repo must be owner/name (got {repo!r})")
+    paths = fetch_parquet_files(repo, repo, config, split, label=f"import --hf-repo {repo}",
+                                how_to_fix="check the network, or set HF_ENDPOINT to a reachable mirror of "
+                                           "huggingface.co; or download the files and import them from disk")
+    return Input(f"{repo} ({config}/{split})", paths,
+                 {"hf_repo": repo, "config": config, "split": split, "files": [file_fingerprint(p) for p in paths]})

@@ -1,0 +1,523 @@
+"""
+Export a nanochat checkpoint as a Hugging Face directory that `transformers` loads with its built-in
+NanoChat architecture (AutoModelForCausalLM) and a `tokenizers` tokenizer (AutoTokenizer), giving the
+same logits and the same token ids as our model and tokenizer.
+
+The directory holds:
+    config.json              NanoChatConfig, every field that changes the math written explicitly
+    generation_config.json   stop on <|assistant_end|> or <|bos|>, like our Engine
+    model.safetensors        the weights under transformers' names, in the requested dtype
+    tokenizer.json           byte-level BPE equivalent to our tiktoken encoding, specials at our ids
+    tokenizer_config.json    bos/eos, and a chat template that renders exactly like render_for_completion
+
+A model with a recipe component (gpt.COMPONENTS) has no place in transformers' NanoChat: its export writes our own
+modeling code (nanochat/interop/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and config.json
+points auto_map at it, so it loads with trust_remote_code=True.
+
+Anything else transformers cannot represent (an unknown config field, an extra parameter, an unconvertible
+tokenizer) is refused before a single file is written, and the directory appears only when complete
+(written next to the target, then renamed).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from nanochat.checkpoint_manager import (
+                                         STEP_DIR_RE,
+                                         checkpoint_dir,
+                                         find_latest_tag,
+                                         list_steps,
+                                         load_model,
+                                         resolve_step,
+                                         )
+from nanochat.common import UserError, ensure_writable, print0
+from nanochat.gpt import (COMPONENTS, OPTIONAL_FIELDS, VARIANT_DEFAULTS, GPTConfig, attention_window, config_from_dict,
+                          has_value_embed)
+from nanochat.tokenizer import SPECIAL_TOKENS
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RECIPE_MODULE = "modeling_nanochat_recipe"  # the name hf_recipe_model.py gets in an export
+BOS_TOKEN = "<|bos|>"
+# The chat models end their turn with <|assistant_end|>: it is the eos transformers' generate stops on.
+# generation_config adds <|bos|>, which ends a document, so base and chat models stop where our Engine does.
+EOS_TOKEN = "<|assistant_end|>"
+
+INSTALL_HINT = "install the Hugging Face extra first: `uv sync --extra hf` (or `pip install transformers`)"
+
+# Texts the converted tokenizer must encode exactly like ours before anything is written.
+TOKENIZER_PROBES = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "It's 2024: 1234567 apples cost $89.99 (we'll see; they're 3.5x pricier).",
+    "   leading spaces, \t tabs,\n\nnew lines\r\n and   runs   of   spaces   \n",
+    "naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어",
+    "emoji 🙂👍🏽 and 🇫🇷 flags",
+    "def f(x):\n    return {'a': [x ** 2 for _ in range(10)]}  # comment\n",
+    "literal specials stay text: <|bos|> <|user_start|> <|assistant_end|>",
+]
+
+
+# -----------------------------------------------------------------------------
+# Model: what transformers' NanoChat can represent, and the weights under its names
+
+
+def raw_model_config(ckpt_dir, step=None):
+    """
+    The model_config in the meta.json of `step` (default: the newest step directory), read as plain JSON, or None
+    when there is none to read. The checkpoint manager skips a checkpoint whose config has fields it does not know,
+    so without this look the export would say "no checkpoint" instead of naming what it cannot represent.
+    """
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    steps = [int(m.group(1)) for m in map(STEP_DIR_RE.match, names) if m]
+    if step is None:
+        if not steps:
+            return None
+        step = max(steps)
+    try:
+        with open(os.path.join(ckpt_dir, f"step_{step:06d}", "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None  # the checkpoint manager reports what is wrong with it
+    return meta.get("model_config") if isinstance(meta, dict) else None
+
+
+def check_representable(model_config):
+    """
+    Raise UserError naming the first thing in a checkpoint's model config (a dict, as in meta.json) that
+    transformers' NanoChat cannot represent. Runs before the model is built: a config from a newer nanochat
+    with extra features must be refused with their names, not fail while loading.
+    """
+    known_fields = [field.name for field in dataclasses.fields(GPTConfig)]
+    unknown = [name for name in model_config if name not in known_fields]
+    if unknown:
+        shown = ", ".join(f"{name}={model_config[name]!r}" for name in unknown)
+        raise UserError(f"cannot export: config field(s) {shown} have no equivalent in transformers' NanoChat")
+    missing = [name for name in known_fields if name not in model_config and name not in OPTIONAL_FIELDS]
+    if missing:
+        raise UserError(f"cannot export: the checkpoint's model_config lacks {', '.join(missing)}")
+    try:
+        config_from_dict(model_config)
+    except ValueError as e:
+        raise UserError(f"cannot export: {e}") from None
+    # Everything a valid GPTConfig can express maps onto NanoChat: grouped-query attention (repeat_kv uses the
+    # same head grouping as our enable_gqa), head_dim = n_embd/n_head (even, as rotary needs), and any
+    # sequence_len (its rotary embedding is computed for whatever positions it is given).
+
+
+def hf_weight_name(name):
+    """Our state-dict name -> transformers' NanoChat name, or None for a parameter it has no place for."""
+    if name == "transformer.wte.weight":
+        return "model.embed_tokens.weight"
+    if name == "lm_head.weight":
+        return "lm_head.weight"
+    parts = name.split(".")  # transformer.h.{i}.{attn|mlp}.{c_*}.weight
+    if len(parts) != 6 or parts[:2] != ["transformer", "h"] or not parts[2].isdigit() or parts[5] != "weight":
+        return None
+    layer, module, linear = parts[2], parts[3], parts[4]
+    renames = {
+        ("attn", "c_q"): "self_attn.q_proj",
+        ("attn", "c_k"): "self_attn.k_proj",
+        ("attn", "c_v"): "self_attn.v_proj",
+        ("attn", "c_proj"): "self_attn.o_proj",
+        ("mlp", "c_fc"): "mlp.fc1",
+        ("mlp", "c_proj"): "mlp.fc2",
+    }
+    if (module, linear) not in renames:
+        return None
+    return f"model.layers.{layer}.{renames[(module, linear)]}.weight"
+
+
+# The exact-math variants (gpt.VARIANT_DEFAULTS) NanoChat's config has fields for; any other needs our modeling code.
+NANOCHAT_VARIANTS = ("rope_theta", "norm_eps", "logit_softcap")
+
+
+def uses_components(config):
+    """Whether the export needs our modeling code: a recipe component, or a variant NanoChat has no field for."""
+    return any(getattr(config, name) for name in COMPONENTS) or any(
+        getattr(config, name) != default for name, default in VARIANT_DEFAULTS.items() if name not in NANOCHAT_VARIANTS)
+
+
+def norm_eps_for_export(config):
+    """RMSNorm's eps as a number: the default (None) is torch's fp32 machine epsilon, which both models' fp32 norm uses."""
+    return torch.finfo(torch.float32).eps if config.norm_eps is None else config.norm_eps
+
+
+def hf_state_dict(model, vocab_size, dtype):
+    """
+    The model's weights under transformers' names (our own names for a model with components, which our modeling code
+    keeps), on the CPU in `dtype`, with every per-token table (embedding, lm_head, value embeddings) cut to the
+    tokenizer's `vocab_size` (rows past it are padding no token id can reach).
+    """
+    if model.config.vocab_size < vocab_size:
+        raise UserError(f"cannot export: the model has {model.config.vocab_size} token rows but the tokenizer "
+                        f"has {vocab_size} ids; this checkpoint was trained with another tokenizer")
+    if uses_components(model.config):
+        return {name: (tensor[:vocab_size] if name in ("transformer.wte.weight", "lm_head.weight")
+                       or name.startswith("value_embeds.") else tensor).detach().to(device="cpu", dtype=dtype).contiguous()
+                for name, tensor in model.state_dict().items()}
+    unmapped = [name for name in model.state_dict() if hf_weight_name(name) is None]
+    if unmapped:
+        raise UserError(f"cannot export: parameter(s) {', '.join(unmapped)} have no place in transformers' NanoChat")
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            tensor = tensor[:vocab_size]
+        weights[hf_weight_name(name)] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+    return weights
+
+
+def hf_model_config(config, bos_id, eos_id, vocab_size, dtype_name):
+    """config.json for NanoChatForCausalLM. Every field that changes the math is explicit, never a default."""
+    return {
+        "architectures": ["NanoChatForCausalLM"],
+        "model_type": "nanochat",
+        "vocab_size": vocab_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": 4 * config.n_embd,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.n_embd // config.n_head,
+        "max_position_embeddings": config.sequence_len,
+        "hidden_act": "relu2",
+        "rms_norm_eps": norm_eps_for_export(config),
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "final_logit_softcapping": config.logit_softcap,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,  # there is no pad token (and NanoChat would make a pad id its embedding's padding_idx)
+        "use_cache": True,
+        "dtype": dtype_name,
+    }
+
+
+def hf_recipe_config(config, bos_id, eos_id, vocab_size, dtype_name):
+    """config.json for our own modeling code (hf_recipe_model.py), for a model with recipe components."""
+    return {
+        "architectures": ["NanoChatRecipeForCausalLM"],
+        "model_type": "nanochat_recipe",
+        "auto_map": {"AutoConfig": f"{RECIPE_MODULE}.NanoChatRecipeConfig",
+                     "AutoModelForCausalLM": f"{RECIPE_MODULE}.NanoChatRecipeForCausalLM"},
+        "vocab_size": vocab_size,
+        "hidden_size": config.n_embd,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "max_position_embeddings": config.sequence_len,
+        "rms_norm_eps": config.norm_eps,  # null: torch's default for the dtype, as in the model it came from
+        "rope_theta": config.rope_theta,
+        "rotary_bf16": config.rotary_bf16,
+        "qk_scale": config.qk_scale,
+        "final_logit_softcapping": config.logit_softcap,
+        "ve_gate_channels": config.ve_gate_channels,
+        "ve_gate_scale": config.ve_gate_scale,
+        "smear_gate_channels": config.smear_gate_channels,
+        "backout_layer": config.n_layer // 2 - 1 if config.backout_layer is None else config.backout_layer,
+        **{name: getattr(config, name) for name in COMPONENTS if name != "sliding_window"},
+        # per layer, spelled out so the modeling code needs no rule of its own (nor a version of one)
+        "value_embed_layers": [i for i in range(config.n_layer) if has_value_embed(config, i)],
+        "attention_windows": [attention_window(config, i) or 0 for i in range(config.n_layer)],  # 0 = full
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "use_cache": False,
+        "dtype": dtype_name,
+    }
+
+
+def hf_generation_config(bos_id, eos_id, use_cache=True):
+    """Plain greedy-or-sampled generation that stops on <|assistant_end|> or <|bos|>, like our Engine."""
+    return {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "pad_token_id": None,
+            **({} if use_cache else {"use_cache": False})}
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer: tiktoken ranks -> a byte-level BPE for the `tokenizers` library
+
+
+def byte_to_unicode():
+    """
+    The byte-level alphabet `tokenizers` uses (GPT-2's): every byte gets a printable character, so BPE tokens
+    are strings. Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7F-0xA0, 0xAD)
+    take the characters from U+0100 on, in byte order.
+    """
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1))
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    table = {}
+    next_char = 256
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(next_char)
+            next_char += 1
+    return table
+
+
+def bpe_parts(token, ranks, max_rank):
+    """
+    tiktoken's BPE on `token` using only merges ranked below max_rank: repeatedly join the adjacent pair whose
+    concatenation has the lowest rank (leftmost on ties) until no such pair is left.
+    """
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while True:
+        best_rank, best_index = None, None
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < max_rank and (best_rank is None or rank < best_rank):
+                best_rank, best_index = rank, i
+        if best_index is None:
+            return parts
+        parts[best_index:best_index + 2] = [parts[best_index] + parts[best_index + 1]]
+
+
+def merges_from_ranks(mergeable_ranks):
+    """
+    The BPE merge list, in rank order, that rebuilds every multi-byte token the way tiktoken reaches it: BPE on a
+    token's own bytes with the merges ranked below it must end in exactly two parts, and joining those two is
+    that token's merge. A vocabulary where this fails was not made by BPE merges and cannot be converted.
+    """
+    missing_bytes = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
+    if missing_bytes:
+        raise UserError(f"cannot export the tokenizer: it lacks {len(missing_bytes)} of the 256 single-byte tokens")
+    merges = []
+    for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+        if len(token) == 1:
+            continue
+        parts = bpe_parts(token, mergeable_ranks, rank)
+        if len(parts) != 2:
+            raise UserError(f"cannot export the tokenizer: token {rank} ({token!r}) is not the merge of two earlier "
+                            f"tokens (BPE on its bytes stops at {len(parts)} parts)")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def build_hf_tokenizer(tokenizer):
+    """
+    A `tokenizers.Tokenizer` that encodes text to the same ids as our tiktoken encoding: our split regex,
+    then bytes -> byte-level characters, then BPE with whole-piece lookup first (as tiktoken does), and the
+    nine special tokens as added tokens at our ids. No normalizer and no post-processor: nothing is added.
+    """
+    try:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise UserError(f"the `tokenizers` package is missing; {INSTALL_HINT}") from None
+    names = sorted(tokenizer.special_ids, key=tokenizer.special_ids.get)
+    first_special = len(tokenizer.mergeable_ranks)
+    expected_ids = list(range(first_special, first_special + len(SPECIAL_TOKENS)))
+    if names != SPECIAL_TOKENS or [tokenizer.special_ids[name] for name in names] != expected_ids:
+        raise UserError(f"cannot export the tokenizer: its special tokens {names} are not nanochat's nine, in order, "
+                        "right after the merges")
+    to_char = byte_to_unicode()
+
+    def as_text(token_bytes):
+        return "".join(to_char[b] for b in token_bytes)
+
+    vocab = {as_text(token): rank for token, rank in tokenizer.mergeable_ranks.items()}
+    merges = [(as_text(left), as_text(right)) for left, right in merges_from_ranks(tokenizer.mergeable_ranks)]
+    try:
+        split_regex = Regex(tokenizer.pattern)
+    except Exception as e:  # tokenizers raises a bare Exception for a pattern its regex engine rejects
+        raise UserError(f"cannot export the tokenizer: `tokenizers` cannot compile its split pattern ({e})") from None
+    # ignore_merges: a piece that is itself a token is taken whole before any merge, as tiktoken does.
+    hf_tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    hf_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(split_regex, behavior="isolated", invert=False),
+        # use_regex=False: the split above is ours; ByteLevel only maps bytes to its alphabet.
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    hf_tokenizer.decoder = decoders.ByteLevel()
+    # normalized=False: specials are matched in the raw text, never in something a normalizer produced.
+    hf_tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
+    ids_given = [hf_tokenizer.token_to_id(name) for name in names]
+    if ids_given != [tokenizer.special_ids[name] for name in names]:
+        raise UserError(f"cannot export the tokenizer: special tokens got ids {ids_given} instead of ours")
+    return hf_tokenizer
+
+
+def check_tokenizer_matches(hf_tokenizer, tokenizer):
+    """Refuse a conversion that encodes any probe text differently from ours (regex or BPE mismatch)."""
+    for text in TOKENIZER_PROBES:
+        ours = tokenizer.encode(text)
+        hf_tokenizer.encode_special_tokens = True  # the probes hold literal specials, which ours keeps as text
+        try:
+            theirs = hf_tokenizer.encode(text, add_special_tokens=False).ids
+        finally:
+            hf_tokenizer.encode_special_tokens = False
+        if theirs != ours:
+            raise UserError(f"cannot export the tokenizer: the converted tokenizer encodes {text!r} as {theirs}, "
+                            f"ours as {ours}")
+        if hf_tokenizer.decode(theirs, skip_special_tokens=False) != text:
+            raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
+
+
+# The chat format of tokenizer.render_conversation / render_for_completion as a Jinja template:
+#   <|bos|> then per turn  <|user_start|>text<|user_end|>  or  <|assistant_start|>content<|assistant_end|>
+# A leading system message is merged into the first user turn as system + "\n\n" + user. Assistant content is a
+# string, or parts: text, python (<|python_start|>..<|python_end|>), python_output (<|output_start|>..<|output_end|>).
+# add_generation_prompt drops a final assistant message and primes <|assistant_start|>, like render_for_completion.
+CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
+{%- if content is string -%}{{- content -}}
+{%- else -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}
+{%- else -%}{{- raise_exception('user and system content must be a string or text parts') -}}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(first=0, last=0) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- if messages | length < 2 or messages[1]['role'] != 'user' -%}
+{{- raise_exception('a system message must be followed by a user message') -}}
+{%- endif -%}
+{%- set ns.first = 1 -%}
+{%- endif -%}
+{%- set ns.last = messages | length -%}
+{%- if add_generation_prompt and messages and messages[-1]['role'] == 'assistant' -%}
+{%- set ns.last = ns.last - 1 -%}
+{%- endif -%}
+{{- '<|bos|>' -}}
+{%- for message in messages[ns.first:ns.last] -%}
+{%- if message['role'] != (loop.index0 % 2 == 0 and 'user' or 'assistant') -%}
+{{- raise_exception('roles must alternate user/assistant, starting with user (after an optional system message)') -}}
+{%- endif -%}
+{%- if message['role'] == 'user' -%}
+{{- '<|user_start|>' -}}
+{%- if loop.first and ns.first == 1 -%}{{- text_of(messages[0]['content']) + '\n\n' -}}{%- endif -%}
+{{- text_of(message['content']) + '<|user_end|>' -}}
+{%- else -%}
+{{- '<|assistant_start|>' -}}
+{%- if message['content'] is string -%}{{- message['content'] -}}
+{%- else -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'text' -%}{{- part['text'] -}}
+{%- elif part['type'] == 'python' -%}{{- '<|python_start|>' + part['text'] + '<|python_end|>' -}}
+{%- elif part['type'] == 'python_output' -%}{{- '<|output_start|>' + part['text'] + '<|output_end|>' -}}
+{%- else -%}{{- raise_exception('assistant content parts must have type text, python or python_output') -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|assistant_end|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant_start|>' -}}{%- endif -%}
+"""
+
+
+def hf_tokenizer_config(sequence_len):
+    """tokenizer_config.json: which specials are bos/eos, nothing added implicitly, and the chat template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": None,
+        "unk_token": None,
+        "extra_special_tokens": [name for name in SPECIAL_TOKENS if name not in (BOS_TOKEN, EOS_TOKEN)],
+        # Our encode adds nothing; callers prepend <|bos|> themselves (the chat template writes it).
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,  # decode must return the exact text, not "fix" spaces before punctuation
+        "model_max_length": sequence_len,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# -----------------------------------------------------------------------------
+# The export
+
+
+def check_output_dir(out_dir):
+    """--out must be new or empty, and writable: said before the checkpoint is read."""
+    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        raise UserError(f"--out {out_dir} already exists and is not empty; choose a new directory or remove it first")
+    ensure_writable(out_dir, "the export", fix="choose another --out")
+
+
+def format_size(num_bytes):
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    for unit in ("KB", "MB", "GB"):
+        num_bytes /= 1024
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.1f} {unit}"
+
+
+def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
+    """Write everything into a temp dir next to out_dir, then rename it into place: never a partial export."""
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    try:
+        for name, content in json_files.items():
+            with open(os.path.join(tmp_dir, name), "w", encoding="utf-8") as f:
+                f.write(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+        hf_tokenizer.save(os.path.join(tmp_dir, "tokenizer.json"))
+        for name, source in (code or {}).items():
+            shutil.copyfile(source, os.path.join(tmp_dir, name))
+        save_file(weights, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+        written = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked before): rename needs the name free
+        os.rename(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return written
+
+
+def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="float32", device="cpu"):
+    """
+    Export the checkpoint (source, model_tag, step) to out_dir, printing what is done.
+    Every check runs before anything is written. Returns {file name: size in bytes}.
+    """
+    t0 = time.time()
+    if dtype_name not in EXPORT_DTYPES:
+        raise UserError(f"--dtype must be one of {sorted(EXPORT_DTYPES)} (got {dtype_name!r})")
+    out_dir = os.path.abspath(out_dir)
+    check_output_dir(out_dir)
+    model_tag = model_tag or find_latest_tag(source)
+    ckpt_dir = checkpoint_dir(source, model_tag)
+    model_config = raw_model_config(ckpt_dir, step)
+    if isinstance(model_config, dict):
+        check_representable(model_config)
+    if not list_steps(ckpt_dir):
+        raise UserError(f"no checkpoint found in {ckpt_dir}; check -i/-g, or train that stage first")
+    step = resolve_step(ckpt_dir, step)
+    model, tokenizer, _ = load_model(source, device, model_tag=model_tag, step=step)
+
+    c = model.config
+    vocab_size = tokenizer.get_vocab_size()
+    print0(f"export_hf | {source}/{model_tag} step {step} | n_layer={c.n_layer} n_head={c.n_head} "
+           f"n_kv_head={c.n_kv_head} n_embd={c.n_embd} sequence_len={c.sequence_len} vocab={vocab_size} | "
+           f"{model.num_params():,} params | {dtype_name} -> {out_dir}")
+    if c.vocab_size > vocab_size:
+        print0(f"dropping {c.vocab_size - vocab_size} padding rows past the tokenizer's {vocab_size} ids")
+    weights = hf_state_dict(model, vocab_size, EXPORT_DTYPES[dtype_name])
+    hf_tokenizer = build_hf_tokenizer(tokenizer)
+    check_tokenizer_matches(hf_tokenizer, tokenizer)
+    bos_id, eos_id = tokenizer.encode_special(BOS_TOKEN), tokenizer.encode_special(EOS_TOKEN)
+    recipe = uses_components(c)
+    json_files = {
+        "config.json": (hf_recipe_config if recipe else hf_model_config)(c, bos_id, eos_id, vocab_size, dtype_name),
+        "generation_config.json": hf_generation_config(bos_id, eos_id, use_cache=not recipe),
+        "tokenizer_config.json": hf_tokenizer_config(c.sequence_len),
+    }
+    code = {f"{RECIPE_MODULE}.py": os.path.join(os.path.dirname(__file__), "hf_recipe_model.py")} if recipe else {}
+    if recipe:
+        print0(f"components or exact-math variants transformers' NanoChat has no place for: writing our modeling code "
+               f"({RECIPE_MODULE}.py), load with trust_remote_code=True")
+
+    written = write_export_dir(out_dir, json_files, hf_tokenizer, weights, code)
+    for name, size in written.items():
+        print0(f"  {name:<24} {format_size(size):>10}")
+    print0(f"exported {source}/{model_tag} step {step} to {out_dir}: {len(written)} files, "
+           f"{format_size(sum(written.values()))}, {time.time() - t0:.1f}s")
+    return written

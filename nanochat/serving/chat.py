@@ -1,0 +1,490 @@
+"""
+Talking to a trained model: what chat_cli and chat_web share.
+
+    messages = validate_messages(request["messages"])          # RequestError names the field and the reason
+    prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
+    for event in generate_replies(engine, prompt.ids, max_tokens=64, temperature=0.6, top_k=50):
+        ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
+
+The OpenAI API's requests and responses are nanochat/serving/openai_api.py.
+A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
+wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
+so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
+A conversation longer than the model's context loses its oldest turns (and says so) instead of failing, in chat_cli
+and the UI's endpoint; the OpenAI API takes it whole or refuses it (whole_conversation), as OpenAI's does.
+"""
+
+import math
+import re
+import secrets
+from dataclasses import dataclass
+
+from nanochat.engine import StreamDecoder
+
+# -----------------------------------------------------------------------------
+# Limits on what a client may ask for. They keep one request from holding a worker for long or filling memory;
+# the context of the model is a separate, smaller limit handled by trimming the conversation.
+
+MAX_MESSAGES = 500  # messages in one request
+MAX_MESSAGE_CHARS = 8000  # characters in one message (all its parts together)
+MAX_TOTAL_CHARS = 32000  # characters in all messages of one request
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_K_RANGE = (1, 200)
+TOP_P_RANGE = (0.0, 1.0)  # 0, as the OpenAI API allows: the most likely token only
+MAX_TOKENS_RANGE = (1, 4096)
+NUM_SAMPLES_RANGE = (1, 8)  # the OpenAI API's n: samples are decoded together as one batch
+SEED_MODULUS = 2**63  # any integer is a valid seed; torch takes it modulo this
+
+ROLES = ("system", "user", "assistant")
+ASSISTANT_PART_TYPES = ("text", "python", "python_output")
+
+
+class RequestError(ValueError):
+    """A request the client must fix: `field` names what is wrong (e.g. "messages[2].role"), `reason` says why."""
+
+    def __init__(self, field, reason, code=None):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+        self.code = code  # the OpenAI API's error code where it has one (e.g. "context_length_exceeded")
+
+
+# -----------------------------------------------------------------------------
+# Checking requests
+
+
+def check_number(field, value, low, high, integer=False, low_open=False):
+    """value itself if it is a number in [low, high] ((low, high] with low_open), else RequestError."""
+    kind = "an integer" if integer else "a number"
+    bounds = f"{'above' if low_open else 'from'} {low:g} to {high:g}"
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer and isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON clients may write 50.0 for 50
+    not_finite = isinstance(value, float) and not math.isfinite(value)
+    if not is_number or (integer and not isinstance(value, int)) or not_finite:
+        raise RequestError(field, f"must be {kind} {bounds} (got {value!r:.40})")
+    if value > high or value < low or (low_open and value == low):
+        raise RequestError(field, f"must be {kind} {bounds} (got {value})")
+    return value
+
+
+def _is_text_part(part):
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and \
+        set(part) == {"type", "text"}
+
+
+def _text_parts_only(field, content):
+    """User and system content: a string, or OpenAI-style [{"type": "text", "text": ...}] parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(_is_text_part(p) for p in content):
+        return "".join(p["text"] for p in content)
+    kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"}) if isinstance(content, list) else []
+    reason = f" ({', '.join(kinds)}: this model reads text only)" if kinds else ""
+    raise RequestError(field, "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts" + reason)
+
+
+def _assistant_parts(field, content, markup=False):
+    """Assistant content as parts: a string (with markup, tool calls written in the model's markup are read back;
+    without, it is text, whatever it spells), or parts."""
+    if isinstance(content, str):
+        return parse_markup(content) if markup else [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise RequestError(field, "must be a string or a list of parts")
+    parts = []
+    for i, part in enumerate(content):
+        well_formed = isinstance(part, dict) and part.get("type") in ASSISTANT_PART_TYPES and set(part) == {"type", "text"}
+        if not (well_formed and isinstance(part.get("text"), str)):
+            raise RequestError(f"{field}[{i}]", f"must be {{\"type\": one of {', '.join(ASSISTANT_PART_TYPES)}, "
+                                                "\"text\": a string}")
+        parts.append({"type": part["type"], "text": part["text"]})
+    return parts
+
+
+def content_chars(content):
+    return len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
+
+
+# What a message may carry besides role and content: nothing the model can read, so each is refused with its reason
+# (null, and an empty list of tool calls, count as absent: what clients send back from a reply object)
+MESSAGE_REFUSED = {"name": "this model's chat format has no participant names",
+                   "tool_calls": "this model calls no user tools (its only tool is its own calculator)",
+                   "function_call": "this model calls no user tools", "tool_call_id": "this model calls no user tools",
+                   "audio": "this model reads and writes text only", "refusal": "this model writes no refusals",
+                   "annotations": "this server writes no annotations"}
+MESSAGE_ABSENT = (None, [], "")
+
+
+def check_message_keys(field, message):
+    for key, value in message.items():
+        if key in ("role", "content") or (key in MESSAGE_REFUSED and value in MESSAGE_ABSENT):
+            continue
+        raise RequestError(f"{field}.{key}", MESSAGE_REFUSED.get(key) or "is not a field of a message this server reads "
+                           "(role and content)")
+
+
+def validate_messages(messages, markup=False, for_reply=True):
+    """
+    A client's messages, checked against the limits above and normalised for the tokenizer: user and system
+    content as strings, assistant content as a list of parts, consecutive messages of one role merged (some
+    clients send two user messages in a row), a system message only first, the last message from the user.
+    markup: an assistant string's tool calls in MODEL_MARKUP become tool parts (a conversation sent back as the
+    model wrote it); otherwise text that spells a special token is only text. for_reply False: the conversation may
+    also end with the assistant's turn (a conversation rendered whole, not for a reply).
+    """
+    if not isinstance(messages, list):
+        raise RequestError("messages", "must be a list of {\"role\": ..., \"content\": ...} objects")
+    if not messages:
+        raise RequestError("messages", "must not be empty")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestError("messages", f"at most {MAX_MESSAGES} messages per request (got {len(messages)})")
+    normalised, total_chars = [], 0
+    for i, message in enumerate(messages):
+        field = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(field, "must be an object with \"role\" and \"content\"")
+        check_message_keys(field, message)
+        role = message.get("role")
+        if role == "developer":  # what newer OpenAI clients send in place of "system"
+            role = "system"
+        if role not in ROLES:
+            raise RequestError(f"{field}.role", f"must be one of {', '.join(ROLES)} or developer (got {role!r:.40})")
+        if role == "system" and i != 0:
+            raise RequestError(f"{field}.role", "a system message is only allowed as the first message")
+        if "content" not in message:
+            raise RequestError(f"{field}.content", "is missing")
+        if role == "assistant":
+            content = _assistant_parts(f"{field}.content", message["content"], markup)
+        else:
+            content = _text_parts_only(f"{field}.content", message["content"])
+        chars = content_chars(content)
+        if chars > MAX_MESSAGE_CHARS:
+            raise RequestError(f"{field}.content", f"at most {MAX_MESSAGE_CHARS} characters per message (got {chars})")
+        total_chars += chars
+        if total_chars > MAX_TOTAL_CHARS:
+            raise RequestError("messages", f"at most {MAX_TOTAL_CHARS} characters in all messages together")
+        if normalised and normalised[-1]["role"] == role:
+            previous = normalised[-1]
+            if role == "assistant":
+                previous["content"] = previous["content"] + [{"type": "text", "text": "\n\n"}] + content
+            else:
+                previous["content"] = previous["content"] + "\n\n" + content
+            continue
+        normalised.append({"role": role, "content": content})
+    if normalised[0]["role"] == "system" and len(normalised) == 1:
+        raise RequestError("messages", "a system message must be followed by a user message")
+    first_turn = normalised[1] if normalised[0]["role"] == "system" else normalised[0]
+    if first_turn["role"] != "user":
+        raise RequestError("messages", "the conversation must start with a user message (after an optional system one)")
+    if for_reply and normalised[-1]["role"] != "user":
+        raise RequestError("messages", "the last message must be from the user: the model writes the reply to it")
+    return normalised
+
+
+# -----------------------------------------------------------------------------
+# Tool calls written as text: how an OpenAI client sees them, and how they are read back.
+
+MODEL_MARKUP = {"python": ("<|python_start|>", "<|python_end|>"),
+                "python_output": ("<|output_start|>", "<|output_end|>")}
+TERMINAL_MARKUP = {"python": ("[python: ", "]"), "python_output": (" [output: ", "]")}
+READABLE_MARKUP = {"python": ("", ""), "python_output": (" = ", "")}  # "37*48 = 1776": what an API reply says
+_MARKUP_RE = re.compile(r"<\|python_start\|>(.*?)<\|python_end\|>|<\|output_start\|>(.*?)<\|output_end\|>", re.DOTALL)
+
+
+def parse_markup(text):
+    """Assistant text with tool calls in MODEL_MARKUP -> parts: a conversation sent back renders as it was written."""
+    parts, position = [], 0
+    for match in _MARKUP_RE.finditer(text):
+        if match.start() > position:
+            parts.append({"type": "text", "text": text[position:match.start()]})
+        if match.group(1) is not None:
+            parts.append({"type": "python", "text": match.group(1)})
+        else:
+            parts.append({"type": "python_output", "text": match.group(2)})
+        position = match.end()
+    if position < len(text) or not parts:
+        parts.append({"type": "text", "text": text[position:]})
+    return parts
+
+
+class MarkupWriter:
+    """(kind, text) pieces -> flat text with markup opened and closed around tool parts (MODEL_ or TERMINAL_MARKUP)."""
+
+    def __init__(self, markup):
+        self.markup = markup
+        self.kind = "text"
+
+    def write(self, kind, text):
+        out = ""
+        if kind != self.kind:
+            out += self.close()
+            out += self.markup[kind][0] if kind in self.markup else ""
+            self.kind = kind
+        return out + text
+
+    def close(self):
+        """The closing markup of the part in progress, if any (call once the reply is complete)."""
+        out = self.markup[self.kind][1] if self.kind in self.markup else ""
+        self.kind = "text"
+        return out
+
+
+def parts_as_markup(parts, markup=MODEL_MARKUP):
+    writer = MarkupWriter(markup)
+    return "".join(writer.write(p["type"], p["text"]) for p in parts) + writer.close()
+
+
+# -----------------------------------------------------------------------------
+# Prompts that fit the context
+
+
+@dataclass
+class Prompt:
+    ids: list  # token ids, ending where the model should continue
+    messages: list  # the messages that are still in it (chat), or [] (plain text)
+    note: str = ""  # what was dropped or cut to fit the context, "" when nothing was
+
+
+def prompt_budget(context, max_tokens):
+    """
+    Prompt tokens allowed: the context less room for the reply, which is max_tokens but at most half the context
+    (so a long request cannot squeeze the conversation out; its reply ends at the context, finish reason "length").
+    """
+    return context - min(max_tokens, context // 2)
+
+
+def fit_conversation(tokenizer, messages, max_prompt_tokens):
+    """
+    Render validated messages for completion, dropping the oldest user/assistant turns until the prompt fits
+    max_prompt_tokens; then, if it still does not fit, the system message; then the start of the last user
+    message (its end, usually the question, is kept). Prompt.note says what went.
+    """
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    turns = messages[len(system):]  # user, assistant, ..., user
+
+    def render(kept_system, kept_turns):
+        return tokenizer.render_for_completion({"messages": kept_system + kept_turns})
+
+    ids = render(system, turns)
+    if len(ids) <= max_prompt_tokens:
+        return Prompt(ids, messages)
+    # Fewest whole turns to drop: prompt length only falls as more turns go, so binary search it.
+    low, high = 1, len(turns) // 2  # turns are dropped in (user, assistant) pairs: the last user message stays
+    while low < high:
+        middle = (low + high) // 2
+        if len(render(system, turns[2 * middle:])) <= max_prompt_tokens:
+            high = middle
+        else:
+            low = middle + 1
+    dropped = 2 * high
+    turns = turns[dropped:]
+    notes = [f"dropped the {dropped} oldest messages"] if dropped else []
+    ids = render(system, turns)
+    if len(ids) > max_prompt_tokens and system:
+        system = []
+        notes.append("dropped the system message")
+        ids = render(system, turns)
+    if len(ids) > max_prompt_tokens:
+        text = turns[-1]["content"]
+        low, high = 0, len(text)  # the most characters of the message's end that fit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(render([], [{"role": "user", "content": text[-middle:]}])) <= max_prompt_tokens:
+                low = middle
+            else:
+                high = middle - 1
+        if low == 0:
+            raise RequestError("messages", f"the model's context ({max_prompt_tokens} prompt tokens) cannot hold "
+                                           "even a one-character message")
+        turns = [{"role": "user", "content": text[-low:]}]
+        notes.append(f"kept only the last {low} of the {len(text)} characters of the last message")
+        ids = render([], turns)
+    note = "; ".join(notes) + f" to fit the model's context ({max_prompt_tokens} prompt tokens)"
+    return Prompt(ids, system + turns, note)
+
+
+def whole_conversation(tokenizer, messages, context):
+    """
+    Render validated messages as they are, for a client that keeps its own context (the OpenAI API): a RequestError
+    with the API's code "context_length_exceeded" when they leave no room for a reply, where fit_conversation would
+    drop turns. A reply that would run past the context ends there (finish reason "length").
+    """
+    ids = tokenizer.render_for_completion({"messages": messages})
+    if len(ids) >= context:
+        raise RequestError("messages", f"this model's context is {context} tokens and the messages take {len(ids)}, "
+                           "leaving no room for a reply: send fewer or shorter messages", code="context_length_exceeded")
+    return Prompt(ids, messages)
+
+
+def fit_text(tokenizer, text, max_prompt_tokens):
+    """A base model's prompt: <|bos|> then the text, keeping only its end when it is too long."""
+    ids = tokenizer.encode(text)
+    if len(ids) + 1 <= max_prompt_tokens:
+        return Prompt([tokenizer.get_bos_token_id()] + ids, [])
+    kept = ids[len(ids) - (max_prompt_tokens - 1):]
+    note = f"kept only the last {len(kept)} of the text's {len(ids)} tokens to fit the model's context"
+    return Prompt([tokenizer.get_bos_token_id()] + kept, [], note)
+
+
+# -----------------------------------------------------------------------------
+# Replies, token by token
+
+
+@dataclass
+class Piece:
+    index: int  # which sample
+    kind: str  # "text", "python" or "python_output"
+    text: str  # may be "" when a tool part begins
+
+
+@dataclass
+class Finish:
+    index: int
+    reason: str  # "stop" (end of turn, stop string) or "length" (max_tokens or the context ran out)
+    completion_tokens: int  # tokens generated for this reply, the one that ended it included
+    parts: list  # the whole reply as parts
+
+
+class ReplyStream:
+    """
+    One sample's reply as the model writes it: tokens in, (kind, text) pieces out. Text is decoded UTF-8-safely
+    and held back while it might be the start of a stop string; the reply is cut where a stop string begins
+    (stop strings are looked for in the text parts, not inside tool calls).
+    Chat mode follows the tool markup and ends at any token that closes or starts a turn (an untrained model may
+    write <|user_start|>); plain mode (base models) ends at any special token.
+    """
+
+    def __init__(self, tokenizer, stop=(), chat=True):
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.chat = chat
+        special = tokenizer.encode_special
+        self.turn_tokens = {special(t) for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+                                                  "<|assistant_end|>")}
+        self.special_ids = {special(t) for t in tokenizer.get_special_tokens()}
+        self.kind_after = {special("<|python_start|>"): "python", special("<|python_end|>"): "text",
+                           special("<|output_start|>"): "python_output", special("<|output_end|>"): "text"}
+        self.decoder = StreamDecoder(tokenizer)
+        self.kind = "text"
+        self.pending = ""  # text not yet given out: it may begin a stop string
+        self.parts = []
+        self.num_tokens = 0
+        self.finish_reason = None
+
+    def push(self, token):
+        """Pieces for one more token; none once the reply is finished."""
+        if self.finish_reason is not None:
+            return []
+        self.num_tokens += 1
+        if token in self.special_ids:
+            if not self.chat or token in self.turn_tokens:
+                return self.finish("stop")
+            pieces = self._flush()
+            self.kind = self.kind_after[token]
+            if self.kind != "text":
+                pieces.append(self._add(self.kind, ""))  # a tool part begins, so readers can open a box for it
+            return pieces
+        text = self.decoder.push(token)
+        if self.kind != "text":
+            return [self._add(self.kind, text)] if text else []
+        return self._text(text)
+
+    def finish(self, reason):
+        """End the reply (reason "stop" or "length"); returns the text still held."""
+        if self.finish_reason is not None:
+            return []
+        pieces = self._flush()
+        self.finish_reason = reason
+        return pieces
+
+    def _text(self, text):
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            kept = self.pending[:cut]
+            self.pending = ""
+            self.finish_reason = "stop"
+            return [self._add("text", kept)] if kept else []
+        held = max((n for s in self.stop for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
+                    if self.pending.endswith(s[:n])), default=0)
+        ready = self.pending[:len(self.pending) - held]
+        self.pending = self.pending[len(ready):]
+        return [self._add("text", ready)] if ready else []
+
+    def _flush(self):
+        """Everything held back (a character's first bytes, a possible stop-string start) as it is: the part ends."""
+        tail = self.decoder.flush()
+        if self.kind == "text":
+            text, self.pending = self.pending + tail, ""
+        else:
+            text = tail
+        return [self._add(self.kind, text)] if text else []
+
+    def _add(self, kind, text):
+        if self.parts and self.parts[-1]["type"] == kind and text:
+            self.parts[-1]["text"] += text
+        elif text or kind != "text":
+            self.parts.append({"type": kind, "text": text})
+        return kind, text
+
+
+def generate_replies(engine, prompt_ids, num_samples=1, max_tokens=256, temperature=0.6, top_k=50, top_p=None,
+                     seed=None, stop=(), chat=True, cancelled=None):
+    """
+    Sample num_samples replies to a prompt together, yielding Piece(index, kind, text) as each grows and
+    Finish(index, reason, completion_tokens, parts) once per reply. cancelled: a callable checked between
+    tokens; when it returns True generation stops at once, without Finish events.
+    """
+    tokenizer = engine.tokenizer
+    streams = [ReplyStream(tokenizer, stop, chat) for _ in range(num_samples)]
+    seed = secrets.randbelow(SEED_MODULUS) if seed is None else seed
+    steps = engine.generate(prompt_ids, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed)
+    try:
+        for column, _ in steps:
+            if cancelled is not None and cancelled():
+                return
+            for index, (stream, token) in enumerate(zip(streams, column)):
+                was_open = stream.finish_reason is None
+                for kind, text in stream.push(token):
+                    yield Piece(index, kind, text)
+                if was_open and stream.finish_reason is not None:
+                    yield Finish(index, stream.finish_reason, stream.num_tokens, stream.parts)
+            if all(stream.finish_reason is not None for stream in streams):
+                return
+    finally:
+        steps.close()  # frees the KV cache now, not when the generator is garbage collected
+    # The engine stopped with replies still open: max_tokens, or prompt plus reply filled the context.
+    for index, stream in enumerate(streams):
+        if stream.finish_reason is None:
+            for kind, text in stream.finish("length"):
+                yield Piece(index, kind, text)
+            yield Finish(index, "length", stream.num_tokens, stream.parts)
+
+
+# -----------------------------------------------------------------------------
+# Models
+
+
+def model_info(meta, model, device, source):
+    """What was loaded, as a dict (for /health)."""
+    return {
+        "source": source,
+        "tag": meta.get("model_tag"),
+        "step": meta.get("step"),
+        "params": model.num_params(),
+        "context": model.config.sequence_len,
+        "device": str(device),
+    }
+
+
+def summary_line(info):
+    """model_info's dict as a line for logs."""
+    return (f"{info['source']} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params, "
+            f"context {info['context']} tokens, on {info['device']}")
+
+
+def model_summary(meta, model, device, source):
+    """What was loaded, as a dict for /health and a one-line description for logs."""
+    info = model_info(meta, model, device, source)
+    return info, summary_line(info)

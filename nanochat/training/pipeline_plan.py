@@ -1,0 +1,429 @@
+"""
+The speedrun to one time budget, planned as a whole: `NANOCHAT_TIME_BUDGET=5m bash speedrun.sh`.
+
+Before any stage runs, the plan measures this machine (a few steps of the preset's base model, as base_train's own
+probe takes them) and prices every stage from what the same stages cost on the machine the preset was measured on,
+scaled by how much slower or faster this one is. Then it decides, for the best chat model in the budget:
+  1. what must run: the data, the tokenizer, the three training stages, the final evaluation, the report;
+  2. which other evaluations run (while together they take at most EVAL_SHARE of the budget, in priority order),
+     and the report card says which were skipped;
+  3. how the training time is shared: chat_sft first gets the steps it needs (what the user talks to), mid_train a
+     few, and base_train the rest, each at least its minimum; a budget whose training time cannot hold the minimums
+     is refused in one line, with this machine's minimum and the preset's time here.
+While the speedrun runs, each stage asks for its flags as it starts (`python -m nanochat.training.pipeline_plan flags STAGE`):
+a stage that starts late or early shares what is left with the stages after it in the planned proportions, never
+below its minimum, and an optional evaluation is dropped when the run is late. base_train takes its seconds as
+`--time-budget` (its own calibration ends it on time, warmdown intact); mid_train and chat_sft take the steps they
+were planned, fewer only when the run is late. The decisions are written into the plan as they are made, so a resumed
+speedrun runs the same stages with the same flags.
+
+    python -m nanochat.training.pipeline_plan plan 5m --preset cpu --started-at EPOCH   # measure, decide, print, save
+    python -m nanochat.training.pipeline_plan flags chat_sft                             # a stage's flags, as it starts
+
+docs/time_budget.md tells it for users; the reference costs are BENCHMARKS.md's ("The whole speedrun to a budget").
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+# Each stage of the speedrun asks for its flags in a process of its own: that path imports no torch (1-2 s a start on
+# a CPU, which the plan would otherwise have to price per stage); measuring and printing the plan import what they need.
+
+PLAN_FILE = "speedrun_plan.json"  # in the base dir
+EVAL_SHARE = 0.1  # at the preset's time or more, the evaluations besides the final one take at most this much of it
+MARGIN = 0.03  # of the budget, kept back when planning for what the estimates miss (a stage's start-up that runs long)
+BASE_MARGIN = 0.01  # what base_train leaves when it starts: by then the time before it is measured, not estimated
+SFT_SHARE = 0.25  # of the training time chat_sft (and chat_rl) may take, between its floor and its need
+
+# What each stage costs on the machine the cpu preset was measured on (2-vCPU AMD EPYC with AVX512-BF16, torch 2.15,
+# bf16 autocast, 2026-11-27; BENCHMARKS.md "The whole speedrun to a budget"): seconds, and for the training stages
+# seconds a step and the start-up, evaluations and saves around the steps. REFERENCE_PROBE is what the probe below
+# measured there for a step of the preset's base model: a machine whose probe takes twice as long pays twice as much.
+REFERENCE = {
+    "cpu": {
+        "probe_seconds": 0.183,
+        "speedrun_start": 4.0,  # uv, the preset's checks and this plan, before the first stage
+        "fixed": {"data": 2.0, "tok_train": 2.5, "report": 2.5},
+        "evals": {"tok_eval": 2.0, "base_loss": 3.5, "base_eval": 7.0, "chat_eval base": 3.5, "chat_eval mid": 7.0,
+                  "chat_eval sft": 6.5, "chat_eval rl": 7.0},
+        # name: (seconds a step, start-up and the rest, fewest steps, the steps it needs). The fewest and the needs
+        # come from pipelines of these steps on the built-in corpus, seeds 42 and 43 (BENCHMARKS.md): base_train 220
+        # and chat_sft 80 answered 43-56 % of held-out WorldQA, 150 and 80 only 28-41 %; chat_sft 150 steps gave
+        # 77-91 % after 480-500 base steps and 300 fewer (58 % after 300); mid_train pays only once base_train has
+        # its preset's steps (480 base + 150 SFT without it: 77 / 86.5 %; 500 + 30 + 150 with it: 91 / 80.5 %).
+        "train": {"base_train": (0.155, 9.0, 220, None), "mid_train": (0.35, 4.0, 20, 30),
+                  "chat_sft": (0.19, 4.0, 80, 150), "chat_rl": (2.0, 8.0, 10, 30)},
+        # the preset's own steps, for its time here
+        "preset_steps": {"base_train": 700, "mid_train": 60, "chat_sft": 300, "chat_rl": 30},
+        "preset_extra": 12.0,  # the preset's periodic evaluations, samples and checkpoints in base_train
+    },
+    # Not measured on a GPU yet (no GPU node has run a budgeted speedrun): guesses for one 8xH100 node from the
+    # reference project's published run, which only set the proportions; base_train chooses its depth by its law and
+    # the chat stages measure their own steps (--time-budget), so what these miss moves the split, not the end time.
+    "gpu": {
+        "probe_seconds": None,
+        "fixed": {"data": 60.0, "tok_train": 90.0, "report": 5.0},
+        "evals": {"tok_eval": 20.0, "base_loss": 60.0, "base_eval": 300.0, "chat_eval base": 60.0,
+                  "chat_eval mid": 300.0, "chat_eval sft": 300.0, "chat_eval rl": 300.0},
+        "train": {"base_train": (0.5, 180.0, 200, None), "mid_train": (0.5, 120.0, 50, 800),
+                  "chat_sft": (0.3, 120.0, 50, 600), "chat_rl": (4.0, 120.0, 10, 200)},
+        "preset_steps": {"base_train": 14000, "mid_train": 800, "chat_sft": 600, "chat_rl": 200},
+        "preset_extra": 600.0,
+    },
+}
+# Which evaluations a budget keeps first: the final one always; then the base model's val bpb, its fact recall, CORE,
+# the mid-trained model, the tokenizer's compression
+OPTIONAL_EVALS = ["base_loss", "chat_eval base", "base_eval", "chat_eval mid", "tok_eval"]
+ORDER = ["data", "tok_train", "tok_eval", "base_train", "base_loss", "base_eval", "chat_eval base", "mid_train",
+         "chat_eval mid", "chat_sft", "chat_eval sft", "chat_rl", "chat_eval rl", "report"]
+
+
+@dataclass
+class Stage:
+    name: str
+    kind: str  # fixed | train | eval | final
+    seconds: float  # planned
+    steps: int = 0  # a training stage's planned steps
+    run: bool = True
+    why: str = ""  # why an evaluation does not run
+
+
+@dataclass
+class PipelinePlan:
+    budget_seconds: float
+    started_at: float
+    preset: str
+    machine: str
+    speed: float  # this machine's probe over the reference's: 2.0 = twice as slow
+    minimum_seconds: float
+    preset_seconds: float
+    stages: list = field(default_factory=list)
+    decided: dict = field(default_factory=dict)  # stage -> the flags it was given as it started
+    resumed: int = 0
+    dry_run: bool = False  # made for DRY_RUN=1: printed, never measured, never in a report
+
+    @property
+    def deadline(self):
+        return self.started_at + self.budget_seconds
+
+    def stage(self, name):
+        return next(s for s in self.stages if s.name == name)
+
+
+# -----------------------------------------------------------------------------
+# Measuring this machine
+
+
+def probe_step_seconds():
+    """Seconds per optimizer step of the cpu preset's base model here (base_train's probe: random tokens, its batch
+    geometry, bf16 autocast where the CPU has it), and a name for the machine. Written where base_train's own probe
+    looks first, so base_train does not measure it again."""
+    import torch
+
+    from nanochat.common import autocast_for, cpu_name
+    from nanochat.training.recipe import DEFAULT_COMPONENTS, split_components
+    from nanochat.training.time_budget import RunShape, machine_signature, time_steps, write_measurements
+
+    model_components, optimizer_components = split_components(DEFAULT_COMPONENTS)
+    shape = RunShape(4096, 256, 2048, 1, 64, 128, None, model_components, optimizer_components, False, 8, 32768, None,
+                     False, 0.0)
+    device = torch.device("cpu")
+    seconds = min(time_steps(4, 8, shape, device, autocast_for(device), 1.0) for _ in range(2))  # a VM's noise
+    write_measurements(machine_signature(shape, device), {4: (8, seconds)})
+    return seconds, f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
+# -----------------------------------------------------------------------------
+# Deciding
+
+
+def train_seconds(reference, name, steps, speed):
+    step, fixed, _, _ = reference["train"][name]
+    return speed * (fixed + step * steps)
+
+
+def steps_in(reference, name, seconds, speed):
+    step, fixed, _, _ = reference["train"][name]
+    return max(0, int((seconds / speed - fixed) / step))
+
+
+def make_plan(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True):
+    """
+    The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
+    times as slow as the reference. UserError when the budget cannot hold the minimum, naming this machine's minimum
+    and the preset's time here.
+    """
+    from nanochat.common import UserError, format_duration
+    from nanochat.training.time_budget import duration_label
+
+    reference = REFERENCE[preset]
+    train_ref, preset_steps = reference["train"], reference["preset_steps"]
+    final = "chat_eval rl" if rl else "chat_eval sft"
+    fixed = {name: speed * s for name, s in reference["fixed"].items()}
+    fixed[final] = speed * reference["evals"][final]
+    spent = now - started_at  # uv, the preset's checks and the probe: measured, not priced
+    available = budget_seconds - spent - sum(fixed.values()) - MARGIN * budget_seconds
+    needed = ["base_train", "chat_sft"] + (["chat_rl"] if rl else [])
+    least = sum(train_seconds(reference, n, train_ref[n][2], speed) for n in needed)
+    minimum = (spent + sum(fixed.values()) + least) / (1 - MARGIN)
+    all_evals = [e for e in OPTIONAL_EVALS + (["chat_eval sft"] if rl else []) if base_chat_eval or e != "chat_eval base"]
+    preset_time = spent + sum(fixed.values()) + speed * (
+        sum(reference["evals"][e] for e in all_evals) + reference["preset_extra"] +
+        sum(train_seconds(reference, n, preset_steps[n], 1.0) for n in needed + ["mid_train"]))
+    if available < least:
+        raise UserError(f"NANOCHAT_TIME_BUDGET={duration_label(budget_seconds)} is too short for a chat model that "
+                        f"answers on this machine: give at least {format_duration(math.ceil(minimum / 10) * 10)} "
+                        f"(base_train {train_ref['base_train'][2]} steps, chat_sft {train_ref['chat_sft'][2]}"
+                        f"{', chat_rl ' + str(train_ref['chat_rl'][2]) if rl else ''}, the final evaluation); "
+                        f"the {preset} preset takes about {format_duration(preset_time)} here")
+    stages = {name: Stage(name, "fixed", seconds) for name, seconds in fixed.items()}
+    stages[final].kind = "final"
+    # chat_sft (and chat_rl) get the steps they need first, a share of the training time between their floor and need
+    steps = {}
+    for name in needed[1:]:
+        _, _, fewest, wanted = train_ref[name]
+        steps[name] = min(wanted, max(fewest, steps_in(reference, name, SFT_SHARE * available, speed)))
+    # the evaluations besides the final one: none below the preset's time here (every second then goes to the chat
+    # model), else in priority order while they fit their share (the mid-trained model's last, if mid_train runs)
+    eval_time = 0.0
+
+    def consider(name):
+        nonlocal eval_time
+        seconds = speed * reference["evals"][name]
+        keep = budget_seconds >= preset_time and eval_time + seconds <= EVAL_SHARE * budget_seconds
+        why = f"skipped: below the {preset} preset's time here every second goes to the chat model" \
+            if budget_seconds < preset_time else f"skipped: the evaluations besides the final one may take " \
+                                                 f"{EVAL_SHARE:.0%} of the budget"
+        stages[name] = Stage(name, "eval", seconds if keep else 0.0, run=keep, why="" if keep else why)
+        eval_time += seconds if keep else 0.0
+
+    for name in all_evals:
+        if name != "chat_eval mid":
+            consider(name)
+    # mid_train pays only where base_train keeps its preset's steps beside it (below, its seconds buy more base steps)
+    rest = available - eval_time - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())
+    base_preset = train_seconds(reference, "base_train", preset_steps["base_train"], speed)
+    with_mid = rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) >= base_preset
+    if with_mid:
+        steps["mid_train"] = train_ref["mid_train"][3]
+        # and chat_sft its preset's steps too, where base_train still keeps its own (the preset's arithmetic)
+        more = train_seconds(reference, "chat_sft", preset_steps["chat_sft"], speed) - \
+            train_seconds(reference, "chat_sft", steps["chat_sft"], speed)
+        if rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) - more >= base_preset:
+            rest -= more
+            steps["chat_sft"] = preset_steps["chat_sft"]
+        mid_eval = speed * reference["evals"]["chat_eval mid"]
+        if rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) - mid_eval >= base_preset:
+            consider("chat_eval mid")
+        else:
+            stages["chat_eval mid"] = Stage("chat_eval mid", "eval", 0.0, run=False,
+                                            why="skipped: its time keeps base_train at its preset's steps")
+    else:
+        for name, why in (("mid_train", f"skipped: with base_train below its preset's {preset_steps['base_train']} "
+                                        "steps, its time buys more as base_train's steps"),
+                          ("chat_eval mid", "skipped: no mid_train")):
+            stages[name] = Stage(name, "train" if name == "mid_train" else "eval", 0.0, run=False, why=why)
+    # base_train the rest; below its floor the other stages give back steps, down to theirs
+    while True:
+        rest = available - eval_time - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())
+        if steps_in(reference, "base_train", rest, speed) >= train_ref["base_train"][2]:
+            break
+        shrinkable = [n for n, k in steps.items() if k > train_ref[n][2]]
+        assert shrinkable, "the minimum was checked above"
+        for name in shrinkable:
+            steps[name] = max(train_ref[name][2], int(steps[name] * 0.9))
+    steps["base_train"] = steps_in(reference, "base_train", rest, speed)
+    for name, k in steps.items():
+        seconds = rest if name == "base_train" else train_seconds(reference, name, k, speed)
+        stages[name] = Stage(name, "train", seconds, steps=k)
+    return PipelinePlan(budget_seconds, started_at, preset, machine, speed, minimum, preset_time,
+                        [stages[name] for name in ORDER if name in stages])
+
+
+def describe(plan):
+    """The plan as the speedrun prints it before the first stage."""
+    from nanochat.common import format_duration
+    from nanochat.training.time_budget import clock
+
+    lines = [f"plan | speedrun in {format_duration(plan.budget_seconds)} from {clock(plan.started_at)}, ending by "
+             f"{clock(plan.deadline)} | {plan.machine}: a step of the {plan.preset} preset's base model takes "
+             f"{plan.speed:.2f}x the reference's | least budget here {format_duration(plan.minimum_seconds)}, the "
+             f"{plan.preset} preset about {format_duration(plan.preset_seconds)}"]
+    for s in plan.stages:
+        if not s.run:
+            what = s.why
+        elif s.kind == "train":
+            what = f"~{s.steps:,} steps in {s.seconds:.0f} s" + (" (its own plan sets the steps)" if
+                                                                   s.name == "base_train" else "")
+        else:
+            what = f"{s.seconds:.0f} s"
+        lines.append(f"plan | {s.name:<14} {what}")
+    return "\n".join(lines)
+
+
+def report_section(plan):
+    """The report card's section: the budget, what each stage was given, what was skipped and why."""
+    from nanochat.common import format_duration
+
+    rows = [{"Time budget": format_duration(plan.budget_seconds), "Machine": plan.machine,
+             "Speed against the reference": f"{plan.speed:.2f}x", "Least budget here": format_duration(plan.minimum_seconds),
+             "The preset here": format_duration(plan.preset_seconds)}]
+    for s in plan.stages:
+        given = plan.decided.get(s.name)
+        status = ("skipped: " + given[0][len("skip:"):] if given and given[0].startswith("skip:") else
+                  f"ran with {' '.join(given)}" if given else
+                  ("planned" if s.run else s.why))
+        planned = f"{s.steps} steps, {s.seconds:.0f} s" if s.kind == "train" else f"{s.seconds:.0f} s"
+        rows.append(f"- {s.name}: planned {planned}; {status}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Keeping to it, stage by stage
+
+
+def stage_flags(plan, name, now):
+    """
+    The flags a stage gets as it starts: its planned seconds or steps scaled by how the time left compares with the
+    time the plan gives this stage and those after it (a late start shares the loss, an early one the gain), never
+    below its minimum; "skip:..." for an evaluation that does not run. A stage that was given flags before (a resumed
+    speedrun) gets the same ones.
+    """
+    if name in plan.decided:
+        return plan.decided[name]
+    reference = REFERENCE[plan.preset]
+    stage = plan.stage(name)
+    at = plan.stages.index(stage)
+    planned = sum(s.seconds for s in plan.stages[at:] if s.run)
+    left = plan.deadline - now - MARGIN * plan.budget_seconds * (1 - at / len(plan.stages))
+    factor = 1.0 if plan.dry_run or planned <= 0 else max(0.0, left / planned)  # a dry run spends no time
+    if not stage.run and stage.kind == "train":
+        flags = ["skip:" + stage.why]
+    elif stage.kind == "eval":
+        flags = ["skip:" + (stage.why or "")] if not stage.run else \
+            ["skip: the run was late (%.0f s behind its plan)" % ((1 - factor) * planned)] if factor < 0.95 else []
+    elif stage.kind == "train" and name == "base_train":  # all that the stages after it do not need, early or late
+        after = sum(s.seconds for s in plan.stages[at + 1:] if s.run)
+        seconds = stage.seconds if plan.dry_run else plan.deadline - now - after - BASE_MARGIN * plan.budget_seconds
+        seconds = max(seconds, train_seconds(reference, name, reference["train"][name][2], plan.speed))
+        flags = [f"--time-budget={seconds:.0f}s"]
+    elif stage.kind == "train" and plan.preset == "gpu":  # the chat stages measure their own steps there
+        seconds = max(stage.seconds * factor, train_seconds(reference, name, reference["train"][name][2], plan.speed))
+        flags = [f"--time-budget={seconds:.0f}s"]
+    elif stage.kind == "train":  # the steps it needs, planned; fewer (down to its floor) only when the run is late
+        fewest = reference["train"][name][2]
+        flags = [f"--num-iterations={max(fewest, min(stage.steps, int(stage.steps * factor)))}"]
+    else:
+        flags = []
+    if name == "chat_sft" and not plan.stage("mid_train").run:
+        flags += ["-i", "base"]  # from the base model: mid_train did not run
+    plan.decided[name] = flags
+    return flags
+
+
+# -----------------------------------------------------------------------------
+# Saving, and the speedrun's two calls
+
+
+def save(plan, path):
+    """Written whole or not at all: a speedrun killed mid-write resumes from the plan as it was."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".plan-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(plan), f, indent=1)
+    os.replace(temporary, path)
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: no speedrun plan to follow in {path} ({e}); run speedrun.sh with NANOCHAT_TIME_BUDGET again")
+    fields["stages"] = [Stage(**s) for s in fields["stages"]]
+    return PipelinePlan(**fields)
+
+
+def log_to_report(plan):
+    from nanochat.report import get_report
+
+    get_report().log("Speedrun plan", report_section(plan))
+
+
+def cmd_plan(args):
+    from nanochat.training.time_budget import clock, parse_duration
+
+    budget = parse_duration(args.budget, flag="NANOCHAT_TIME_BUDGET")
+    path = args.plan_file
+    if os.path.exists(path) and not args.fresh and not args.dry_run:  # a resumed speedrun follows the plan it made
+        plan = load(path)
+        if plan.budget_seconds == budget and plan.preset == args.preset:
+            undone = [s for s in plan.stages if s.name not in plan.decided and s.run]
+            interrupted = [s for s in plan.stages if s.name in plan.decided][-1:]
+            plan.started_at = time.time() - plan.budget_seconds + sum(s.seconds for s in undone + interrupted)
+            plan.resumed += 1
+            save(plan, path)
+            print(f"plan | resumed: the plan made before, with the time already spent not counted again; ending by "
+                  f"{clock(plan.deadline)}")
+            print(describe(plan))
+            return
+    if args.dry_run:
+        speed, machine = 1.0, "(dry run: the reference machine's costs)"
+    elif args.preset == "gpu":
+        speed, machine = 1.0, "GPU node (costs not measured yet: guessed proportions)"
+    else:
+        probe, machine = probe_step_seconds()
+        speed = probe / REFERENCE[args.preset]["probe_seconds"]
+    plan = make_plan(budget, args.started_at, time.time(), args.preset, speed, machine, rl=args.rl,
+                     base_chat_eval=args.base_chat_eval)
+    plan.dry_run = args.dry_run
+    print(describe(plan))
+    save(plan, path)
+
+
+def cmd_flags(args):
+    plan = load(args.plan_file)
+    flags = stage_flags(plan, args.stage, time.time())
+    save(plan, args.plan_file)
+    if args.stage == "report" and not plan.dry_run:  # the report card says what each stage was given
+        log_to_report(plan)
+    if flags and flags[0].startswith("skip:"):
+        print(f"speedrun: {args.stage} {flags[0][len('skip:'):].strip() or 'skipped'}", file=sys.stderr)
+    print(" ".join(flags))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="the speedrun to a time budget, planned as a whole")
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="measure this machine, decide every stage, print and save the plan")
+    plan.add_argument("budget")
+    plan.add_argument("--preset", default="cpu", choices=sorted(REFERENCE))
+    plan.add_argument("--started-at", type=float, default=time.time(), help="when the speedrun began (epoch seconds)")
+    plan.add_argument("--rl", type=int, default=0)
+    plan.add_argument("--base-chat-eval", type=int, default=1, help="0: the source has no built-in world to recall")
+    plan.add_argument("--dry-run", action="store_true", help="the reference machine's costs, nothing measured or saved")
+    plan.add_argument("--fresh", action="store_true", help="a new plan even where one was saved")
+    plan.add_argument("--plan-file", default=None, help=f"default: $NANOCHAT_BASE_DIR/{PLAN_FILE}")
+    flags = sub.add_parser("flags", help="a stage's flags as it starts ('skip:...' for an evaluation that does not run)")
+    flags.add_argument("stage", choices=ORDER)
+    flags.add_argument("--plan-file", default=None, help=f"default: $NANOCHAT_BASE_DIR/{PLAN_FILE}")
+    args = p.parse_args(argv)
+    if args.plan_file is None:
+        from nanochat.common import get_base_dir
+
+        args.plan_file = os.path.join(get_base_dir(), PLAN_FILE)
+    (cmd_plan if args.command == "plan" else cmd_flags)(args)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["flags"]:
+        main()
+    else:
+        from nanochat.common import run_main
+
+        run_main(main)

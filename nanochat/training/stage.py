@@ -1,0 +1,283 @@
+"""
+What the chat stages (mid_train, chat_sft, chat_rl) share outside their loop: the flags every stage
+takes, their validation before any compute (base_train uses it too), and the start of a stage: the
+checkpoint it builds on, its optimizers and learning rates, its own output directory, and resuming.
+"""
+
+import math
+import os
+
+from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_meta,
+                                         load_model_from_dir, refuse_to_overwrite, resolve_step)
+from nanochat.common import UserError, autocast_for, get_peak_flops, print0
+from nanochat.training.loop import RunSettings, StartPoint, TrainingLoop, resume_from
+from nanochat.training.presets import PRESETS, fill_from_preset, preset_help
+from nanochat.training.recipe import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs,
+                                      optimizer_components_of)
+from nanochat.training.time_budget import (GUESS_MFU, BudgetClock, clock, duration_label, parse_duration, plan_dict,
+                                           plan_from_dict, plan_stage_steps, stage_start_time)
+
+# -----------------------------------------------------------------------------
+# Flags
+
+
+def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
+    """
+    The flags of a chat stage. stage: its name in presets.PRESETS, whose flags default to the device's preset (the
+    script calls presets.fill_from_preset after parsing); source: the stage it starts from by default; batch_unit: what
+    a batch counts; conversation_data: the stage trains on a mixture of conversations (mid, SFT), with its row length
+    and validation.
+    """
+    p = parser
+
+    def preset_default(flag, default):  # (default, help suffix): None means "the preset's"
+        return (None, f" {preset_help(stage, flag)}") if flag in PRESETS[stage]["cpu"] else (default, "")
+
+    p.add_argument("--run", default="dummy", help="wandb run name ('dummy' = no wandb)")
+    p.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    p.add_argument("-i", "--source", default=source, choices=["base", "mid", "sft", "rl"], help="checkpoint to start from")
+    p.add_argument("-g", "--model-tag", default=None, help="tag of the input checkpoint, also the output's (default: latest)")
+    p.add_argument("--out-tag", default=None, help="tag of this stage's checkpoints, when not the input's: lets a stage train "
+                   "from a checkpoint of its own stage (e.g. chat_sft -i sft on an imported model)")
+    p.add_argument("-s", "--step", type=int, default=None, help="step of the input checkpoint (default: latest)")
+    p.add_argument("--seed", type=int, default=42)
+    for flag, default, text in (("num_iterations", -1, "optimizer steps (-1 = one epoch of the data)"),
+                                ("device_batch_size", 4, f"{batch_unit} per micro-batch"),
+                                ("total_batch_size", 32, f"{batch_unit} per optimizer step"),
+                                ("init_lr_frac", 1.0, "the depth dial's lrs are scaled by this")):
+        default, suffix = preset_default(flag, default)
+        p.add_argument(f"--{flag.replace('_', '-')}", type=float if flag == "init_lr_frac" else int, default=default,
+                       help=text + suffix)
+    add_optimization_flags(p, weight_decay=0.0, warmdown_ratio=0.5)
+    default, suffix = preset_default("eval_every", -1)
+    p.add_argument("--eval-every", type=int, default=default, help="-1 = only at the start and the end" + suffix)
+    p.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end (and on a stop signal)")
+    p.add_argument("--time-budget", default=None, help="wall time for the whole stage (90s, 20m, 4h): the steps that fit "
+                   "in it, instead of --num-iterations (docs/time_budget.md)")
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="continue this stage's latest checkpoint")
+    if conversation_data:
+        p.add_argument("--max-seq-len", type=int, default=-1, help="tokens per row (-1 = the model's context)")
+        p.add_argument("--mixture", default="", choices=["", "builtin", "hub"],
+                       help="builtin (offline) or hub data (default: builtin when $NANOCHAT_DATA_SOURCE is builtin or unset)")
+        p.add_argument("--identity-file", default=None, help="a JSONL file of identity conversations (CustomJSON)")
+        default, suffix = preset_default("eval_steps", 8)
+        p.add_argument("--eval-steps", type=int, default=default, help="validation batches per evaluation (at most one "
+                       "pass of the validation conversations)" + suffix)
+
+
+def add_optimization_flags(parser, weight_decay, warmdown_ratio):
+    """Per-group lrs (-1: from the depth dial), Muon weight decay and the lr schedule's shape: every training script's."""
+    p = parser
+    p.add_argument("--embedding-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    p.add_argument("--unembedding-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    p.add_argument("--matrix-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    p.add_argument("--weight-decay", type=float, default=weight_decay, help="Muon weight decay (-1 = from the depth dial)")
+    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps warming the lr up linearly")
+    p.add_argument("--warmdown-ratio", type=float, default=warmdown_ratio, help="fraction of steps decaying it linearly")
+    p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr multiplier at the last step")
+
+
+def mixture_kind(choice=""):
+    """builtin (offline, the built-in world) or hub data: what the user chose, else what the pretraining source implies."""
+    return choice or ("builtin" if os.environ.get("NANOCHAT_DATA_SOURCE", "builtin") == "builtin" else "hub")
+
+
+def context_length(model_config, max_seq_len):
+    """Tokens per row: the model's context (model_config: the input's, input_config) unless --max-seq-len asks for
+    fewer."""
+    context = model_config["sequence_len"]
+    T = context if max_seq_len == -1 else max_seq_len
+    check_flag(T <= context, "max_seq_len", T, f"must not exceed the model's context ({context})")
+    return T
+
+
+def check_flag(ok, flag, value, allowed):
+    if not ok:
+        raise UserError(f"--{flag.replace('_', '-')}={value} is not valid: {allowed}")
+
+
+def validate_training_flags(args):
+    """The checks every training script shares: lrs, schedule shape, cadences, batch sizes, checkpoint rotation."""
+    for flag, value in vars(args).items():  # nan passes every comparison below, and inf breaks the step counts
+        if isinstance(value, float):
+            check_flag(math.isfinite(value), flag, value, "must be a finite number")
+    for flag in ("device_batch_size", "total_batch_size", "keep_last"):
+        check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
+    for flag in ("embedding_lr", "unembedding_lr", "matrix_lr"):
+        value = getattr(args, flag)
+        check_flag(value == -1 or value > 0, flag, value, "must be > 0, or -1 for the depth dial's value")
+    check_flag(args.weight_decay == -1 or args.weight_decay >= 0, "weight_decay", args.weight_decay,
+               "must be >= 0, or -1 for the dial")
+    for flag in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
+        check_flag(0 <= getattr(args, flag) <= 1, flag, getattr(args, flag), "must be between 0 and 1")
+    check_flag(args.warmup_ratio + args.warmdown_ratio <= 1, "warmup_ratio", args.warmup_ratio,
+               f"warmup + warmdown ({args.warmup_ratio} + {args.warmdown_ratio}) must not exceed 1")
+    for flag in ("eval_every", "save_every"):
+        value = getattr(args, flag)  # None: a time budget's plan sets it
+        check_flag(value is None or value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
+
+
+def validate_stage_flags(args, stage):
+    """Fill what was not given from the device's preset, then check every flag."""
+    if args.time_budget is not None:
+        args.time_budget = parse_duration(args.time_budget)
+        if args.num_iterations is not None:
+            raise UserError("--time-budget sets the number of steps itself: drop --num-iterations")
+    fill_from_preset(args, stage, leave=("num_iterations",) if args.time_budget else ())
+    validate_training_flags(args)
+    check_flag(args.num_iterations is None or args.num_iterations == -1 or args.num_iterations >= 1, "num_iterations",
+               args.num_iterations, "must be >= 1, or -1 for one epoch")
+    check_flag(args.init_lr_frac > 0, "init_lr_frac", args.init_lr_frac, "must be > 0")
+    check_flag(args.step is None or args.step >= 0, "step", args.step, "must be >= 0")
+    if hasattr(args, "max_seq_len"):
+        check_flag(args.max_seq_len == -1 or args.max_seq_len >= 16, "max_seq_len", args.max_seq_len, "must be >= 16, or -1")
+        check_flag(args.eval_steps >= 1, "eval_steps", args.eval_steps, "must be >= 1")
+
+
+def refuse_changed_flags(meta, args, fixed_flags, ckpt_dir, new_run="another --model-tag"):
+    """Refuse a resume whose flags would change the batches, the samples or the model; say so before any compute."""
+    saved = meta.get("user_config", {})
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in fixed_flags
+               if k in saved and hasattr(args, k) and saved[k] != getattr(args, k)]
+    if changed:
+        raise UserError(f"cannot resume {ckpt_dir} exactly with changed {', '.join(changed)}; use the checkpoint's values "
+                        f"or start a new run under {new_run}")
+
+
+def micro_steps(total, per_micro, world_size, unit):
+    """Micro-batches per rank per optimizer step; refuses (before any compute) a split that is not exact."""
+    if total % (per_micro * world_size):
+        raise UserError(f"--total-batch-size={total} {unit} is not a multiple of --device-batch-size x world size = "
+                        f"{per_micro} x {world_size}")
+    return total // (per_micro * world_size)
+
+
+# -----------------------------------------------------------------------------
+# Starting a stage
+
+# Flags a resumed chat stage must keep (those a stage lacks are ignored): they fix the input model, the data order,
+# the batches and the sampled replies, so changing them breaks an exact continuation. --num-iterations may grow.
+STAGE_FIXED_FLAGS = ["source", "seed", "device_batch_size", "total_batch_size", "max_seq_len", "mixture", "identity_file",
+                     "task", "num_samples", "max_new_tokens", "temperature", "top_k"]
+
+
+def output_dir(stage, args):
+    """
+    (input tag, the stage's checkpoint dir): the dir under --out-tag, else under the input's tag, claimed for this run
+    (one run per tag; proven writable). --resume with neither tag goes on with this stage's latest run.
+    """
+    if args.resume:  # a run of this stage goes on: its input is not read again
+        out_tag = args.out_tag or args.model_tag or find_latest_tag(stage)
+        tag = args.model_tag or out_tag
+    else:
+        tag = args.model_tag or find_latest_tag(args.source)
+        out_tag = args.out_tag or tag
+    ckpt_dir = checkpoint_dir(stage, out_tag)
+    if not args.resume and ckpt_dir == checkpoint_dir(args.source, tag):
+        raise UserError(f"-i {args.source} -g {tag} would write this run's checkpoints into {ckpt_dir}, the directory it "
+                        f"starts from; give them their own with --out-tag (e.g. --out-tag={tag}-tuned)")
+    claim_checkpoint_dir(ckpt_dir)
+    if not args.resume:
+        refuse_to_overwrite(ckpt_dir, other_dir="give this run another --out-tag")
+    return tag, ckpt_dir
+
+
+def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
+               tokens_per_step=None, budget=None):
+    """
+    The TrainingLoop of a chat stage, wired from its flags (checkpoints, wandb) and its model. tokens_per_step: fixed
+    (mid), or None when each step reports its own count to end_step (SFT, RL); budget: its BudgetClock (stage_budget).
+    """
+    settings = RunSettings(name, ckpt_dir, num_iterations, vars(args).copy(), config_dict(model.config),
+                           tokenizer.fingerprint(), tokens_per_step, model.estimate_flops(), args.save_every,
+                           args.keep_last, args.run,
+                           meta={"lrs": lrs, "optimizer_components": optimizer_components_of(optimizers),
+                                 **({"time_plan": plan_dict(budget.plan)} if budget and budget.plan else {})})
+    return TrainingLoop(settings, model, optimizers, loader, start, device, autocast_for(device))
+
+
+def stage_steps(loop, eval_every, eval_name, evaluate):
+    """
+    A chat stage's steps: loop.steps() with its one evaluation (every eval_every steps, and at the first and the last
+    step), ending after the last step's evaluation instead of yielding a step past the last one.
+    """
+    for step in loop.steps():
+        if loop.due(eval_every, at_ends=True):
+            loop.evaluate(eval_name, evaluate)
+        if step == loop.num_iterations:
+            return
+        yield step
+
+
+RESUME_FIX = "drop --resume to start this stage, or check -g / --out-tag"
+INPUT_FIX = "train that stage first, or check -i / -g"
+
+
+def starting_checkpoint(args, tag, ckpt_dir):
+    """(dir, step, what to do if it is empty) of the checkpoint a stage's model comes from: its own latest one on
+    --resume (the input's weights would be replaced anyway, and it may be gone), else the input's."""
+    if args.resume:
+        return ckpt_dir, None, RESUME_FIX
+    return checkpoint_dir(args.source, tag), args.step, INPUT_FIX
+
+
+def input_config(args, tag, ckpt_dir):
+    """The model config of the checkpoint start_stage loads, from its meta.json alone: the checks that need the
+    model's context run before its weights load (seconds for a small model, minutes for a large one)."""
+    source_dir, step, fix = starting_checkpoint(args, tag, ckpt_dir)
+    return load_meta(source_dir, resolve_step(source_dir, step, fix=fix))["model_config"]
+
+
+def start_stage(args, tag, ckpt_dir, device):
+    """
+    The model the stage trains (the input checkpoint, or this stage's own latest one with --resume), its
+    optimizers at the dial's lrs for its depth times --init-lr-frac (with the Muon options the input was trained with),
+    and where the loop starts.
+    Returns (model, tokenizer, optimizers, lrs, start).
+    """
+    source_dir, step, fix = starting_checkpoint(args, tag, ckpt_dir)
+    model, tokenizer, meta = load_model_from_dir(source_dir, device, phase="train", step=step, fix=fix)
+    model_config = config_dict(model.config)
+    dial = dial_lrs(model.config.n_layer, REFERENCE_BATCH)  # the lrs the base model trained with at the reference batch
+    lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)
+           for name in ("embedding_lr", "unembedding_lr", "matrix_lr")}
+    lrs["weight_decay"] = dial["weight_decay"] if args.weight_decay < 0 else args.weight_decay
+    optimizers = build_optimizers(model, **lrs, scalar_lr=SCALAR_LR * args.init_lr_frac,
+                                  optimizer_components=meta.get("optimizer_components", []))
+    start = StartPoint()
+    if args.resume:
+        step = resolve_step(ckpt_dir)
+        start = resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer.fingerprint(), device)
+        refuse_changed_flags(start.meta, args, STAGE_FIXED_FLAGS, ckpt_dir, new_run="another --out-tag")
+    return model, tokenizer, optimizers, lrs, start
+
+
+def stage_budget(args, start, model, device, world_size, step_tokens, eval_tokens, eval_name):
+    """
+    A chat stage's --time-budget (the BudgetClock, whose due() is always False without one): a resume follows the plan
+    its checkpoint saved; a new run plans the steps that fit, from a guess at seconds per step (step_tokens, the
+    tokens a step's forward and backward passes see on all ranks, at GUESS_MFU of the device's peak FLOP/s; eval_tokens
+    likewise, forward only), set again from measured steps a tenth of the way in. Sets args.num_iterations.
+    """
+    saved = (start.meta or {}).get("time_plan")
+    if saved:
+        args.num_iterations = start.meta["num_iterations"]
+        print0(f"plan | resuming a run planned for {duration_label(saved['budget_seconds'])}: {args.num_iterations:,} "
+               "steps, as saved")
+        return BudgetClock(plan_from_dict(saved), active=False, warmdown_ratio=args.warmdown_ratio, eval_name=eval_name)
+    if not args.time_budget:
+        return BudgetClock(None, active=False, warmdown_ratio=args.warmdown_ratio)
+    if start.meta is not None:
+        raise UserError("this checkpoint was not trained to a time budget: drop --time-budget to resume it")
+    flops_per_second = GUESS_MFU.get(device.type, 0.4) * get_peak_flops(device) * world_size
+    step_seconds = model.estimate_flops() * step_tokens / flops_per_second
+    eval_seconds = 0.5 + model.estimate_flops() / 3 * eval_tokens / flops_per_second
+    plan = plan_stage_steps(args.time_budget, stage_start_time(), step_seconds, eval_seconds, args.eval_every,
+                            args.warmdown_ratio, model.config.n_layer, args.total_batch_size, args.device_batch_size, 1,
+                            device, args.save_every)
+    args.num_iterations = plan.num_iterations
+    print0(f"plan | budget {duration_label(plan.budget_seconds)}, ending by {clock(plan.deadline)}: {plan.num_iterations:,} "
+           f"steps at a guessed {step_seconds * 1000:,.0f} ms each" +
+           (f", set again from measured steps at step {plan.calibrate_at}" if plan.calibrate_at else ""))
+    return BudgetClock(plan, active=True, warmdown_ratio=args.warmdown_ratio, eval_name=eval_name)
