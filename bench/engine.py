@@ -48,29 +48,30 @@ def time_engine_run(engine, prompt, num_samples, max_tokens, temperature, sync):
 
 def decode_step_ms(model, cached_len, batch, steps, device, sync):
     """ms per one-token forward with `cached_len` positions already in the cache (filled with noise, not a prompt)."""
-    from nanochat.engine import KVCache
+    from nanochat.engine import RowKVCache
 
     c = model.config
+    rows = list(range(batch))
     with torch.inference_mode(), autocast_for(device):
-        cache = KVCache(batch, c.n_kv_head, cached_len + steps + 2, c.n_embd // c.n_head, c.n_layer, device,
-                        kv_cache_dtype(device))
+        cache = RowKVCache(batch, c.n_kv_head, cached_len + steps + 2, c.n_embd // c.n_head, c.n_layer, c.n_embd, device,
+                           kv_cache_dtype(device))
         cache.k_cache.normal_()
         cache.v_cache.normal_()
-        cache.advance(cached_len)
-        cache.last_embedding = torch.randn(batch, 1, c.n_embd, device=device)  # what smear reads back at decode
+        cache.last_embedding.normal_()  # what smear reads back at decode
+        cache.lengths = [cached_len] * batch
         ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        model.forward(ids, kv_cache=cache)
-        model.forward(ids, kv_cache=cache)
+        model.forward(ids, kv_cache=cache.rows(rows))
+        model.forward(ids, kv_cache=cache.rows(rows))
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            model.forward(ids, kv_cache=cache)
+            model.forward(ids, kv_cache=cache.rows(rows))
         sync()
     return (time.perf_counter() - t0) / steps * 1000
 
 
 def cmd_engine(args):
-    from nanochat.engine import Engine, KVCache
+    from nanochat.engine import Engine, RowKVCache
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,11 +93,12 @@ def cmd_engine(args):
         prefill_s = []
         for _ in range(args.repeats):
             with torch.inference_mode(), autocast_for(device):
-                cache = KVCache(1, c.n_kv_head, len(prompt), c.n_embd // c.n_head, c.n_layer, device, kv_cache_dtype(device))
+                cache = RowKVCache(1, c.n_kv_head, len(prompt), c.n_embd // c.n_head, c.n_layer, c.n_embd, device,
+                                   kv_cache_dtype(device))
                 ids = torch.tensor([prompt], device=device)
                 sync()
                 t0 = time.perf_counter()
-                model.forward(ids, kv_cache=cache)
+                model.forward(ids, kv_cache=cache.rows([0]))
                 sync()
                 prefill_s.append(time.perf_counter() - t0)
 

@@ -193,7 +193,7 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     """gpu_check --worker=decode: a random-init model of this depth (the default recipe), greedy decoding of random
     128-token prompts: Engine at batch 1, and BatchEngine at each row count, eager and captured; ms a step (median of
     the steps where every row decodes), tok/s, and whether the captured step wrote the eager step's tokens."""
-    from nanochat.batch_engine import BatchEngine, Sampling
+    from nanochat.engine import BatchEngine, Sampling
     from nanochat.common import compute_init
     from nanochat.gpt import build_model
     from nanochat.tokenizer import RustBPETokenizer

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.batch_engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
+from nanochat.engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
 from nanochat.common import dist_rank_world, print0
 
 

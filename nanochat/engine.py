@@ -1,86 +1,39 @@
 """
-Fast inference: talk to a model. A preallocated key/value cache lets generation prefill a prompt
-once and then decode one token at a time without recomputing the past; several samples of one
-prompt decode together as one batch; a safe calculator runs the model's tool calls.
+Inference: the one engine. Many independent sequences decode together, one forward pass per step for all of them,
+joining and leaving between steps (continuous batching): chat_web serves with it, chat_eval scores with it, and
+Engine, nanochat's interface for the samples of one prompt (chat_cli, chat_rl), runs on it.
 
-    engine = Engine(model, tokenizer)
-    for token_column, token_masks in engine.generate(prompt_ids, num_samples=4, max_tokens=64, temperature=0.8):
-        ...                                   # one token per sample per step (mask 0: forced by the tool)
-    results, masks = engine.generate_batch(prompt_ids, num_samples=4, max_tokens=64)
+    engine = BatchEngine(model, tokenizer, max_batch=32)
+    a = engine.add(prompt_ids, Sampling(temperature=0.0, max_tokens=64))            # waits for a free row
+    b, c = engine.add_group(other_prompt, Sampling(num_samples=2).per_sample())     # n samples of one prompt
+    while engine.busy():
+        for seq, token, mask in engine.step():   # each running sequence's next token (mask 0: the calculator's)
+            ...                                  # seq.finished: None, or "stop" / "length" once it has ended
+    engine.cancel(a)                             # its row is free for the next step
 
-The engine needs only this from the model: `config` (n_layer, n_head, n_kv_head, n_embd, sequence_len),
-`get_device()` and `forward(ids, kv_cache=cache, logits_at=positions)` returning the logits (B, 1, V) at those
-positions of each row (B, T) and advancing the cache by T; and from the tokenizer: `encode_special`, `get_bos_token_id`, `encode(text, prepend=)`, `decode`.
-Prompt plus generated tokens never exceed `config.sequence_len`. StreamDecoder turns the tokens
-of one row into text pieces for a chat UI without splitting a UTF-8 character.
+    for token_column, token_masks in Engine(model, tokenizer).generate(prompt_ids, num_samples=4, max_tokens=64):
+        ...                                      # one token per sample per step
+
+Each sequence gets a row of a RowKVCache: its own length, so its own rotary positions and causal (and sliding-window)
+mask, and prompts of any length mix (the model's cache protocol: nanochat/gpt.py). Sampling (temperature, top-k,
+top-p, the OpenAI API's penalties and bias, a generator seeded per sequence), <|assistant_end|>/<|bos|>, the
+calculator's forced output and max_tokens are per row. A step prefills at most `prefill_chunk` prompt tokens, so a
+long prompt is spread over steps and never stalls the rows already decoding. The cache is allocated once, for
+max_batch rows of the model's context (or max_len), and reused; on a GPU the decode step can be captured as CUDA
+graphs (decode="captured"). StreamDecoder turns one row's tokens into text without splitting a UTF-8 character.
 """
 
 import ast
+import heapq
 import inspect
 import math
 import time
 from collections import deque
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from nanochat.common import autocast_for, kv_cache_dtype
-
-
-class KVCache:
-    """
-    Keys and values of every layer for a batch of sequences: `k_cache` and `v_cache` of shape
-    (num_layers, batch_size, seq_len, num_heads, head_dim), where num_heads is the number of kv heads.
-
-    The model's forward(ids, kv_cache=cache) writes each layer's new keys/values into
-    get_layer_cache(i) at get_pos(), reads everything up to there, and calls advance(T) once.
-    """
-
-    def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device, dtype):
-        self.batch_size, self.num_heads, self.seq_len = batch_size, num_heads, seq_len
-        self.head_dim, self.num_layers = head_dim, num_layers
-        shape = (num_layers, batch_size, seq_len, num_heads, head_dim)
-        # empty, not zeros: nothing beyond the current position is ever read
-        self.k_cache = torch.empty(shape, device=device, dtype=dtype)
-        self.v_cache = torch.empty(shape, device=device, dtype=dtype)
-        self.pos = 0
-        self.last_embedding = None  # (B, 1, n_embd): the last token's embedding, for a model with smear
-
-    def reset(self):
-        self.pos = 0
-        self.last_embedding = None
-
-    def get_pos(self):
-        return self.pos
-
-    def get_layer_cache(self, layer_idx):
-        """(k, v) of one layer: (batch_size, seq_len, num_heads, head_dim) views into the cache."""
-        return self.k_cache[layer_idx], self.v_cache[layer_idx]
-
-    def advance(self, n):
-        if self.pos + n > self.seq_len:
-            raise ValueError(f"KVCache: advancing to {self.pos + n} overflows its {self.seq_len} positions")
-        self.pos += n
-
-    def prefill(self, other):
-        """
-        Copy another cache's contents and position into this one: typically a batch-1 prompt
-        prefill broadcast to batch_size samples, into a cache with room for their continuations.
-        Shapes must agree except that other's batch may be 1 and its seq_len may be shorter.
-        """
-        same_shape = (other.num_layers, other.num_heads, other.head_dim) == (self.num_layers, self.num_heads, self.head_dim)
-        if not same_shape:
-            raise ValueError("KVCache.prefill: layers, kv heads and head_dim of both caches must match")
-        if other.batch_size not in (1, self.batch_size):
-            raise ValueError(f"KVCache.prefill: source batch {other.batch_size} is neither 1 nor {self.batch_size}")
-        if other.pos > self.seq_len:
-            raise ValueError(f"KVCache.prefill: source holds {other.pos} positions, this cache only {self.seq_len}")
-        n = other.pos
-        self.k_cache[:, :, :n] = other.k_cache[:, :, :n]  # broadcasts a batch of 1 over all rows
-        self.v_cache[:, :, :n] = other.v_cache[:, :, :n]
-        self.pos = n
-        if other.last_embedding is not None:
-            self.last_embedding = other.last_embedding.expand(self.batch_size, -1, -1).clone()
-
+from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
 
 # -----------------------------------------------------------------------------
 # The calculator tool: what the model may run between <|python_start|> and <|python_end|>.
@@ -170,6 +123,44 @@ def use_calculator(expr):
     return _format_number(value)
 
 
+class ChatTokens:
+    """The special token ids generation acts on: the two that end a reply and the calculator's four."""
+
+    def __init__(self, tokenizer):
+        special = tokenizer.encode_special
+        self.terminals = {special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
+        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+
+
+class ToolState:
+    """
+    Where one sample stands: finished or not, the tool call it is writing, the tokens still to force. take() turns the
+    token the model sampled into the one the sample gets: a forced one (the calculator's answer) while any is waiting.
+    """
+
+    def __init__(self):
+        self.finished_with = None  # the terminal token once the row has stopped
+        self.python_tokens = None  # a list while inside <|python_start|> ... <|python_end|>
+        self.forced = deque()
+
+    def take(self, sampled, ids, tokenizer):
+        """(token, mask): mask 1 for a sampled token, 0 for a forced one; the row finishes on a terminal token."""
+        token, mask = (self.forced.popleft(), 0) if self.forced else (sampled, 1)
+        if token in ids.terminals:
+            self.finished_with = token
+        elif token == ids.python_start:
+            self.python_tokens = []
+        elif token == ids.python_end and self.python_tokens is not None:
+            result = use_calculator(tokenizer.decode(self.python_tokens))
+            self.python_tokens = None
+            if result is not None:
+                self.forced.extend([ids.output_start, *tokenizer.encode(result), ids.output_end])
+        elif self.python_tokens is not None:
+            self.python_tokens.append(token)
+        return token, mask
+
+
 # -----------------------------------------------------------------------------
 # Sampling
 
@@ -214,60 +205,634 @@ def token_logprobs(logits, token, top):
     return float(logprobs[token]), alternatives
 
 
+def steer(logits, sampling, counts):
+    """A row's (1, V) logits with the OpenAI API's logit_bias added and its presence and frequency penalties taken off
+    the tokens the reply has written so far (counts: token -> times)."""
+    logits = logits.clone()
+    if sampling.logit_bias:
+        ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long, device=logits.device)
+        logits[0, ids] += torch.tensor(list(sampling.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    if counts and (sampling.presence_penalty or sampling.frequency_penalty):
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        times = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[0, ids] -= sampling.presence_penalty + sampling.frequency_penalty * times
+    return logits
+
+
+@dataclass
+class Sampling:
+    """
+    How a request samples, from the HTTP handler down to each row of the engine. temperature 0 is greedy; seed makes
+    the samples reproducible. The OpenAI API's steering: logit_bias {token id: added to its logit}, and presence /
+    frequency penalties, subtracted from the logit of every token the reply has written (once, and once per time).
+    logprobs: report each token's log probability and this many alternatives (Sequence.logprob), None for none.
+    num_samples replies of one prompt decode side by side (per_sample: seeds seed, seed + 1, ...); the stop strings
+    are cut from the replies' text on the server's side (chat.ReplyStream), not here.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    max_tokens: int = 256
+    seed: int = 42
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    logprobs: int | None = None
+    num_samples: int = 1
+    stop: list = field(default_factory=list)
+
+    def steers(self):
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def per_sample(self):
+        """One Sampling a row: what add_group takes for this request's num_samples replies."""
+        return [replace(self, seed=self.seed + i, num_samples=1) for i in range(self.num_samples)]
+
+
 # -----------------------------------------------------------------------------
-# The engine
+# The KV cache: a row per sequence, each at its own length
 
 
-class ChatTokens:
-    """The special token ids generation acts on: the two that end a reply and the calculator's four."""
-
-    def __init__(self, tokenizer):
-        special = tokenizer.encode_special
-        self.terminals = {special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
-        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
-        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+def kv_row_bytes(config, device):
+    """The KV cache of one sequence of the model's full context, in bytes: keys and values, every layer."""
+    head_dim = config.n_embd // config.n_head
+    return 2 * config.n_layer * config.sequence_len * config.n_kv_head * head_dim * \
+        torch.finfo(kv_cache_dtype(device)).bits // 8
 
 
-class ToolState:
+def kv_budget_bytes(device, kv_memory_gib=None):
+    """What the KV caches may take on this device: kv_memory_gib, else half the GPU's free memory once the model
+    is loaded, or on a CPU a quarter of the RAM (at most 4 GiB)."""
+    if kv_memory_gib is not None:
+        return int(kv_memory_gib * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    import psutil
+
+    return min(4 * 2**30, psutil.virtual_memory().total // 4)
+
+
+class RowKVCache:
     """
-    Where one sample stands: finished or not, the tool call it is writing, the tokens still to force. take() turns the
-    token the model sampled into the one the sample gets: a forced one (the calculator's answer) while any is waiting.
+    Keys and values of up to max_batch independent sequences: (num_layers, max_batch, seq_len, kv_heads, head_dim),
+    each row with its own length. rows(indices) is what the model's forward takes: it writes the new keys of those
+    rows at their own lengths, attends each row to its own prefix, and advances only them.
     """
 
-    def __init__(self):
-        self.finished_with = None  # the terminal token once the row has stopped
-        self.python_tokens = None  # a list while inside <|python_start|> ... <|python_end|>
-        self.forced = deque()
+    def __init__(self, max_batch, num_heads, seq_len, head_dim, num_layers, n_embd, device, dtype):
+        shape = (num_layers, max_batch, seq_len, num_heads, head_dim)
+        # zeros, not empty: a row's attention reads up to the longest row and masks the rest with weight 0, and
+        # 0 * (a NaN left in uninitialised memory) would still be NaN
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.last_embedding = torch.zeros(max_batch, 1, n_embd, device=device, dtype=dtype)  # for smear
+        self.lengths = [0] * max_batch  # host-side: no device sync to read a row's length
+        self.seq_len, self.device = seq_len, torch.device(device)
 
-    def take(self, sampled, ids, tokenizer):
-        """(token, mask): mask 1 for a sampled token, 0 for a forced one; the row finishes on a terminal token."""
-        token, mask = (self.forced.popleft(), 0) if self.forced else (sampled, 1)
-        if token in ids.terminals:
-            self.finished_with = token
-        elif token == ids.python_start:
-            self.python_tokens = []
-        elif token == ids.python_end and self.python_tokens is not None:
-            result = use_calculator(tokenizer.decode(self.python_tokens))
-            self.python_tokens = None
-            if result is not None:
-                self.forced.extend([ids.output_start, *tokenizer.encode(result), ids.output_end])
-        elif self.python_tokens is not None:
-            self.python_tokens.append(token)
-        return token, mask
+    def rows(self, indices, new_lengths=None):
+        return RowView(self, list(indices), new_lengths)
+
+    def reset(self, row):
+        self.lengths[row] = 0
+
+    def copy_row(self, source, target):
+        """Give row `target` the cache of row `source` (n samples of one prompt share its prefill)."""
+        n = self.lengths[source]
+        self.k_cache[:, target, :n] = self.k_cache[:, source, :n]
+        self.v_cache[:, target, :n] = self.v_cache[:, source, :n]
+        self.last_embedding[target] = self.last_embedding[source]
+        self.lengths[target] = n
+
+    def nbytes(self):
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+
+class RowView:
+    """
+    Some rows of a RowKVCache, as one forward pass sees them (the model's cache protocol, nanochat/gpt.py). The pass
+    feeds T tokens per row, of which new_lengths[i] are real for row i (prompts of several lengths prefilled in one
+    pass, padded at the end): only those are written to the cache and counted, and a padded position's output is
+    never used.
+    """
+
+    def __init__(self, cache, indices, new_lengths=None):
+        self.cache, self.indices, self.new_lengths = cache, indices, new_lengths
+        self.lengths = [cache.lengths[i] for i in indices]
+        device = cache.device
+        self.length_tensor = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
+        # a run of rows is a slice (views, no copy); scattered rows are gathered
+        self.select = slice(indices[0], indices[0] + len(indices)) if contiguous else \
+            torch.tensor(indices, dtype=torch.long, device=device)
+        self.plan, self.masks = None, {}  # worked out at the first layer, shared by the others
+
+    def positions(self, T):
+        """(B, T) positions of the new tokens: each row continues from its own length."""
+        return self.length_tensor[:, None] + torch.arange(T, device=self.length_tensor.device)[None, :]
+
+    def max_position(self, T):
+        """One past the last position written: padding is never written, so it needs no room."""
+        if self.new_lengths is None:
+            return max(self.lengths) + T
+        return max(length + new for length, new in zip(self.lengths, self.new_lengths))
+
+    def update(self, layer, k, v, window):
+        """
+        Write the rows' new (B, H_kv, T, D) keys and values at their lengths and return what attention reads: keys and
+        values up to the longest row, (B, H_kv, L, D), and the (B, 1, T, L) mask of what each new query may see (its
+        own row's keys up to itself, within the window).
+        """
+        B, H, T, D = k.shape
+        if self.plan is None:
+            self.plan = self._plan(B, T, k.device)
+        write_rows, write_positions, real, end, positions = self.plan
+        k_new, v_new = k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D)
+        if real is not None:  # only the real tokens of padded prompts
+            k_new, v_new = k_new[real], v_new[real]
+        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        # under autocast the values can come out fp32 (a value embedding added in fp32) while the cache is bf16:
+        # index_put_ does not convert, so round them to the cache's dtype
+        k_cache.index_put_((write_rows, write_positions), k_new.to(k_cache.dtype))
+        v_cache.index_put_((write_rows, write_positions), v_new.to(v_cache.dtype))
+        if window not in self.masks:  # one mask per window size a forward pass uses, not one per layer
+            key_pos = torch.arange(end, device=k.device)[None, None, :]
+            query_pos = positions[:, :, None]
+            allowed = key_pos <= query_pos
+            if window is not None:
+                allowed = allowed & (key_pos > query_pos - window)
+            self.masks[window] = allowed[:, None]
+        keys, values = k_cache[self.select, :end], v_cache[self.select, :end]
+        return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
+
+    def _plan(self, B, T, device):
+        """What every layer's update shares, worked out once per forward pass: where the new tokens go (flattened),
+        which of them are real, how far attention reads, and the new tokens' positions."""
+        end = self.max_position(T)
+        if end > self.cache.seq_len:
+            raise ValueError(f"RowKVCache holds {self.cache.seq_len} positions but {end} are needed")
+        positions = self.positions(T)
+        rows = torch.as_tensor(self.indices, device=device)[:, None].expand(B, T).reshape(-1)
+        flat_positions, real = positions.reshape(-1), None
+        if self.new_lengths is not None:
+            real = (torch.arange(T, device=device)[None, :] <
+                    torch.as_tensor(self.new_lengths, device=device)[:, None]).reshape(-1)
+            rows, flat_positions = rows[real], flat_positions[real]
+        return rows, flat_positions, real, end, positions
+
+    def swap_last_embedding(self, x):
+        """The previous token's embedding of each row (zeros for a row with nothing cached), then keep the embedding
+        of each row's last real new token of x (B, T, C)."""
+        stored = self.cache.last_embedding[self.select]
+        previous = torch.where(self.length_tensor[:, None, None] > 0, stored, torch.zeros_like(stored))
+        if self.new_lengths is None:
+            last = x[:, -1:]
+        else:
+            last = x[torch.arange(x.size(0), device=x.device), torch.as_tensor(self.new_lengths, device=x.device) - 1][:, None]
+        self.cache.last_embedding[self.select] = last.to(stored.dtype)
+        return previous
+
+    def advance(self, T):
+        for i, new in zip(self.indices, self.new_lengths or [T] * len(self.indices)):
+            self.cache.lengths[i] += new
+
+
+class StaticDecodeView:
+    """
+    One decode step (a token per row) of rows 0..batch-1 whose shapes depend on (batch, extent) alone, every other
+    input in a device tensor loaded before the step: a step that can be captured once as a CUDA graph and replayed
+    (CapturedDecode). Attention reads each row's first `extent` positions, masked by its length. A row that is not fed
+    this step (free, or a prompt still prefilling) writes its key at the cache's last position, which a sequence reads
+    only after writing it itself, and keeps its smear embedding: it loses nothing, so no row needs resetting.
+    """
+
+    def __init__(self, cache, batch, extent):
+        device = cache.device
+        self.cache, self.batch, self.extent = cache, batch, extent
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.write_at = torch.full((batch,), cache.seq_len - 1, dtype=torch.long, device=device)
+        self.fed = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.row_index = torch.arange(batch, device=device)
+        self.key_positions = torch.arange(extent, device=device)
+        self.masks = {}
+
+    def load(self, inputs):
+        """{row: token} of the rows fed this step into the static tensors (each row writes at its own length)."""
+        ids, write_at, fed = [0] * self.batch, [self.cache.seq_len - 1] * self.batch, [False] * self.batch
+        for row, token in inputs.items():
+            ids[row], write_at[row], fed[row] = token, self.cache.lengths[row], True
+        self.ids.copy_(torch.tensor(ids, dtype=torch.long)[:, None])
+        self.write_at.copy_(torch.tensor(write_at, dtype=torch.long))
+        self.fed.copy_(torch.tensor(fed))
+        self.masks = {}  # an eager step computes them again; a captured one replays their kernels
+
+    def positions(self, T):
+        return self.write_at[:, None]
+
+    def max_position(self, T):
+        return self.cache.seq_len  # the last position, where unfed rows write
+
+    def update(self, layer, k, v, window):
+        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
+        k_cache.index_put_((self.row_index, self.write_at), k[:, :, 0].to(k_cache.dtype))
+        v_cache.index_put_((self.row_index, self.write_at), v[:, :, 0].to(v_cache.dtype))
+        if window not in self.masks:
+            query, keys = self.write_at[:, None, None, None], self.key_positions[None, None, None, :]
+            allowed = keys <= query
+            if window is not None:
+                allowed = allowed & (keys > query - window)
+            # an unfed row's query sits past the extent: with a window it could see no key at all, and a fully masked
+            # row can come out NaN, which its key at the last position would then keep
+            self.masks[window] = allowed | ~self.fed[:, None, None, None]  # (batch, 1, 1, extent)
+        keys, values = k_cache[:self.batch, :self.extent], v_cache[:self.batch, :self.extent]
+        return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
+
+    def swap_last_embedding(self, x):
+        stored = self.cache.last_embedding[:self.batch]
+        previous = torch.where((self.write_at > 0)[:, None, None], stored, torch.zeros_like(stored))
+        self.cache.last_embedding[:self.batch] = torch.where(self.fed[:, None, None], x[:, -1:].to(stored.dtype), stored)
+        return previous
+
+    def advance(self, T):
+        pass  # the engine advances the fed rows' lengths on the host
+
+
+def decode_buckets(max_batch, seq_len):
+    """The shapes a static decode step takes: rows 1, 2, 4, ... up to max_batch, extents 32, 64, ... up to seq_len (a
+    step reads at most twice the keys it needs, and a 2,048-token context with 64 rows has 8 x 7 shapes)."""
+    rows = sorted({min(max_batch, 1 << i) for i in range(max_batch.bit_length() + 1)})
+    extents = sorted({min(seq_len, 32 << i) for i in range(max(1, seq_len.bit_length()))})
+    return rows, extents
+
+
+class CapturedDecode:
+    """
+    The decode step as CUDA graphs, one per (rows, extent) bucket, all captured when the engine is built (a few hundred
+    kernel launches replayed as one; they share one memory pool, and each replay's logits are copied out before the
+    next). Where CUDA graphs cannot run (a CPU), or a capture fails, the same static step runs eagerly and says why.
+    """
+
+    def __init__(self, model, cache, max_batch):
+        self.model, self.cache = model, cache
+        self.rows, self.extents = decode_buckets(max_batch, cache.seq_len)
+        self.graphs, self.pool = {}, None
+        self.capture = cache.device.type == "cuda"
+        self.why_eager = None if self.capture else f"CUDA graphs need a GPU (this is {cache.device.type})"
+        if self.capture:
+            try:
+                with torch.inference_mode(), torch.cuda.device(cache.device):
+                    for batch in self.rows:
+                        for extent in self.extents:
+                            self.graphs[(batch, extent)] = self._capture(batch, extent)
+            except Exception as e:  # decoding goes on eagerly: a server must not fail on an optimisation
+                self.graphs, self.capture = {}, False
+                self.why_eager = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                print(f"captured decode off: {self.why_eager}", flush=True)
+
+    def bucket(self, fed_rows, fed_lengths):
+        batch = next(b for b in self.rows if b > max(fed_rows))
+        extent = next(e for e in self.extents if e > max(fed_lengths))  # the new token's key is at its length
+        return batch, extent
+
+    def step(self, inputs):
+        """{row: token} -> (rows, vocab) logits of rows 0..rows-1 (a row's own are at its index)."""
+        batch, extent = self.bucket(list(inputs), [self.cache.lengths[row] for row in inputs])
+        if self.capture:
+            view, graph, logits = self.graphs[(batch, extent)]
+            view.load(inputs)
+            graph.replay()
+            return logits
+        view = StaticDecodeView(self.cache, batch, extent)
+        view.load(inputs)
+        with autocast_for(self.cache.device):
+            return self.model.forward(view.ids, kv_cache=view)[:, -1, :]
+
+    def _autocast(self):
+        """bf16 autocast without its cache of cast weights: a graph captured with it would keep reading casts that
+        are freed when the context exits (PyTorch's CUDA graphs notes)."""
+        from contextlib import nullcontext
+
+        dtype = get_compute_dtype(self.cache.device)
+        return nullcontext() if dtype == torch.float32 else \
+            torch.autocast(self.cache.device.type, dtype=dtype, cache_enabled=False)
+
+    def _capture(self, batch, extent):
+        view = StaticDecodeView(self.cache, batch, extent)
+        view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), self._autocast():
+            for _ in range(2):  # allocations and lazy initialisation happen outside the capture
+                view.masks = {}
+                self.model.forward(view.ids, kv_cache=view)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph, view.masks, error, logits = torch.cuda.CUDAGraph(), {}, None, None
+        with torch.cuda.stream(side):  # begin and end by hand: a failure inside still ends the capture and the stream
+            graph.capture_begin(pool=self.pool)
+            try:
+                with self._autocast():
+                    logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
+            except Exception as e:
+                error = e
+            try:
+                graph.capture_end()
+            except Exception as e:
+                error = error or e
+        torch.cuda.current_stream().wait_stream(side)
+        if error is not None:
+            raise error
+        self.pool = graph.pool()
+        return view, graph, logits
+
+
+# -----------------------------------------------------------------------------
+# The batching engine
+
+SCORE_LOGITS_BYTES = 512 * 2**20  # fp32 logits one scoring pass may hold (a row of a 2048-token context at a
+# 65,536-token vocabulary is one pass by itself)
+
+
+@dataclass
+class Sequence:
+    prompt: list
+    sampling: Sampling
+    row: int | None = None
+    leader: "Sequence | None" = None  # n samples of one prompt: only the leader prefills, the others copy its row
+    prefilled: int = 0
+    generated: int = 0
+    finished: str | None = None  # "stop" (it wrote <|assistant_end|> or <|bos|>), "length", or "cancelled"
+    tool: ToolState = field(default_factory=ToolState)
+    generator: torch.Generator | None = None
+    logits: torch.Tensor | None = None  # the next token's logits, waiting to be sampled
+    next_input: int | None = None  # the token to feed at the next decode step
+    counts: dict = field(default_factory=dict)  # token -> times the reply wrote it (for the penalties)
+    logprob: tuple | None = None  # the last token's (log p, [(id, log p)] alternatives), when sampling.logprobs asks
+
+
+DECODE_MODES = ("eager", "captured")
+
+
+class BatchEngine:
+    def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, decode="eager", max_len=None):
+        """max_len: the most positions a sequence may reach, prompt and reply (default and at most the model's
+        sequence_len): the cache holds that many per row."""
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch and prefill_chunk must be >= 1 (got {max_batch}, {prefill_chunk})")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)} (got {decode!r})")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        c = model.config
+        self.context = min(c.sequence_len, max_len or c.sequence_len)
+        self.device = model.get_device()
+        # a model of the reference's signature, forward(ids, kv_cache=...), gives every position's logits
+        self.takes_logits_at = "logits_at" in inspect.signature(model.forward).parameters
+        self.cache = RowKVCache(max_batch, c.n_kv_head, self.context, c.n_embd // c.n_head, c.n_layer, c.n_embd,
+                                self.device, kv_cache_dtype(self.device))
+        self.ids = ChatTokens(tokenizer)
+        self.free_rows = list(range(max_batch))  # a heap: the lowest free row first, so running rows stay compact
+        self.waiting = deque()  # groups (lists of sequences) not yet given rows; cancelled ones are dropped on the way
+        self.num_waiting = 0  # sequences in self.waiting that are not cancelled
+        self.running = []  # sequences holding a row, in admission order
+        self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
+        # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
+        self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
+        # decode="captured": the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere)
+        self.captured = CapturedDecode(model, self.cache, max_batch) if decode == "captured" else None
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add(self, prompt, sampling):
+        return self.add_group(prompt, [sampling])[0]
+
+    def add_group(self, prompt, samplings):
+        """n sequences of one prompt (one per Sampling): they get rows together, and the prompt is prefilled once."""
+        prompt = [int(t) for t in prompt]
+        if not prompt or len(prompt) >= self.context:
+            raise ValueError(f"a prompt needs 1 to {self.context - 1} tokens (got {len(prompt)}): the reply needs room")
+        if len(samplings) > self.max_batch:
+            raise ValueError(f"{len(samplings)} samples of one prompt need more than the {self.max_batch} rows")
+        group = [Sequence(prompt, s) for s in samplings]
+        for seq in group:
+            seq.leader = group[0]
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(seq.sampling.seed)
+        self.waiting.append(group)
+        self.num_waiting += len(group)
+        return list(group)  # the caller's own list: what it appends to never joins the queued group
+
+    def cancel(self, seq):
+        """Stop a sequence now: its row is free for the next step. A waiting one is only marked (O(1), however long
+        the queue): the queue drops it when it gets to it."""
+        if seq.finished is None:
+            seq.finished = "cancelled"
+            if seq.row is None:
+                self.num_waiting -= 1
+        if seq.leader is seq and seq.prefilled < len(seq.prompt):  # its samples still need the prompt: one of them
+            rest = [s for s in self.running if s.leader is seq and s is not seq and s.finished is None]
+            for other in rest:  # prefills it instead
+                other.leader = rest[0]
+        self._release(seq)
+
+    def busy(self):
+        return bool(self.num_waiting or self.running)
+
+    @torch.inference_mode()
+    def score(self, prompts, top):
+        """
+        The log probability of every token of each prompt given the tokens before it, as few forward passes as the
+        logits' memory allows (SCORE_LOGITS_BYTES: one for lm-eval's usual requests), each over prompts padded to the
+        longest of them (padding comes after a prompt's tokens, which causal attention keeps it from): per prompt,
+        [(log p, [(id, log p)] of the `top` most likely)] for its tokens 1.. (None for token 0), and its last
+        position's (1, V) logits, for a token to follow. The cache is not touched: rows that are decoding go on.
+        """
+        results, start = [], 0
+        vocab = self.model.config.vocab_size
+        while start < len(prompts):
+            rows = max(1, SCORE_LOGITS_BYTES // (4 * vocab * max(len(p) for p in prompts[start:start + 64])))
+            results += self._score_rows(prompts[start:start + rows], top)
+            start += rows
+        return results
+
+    def _score_rows(self, prompts, top):
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        with autocast_for(self.device):
+            logits = self.model.forward(ids).float()
+        last = [logits[b, len(prompt) - 1][None].clone() for b, prompt in enumerate(prompts)]
+        logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one copy of (B, T, V) at a time
+        chosen = logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
+        if top:
+            values, indices = torch.topk(logprobs[:, :-1], min(top, logprobs.size(-1)), dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+        results = []
+        for b, prompt in enumerate(prompts):
+            scored = [(None, [])] + [(chosen[b][i], list(zip(indices[b][i], values[b][i])) if top else [])
+                                     for i in range(len(prompt) - 1)]
+            results.append((scored, last[b]))
+        return results
+
+    def occupancy(self):
+        return {"rows": self.max_batch, "active": len(self.running), "waiting": self.num_waiting,
+                "shared_steps": self.shared_steps}
+
+    # -- one step ----------------------------------------------------------------------
+
+    def step(self):
+        """
+        Admit what fits, prefill up to prefill_chunk prompt tokens, give every sequence whose next-token logits are
+        ready its token, and run one decode forward for all the sequences that go on. Returns [(seq, token, mask)].
+        """
+        self._admit()
+        with torch.inference_mode():
+            self._prefill()
+            emitted, to_feed = self._sample()
+            to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
+            if to_feed and self.captured is not None:
+                self.shared_steps += len(to_feed) > 1
+                logits = self.captured.step({seq.row: seq.next_input for seq in to_feed})
+                for seq in to_feed:  # copies: the next replay writes the same output tensor
+                    seq.logits = logits[seq.row:seq.row + 1].clone()
+                    self.cache.lengths[seq.row] += 1
+            elif to_feed:
+                self.shared_steps += len(to_feed) > 1
+                fed = [seq.row for seq in to_feed]
+                padding = self._padding_rows(fed) if self.round_batches else []
+                rows = sorted(fed + padding)
+                inputs = {seq.row: seq.next_input for seq in to_feed}
+                ids = torch.tensor([[inputs.get(row, 0)] for row in rows], dtype=torch.long, device=self.device)
+                with autocast_for(self.device):
+                    logits = self.model.forward(ids, kv_cache=self.cache.rows(rows))[:, -1, :]
+                for row in padding:  # a free row wrote one position that nothing reads: it stays empty
+                    self.cache.reset(row)
+                where = {row: i for i, row in enumerate(rows)}
+                for seq in to_feed:
+                    seq.logits = logits[where[seq.row]:where[seq.row] + 1]
+        return emitted
+
+    def _padding_rows(self, fed):
+        """
+        Free rows that round a decode step's batch of rows `fed` (sorted) up to the next of 1, 2, 4, 8, then a multiple
+        of 8 (as many as are free): gaps inside the run first, then the rows right after it, then before it, so that
+        the rows stay one run where they can (read as a slice, not gathered). On a bf16 CPU each new batch size is a
+        new shape for oneDNN's kernels, compiled once per shape and kept in a bounded cache
+        (common.bound_onednn_caches): rows that join and leave every few steps kept compiling them. A padding row
+        costs a little compute; it writes one position of a free row, which is reset after.
+        """
+        count = len(fed)
+        target = min(self.max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
+        if target <= count:
+            return []
+        free = sorted(self.free_rows)
+        after = [row for row in free if row > fed[-1]]
+        before = [row for row in reversed(free) if row < fed[0]]
+        return ([row for row in free if fed[0] < row < fed[-1]] + after + before)[:target - count]
+
+    def _admit(self):
+        while self.waiting:
+            group = [seq for seq in self.waiting[0] if seq.finished is None]  # the rest were cancelled while waiting
+            if len(group) > len(self.free_rows):
+                break
+            self.waiting.popleft()
+            self.num_waiting -= len(group)
+            if group and group[0].leader.finished is not None:  # its prefilling sample was cancelled: another one
+                for seq in group:
+                    seq.leader = group[0]
+            for seq in group:
+                seq.row = heapq.heappop(self.free_rows)
+                self.cache.reset(seq.row)
+                self.running.append(seq)
+        # rows stay in admission order, so a decode step's rows are often one contiguous run (a slice, no gather)
+
+    def _prefill(self):
+        """Up to prefill_chunk prompt tokens, from the oldest sequences first, in one forward pass: each row its own
+        chunk, padded to the longest (the padding is neither written nor used)."""
+        budget, chunks = self.prefill_chunk, []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.leader is seq and seq.prefilled < len(seq.prompt) and seq.finished is None:
+                chunk = seq.prompt[seq.prefilled:seq.prefilled + budget]
+                chunks.append((seq, chunk))
+                budget -= len(chunk)
+        if not chunks:
+            return
+        width = max(len(chunk) for _, chunk in chunks)
+        ids = torch.tensor([chunk + [0] * (width - len(chunk)) for _, chunk in chunks], dtype=torch.long,
+                           device=self.device)
+        lengths = [len(chunk) for _, chunk in chunks]
+        with autocast_for(self.device):
+            view = self.cache.rows([seq.row for seq, _ in chunks], new_lengths=lengths)
+            at = torch.tensor(lengths, device=self.device) - 1
+            last = self.model.forward(ids, kv_cache=view, logits_at=at)[:, 0] if self.takes_logits_at else \
+                self.model.forward(ids, kv_cache=view)[torch.arange(len(chunks), device=self.device), at]
+        for i, (seq, chunk) in enumerate(chunks):
+            seq.prefilled += len(chunk)
+            if seq.prefilled == len(seq.prompt):
+                seq.logits = last[i:i + 1]
+                for follower in self.running:  # the other samples of this prompt take a copy of its row
+                    if follower.leader is seq and follower is not seq and follower.finished is None:
+                        self.cache.copy_row(seq.row, follower.row)
+                        follower.prefilled, follower.logits = seq.prefilled, seq.logits
+
+    def _sample(self):
+        emitted, to_feed = [], []
+        ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
+        steered = {id(seq): steer(seq.logits, seq.sampling, seq.counts) for seq in ready if seq.sampling.steers()}
+        greedy = [seq for seq in ready if seq.sampling.temperature < GREEDY_BELOW]
+        if greedy:  # one argmax for every greedy row
+            tokens = torch.cat([steered.get(id(seq), seq.logits) for seq in greedy]).argmax(dim=-1).tolist()
+            sampled = dict(zip(map(id, greedy), tokens))
+        else:
+            sampled = {}
+        for seq in ready:
+            if id(seq) not in sampled:
+                s = seq.sampling
+                sampled[id(seq)] = int(sample_next_tokens(steered.get(id(seq), seq.logits), seq.generator,
+                                                          s.temperature, s.top_k, s.top_p))
+        for seq in ready:
+            token, mask = seq.tool.take(sampled[id(seq)], self.ids, self.tokenizer)
+            if seq.sampling.logprobs is not None:  # of the token the sequence gets (a forced one's too)
+                seq.logprob = token_logprobs(seq.logits, token, seq.sampling.logprobs)
+            seq.counts[token] = seq.counts.get(token, 0) + 1
+            seq.generated += 1
+            seq.logits = None
+            if seq.tool.finished_with is not None:
+                seq.finished = "stop"
+            elif seq.generated >= seq.sampling.max_tokens or len(seq.prompt) + seq.generated >= self.context:
+                seq.finished = "length"
+            emitted.append((seq, token, mask))
+            if seq.finished is None:
+                seq.next_input = token
+                to_feed.append(seq)
+        for seq, _, _ in emitted:
+            if seq.finished is not None:
+                self._release(seq)
+        return emitted, to_feed
+
+    def _release(self, seq):
+        if seq in self.running:
+            self.running.remove(seq)
+            heapq.heappush(self.free_rows, seq.row)
+            self.cache.reset(seq.row)
+
+
+# -----------------------------------------------------------------------------
+# One prompt's samples: nanochat's Engine
 
 
 class Engine:
     """
-    Generation from a model and tokenizer that follow a small protocol (see the module docstring):
-    prefill the prompt once, decode all samples together, sample, run calculator tool calls.
+    Generation for one prompt: its samples prefilled once and decoded together on a BatchEngine of as many rows,
+    sampled with seeds seed, seed + 1, ..., calculator tool calls answered. The model follows the batching engine's
+    cache protocol (nanochat/gpt.py: forward(ids, kv_cache=rows, logits_at=positions)).
     """
 
     def __init__(self, model, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
-        # our GPT computes only the last position's logits when asked; a model of the reference's protocol,
-        # forward(ids, kv_cache=None), gives every position's and the engine takes the last itself
-        self.takes_logits_at = "logits_at" in inspect.signature(model.forward).parameters
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42):
         """
@@ -276,7 +841,7 @@ class Engine:
         <|assistant_end|> or <|bos|>; from then on its column entries repeat that terminal token with
         mask 0. Generation ends when every row has stopped, after max_tokens steps, or when prompt plus
         generated tokens fill the model's sequence_len. A prompt that already fills it yields nothing; a
-        longer one raises ValueError (callers trim conversations). `seed` seeds a generator private to
+        longer one raises ValueError (callers trim conversations). `seed` seeds generators private to
         this call, so the output does not depend on, or change, torch's global random state.
         """
         tokens = [int(t) for t in tokens]
@@ -291,39 +856,20 @@ class Engine:
                              f"(got {num_samples}, {temperature}, {max_tokens})")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
-        ids = ChatTokens(self.tokenizer)
-
         steps = context - len(tokens) if max_tokens is None else min(max_tokens, context - len(tokens))
         if steps == 0:
             return
-        device = self.model.get_device()
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        with torch.inference_mode():
-            prompt_cache = self._new_cache(1, len(tokens), device)
-            logits = self._forward(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache, device)
-            # the last generated token is never fed back, so the cache needs one position less than the total
-            cache = self._new_cache(num_samples, len(tokens) + steps - 1, device)
-            cache.prefill(prompt_cache)
-            del prompt_cache
-            logits = logits.expand(num_samples, -1)  # each row then draws its own first token
-
-        rows = [ToolState() for _ in range(num_samples)]
-        for step in range(steps):
-            with torch.inference_mode():
-                sampled = sample_next_tokens(logits, generator, temperature, top_k, top_p).tolist()
-            column, masks = [], []
-            for row, sampled_token in zip(rows, sampled):
-                token, mask = (row.finished_with, 0) if row.finished_with is not None else \
-                    row.take(sampled_token, ids, self.tokenizer)
-                column.append(token)
-                masks.append(mask)
-            yield column, masks
-            if step == steps - 1 or all(row.finished_with is not None for row in rows):
-                return
-            with torch.inference_mode():
-                column_ids = torch.tensor(column, dtype=torch.long, device=device).unsqueeze(1)
-                logits = self._forward(column_ids, cache, device)
+        # a cache of the positions this call can reach (the last token is never fed back), the prompt in one chunk
+        engine = BatchEngine(self.model, self.tokenizer, num_samples, prefill_chunk=len(tokens),
+                             max_len=len(tokens) + steps)
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=steps, seed=seed,
+                            num_samples=num_samples)
+        rows = engine.add_group(tokens, sampling.per_sample())
+        while engine.busy():
+            emitted = {id(seq): (token, mask) for seq, token, mask in engine.step()}
+            if emitted:  # every row that goes on gets a token each step; a stopped one repeats its terminal
+                yield ([emitted.get(id(seq), (seq.tool.finished_with, 0))[0] for seq in rows],
+                       [emitted.get(id(seq), (seq.tool.finished_with, 0))[1] for seq in rows])
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """
@@ -331,7 +877,7 @@ class Engine:
         by the generated tokens without the terminal token; its mask is 0 over the prompt, then the
         per-token masks (1 sampled, 0 forced).
         """
-        terminals = {self.tokenizer.encode_special("<|assistant_end|>"), self.tokenizer.get_bos_token_id()}
+        terminals = ChatTokens(self.tokenizer).terminals
         results = [list(tokens) for _ in range(num_samples)]
         masks = [[0] * len(tokens) for _ in range(num_samples)]
         finished = [False] * num_samples
@@ -345,20 +891,6 @@ class Engine:
                 results[i].append(token)
                 masks[i].append(mask)
         return results, masks
-
-    def _new_cache(self, batch_size, seq_len, device):
-        c = self.model.config
-        return KVCache(batch_size=batch_size, num_heads=c.n_kv_head, seq_len=seq_len, head_dim=c.n_embd // c.n_head,
-                       num_layers=c.n_layer, device=device, dtype=kv_cache_dtype(device))
-
-    def _forward(self, ids, cache, device):
-        """Logits (B, V) for the position after ids, the cache advanced past them."""
-        # autocast is entered per call, never held across a yield, where it would leak into the caller
-        with autocast_for(device):
-            if not self.takes_logits_at:
-                return self.model.forward(ids, kv_cache=cache)[:, -1, :]
-            last = torch.full((ids.size(0),), ids.size(1) - 1, dtype=torch.long, device=ids.device)
-            return self.model.forward(ids, kv_cache=cache, logits_at=last)[:, -1, :]
 
 
 # -----------------------------------------------------------------------------

@@ -45,12 +45,11 @@ model above, which is what transformers' NanoChat describes); each starts as the
                        the blocks outside the band; on the CPU training path cpu_ops' block attention skips them;
                        anywhere else (eager, decoding with the KV cache) it is SDPA with a boolean band mask.
 
-Inference goes through `forward(idx, kv_cache=cache)`: the model writes the new keys and values into
-the cache's per-layer (B, seq_len, n_kv_head, head_dim) tensors at `cache.get_pos()`, attends to
-everything cached so far, and advances the position by the number of tokens it consumed. A cache with
-`per_row` set (batch_engine.RowView) holds independent sequences at their own lengths: it gives each row's
-positions, writes and reads the rows' keys and the mask each row attends with. `logits_at` asks for one
-position's logits per row, as a prefill needs.
+Inference goes through `forward(idx, kv_cache=rows)` with rows of the batching engine's cache
+(engine.RowView, or StaticDecodeView for a captured decode step): independent sequences at their own lengths.
+The cache gives each row's positions, writes the rows' new keys and values and returns what each row attends to
+with its mask, keeps the last token's embedding for smear, and advances by the tokens consumed. `logits_at` asks for
+one position's logits per row, as a prefill needs.
 """
 
 import math
@@ -330,11 +329,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
 
         row_mask = None
-        if kv_cache is not None and getattr(kv_cache, "per_row", False):
-            # a batch of independent sequences (engine.RowKVCache): each row at its own length, its own mask
+        if kv_cache is not None:  # independent sequences (engine.RowKVCache): each row its length and mask
             k, v, row_mask = kv_cache.update(self.layer_idx, k, v, self.window)
-        elif kv_cache is not None:
-            k, v = self._cached_keys_values(kv_cache, k, v)  # everything so far, (B, H_kv, T_cache, D) views
         # a CPU's fp32 cache under bf16 autocast (common.kv_cache_dtype): attend in fp32, autocast kept off SDPA, which
         # it would otherwise cast back to bf16
         attend_in_fp32 = k.dtype == torch.float32 and q.dtype != k.dtype
@@ -356,19 +352,6 @@ class CausalSelfAttention(nn.Module):
                                                        enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
-
-    def _cached_keys_values(self, kv_cache, k, v):
-        """
-        Write the new (B, H_kv, T, D) keys/values at the cache position and return views of all of them so far.
-        The cache stores (B, seq_len, H_kv, D) per layer; its transposed view is what attention reads (no copy).
-        """
-        k_cache, v_cache = kv_cache.get_layer_cache(self.layer_idx)
-        start, end = kv_cache.get_pos(), kv_cache.get_pos() + k.size(2)
-        if end > k_cache.size(1):
-            raise ValueError(f"KVCache holds {k_cache.size(1)} positions but {end} are needed; make a longer cache")
-        k_cache[:, start:end] = k.transpose(1, 2)
-        v_cache[:, start:end] = v.transpose(1, 2)
-        return k_cache[:, :end].transpose(1, 2), v_cache[:, :end].transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -598,12 +581,8 @@ class GPT(nn.Module):
         if kv_cache is None and cpu_ops.is_cpu_fp32(x):
             return cpu_ops.smear(x, self.smear_gate(x[..., :self.smear_gate.in_features]), self.smear_lambda)
         previous = x.new_zeros(x.size(0), 1, x.size(2))
-        if kv_cache is not None and getattr(kv_cache, "per_row", False):
+        if kv_cache is not None:
             previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
-        elif kv_cache is not None:
-            if kv_cache.get_pos() > 0:
-                previous = kv_cache.last_embedding.to(x.dtype)
-            kv_cache.last_embedding = x[:, -1:].clone()
         previous = torch.cat((previous, x[:, :-1]), dim=1)
         gate = torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))
         return x + self.smear_lambda * gate * previous
@@ -615,21 +594,20 @@ class GPT(nn.Module):
         position of a prompt would cost a quarter of a small model's prefill). With targets (B, T):
         cross-entropy ignoring -1, reduced by "mean" (over valid targets; 0 if there are none),
         "sum", or "none" (a (B, T) tensor, 0 where ignored).
-        With a kv_cache, positions start at kv_cache.get_pos(), the new tokens attend to everything
-        cached plus causally among themselves, and the cache advances by T.
+        With a kv_cache, each row's new tokens continue from its own length, attend to what the row has cached plus
+        causally among themselves, and the cache advances by T.
         """
         B, T = idx.shape
-        if kv_cache is not None and getattr(kv_cache, "per_row", False):
+        if kv_cache is not None:
             positions = kv_cache.positions(T)  # (B, T): each row continues from its own length
             if kv_cache.max_position(T) > self.cos.size(1):
                 raise ValueError(f"position {kv_cache.max_position(T)} is beyond the rotary table ({self.cos.size(1)} "
                                  "positions)")
             cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
         else:
-            start = kv_cache.get_pos() if kv_cache is not None else 0
-            if start + T > self.cos.size(1):
-                raise ValueError(f"position {start + T} is beyond the rotary table ({self.cos.size(1)} positions)")
-            cos, sin = self.cos[:, start:start + T], self.sin[:, start:start + T]
+            if T > self.cos.size(1):
+                raise ValueError(f"position {T} is beyond the rotary table ({self.cos.size(1)} positions)")
+            cos, sin = self.cos[:, :T], self.sin[:, :T]
 
         c = self.config
         x = norm(self.transformer.wte(idx), c.norm_eps)

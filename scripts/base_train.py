@@ -24,11 +24,10 @@ from nanochat.gpt import build_model
 from nanochat.report import get_report
 from nanochat.tokenizer import get_tokenizer
 from nanochat.training.loop import RunSettings, StartPoint, TrainingLoop, resume_from
-from nanochat.training.memory_fallback import FittingBatches
 from nanochat.training.presets import fill_from_preset, preset_help
-from nanochat.training.recipe import (DEFAULT_COMPONENTS, build_optimizers, canonical_components, config_dict, depth_recipe,
-                                      grad_accum_steps, greedy_samples, lr_multiplier, model_config_for_depth,
-                                      muon_momentum, split_components, train_step)
+from nanochat.training.recipe import (DEFAULT_COMPONENTS, FittingBatches, build_optimizers, canonical_components,
+                                      config_dict, depth_recipe, grad_accum_steps, greedy_samples, lr_multiplier,
+                                      model_config_for_depth, muon_momentum, split_components, train_step)
 from nanochat.training.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.training.time_budget import (COMPILE_SECONDS, MIN_BUDGET_SECONDS, BudgetClock, RunShape, describe_plan,
                                            duration_label, law_for, make_plan, parse_duration, plan_dict,
@@ -363,7 +362,7 @@ def main(argv=None):
             print0(f"resume: --num-iterations {start.meta['num_iterations']} -> {num_iterations}; lr schedule recomputed, "
                    "lrs kept from the checkpoint")
         lrs = start.meta.get("lrs", lrs)  # the optimizers resumed with the checkpoint's lrs, whatever the new length
-    # the device batch may shrink in the first steps if it does not fit (memory_fallback); a resume keeps what it found
+    # the device batch may shrink in the first steps if it does not fit (recipe.FittingBatches); a resume keeps what it found
     device_batch = min(args.device_batch_size, (start.meta or {}).get("device_batch_size", args.device_batch_size))
     batches = FittingBatches(lambda b, state: DataLoader(tokenizer, b, args.max_seq_len, split="train", device=device,
                                                          rank=rank, world_size=world_size, source=args.data_source,

@@ -13,7 +13,7 @@ Endpoints:
     GET  /v1/models             the one model served, id "nanochat-<source>-<tag>"
 
 One worker process per GPU (one on CPU) holds a model and decodes every request it has in one batch (continuous
-batching, nanochat/batch_engine.py): new requests join between steps, up to --max-batch sequences; one that waits
+batching, nanochat/engine.py): new requests join between steps, up to --max-batch sequences; one that waits
 longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
 `Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
 names). A reply whose client stops reading is closed after --write-timeout (docs/serving.md "Under hostile load"). The server itself (workers, batching, cancellation, both APIs) is nanochat/serving/serve.py;
@@ -29,7 +29,7 @@ import uvicorn
 from nanochat.common import UserError, print0, run_main
 from nanochat.serving.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
 from nanochat.serving.serve import bind_socket, create_app
-from nanochat.serving.server_guard import (HEADER_TIMEOUT, LOOPBACK, WRITE_TIMEOUT, ConnectionGuard, allowed_host_names,
+from nanochat.serving.serve import (HEADER_TIMEOUT, LOOPBACK, WRITE_TIMEOUT, ConnectionGuard, allowed_host_names,
                                            default_max_connections, raise_open_file_limit)
 from nanochat.serving.workers import WorkerPool, load_workers
 

@@ -1,5 +1,5 @@
 """
-Continuous batching (nanochat/batch_engine.py): sequences of different prompt lengths decode together, join and leave
+Continuous batching (nanochat/engine.py): sequences of different prompt lengths decode together, join and leave
 at any step, and each row's tokens are what decoding it alone gives; prefill is chunked without stalling the others;
 per-row sampling, stop tokens, max_tokens and calculator output; one KV cache, reused.
 """
@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 from test_engine import tool_script, tokenizer  # noqa: F401 (a fixture)
 
-from nanochat.batch_engine import BatchEngine, Sampling
-from nanochat.engine import Engine
+from nanochat.engine import BatchEngine, Engine, Sampling
 from nanochat.gpt import GPTConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -85,7 +84,7 @@ def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatc
     """A GPU's dtypes: bf16 autocast and a bf16 cache, values that come out of the value embeddings in fp32; rows of
     different lengths decode together as each does alone in bf16."""
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
-    for module in ("nanochat.batch_engine", "nanochat.engine"):  # a CPU's cache is fp32: stand in for a GPU's
+    for module in ("nanochat.engine", "nanochat.engine"):  # a CPU's cache is fp32: stand in for a GPU's
         monkeypatch.setattr(f"{module}.kv_cache_dtype", lambda device: torch.bfloat16)
     ps = prompts(tokenizer, [3, 21])
     greedy = Sampling(temperature=0.0, max_tokens=12)
@@ -198,7 +197,7 @@ def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer,
     """chat_eval decodes up to 32 problems at once, but no more rows than the device's KV budget holds (a CPU's cache
     is fp32: an imported d20 would otherwise allocate 13 GB), and the replies do not depend on the batch."""
     from nanochat import chat_eval
-    from nanochat.batch_engine import kv_row_bytes
+    from nanochat.engine import kv_row_bytes
 
     engines, batch_engine = [], chat_eval.BatchEngine
     def recording_engine(*args, **kwargs):
@@ -401,7 +400,7 @@ def test_the_static_decode_step_in_bf16_agrees_to_rounding(model, tokenizer, mon
     """A GPU's dtypes (bf16 autocast, a bf16 cache): the static step reads its keys to another extent than the eager
     one, so bf16 rounds differently; while the two write the same tokens, their logits agree to bf16's rounding."""
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
-    monkeypatch.setattr("nanochat.batch_engine.kv_cache_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr("nanochat.engine.kv_cache_dtype", lambda device: torch.bfloat16)
     ps = prompts(tokenizer, [5, 17, 30])
     engines = {d: BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8, decode=d) for d in ("eager", "captured")}
     assert engines["captured"].cache.k_cache.dtype == torch.bfloat16

@@ -165,10 +165,12 @@ class ScriptedModel:
 
     def forward(self, ids, kv_cache, logits_at=None):
         B, T = ids.shape
-        position = kv_cache.get_pos() + T - self.prompt_len  # index of the reply token to predict
+        fed = kv_cache.new_lengths or [T] * B
+        ends = [length + n for length, n in zip(kv_cache.lengths, fed)]  # each row's length after this pass
         kv_cache.advance(T)
         logits = torch.full((B, 1 if logits_at is not None else T, self.vocab_size), -100.0)  # the engine asks for the last
-        logits[:, -1, self.script[min(position, len(self.script) - 1)]] = 100.0
+        for b, end in enumerate(ends):  # the index of the reply token each row predicts next
+            logits[b, -1, self.script[min(max(end - self.prompt_len, 0), len(self.script) - 1)]] = 100.0
         return logits
 
 

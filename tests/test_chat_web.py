@@ -472,9 +472,9 @@ def test_a_second_ctrl_c_during_a_reply_stops_the_server_and_its_worker_at_once(
 def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokenizer, monkeypatch):
     """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
     model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
-    from nanochat.batch_engine import Sampling
+    from nanochat.engine import Sampling
     from nanochat.serving.chat import Finish
-    from nanochat.serving.messages import Add, Admitted, Ended, Stop
+    from nanochat.serving.workers import Add, Admitted, Ended, Stop
     from nanochat.serving.workers import load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)

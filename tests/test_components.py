@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nanochat.common import UserError
-from nanochat.engine import Engine, KVCache
+from nanochat.engine import Engine, RowKVCache
 from nanochat.gpt import COMPONENTS, GPTConfig
-from nanochat.training.muon import NORMUON_BETA2, Muon, _normuon_row_scales
+from nanochat.training.optim import NORMUON_BETA2, Muon, _normuon_row_scales
 
 from test_gpt import build  # noqa: E402 (random weights everywhere, the components' scalars included)
 
@@ -26,7 +26,7 @@ def tiny_config(**overrides):
 
 def make_cache(model, batch_size, seq_len):
     c = model.config
-    return KVCache(batch_size, c.n_kv_head, seq_len, c.n_embd // c.n_head, c.n_layer, "cpu", torch.float32)
+    return RowKVCache(batch_size, c.n_kv_head, seq_len, c.n_embd // c.n_head, c.n_layer, c.n_embd, "cpu", torch.float32)
 
 
 @pytest.mark.parametrize("name", COMPONENTS)
@@ -160,18 +160,18 @@ def test_kv_cache_with_every_component_matches_the_full_forward():
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
     full = model(idx)
     cache = make_cache(model, 2, 16)
-    pieces = [model(idx[:, :5], kv_cache=cache), model(idx[:, 5:9], kv_cache=cache)]
-    pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(9, 16)]
+    pieces = [model(idx[:, :5], kv_cache=cache.rows([0, 1])), model(idx[:, 5:9], kv_cache=cache.rows([0, 1]))]
+    pieces += [model(idx[:, t:t + 1], kv_cache=cache.rows([0, 1])) for t in range(9, 16)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
 
     prompt = idx[:1, :7]
-    single = make_cache(model, 1, 7)
-    model(prompt, kv_cache=single)
     many = make_cache(model, 3, 12)
-    many.prefill(single)
+    model(prompt, kv_cache=many.rows([0]))
+    for row in (1, 2):
+        many.copy_row(0, row)
     next_tokens = torch.tensor([[3], [50], [96]])
     expected = model(torch.cat([prompt.expand(3, -1), next_tokens], dim=1))[:, -1:]
-    torch.testing.assert_close(model(next_tokens, kv_cache=many), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(next_tokens, kv_cache=many.rows([0, 1, 2])), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_engine_greedy_equals_naive_recompute_with_every_component():

@@ -151,32 +151,34 @@ def test_bad_arguments_are_refused(model, tokenizer):
 
 class ScriptedModel(nn.Module):
     """
-    Follows the engine's model protocol and records every token fed to it. Its next token is
-    choose(history, prompt_len) for each row: a token id, or a list of ids to pick from uniformly.
+    Follows the model's cache protocol (rows of the batching engine's cache) and records every token fed to each row.
+    Its next token is choose(history, prompt_len) for each row: a token id, or a list of ids to pick from uniformly.
     """
 
     def __init__(self, vocab_size, choose, sequence_len=64):
         super().__init__()
         self.config = SimpleNamespace(n_layer=1, n_head=1, n_kv_head=1, n_embd=2, sequence_len=sequence_len)
         self.vocab_size, self.choose = vocab_size, choose
-        self.history, self.prompt_len = [], 0
+        self.history, self.prompt = {}, []
 
     def get_device(self):
         return torch.device("cpu")
 
     def forward(self, ids, kv_cache=None, logits_at=None):
-        rows = ids.tolist()
-        if kv_cache.get_pos() == 0:
-            self.history, self.prompt_len = rows, len(rows[0])
-        else:
-            if len(self.history) == 1 and len(rows) > 1:
-                self.history = [list(self.history[0]) for _ in rows]
-            self.history = [h + r for h, r in zip(self.history, rows)]
+        rows, histories = ids.tolist(), []
+        for i, (row, length) in enumerate(zip(kv_cache.indices, kv_cache.lengths)):
+            if kv_cache.new_lengths is not None:  # a prompt's prefill (one prompt at a time here)
+                self.prompt = rows[i][:kv_cache.new_lengths[i]]
+                self.history = {row: list(self.prompt)}
+            elif length > 0:  # a decode step; a sample that copied the prompt's row starts from the prompt
+                self.history.setdefault(row, list(self.prompt)).extend(rows[i])
+            histories.append(self.history.get(row) if length > 0 or kv_cache.new_lengths else None)  # None: padding
         kv_cache.advance(ids.size(1))
         logits = torch.full((len(rows), 1 if logits_at is not None else ids.size(1), self.vocab_size), -100.0)
-        for i, history in enumerate(self.history):  # the next token's logits at the last position (what is asked)
-            choice = self.choose(history, self.prompt_len)
-            logits[i, -1, choice if isinstance(choice, list) else [choice]] = 0.0
+        for i, history in enumerate(histories):  # the next token's logits at the last position (what is asked)
+            if history is not None:
+                choice = self.choose(history, len(self.prompt))
+                logits[i, -1, choice if isinstance(choice, list) else [choice]] = 0.0
         return logits
 
 
@@ -317,8 +319,8 @@ def test_bench_engine_runs_and_ends_with_its_json_line(tiny_env, capsys):
 
 
 def test_a_model_with_the_reference_forward_signature_generates(tokenizer):
-    """The engine's contract is forward(ids, kv_cache=cache): a model without our logits_at (a user's own class, a
-    mock) gives every position's logits and still generates, the same tokens as with logits_at."""
+    """The engine's contract is forward(ids, kv_cache=rows): a model without our logits_at (a user's own class, a
+    mock, the reference's signature) gives every position's logits and still generates, the same tokens as with it."""
     script, filler, choose = tool_script(tokenizer, "2+3")
 
     class ReferenceProtocolModel(ScriptedModel):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.engine import KVCache
+from nanochat.engine import RowKVCache
 from nanochat.gpt import GPT, GPTConfig
 
 
@@ -36,10 +36,10 @@ def build(config, seed=0, randomize=True):
     return model
 
 
-def make_cache(model, batch_size, seq_len):
+def make_cache(model, batch_size, seq_len, dtype=torch.float32):
+    """The batching engine's cache (the model's one cache protocol); its rows(...) is what a forward pass takes."""
     c = model.config
-    return KVCache(batch_size=batch_size, num_heads=c.n_kv_head, seq_len=seq_len, head_dim=c.n_embd // c.n_head,
-                   num_layers=c.n_layer, device="cpu", dtype=torch.float32)
+    return RowKVCache(batch_size, c.n_kv_head, seq_len, c.n_embd // c.n_head, c.n_layer, c.n_embd, "cpu", dtype)
 
 
 def reference_forward(model, idx):
@@ -112,8 +112,8 @@ def test_kv_cache_token_by_token_matches_full_forward(n_kv_head):
     idx = torch.randint(0, 97, (2, 15), generator=torch.Generator().manual_seed(3))
     full = model(idx)
     cache = make_cache(model, batch_size=2, seq_len=20)
-    steps = [model(idx[:, t:t + 1], kv_cache=cache) for t in range(15)]
-    assert cache.get_pos() == 15
+    steps = [model(idx[:, t:t + 1], kv_cache=cache.rows([0, 1])) for t in range(15)]
+    assert cache.lengths == [15, 15]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -124,23 +124,23 @@ def test_kv_cache_chunked_prefill_then_decode_matches_full_forward():
     full = model(idx)
     cache = make_cache(model, batch_size=2, seq_len=16)
     # a first chunk onto an empty cache, then chunks of several tokens onto a non-empty cache, then decoding
-    pieces = [model(idx[:, :5], kv_cache=cache), model(idx[:, 5:9], kv_cache=cache), model(idx[:, 9:12], kv_cache=cache)]
-    pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(12, 16)]
-    assert cache.get_pos() == 16
+    pieces = [model(idx[:, a:b], kv_cache=cache.rows([0, 1])) for a, b in ((0, 5), (5, 9), (9, 12))]
+    pieces += [model(idx[:, t:t + 1], kv_cache=cache.rows([0, 1])) for t in range(12, 16)]
+    assert cache.lengths == [16, 16]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
-def test_kv_cache_prefill_from_batch_one_to_many_samples():
+def test_kv_cache_prefill_from_one_row_to_many_samples():
     model = build(tiny_config(n_kv_head=2))
     prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
-    single = make_cache(model, batch_size=1, seq_len=7)
-    model(prompt, kv_cache=single)
     many = make_cache(model, batch_size=3, seq_len=12)
-    many.prefill(single)
-    assert many.get_pos() == 7
+    model(prompt, kv_cache=many.rows([0]))
+    for row in (1, 2):  # the other samples take a copy of the prompt's row
+        many.copy_row(0, row)
+    assert many.lengths == [7, 7, 7]
     next_tokens = torch.tensor([[3], [50], [96]])
-    decoded = model(next_tokens, kv_cache=many)
+    decoded = model(next_tokens, kv_cache=many.rows([0, 1, 2]))
     expected = model(torch.cat([prompt.expand(3, -1), next_tokens], dim=1))[:, -1:]
     torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-5)
 
@@ -151,11 +151,11 @@ def test_runs_under_bf16_autocast_with_fp32_logits():
     model = build(tiny_config(n_kv_head=2))
     idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(8))
     reference = model(idx)
-    cache = KVCache(batch_size=2, num_heads=2, seq_len=12, head_dim=8, num_layers=2, device="cpu", dtype=torch.bfloat16)
+    cache = make_cache(model, batch_size=2, seq_len=12, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full = model(idx)
-        pieces = [model(idx[:, :7], kv_cache=cache), model(idx[:, 7:10], kv_cache=cache)]
-        pieces += [model(idx[:, t:t + 1], kv_cache=cache) for t in (10, 11)]
+        pieces = [model(idx[:, :7], kv_cache=cache.rows([0, 1])), model(idx[:, 7:10], kv_cache=cache.rows([0, 1]))]
+        pieces += [model(idx[:, t:t + 1], kv_cache=cache.rows([0, 1])) for t in (10, 11)]
     assert full.dtype == torch.float32
     torch.testing.assert_close(full, reference, atol=0.1, rtol=0.05)
     torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=0.1, rtol=0.05)
@@ -163,25 +163,16 @@ def test_runs_under_bf16_autocast_with_fp32_logits():
 
 @torch.no_grad()
 def test_kv_cache_bookkeeping_and_errors():
-    cache = KVCache(batch_size=2, num_heads=1, seq_len=4, head_dim=2, num_layers=3, device="cpu", dtype=torch.float32)
-    assert cache.k_cache.shape == cache.v_cache.shape == (3, 2, 4, 1, 2)  # (layers, batch, seq, kv heads, head dim)
-    k, v = cache.get_layer_cache(1)
-    assert k.shape == (2, 4, 1, 2) and k.data_ptr() == cache.k_cache[1].data_ptr()  # a view, not a copy
-    cache.advance(3)
-    assert cache.get_pos() == 3
-    with pytest.raises(ValueError):
-        cache.advance(2)  # 3 + 2 > 4 positions
     model = build(tiny_config(n_kv_head=2))
-    short = KVCache(batch_size=1, num_heads=2, seq_len=5, head_dim=8, num_layers=2, device="cpu", dtype=torch.float32)
-    model(torch.zeros(1, 4, dtype=torch.long), kv_cache=short)
-    assert short.get_pos() == 4
+    cache = make_cache(model, batch_size=2, seq_len=5)
+    assert cache.k_cache.shape == cache.v_cache.shape == (2, 2, 5, 2, 8)  # (layers, rows, seq, kv heads, head dim)
+    model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache.rows([1]))
+    assert cache.lengths == [0, 4]  # only the row fed moved
     with pytest.raises(ValueError, match="positions"):
-        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=short)  # 4 + 2 > 5: refused, not silently wrong
-    cache.reset()
-    assert cache.get_pos() == 0
-    other = KVCache(batch_size=3, num_heads=1, seq_len=4, head_dim=2, num_layers=1, device="cpu", dtype=torch.float32)
-    with pytest.raises(ValueError):
-        cache.prefill(other)  # batch 3 can't go into batch 2
+        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache.rows([1]))  # 4 + 2 > 5: refused, not silently wrong
+    model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache.rows([0]))  # the other row still has all its room
+    cache.reset(1)
+    assert cache.lengths == [5, 0]
 
 
 def test_estimate_flops_and_num_params_match_hand_count():

@@ -1,4 +1,4 @@
-"""Tests for nanochat.training.adamw and nanochat.training.muon: AdamW math, orthogonalisation, resume, and a real 2-rank run."""
+"""Tests for nanochat.training.optim (AdamW and Muon): AdamW math, orthogonalisation, resume, and a real 2-rank run."""
 
 import copy
 import importlib.util
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nanochat.training import adamw  # noqa: E402
-from nanochat.training.adamw import DistAdamW, build_adamw  # noqa: E402
+from nanochat.training import optim  # noqa: E402
+from nanochat.training.optim import DistAdamW, build_adamw  # noqa: E402
 from nanochat import common  # noqa: E402
 from nanochat.common import UserError  # noqa: E402
-from nanochat.training.muon import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
+from nanochat.training.optim import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
 
 WORKER_PATH = os.path.join(REPO, "tests", "dist_optim_worker.py")
 
@@ -39,7 +39,7 @@ def load_worker():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_adamw_matches_torch_adamw(fused, monkeypatch):
-    monkeypatch.setattr(adamw, "FUSED", fused)  # torch's one-pass kernel, and the separate passes beside it
+    monkeypatch.setattr(optim, "FUSED", fused)  # torch's one-pass kernel, and the separate passes beside it
     torch.manual_seed(0)
     shapes = [(7, 5), (12,), ()]
     ours = [nn.Parameter(torch.randn(s)) for s in shapes]
@@ -213,7 +213,7 @@ def test_muon_rejects_mixed_shapes_and_vectors():
 
 def reference_muon(p0, grads, lrs, momenta, weight_decay, nesterov=True):
     """
-    Muon for one matrix, written from the math in float64 (nothing from nanochat.training.muon): returns the weights and
+    Muon for one matrix, written from the math in float64 (nothing from nanochat.training.optim): returns the weights and
     the momentum buffer after every step.
         buf <- buf + (1 - m) (g - buf)                  momentum as an exponential average
         d   <- g + m (buf - g)                          Nesterov look-ahead (or buf without it)
@@ -247,7 +247,7 @@ def test_muon_matches_float64_reference(optimizer_cls, single_torch_thread, monk
     momentum and with weight decay. In fp32: a CPU with native bf16 would otherwise orthogonalise in bf16."""
     monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "float32")
     torch.manual_seed(0)
-    shapes = [(16, 48), (48, 16), (24, 24), (20, 28)]  # 16x48 and 48x16 take muon.py's Gram-form iteration
+    shapes = [(16, 48), (48, 16), (24, 24), (20, 28)]  # 16x48 and 48x16 take optim.py's Gram-form iteration
     steps, weight_decay = 5, 0.1
     lrs = [0.02 * (1 - 0.1 * k) for k in range(steps)]
     momenta = [0.85 + 0.02 * k for k in range(steps)]
@@ -368,7 +368,7 @@ def test_loading_state_from_another_world_size_is_a_clear_error():
 def test_polar_express_coefficients_are_minimax_and_end_closer_to_one():
     # Each step's quintic is the best worst case over where the singular values are: its error equioscillates,
     # and no small change of its coefficients lowers the worst case.
-    from nanochat.training.muon import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
+    from nanochat.training.optim import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
 
     (a, b, c), error = _minimax_odd_quintic(0.1, 1.0)
     x = np.linspace(0.1, 1.0, 20001)

@@ -210,7 +210,7 @@ def test_a_keyless_server_on_any_address_answers_only_to_its_own_names(web_base_
     """Without a key, --host 0.0.0.0 checks Host too (a page that rebinds evil.com to this machine sends
     'Host: evil.com'), and says at start which names it answers to; --allowed-hosts adds one. A body cut off midway is
     one line in the log, not a traceback; the UI's page may not be framed by another site."""
-    from nanochat.serving.server_guard import allowed_host_names, host_name
+    from nanochat.serving.serve import allowed_host_names, host_name
 
     server = Server(web_base_dir, "--host", "0.0.0.0", "--allowed-hosts", "chat.example")
     try:
@@ -242,7 +242,7 @@ def test_settings_a_server_must_refuse_or_get_right(monkeypatch):
 
     import torch
 
-    from nanochat.batch_engine import BatchEngine, Sampling
+    from nanochat.engine import BatchEngine, Sampling
     from nanochat.common import UserError, inference_threads
     from scripts import chat_web
 

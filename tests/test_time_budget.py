@@ -1,5 +1,5 @@
 """
---time-budget (nanochat/training/time_budget.py) and the out-of-memory fallback (nanochat/training/memory_fallback.py), for real: a
+--time-budget (nanochat/training/time_budget.py) and the out-of-memory fallback (nanochat/training/recipe.py), for real: a
 budgeted base_train that prints its plan, ends on time and resumes exactly; 1 and 2 ranks making the same plan; a
 device batch that does not fit halved without changing the run; bad budgets refused before any compute; the laws.
 """

@@ -30,12 +30,12 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from nanochat.batch_engine import Sampling
+from nanochat.engine import Sampling
 from nanochat.common import print0
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, MAX_TOTAL_CHARS, MODEL_MARKUP, NUM_SAMPLES_RANGE, READABLE_MARKUP,
                                    SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, Finish, MarkupWriter, Piece,
                                    RequestError, check_number, validate_messages, whole_conversation)
-from nanochat.serving.messages import Token
+from nanochat.serving.workers import Token
 
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 100  # OpenAI allows 4 and vLLM any number; harnesses add their own end string

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from nanochat.common import UserError, all_reduce_max, format_duration, get_peak_flops, is_out_of_memory, print0
-from nanochat.training.memory_fallback import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
+from nanochat.training.recipe import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
 PROBE_SECONDS, PROBE_FRACTION = 60.0, 0.1  # the probe takes at most min(60 s, a tenth of the budget)
