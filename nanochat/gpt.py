@@ -98,8 +98,8 @@ class GPTConfig:
     # Where value embeddings sit: "lower_half" (layers below n_layer // 2, at least layer 0), or "alternating" (the
     # last layer and every second one below it), where checkpoints saved before this field existed have them. On the
     # last layer a value embedding lets the final attention copy a context token straight to the output: at seed 43
-    # the CPU speedrun's base model then echoed the subject for "X borders ..." (BENCHMARKS "Where the value
-    # embeddings sit").
+    # the CPU speedrun's base model then echoed the subject for "X borders ..." (dev/LOG.md, "Where the
+    # value embeddings sit").
     value_embed_layers: str = "lower_half"
     # Exact-math variants (VARIANT_DEFAULTS; docs/import.md), for imported checkpoints:
     rope_theta: float = ROPE_THETA

@@ -242,8 +242,9 @@ def test_bf16_kv_cache_decoding_follows_bf16_recompute(monkeypatch, tokenizer, s
     step: the logits agree within bf16 rounding (d), and so does the token wherever recompute's best two logits are
     more than 2d apart. Closer than that, two computations in bf16 may round them into either order (or a tie).
     """
+    import nanochat.engine
     from nanochat.common import autocast_for
-    from nanochat.engine import Engine
+    from nanochat.engine import Engine, RowKVCache
     from nanochat.gpt import GPTConfig, build_model
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
@@ -259,16 +260,17 @@ def test_bf16_kv_cache_decoding_follows_bf16_recompute(monkeypatch, tokenizer, s
     decoded = [column[0] for column, _ in engine.generate(prompt, max_tokens=30, temperature=0)]
     assert len(set(decoded)) >= 5, decoded  # a real sentence of tokens, not one repeated
 
-    cache = engine._new_cache(1, 64, torch.device("cpu"))
+    cache = RowKVCache(1, config.n_kv_head, 64, config.n_embd // config.n_head, config.n_layer, config.n_embd, "cpu",
+                       nanochat.engine.kv_cache_dtype(torch.device("cpu")))
     assert cache.k_cache.dtype == torch.bfloat16
     ids, cached, recomputed = list(prompt), [], []
     with torch.no_grad(), autocast_for("cpu"):
-        logits = model(torch.tensor([prompt]), kv_cache=cache)[0, -1]
+        logits = model(torch.tensor([prompt]), kv_cache=cache.rows([0]))[0, -1]
         for token in decoded:  # the engine's own tokens, teacher-forced through a cache and recomputed in full
             cached.append(logits)
             recomputed.append(model(torch.tensor([ids]))[0, -1])
             ids.append(token)
-            logits = model(torch.tensor([[token]]), kv_cache=cache)[0, -1]
+            logits = model(torch.tensor([[token]]), kv_cache=cache.rows([0]))[0, -1]
     d = max(float((a - b).abs().max()) for a, b in zip(cached, recomputed))
     assert d < 0.1, d  # bf16 rounding of logits of this size; a wrong cache is off by whole units
     compared = 0

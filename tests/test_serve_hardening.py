@@ -260,6 +260,9 @@ def test_settings_a_server_must_refuse_or_get_right(monkeypatch):
         def get_device(self):
             return torch.device("cpu")
 
+        def forward(self, ids, kv_cache=None, logits_at=None):  # never called: nothing is stepped
+            raise AssertionError("no forward pass expected")
+
     class Tokenizer:
         def encode_special(self, text):
             return 0
