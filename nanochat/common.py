@@ -36,12 +36,6 @@ class UserError(Exception):
     """A problem the user can fix (bad flag, missing file): scripts print its message on one line and exit 1."""
 
 
-def die(message):
-    """Exit with a one-line error that says what to do; used by scripts for bad input."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
 def run_main(main):
     """
     Run a script's main(): a UserError or running out of memory becomes a one-line message and exit code 1. Under
@@ -68,7 +62,7 @@ def run_main(main):
 
 
 def fail(message):
-    """die(message), first telling the other ranks of a distributed run that this one failed, and why."""
+    """Exit with a one-line error, first telling the other ranks of a distributed run that this one failed, and why."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     if _failure_watch:
         _failure_watch.publish(message)

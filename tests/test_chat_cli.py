@@ -182,6 +182,7 @@ def scripted_engine(tokenizer, prompt, pieces):
     return Engine(ScriptedModel(script, len(prompt), tokenizer.get_vocab_size()), tokenizer)
 
 
+@pytest.mark.quick
 def test_tool_calls_come_out_as_parts_and_read_back(tokenizer):
     special = tokenizer.encode_special
     prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 12*3?"}]})
@@ -213,6 +214,7 @@ def test_tool_calls_come_out_as_parts_and_read_back(tokenizer):
     assert validate_messages(messages)[1]["content"] == [{"type": "text", "text": markup}]
 
 
+@pytest.mark.quick
 def test_stop_strings_cut_the_reply_even_across_tokens(tokenizer):
     prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "count"}]})
     engine = scripted_engine(tokenizer, prompt, ["one two three four five six"])
@@ -225,6 +227,7 @@ def test_stop_strings_cut_the_reply_even_across_tokens(tokenizer):
     assert events[-1].reason == "length" and events[-1].completion_tokens == 3
 
 
+@pytest.mark.quick
 def test_stream_holds_back_only_what_might_start_a_stop_string(tokenizer):
     stream = ReplyStream(tokenizer, stop=["END"])
     pieces = []
@@ -237,6 +240,7 @@ def test_stream_holds_back_only_what_might_start_a_stop_string(tokenizer):
     assert pieces == [] and stream.finish_reason == "stop" and stream.parts == [{"type": "text", "text": "abc "}]
 
 
+@pytest.mark.quick
 def test_trimming_drops_oldest_turns_then_cuts_the_last_message(tokenizer):
     turns = []
     for i in range(20):
@@ -261,6 +265,7 @@ def test_trimming_drops_oldest_turns_then_cuts_the_last_message(tokenizer):
     assert fit_conversation(tokenizer, validate_messages([{"role": "user", "content": "hi"}]), 60).note == ""
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("messages, field", [
     ("hi", "messages"),
     ([], "messages"),
@@ -283,6 +288,7 @@ def test_bad_messages_name_the_field(messages, field):
     assert error.value.field == field and error.value.reason
 
 
+@pytest.mark.quick
 def test_messages_are_normalised():
     messages = validate_messages([{"role": "system", "content": "sys"},
                                   {"role": "user", "content": [{"type": "text", "text": "a"}]},
@@ -290,6 +296,7 @@ def test_messages_are_normalised():
     assert messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "a\n\nb"}]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("body, field", [
     ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"temperature": -0.1}, "temperature"),
@@ -305,6 +312,7 @@ def test_bad_sampling_fields_name_the_field(body, field):
     assert error.value.field == field
 
 
+@pytest.mark.quick
 def test_sampling_defaults_and_folding():
     sampling = read_sampling({"top_k": 40.0, "seed": -1, "stop": "END", "max_completion_tokens": 7}, 0.6, 50, 64)
     got = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.max_tokens, sampling.num_samples)

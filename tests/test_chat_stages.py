@@ -70,6 +70,7 @@ def copy_base(trained_base, tmp_path, name):
     return base
 
 
+@pytest.mark.slow  # 32 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_pipeline_base_mid_sft_rl_eval_and_chat(trained_base, tmp_path):
     base = copy_base(trained_base, tmp_path, "pipeline")
     run(base, "mid_train", MID + ["--num-iterations=6"])
@@ -117,6 +118,7 @@ def start_and_kill_after_save(base, script, args, step):
     assert any(marker in line for line in seen), "".join(seen[-30:])
 
 
+@pytest.mark.slow  # 12 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 @pytest.mark.parametrize("script, args, before", [
     ("mid_train", MID + ["--num-iterations=4"], []),
     # ~19 s each; SFT's exact resume stays in the default run through test_model_import and test_gpu_path
@@ -141,6 +143,7 @@ def test_kill_9_and_resume_is_exact(trained_base, tmp_path, script, args, before
     assert [la[s] for s in (3, 4)] == [lb[s] for s in (3, 4)]
 
 
+@pytest.mark.slow  # 11 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 @pytest.mark.parametrize("script, args", [
     # 12 s each: mid_train's in the slow run (chat_sft's shares the stage loop and adds micro-batches with nothing to learn)
     pytest.param("mid_train", ["--device-batch-size=2", "--total-batch-size=512", "--num-iterations=3", "-i", "base"],
@@ -172,6 +175,7 @@ def tokenizer_of(base):
     return RustBPETokenizer.from_directory(os.path.join(base, "tokenizer"))
 
 
+@pytest.mark.quick
 def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_learn(tiny_base_dir):
     # The 2-rank SFT run above means something only if its data holds empty micro-batches on some rank: check that
     # the same mixture, rows and split (24 tokens, 1 conversation per micro-batch, 2 ranks x 2) gives some.
@@ -188,6 +192,7 @@ def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_l
     assert sum(empty.values()) >= 1, empty
 
 
+@pytest.mark.quick
 def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir):
     from nanochat.tasks import TaskMixture, get_task
     from nanochat.training.chat_data import PackedConversations
@@ -221,6 +226,7 @@ def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir
     assert rows == 12 * 2 * 3
 
 
+@pytest.mark.quick
 def test_validation_batches_read_their_conversations_once_then_end(tiny_base_dir):
     """mid/SFT validation (single_pass): every conversation once, the same tokens on one rank or split over two, then
     StopIteration on every rank at the same step, however many steps were asked for."""
@@ -284,6 +290,7 @@ def test_bad_chat_stage_flags_give_one_line_before_any_work(tmp_path):
             assert words in err, (script, flag, err)
 
 
+@pytest.mark.quick
 def test_flags_that_need_the_models_context_fail_before_it_loads(trained_base, tmp_path, monkeypatch):
     import scripts.chat_sft as chat_sft
     import scripts.mid_train as mid_train
@@ -344,6 +351,7 @@ def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trai
     assert list_steps(os.path.join(base, "chatsft_checkpoints", "tuned")) == [1] and list_steps(sft_dir) == [2, 3]
 
 
+@pytest.mark.quick
 def test_empty_supervision_adds_zero_not_nan():
     # A micro-batch whose targets are all -1 contributes exactly nothing, and a step of only such batches is finite.
     from nanochat.gpt import GPTConfig, build_model
@@ -383,6 +391,7 @@ class ScriptedModel(torch.nn.Module):
         return logits
 
 
+@pytest.mark.quick
 def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
     from nanochat.chat_eval import chatcore, evaluate_task
     from nanochat.tasks.base import CategoricalTask, Task, multiple_choice_conversation
@@ -423,6 +432,7 @@ def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir)
         pytest.approx(((3 / 5 - 1 / 3) / (2 / 3) + 3 / 4) / 2)
 
 
+@pytest.mark.quick
 def test_out_of_memory_in_a_chat_stage_names_it_and_the_batch_to_try(trained_base, tmp_path, monkeypatch, capsys):
     from test_hardening import out_of_memory_lines
 
@@ -437,6 +447,7 @@ def test_out_of_memory_in_a_chat_stage_names_it_and_the_batch_to_try(trained_bas
                      "optimizer step"], lines
 
 
+@pytest.mark.quick
 def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(trained_base):
     """chat_eval's generative tasks decode many problems at once (BatchEngine): every greedy reply, the calculator's
     output included, is the one Engine gives that problem alone, and a prompt with no room gets None."""

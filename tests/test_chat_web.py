@@ -126,6 +126,7 @@ def test_ui_health_stats_and_models(server, client):
 # nanochat's own streaming endpoint
 
 
+@pytest.mark.quick
 def test_nanochat_endpoint_streams_tokens_then_done(server, tokenizer):
     body = {"messages": HELLO, "temperature": 0.8, "top_k": 20, "max_tokens": 10}
     with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=30) as response:
@@ -154,6 +155,7 @@ def test_nanochat_endpoint_streams_tokens_then_done(server, tokenizer):
 # The OpenAI API with the openai package as the client
 
 
+@pytest.mark.quick
 def test_openai_client_non_stream_and_stream(client, tokenizer):
     conversation = [{"role": "system", "content": "You are terse."}] + HELLO
     reply = client.chat.completions.create(model="nanochat", messages=conversation, max_tokens=8, temperature=1.0,
@@ -179,6 +181,7 @@ def test_openai_client_non_stream_and_stream(client, tokenizer):
     assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
 
 
+@pytest.mark.quick
 def test_openai_api_takes_a_conversation_whole_or_refuses_it(server, client, tokenizer):
     """An API client keeps its own context: nothing it sent is dropped behind its back (the UI's endpoint trims and
     says so, above). Too long for the context: a 400 with OpenAI's code; so is a max_tokens that cannot fit beside the
@@ -204,6 +207,7 @@ def test_openai_api_takes_a_conversation_whole_or_refuses_it(server, client, tok
     assert reply.usage.completion_tokens == CONTEXT - prompt_tokens and reply.choices[0].finish_reason == "length"
 
 
+@pytest.mark.quick
 def test_openai_api_takes_what_openai_clients_send(server):
     """Fields the way OpenAI's API takes them: "stream": null is no stream, "developer" is the system role."""
     url = f"{server.url}/v1/chat/completions"
@@ -227,6 +231,7 @@ def test_openai_api_takes_what_openai_clients_send(server):
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 
 
+@pytest.mark.quick
 def test_openai_n_samples_and_seed_reproducibility(client):
     def ask(seed, n=1):
         return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=12, temperature=1.0,
@@ -240,6 +245,7 @@ def test_openai_n_samples_and_seed_reproducibility(client):
     assert first.choices[0].message.content != other.choices[0].message.content
 
 
+@pytest.mark.quick
 def test_openai_stop_strings_cut_the_text(client):
     def ask(**kwargs):
         return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=40, temperature=1.0,
@@ -260,6 +266,7 @@ def test_openai_stop_strings_cut_the_text(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:full.index(stop)]
 
 
+@pytest.mark.quick
 def test_eight_concurrent_clients_are_all_answered(server, client):
     served_before = httpx.get(f"{server.url}/stats").json()["requests_served"]
 
@@ -310,6 +317,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", ["/chat/completions", "/v1/chat/completions"])
 def test_bad_requests_get_4xx_with_a_reason(server, path):
     for raw, reason in BAD_REQUESTS:
@@ -325,6 +333,7 @@ def test_bad_requests_get_4xx_with_a_reason(server, path):
     assert httpx.get(f"{server.url}/stats").json()["workers"]["free"] == 1  # no worker was taken by a bad request
 
 
+@pytest.mark.quick
 def test_openai_client_sees_the_reason(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="nanochat", messages=HELLO, temperature=5)
@@ -335,6 +344,7 @@ def test_openai_client_sees_the_reason(client):
 # Disconnects and the queue
 
 
+@pytest.mark.quick
 def test_a_client_that_disconnects_frees_its_worker(server, client):
     started = time.monotonic()
     full = client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=LONG_REPLY)
@@ -362,6 +372,7 @@ def test_a_client_that_disconnects_frees_its_worker(server, client):
     wait_until(lambda: httpx.get(f"{server.url}/stats").json()["requests_cancelled"] >= 2, 10, "the cancels counted")
 
 
+@pytest.mark.quick
 def test_samples_go_to_a_worker_with_rows_for_all_of_them():
     """Workers' rows may differ (each GPU's free memory sizes its KV cache): n goes to one that can hold it."""
     import asyncio
@@ -504,6 +515,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
 # Continuous batching: many requests in one batch
 
 
+@pytest.mark.quick
 def test_concurrent_greedy_replies_equal_the_same_requests_alone(server, client):
     """Conversations of different lengths (one with a calculator call in its history), asked one at a time and then
     all at once: the same greedy replies, and the batch really held several of them at once."""
@@ -533,6 +545,7 @@ def test_concurrent_greedy_replies_equal_the_same_requests_alone(server, client)
     assert shared_steps() > before  # some decode steps carried several of them at once, not one after another
 
 
+@pytest.mark.quick
 def test_a_client_that_leaves_mid_stream_frees_its_row_and_the_others_go_on(server, client):
     body = {"model": "nanochat", "messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -551,6 +564,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_row_and_the_others_go_on(serv
     assert reply.usage.completion_tokens == LONG_REPLY and reply.choices[0].finish_reason == "length"
 
 
+@pytest.mark.quick
 def test_each_row_leaves_at_its_own_max_tokens(server, client):
     def ask(max_tokens):
         return client.chat.completions.create(model="nanochat", messages=HELLO, max_tokens=max_tokens, temperature=0.7,
@@ -763,6 +777,7 @@ def response_shapes(url):
     }
 
 
+@pytest.mark.quick
 def test_response_shapes_match_the_recorded_ones(server):
     shapes = response_shapes(server.url)
     if os.environ.get("NANOCHAT_RECORD_SHAPES") == "1":  # to record after a deliberate change of the API

@@ -84,6 +84,7 @@ def step_dir():
     return os.path.join(checkpoint_dir("base", "tiny"), f"step_{SAVED_STEP:06d}")
 
 
+@pytest.mark.quick
 def test_load_model_gives_back_the_trained_model(base_copy, single_torch_thread):
     """load_model rebuilds the saved model: same config, same weights, bitwise-equal logits, eval mode."""
     tokenizer = get_tokenizer()
@@ -111,6 +112,7 @@ def test_load_model_gives_back_the_trained_model(base_copy, single_torch_thread)
     assert load_model("base", "cpu")[2]["model_tag"] == "tiny"
 
 
+@pytest.mark.quick
 def test_optimizer_state_continues_the_run_exactly(base_copy, single_torch_thread):
     """The saved optimizer state makes the next step identical to the original run's next step."""
     tokenizer = get_tokenizer()
@@ -142,6 +144,7 @@ def test_optimizer_state_continues_the_run_exactly(base_copy, single_torch_threa
     assert gap > 1e-4, gap
 
 
+@pytest.mark.quick
 def test_checkpoint_of_another_tokenizer_is_refused(base_copy, single_torch_thread):
     """A checkpoint whose tokenizer fingerprint differs from the base dir's tokenizer is a UserError."""
     tokenizer = get_tokenizer()
@@ -161,6 +164,7 @@ def test_checkpoint_of_another_tokenizer_is_refused(base_copy, single_torch_thre
     assert checkpoint_dir("base", "tiny") in str(excinfo.value)
 
 
+@pytest.mark.quick
 def test_damaged_checkpoint_files_are_refused_by_name(base_copy, single_torch_thread):
     """A corrupted weights file is a UserError naming it, whether the hash or the parser catches it; a damaged
     optimizer shard only matters to a caller that loads the optimizer."""

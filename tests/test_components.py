@@ -29,6 +29,7 @@ def make_cache(model, batch_size, seq_len):
     return RowKVCache(batch_size, c.n_kv_head, seq_len, c.n_embd // c.n_head, c.n_layer, c.n_embd, "cpu", torch.float32)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", COMPONENTS)
 @torch.no_grad()
 def test_each_component_starts_as_the_identity(name):
@@ -70,6 +71,7 @@ def plain_smear(x, logits, lam):
     return x + lam * torch.sigmoid(logits) * previous
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["gated_add", "residual_mix", "smear"])
 def test_each_fused_component_function_equals_the_plain_math(name):
     # cpu_ops' Functions for the components: output and every input's gradient against the torch expressions
@@ -94,6 +96,7 @@ def test_each_fused_component_function_equals_the_plain_math(name):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
     # The components run as cpu_ops' Functions in the CPU fast path; loss and every gradient must equal the plain
     # path's (NANOCHAT_CPU_OPS=0, what a GPU runs), and every component parameter must learn.
@@ -116,6 +119,7 @@ def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
     assert len(component_params) == 1 + 1 + 2 + 2 + 1  # a value embedding + its gate, resid/x0, smear gate/lambda, backout
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("window", [64, 200, None])
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_cpu_block_attention_with_a_window_equals_masked_sdpa_and_flex(window):
@@ -142,6 +146,7 @@ def test_cpu_block_attention_with_a_window_equals_masked_sdpa_and_flex(window):
         torch.testing.assert_close(flex, gqa, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_flex_band_attention_compiles_into_one_graph():
     # On CUDA the compiled model runs flex_band_attention; the block mask is built inside the graph, so dynamo must
     # trace all of it without a break (a break per layer would split the compiled model into pieces).
@@ -152,6 +157,7 @@ def test_flex_band_attention_compiles_into_one_graph():
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_kv_cache_with_every_component_matches_the_full_forward():
     # Smear needs the previous token's embedding at decode, which the cache keeps (and prefill copies to every sample);
@@ -174,6 +180,7 @@ def test_kv_cache_with_every_component_matches_the_full_forward():
     torch.testing.assert_close(model(next_tokens, kv_cache=many.rows([0, 1, 2])), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_engine_greedy_equals_naive_recompute_with_every_component():
     from nanochat.tokenizer import RustBPETokenizer
 
@@ -194,6 +201,7 @@ def test_engine_greedy_equals_naive_recompute_with_every_component():
     assert columns == [[t, t] for t in naive]
 
 
+@pytest.mark.quick
 def test_flops_and_scaling_params_leave_out_every_lookup():
     model = build(tiny_config(**ALL_ON), randomize=False)
     plain = build(tiny_config(), randomize=False)
@@ -211,6 +219,7 @@ def test_flops_and_scaling_params_leave_out_every_lookup():
 # Muon's options
 
 
+@pytest.mark.quick
 def test_normuon_evens_out_the_rows_and_keeps_the_norm():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(6, 10)) for _ in range(2)]
@@ -227,6 +236,7 @@ def test_normuon_evens_out_the_rows_and_keeps_the_norm():
     assert state[params[0]]["row_second_moment"].shape == (6, 1)
 
 
+@pytest.mark.quick
 def test_cautious_weight_decay_only_shrinks_weights_the_update_pushes_toward_zero():
     weight = torch.nn.Parameter(torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
     weight.grad = torch.tensor([[1.0, -1.0, -1.0, 1.0]])  # the first two point toward zero, the last two away
@@ -244,6 +254,7 @@ def test_cautious_weight_decay_only_shrinks_weights_the_update_pushes_toward_zer
     torch.testing.assert_close(step, torch.tensor([[0.0, 0.0, -0.05, 0.05]]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.quick
 def test_loss_goes_down_with_every_component_on():
     from nanochat.training.recipe import build_optimizers, train_step
 
@@ -267,6 +278,7 @@ def test_loss_goes_down_with_every_component_on():
 # Checkpoints and base_train
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n_layer, lower_half, alternating", [(1, ["0"], ["0"]), (4, ["0", "1"], ["1", "3"]),
                                                                (6, ["0", "1", "2"], ["1", "3", "5"])])
 def test_value_embeddings_sit_on_the_lower_half_and_old_checkpoints_keep_theirs(n_layer, lower_half, alternating):
@@ -283,6 +295,7 @@ def test_value_embeddings_sit_on_the_lower_half_and_old_checkpoints_keep_theirs(
     assert "value_embed_layers" not in config_dict(tiny_config(n_layer=n_layer, smear=True))  # plain meta unchanged
 
 
+@pytest.mark.quick
 def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
     from nanochat.checkpoint_manager import validate_meta
     from nanochat.training.recipe import config_dict

@@ -199,6 +199,7 @@ def leftovers(base):
 # Download and extraction
 
 
+@pytest.mark.quick
 def test_ensure_eval_bundle_downloads_extracts_and_caches(tmp_path, base_dir, server, monkeypatch):
     www, url, requests_seen = server
     zip_folder(write_bundle(tmp_path / "src"), www / "eval_bundle.zip")
@@ -220,6 +221,7 @@ def test_ensure_eval_bundle_downloads_extracts_and_caches(tmp_path, base_dir, se
     assert out["core_metric"] == pytest.approx(EXPECTED_CORE)
 
 
+@pytest.mark.quick
 def test_zip_of_bundle_contents_without_top_folder_is_accepted(tmp_path, base_dir, server, monkeypatch):
     www, url, _ = server
     bundle = write_bundle(tmp_path / "src")
@@ -242,6 +244,7 @@ def corrupt_member_zip(tmp_path, www):
     return bytes(data)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["garbage", "truncated", "bad_crc", "no_core_yaml", "missing"])
 def test_bad_download_gives_clear_error_and_leaves_nothing(tmp_path, base_dir, server, monkeypatch, kind):
     www, url, _ = server
@@ -271,6 +274,7 @@ def test_bad_download_gives_clear_error_and_leaves_nothing(tmp_path, base_dir, s
 # Scoring
 
 
+@pytest.mark.quick
 def test_evaluate_core_matches_hand_worked_answers(tmp_path, capsys):
     bundle = write_bundle(tmp_path)
     out = core_eval.evaluate_core(SuccessorModel(), CharTokenizer(), "cpu", bundle_dir=str(bundle))
@@ -281,6 +285,7 @@ def test_evaluate_core_matches_hand_worked_answers(tmp_path, capsys):
     assert "mc_task" in printed and "lm_task" in printed
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("task_type, rows, verdicts", [
     ("multiple_choice", MC_ROWS, [True, True, False, True]),
     ("schema", SCHEMA_ROWS, [True, False, True, True]),
@@ -300,6 +305,7 @@ def test_each_example_verdict(task_type, rows, verdicts):
         assert (call[:, 0] == CharTokenizer.BOS).all()
 
 
+@pytest.mark.quick
 def test_fewshot_examples_are_rendered_and_deterministic():
     data = [{"query": f"Q{i}:", "choices": ["x", "y"], "gold": i % 2} for i in range(6)]
     shots_a = core_eval.sample_fewshot(data, 3, 3)
@@ -313,6 +319,7 @@ def test_fewshot_examples_are_rendered_and_deterministic():
     assert len(core_eval.sample_fewshot(data[:3], 0, 10)) == 2
 
 
+@pytest.mark.quick
 def test_language_modeling_context_is_a_token_prefix():
     # With a " " delimiter the context drops its trailing space (in BPE it merges into the
     # continuation); with one token per character the space is then the first scored token.
@@ -326,6 +333,7 @@ def test_language_modeling_context_is_a_token_prefix():
     assert rows[0][start:end] == tok.encode(" cd")
 
 
+@pytest.mark.quick
 def test_long_contexts_are_cropped_from_the_left():
     tok = CharTokenizer()
     meta = {"task_type": "language_modeling", "num_fewshot": 0, "continuation_delimiter": ""}
@@ -349,6 +357,7 @@ def test_long_contexts_are_cropped_from_the_left():
     assert rows == [[9, 3, 4, 5]] and spans == [(1, 4)]
 
 
+@pytest.mark.quick
 def test_bad_bundle_metadata_is_a_user_error(tmp_path, monkeypatch):
     bundle = write_bundle(tmp_path)
     (bundle / "eval_meta_data.csv").write_text(META_CSV.replace("lm_task,", "renamed_task,"))
@@ -370,6 +379,7 @@ def test_bad_bundle_metadata_is_a_user_error(tmp_path, monkeypatch):
     assert evaluated == []
 
 
+@pytest.mark.quick
 def test_max_per_task_evaluates_a_subset(tmp_path):
     bundle = write_bundle(tmp_path)
     model = SuccessorModel()
@@ -420,6 +430,7 @@ def _rank_worker(rank, world_size, port, hand_bundle, real_bundle, tokenizer_dir
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.quick
 def test_ranks_take_every_world_size_th_example_and_sum_counts(tmp_path, monkeypatch):
     # In-process stand-in for torch.distributed: run "rank 0" then "rank 1" of 2 and check they
     # split the examples between them and hand all_reduce their (correct, total) counts.
@@ -497,6 +508,7 @@ def test_two_gloo_ranks_agree_with_one_process(tmp_path, tiny_base_dir, seed7_bu
 # scripts/base_eval.py end to end, with checkpoint loading and the report faked
 
 
+@pytest.mark.quick
 def test_base_eval_script_writes_csv_and_report(tmp_path, base_dir, monkeypatch, capsys):
     write_bundle(base_dir)  # already cached: no download
     loaded, logged = [], []
@@ -559,6 +571,7 @@ def test_base_eval_script_writes_csv_and_report(tmp_path, base_dir, monkeypatch,
 # resolve_eval_bundle, and the built-in bundle that nanochat.corpus writes about its world
 
 
+@pytest.mark.quick
 def test_resolve_eval_bundle(tmp_path, base_dir, monkeypatch):
     monkeypatch.setattr(core_eval, "ensure_eval_bundle", lambda: "downloaded-bundle")
     assert core_eval.resolve_eval_bundle() == "downloaded-bundle"
@@ -584,6 +597,7 @@ def builtin_bundle(tmp_path_factory):
     return str(bundle)
 
 
+@pytest.mark.quick
 def test_builtin_bundle_parses_with_core_eval_loaders(builtin_bundle):
     tasks = core_eval.load_core_tasks(builtin_bundle)
     assert len(tasks) >= 5 and len({t["label"] for t in tasks}) == len(tasks)
@@ -660,6 +674,7 @@ class RandomModel:
         return torch.randn(*idx.shape, self.vocab_size, generator=self.generator)
 
 
+@pytest.mark.quick
 def test_builtin_bundle_scores_oracle_perfect_and_random_at_chance(builtin_bundle):
     oracle = core_eval.evaluate_core(OracleModel(builtin_bundle), ByteTokenizer(), "cpu", max_per_task=25,
                                      bundle_dir=builtin_bundle, verbose=False)
@@ -751,6 +766,7 @@ def exact_match_by_hand(model, tokenizer, context, delimiter, continuation):
     return all(predicted[t - 1] == row[t] for t in scored)
 
 
+@pytest.mark.quick
 def test_core_of_real_gpt_with_bpe_tokenizer(tiny_base_dir, seed7_bundle, single_torch_thread):
     """evaluate_core with the real model and tokenizer: every task scored, accuracies are counts out of K, centring
     follows each task's baseline, and the choice tasks' accuracies equal an independent scoring of the same examples."""
@@ -788,6 +804,7 @@ def test_core_of_real_gpt_with_bpe_tokenizer(tiny_base_dir, seed7_bundle, single
     assert 0 < scored_by_hand < 5 * K  # neither all wrong nor all right, so the comparison can tell them apart
 
 
+@pytest.mark.quick
 def test_exact_match_of_real_gpt_with_bpe_tokenizer(tiny_base_dir, seed7_bundle, single_torch_thread):
     """language_modeling verdicts of evaluate_example equal an independent greedy check, on real examples (which a
     random model gets wrong), on the model's own greedy continuations (right) and on those spoiled after one token."""

@@ -46,6 +46,7 @@ def sentences(text):
 # World
 
 
+@pytest.mark.quick
 def test_world_shape_and_split():
     world = world_mod.build_world(42)
     assert len(world.countries) == 300 and len(world.people) == 200
@@ -71,6 +72,7 @@ def test_world_shape_and_split():
     assert set(world.sft_subjects) == {f.subject for f in sft}
 
 
+@pytest.mark.quick
 def test_relations_templates():
     assert len(world_mod.RELATIONS) == 7
     for rel in world_mod.RELATIONS.values():
@@ -82,6 +84,7 @@ def test_relations_templates():
         assert rel.questions and all(q.endswith(("?", ".")) for q in rel.questions)
 
 
+@pytest.mark.quick
 def test_world_depends_on_seed():
     a, b = world_mod.build_world(1), world_mod.build_world(2)
     assert [c.name for c in a.countries] != [c.name for c in b.countries]
@@ -92,6 +95,7 @@ def test_world_depends_on_seed():
 # Files
 
 
+@pytest.mark.quick
 def test_layout(built):
     names = [os.path.basename(p) for p in built["paths"]]
     assert names[0] == "shard_00000.parquet"
@@ -116,6 +120,7 @@ def test_layout(built):
     assert os.path.isfile(os.path.join(bundle, "core.yaml")) and info["eval_bundle_dir"] == bundle
 
 
+@pytest.mark.quick
 def test_readable_through_dataset_api(tmp_path, monkeypatch):
     from nanochat import dataset
 
@@ -134,6 +139,7 @@ def test_readable_through_dataset_api(tmp_path, monkeypatch):
     assert "seed 5" in (tmp_path / "eval_bundle_builtin" / "core.yaml").read_text()
 
 
+@pytest.mark.quick
 def test_deterministic_and_seeded(tmp_path):
     a, b, c = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")
     corpus.write_corpus(a, seed=7, size_mb=0.2, verbose=False)
@@ -149,6 +155,7 @@ def test_deterministic_and_seeded(tmp_path):
     assert len(set(texts_a) & set(texts_c)) < 0.01 * len(texts_a)
 
 
+@pytest.mark.quick
 def test_rebuild_removes_stale_shards(tmp_path):
     out = str(tmp_path)
     corpus.write_corpus(out, seed=1, size_mb=0.3, shard_mb=0.05, verbose=False)
@@ -157,6 +164,7 @@ def test_rebuild_removes_stale_shards(tmp_path):
     assert len(many) > 3 and len(shard_paths(out)) == 2
 
 
+@pytest.mark.quick
 def test_bad_flags(tmp_path, capsys):
     with pytest.raises(UserError, match="--size-mb"):
         corpus.main(["--size-mb", "0", "--out", str(tmp_path)])
@@ -169,6 +177,7 @@ def test_bad_flags(tmp_path, capsys):
     assert not list(tmp_path.glob("*.parquet"))
 
 
+@pytest.mark.quick
 def test_cli_prints_config_and_summary(tmp_path, capsys):
     corpus.main(["--seed", "3", "--size-mb", "0.1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -180,6 +189,7 @@ def test_cli_prints_config_and_summary(tmp_path, capsys):
 # Content
 
 
+@pytest.mark.quick
 def test_every_fact_is_told_in_train(built):
     told = set(sentences(built["train_text"]))
     missing = []
@@ -191,6 +201,7 @@ def test_every_fact_is_told_in_train(built):
     assert built["summary"]["mentions_min"] >= 1
 
 
+@pytest.mark.quick
 def test_facts_told_about_50_times_at_default_size():
     import random
     from collections import Counter
@@ -225,6 +236,7 @@ ARITHMETIC_PATTERNS = [
 ]
 
 
+@pytest.mark.quick
 def test_arithmetic_is_correct(built):
     text = built["train_text"]
     checked = 0
@@ -243,6 +255,7 @@ def test_arithmetic_is_correct(built):
         assert int(m.group(1)) + int(m.group(2)) == int(m.group(4))
 
 
+@pytest.mark.quick
 def test_spelling_is_correct(built):
     text = built["train_text"]
     checks = {
@@ -275,6 +288,7 @@ def test_spelling_is_correct(built):
     assert re.search(r"has 0 letter \w\.|appears 0 times", text)
 
 
+@pytest.mark.quick
 def test_val_is_held_out_documents_about_the_same_world(built):
     train, val, world = set(built["train"]), built["val"], built["world"]
     assert len(val) >= 20
@@ -296,6 +310,7 @@ def bundle_files(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.quick
 def test_eval_bundle_is_deterministic_per_seed_and_replaced_whole(tmp_path):
     world7 = world_mod.build_world(7)
     core_bundle.write_eval_bundle(tmp_path / "a", world7, 7)
@@ -324,6 +339,7 @@ def true_statements(world, relation, facts=None):
             for t in world_mod.RELATIONS[relation].templates}
 
 
+@pytest.mark.quick
 def test_eval_bundle_asks_true_facts_about_held_out_subjects_in_trained_wordings():
     world = world_mod.build_world(42)
     tasks = {t["label"]: t for t in core_bundle.build_eval_tasks(world, 42)}
@@ -353,6 +369,7 @@ def test_eval_bundle_asks_true_facts_about_held_out_subjects_in_trained_wordings
         assert sum(s in capitals for s in sentences) == 1
 
 
+@pytest.mark.quick
 def test_eval_bundle_arithmetic_and_spelling_are_right_and_in_corpus_format(built):
     tasks = {t["label"]: t for t in core_bundle.build_eval_tasks(built["world"], 42)}
     text = built["train_text"]

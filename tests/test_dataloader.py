@@ -16,6 +16,7 @@ def take(loader, n):
     return [next(loader) for _ in range(n)]
 
 
+@pytest.mark.quick
 def test_rows_start_with_bos_and_targets_shift(tiny_env):
     tok = get_tokenizer()
     loader = DataLoader(tok, B=4, T=64)
@@ -29,6 +30,7 @@ def test_rows_start_with_bos_and_targets_shift(tiny_env):
     loader.close()
 
 
+@pytest.mark.quick
 def test_rows_are_whole_documents_then_one_crop(tiny_env):
     """Every BOS in a row starts a real document; each piece is a document's prefix (only the last may be cropped)."""
     tok = get_tokenizer()
@@ -50,6 +52,7 @@ def test_rows_are_whole_documents_then_one_crop(tiny_env):
     loader.close()
 
 
+@pytest.mark.quick
 def test_crop_fraction_is_small_on_builtin_corpus(tiny_env):
     tok = get_tokenizer()
     for T, bound in ((256, 0.06), (1024, 0.03)):
@@ -61,6 +64,7 @@ def test_crop_fraction_is_small_on_builtin_corpus(tiny_env):
         loader.close()
 
 
+@pytest.mark.quick
 def test_two_ranks_are_disjoint_and_cover_the_one_rank_stream(tiny_env):
     tok = get_tokenizer()
     from nanochat.dataset import read_row_group_texts
@@ -116,6 +120,7 @@ def test_resume_in_new_process_is_bitwise_identical(tiny_env, tmp_path):
     assert len(first) == k
 
 
+@pytest.mark.quick
 def test_resume_across_epoch_boundary(tiny_env):
     tok = get_tokenizer()
     loader = DataLoader(tok, B=8, T=256, buffer_size=30)
@@ -130,6 +135,7 @@ def test_resume_across_epoch_boundary(tiny_env):
     assert all(torch.equal(a, b) for a, b in zip(expect, got))
 
 
+@pytest.mark.quick
 def test_bad_input_is_a_clear_error(tiny_env):
     tok = get_tokenizer()
     with pytest.raises(UserError, match="positive"):
@@ -148,6 +154,7 @@ def test_bad_input_is_a_clear_error(tiny_env):
         DataLoader(tok, B=2, T=64, rank=9_999, world_size=10_000)
 
 
+@pytest.mark.quick
 def test_a_single_pass_places_every_document_once_then_ends(tiny_env):
     """Evaluation's loader (eval_batches): each val document exactly once, the last batch padded with -1 targets, then
     StopIteration, and the same rows whatever the batch size (rows are packed one after another)."""

@@ -50,6 +50,7 @@ def write_shard(source, index, data):
 # Reading
 
 
+@pytest.mark.quick
 def test_list_parquet_files_separates_fixed_val_shard(base_dir):
     for i in (VAL, 0, 2, 1):  # written out of order; the val shard is the highest index on disk
         write_shard("fineweb-edu", i, parquet_bytes(shard_texts(i)))
@@ -67,6 +68,7 @@ def test_list_parquet_files_separates_fixed_val_shard(base_dir):
     assert len(dataset.list_parquet_files("train", "builtin")) == 2
 
 
+@pytest.mark.quick
 def test_default_source_and_unknown_source(base_dir, monkeypatch):
     assert dataset.get_default_source() == "builtin"
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "climbmix")
@@ -75,6 +77,7 @@ def test_default_source_and_unknown_source(base_dir, monkeypatch):
         dataset.get_data_dir("nope")
 
 
+@pytest.mark.quick
 def test_parquets_iter_batched_shards_row_groups_across_ranks(base_dir):
     # val shard 0 plus train shards with 3, 2 and 4 row groups
     sizes = {0: 8, 1: 12, 2: 8, 3: 16}
@@ -96,6 +99,7 @@ def test_parquets_iter_batched_shards_row_groups_across_ranks(base_dir):
     assert val == shard_texts(0, 8)
 
 
+@pytest.mark.quick
 def test_missing_data_dir_raises_user_error(base_dir):
     with pytest.raises(UserError) as e:
         dataset.list_parquet_files("train", "fineweb-edu")
@@ -105,12 +109,14 @@ def test_missing_data_dir_raises_user_error(base_dir):
         list(dataset.parquets_iter_batched("train", source="builtin"))
 
 
+@pytest.mark.quick
 def test_missing_val_shard_raises_user_error(base_dir):
     write_shard("fineweb-edu", 0, parquet_bytes(shard_texts(0)))
     with pytest.raises(UserError, match=f"shard_{VAL:05d}.parquet"):
         dataset.list_parquet_files("val", "fineweb-edu")
 
 
+@pytest.mark.quick
 def test_corrupt_or_wrong_schema_parquet_raises_user_error(base_dir):
     write_shard("builtin", 0, parquet_bytes(shard_texts(0)))
     bad = write_shard("builtin", 1, os.urandom(3000))
@@ -238,6 +244,7 @@ def leftovers(data_dir):
     return sorted(n for n in os.listdir(data_dir) if not dataset.SHARD_RE.match(n) and n != ".locks")
 
 
+@pytest.mark.quick
 def test_shard_url_honours_hf_endpoint(monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
     assert dataset.shard_url("climbmix", 7) == (
@@ -248,6 +255,7 @@ def test_shard_url_honours_hf_endpoint(monkeypatch):
         dataset.shard_url("builtin", 0)
 
 
+@pytest.mark.quick
 def test_sha256_from_etag():
     h = "ab" * 32
     assert sha256_from_etag(h) == h
@@ -257,6 +265,7 @@ def test_sha256_from_etag():
     assert sha256_from_etag(None) is None
 
 
+@pytest.mark.quick
 def test_download_retries_after_server_error(hub):
     data = parquet_bytes(shard_texts(0))
     hub.add(0, data, faults=["500"])
@@ -266,6 +275,7 @@ def test_download_retries_after_server_error(hub):
     assert leftovers(os.path.dirname(path)) == []
 
 
+@pytest.mark.quick
 def test_download_retries_after_dropped_connection(hub):
     data = parquet_bytes(shard_texts(1, 200))
     hub.add(1, data, faults=["drop", "drop"])
@@ -274,6 +284,7 @@ def test_download_retries_after_dropped_connection(hub):
     assert hub.requests["shard_00001.parquet"] == 3
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fault", ["weak_etag", "redirect"])
 def test_download_accepts_weak_etag_and_hub_style_redirect(hub, fault):
     data = parquet_bytes(shard_texts(2))
@@ -282,6 +293,7 @@ def test_download_accepts_weak_etag_and_hub_style_redirect(hub, fault):
     assert hub.requests["shard_00002.parquet"] == 1
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fault, problem", [("bad_sha*", "sha256 mismatch"), ("bad_size*", "bytes"),
                                             ("redirect_bad_sha*", "sha256 mismatch"),
                                             ("redirect_bad_size*", "X-Linked-Size"), ("drop*", "connection broken")])
@@ -296,11 +308,13 @@ def test_download_gives_up_with_clear_error_and_no_file(hub, fault, problem):
     assert leftovers(data_dir) == [] and not os.path.exists(os.path.join(data_dir, dataset.shard_filename(3)))
 
 
+@pytest.mark.quick
 def test_client_error_is_not_retried(hub):
     with pytest.raises(dataset.DownloadError, match="HTTP 404"):
         dataset.download_shard("fineweb-edu", 5, max_attempts=4, backoff=0.001)
 
 
+@pytest.mark.quick
 def test_present_shard_is_not_downloaded_again_and_stale_temp_is_replaced(hub):
     hub.add(0, parquet_bytes(shard_texts(0)))
     hub.add(1, parquet_bytes(shard_texts(1)))
@@ -324,6 +338,7 @@ def test_present_shard_is_not_downloaded_again_and_stale_temp_is_replaced(hub):
     assert "shard_00000.parquet" not in hub.requests
 
 
+@pytest.mark.quick
 def test_download_shards_reports_failures_and_keeps_going(hub):
     for i in range(3):
         hub.add(i, parquet_bytes(shard_texts(i)), faults=["bad_sha*"] if i == 1 else ["500"])
@@ -335,6 +350,7 @@ def test_download_shards_reports_failures_and_keeps_going(hub):
     assert sorted(n for n in os.listdir(dataset.get_data_dir("fineweb-edu")) if n != ".locks") == ["shard_00000.parquet", "shard_00002.parquet"]
 
 
+@pytest.mark.quick
 def test_cli_downloads_train_and_val_shards(hub, capsys):
     for i in (0, 1, VAL):
         hub.add(i, parquet_bytes(shard_texts(i)))
@@ -348,6 +364,7 @@ def test_cli_downloads_train_and_val_shards(hub, capsys):
     assert hub.requests == {"shard_00000.parquet": 1, "shard_00001.parquet": 1, f"shard_{VAL:05d}.parquet": 1}
 
 
+@pytest.mark.quick
 def test_cli_rejects_builtin_and_bad_flags(hub):
     with pytest.raises(UserError, match="no URL.*python -m nanochat.corpus"):
         dataset.main(["-n", "2", "--source", "builtin"])

@@ -66,6 +66,7 @@ def columns_of(engine, prompt, **kwargs):
 # Greedy decoding, the context limit
 
 
+@pytest.mark.quick
 def test_greedy_equals_full_recompute_and_stops_at_the_context(model, tokenizer):
     engine = Engine(model, tokenizer)
     bos = tokenizer.get_bos_token_id()
@@ -95,6 +96,7 @@ def test_greedy_equals_full_recompute_and_stops_at_the_context(model, tokenizer)
 # Sampling
 
 
+@pytest.mark.quick
 def test_samples_of_one_prompt_differ_from_the_first_token(model, tokenizer):
     engine = Engine(model, tokenizer)
     prompt = tokenizer.encode("The quick", prepend=tokenizer.get_bos_token_id())
@@ -108,6 +110,7 @@ def test_samples_of_one_prompt_differ_from_the_first_token(model, tokenizer):
         assert mask == [0] * len(prompt) + [1] * (len(result) - len(prompt))
 
 
+@pytest.mark.quick
 def test_seed_makes_a_call_reproducible_and_ignores_the_global_rng(model, tokenizer):
     engine = Engine(model, tokenizer)
     prompt = tokenizer.encode("What is", prepend=tokenizer.get_bos_token_id())
@@ -123,6 +126,7 @@ def test_seed_makes_a_call_reproducible_and_ignores_the_global_rng(model, tokeni
     assert other != first
 
 
+@pytest.mark.quick
 def test_top_k_one_and_tiny_top_p_are_greedy(model, tokenizer):
     engine = Engine(model, tokenizer)
     prompt = tokenizer.encode("Numbers like", prepend=tokenizer.get_bos_token_id())
@@ -136,6 +140,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(model, tokenizer):
     assert greedy_masks == top_k_masks == top_p_masks == [[1]] * 10
 
 
+@pytest.mark.quick
 def test_bad_arguments_are_refused(model, tokenizer):
     engine = Engine(model, tokenizer)
     for kwargs in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(num_samples=0), dict(max_tokens=-1)):
@@ -197,6 +202,7 @@ def tool_script(tokenizer, expression):
     return script, filler, choose
 
 
+@pytest.mark.quick
 def test_calculator_output_is_forced_with_mask_zero(tokenizer):
     special = tokenizer.encode_special
     script, _, choose = tool_script(tokenizer, "12*3")
@@ -216,6 +222,7 @@ def test_calculator_output_is_forced_with_mask_zero(tokenizer):
     assert result_masks == [[0] * len(prompt) + [1] * len(script) + [0] * len(forced)] * 2
 
 
+@pytest.mark.quick
 def test_a_refused_tool_call_forces_nothing(tokenizer):
     script, filler, choose = tool_script(tokenizer, "__import__('os')")
     engine = Engine(ScriptedModel(tokenizer.get_vocab_size(), choose), tokenizer)
@@ -225,6 +232,7 @@ def test_a_refused_tool_call_forces_nothing(tokenizer):
     assert masks == [[0] + [1] * (len(script) + 3)]
 
 
+@pytest.mark.quick
 def test_finished_rows_repeat_their_terminal_with_mask_zero(tokenizer):
     end = tokenizer.encode_special("<|assistant_end|>")
     short, long, filler = tokenizer.encode("a")[0], tokenizer.encode("b")[0], tokenizer.encode("z")[0]
@@ -260,6 +268,7 @@ def test_finished_rows_repeat_their_terminal_with_mask_zero(tokenizer):
 # Calculator
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("expression, answer", [
     ("12*3", "36"), ("1 + 2 * 3", "7"), ("(1 + 2) * 3", "9"), ("-5 + 2", "-3"), ("7 / 2", "3.5"), ("6 / 3", "2"),
     ("7 // 2", "3"), ("7 % 3", "1"), ("2 ** 10", "1024"), ("-(4 - 10)", "6"), ("0.1 + 0.2", "0.3"), ("2.5 * 4", "10"),
@@ -270,6 +279,7 @@ def test_calculator_answers(expression, answer):
     assert use_calculator(expression) == answer
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("expression", [
     "__import__('os')", "__import__('os').system('touch pwned')", "().__class__", "'a'.upper()", "open('x', 'w')",
     "9**9**9", "10**100000", "2 ** 101", "1.0001 ** 1000", "2**1000000 - 1", "(10**500)**3", "x", "x + 1", "lambda: 1", "[i for i in range(9)]",
@@ -288,6 +298,7 @@ def test_calculator_refuses_quickly_and_without_side_effects(expression, tmp_pat
 # Streaming
 
 
+@pytest.mark.quick
 def test_stream_decoder_never_splits_a_character(tokenizer):
     text = "Héllo wörld: ☃, 日本語 and 🙂!"
     ids = tokenizer.encode(text)
@@ -303,6 +314,7 @@ def test_stream_decoder_never_splits_a_character(tokenizer):
 # The benchmark (scripts/bench.py engine) on tiny settings: it runs and reports; speeds are for BENCHMARKS.md
 
 
+@pytest.mark.quick
 def test_bench_engine_runs_and_ends_with_its_json_line(tiny_env, capsys):
     bench.main(["engine", "--depth=1", "--seq-len=64", "--prompt-tokens=8", "--new-tokens=8", "--batch=2", "--repeats=1",
                 "--cached-lengths", "8", "16", "--length-steps=2", "--device-type=cpu"])
@@ -318,6 +330,7 @@ def test_bench_engine_runs_and_ends_with_its_json_line(tiny_env, capsys):
     assert set(result["step_ms_by_cached_length"]) == {"8", "16"}
 
 
+@pytest.mark.quick
 def test_a_model_with_the_reference_forward_signature_generates(tokenizer):
     """The engine's contract is forward(ids, kv_cache=rows): a model without our logits_at (a user's own class, a
     mock, the reference's signature) gives every position's logits and still generates, the same tokens as with it."""

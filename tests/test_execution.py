@@ -11,11 +11,13 @@ import pytest
 from nanochat.execution import ExecutionResult, execute_code
 
 
+@pytest.mark.quick
 def test_success_captures_stdout_and_stderr():
     result = execute_code("import sys\nprint('hello', 6 * 7)\nprint('careful', file=sys.stderr)")
     assert result == ExecutionResult(success=True, stdout="hello 42\n", stderr="careful\n")
 
 
+@pytest.mark.quick
 def test_exception_reports_its_type_and_message():
     result = execute_code("print('before')\n1 / 0\nprint('after')")
     assert not result.success and not result.timeout and not result.memory_exceeded
@@ -24,6 +26,7 @@ def test_exception_reports_its_type_and_message():
     assert "ZeroDivisionError" in result.stderr
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("code, error_type", [
     ("def f(:\n    pass", "SyntaxError"),
     ("assert 1 + 1 == 3", "AssertionError"),
@@ -36,12 +39,14 @@ def test_code_that_does_not_run_to_its_end_fails(code, error_type):
     assert "unreachable" not in result.stdout
 
 
+@pytest.mark.quick
 def test_exit_without_report_fails():
     result = execute_code("import os\nos._exit(0)")
     assert not result.success
     assert "before the code finished" in result.error
 
 
+@pytest.mark.quick
 def test_infinite_loop_times_out_promptly():
     start = time.monotonic()
     result = execute_code("print('started')\nwhile True:\n    pass", timeout=1.0)
@@ -52,6 +57,7 @@ def test_infinite_loop_times_out_promptly():
     assert elapsed < 2.0
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is only enforced on Linux")
 @pytest.mark.parametrize("allocation", ["x = bytearray(1 << 30)", "x = [0] * (1 << 28)"])
 def test_large_allocation_exceeds_memory_limit(allocation):
@@ -60,6 +66,7 @@ def test_large_allocation_exceeds_memory_limit(allocation):
     assert result.error.startswith("MemoryError")
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is only enforced on Linux")
 def test_memory_limit_is_configurable():
     allocation = "x = bytearray(96 << 20)\nprint(len(x) >> 20)"
@@ -67,12 +74,14 @@ def test_memory_limit_is_configurable():
     assert execute_code(allocation, maximum_memory_bytes=None).stdout == "96\n"
 
 
+@pytest.mark.quick
 def test_output_is_capped():
     result = execute_code("import sys\nsys.stdout.write('x' * (3 << 20))\nsys.stderr.write('y' * (3 << 20))")
     assert result.success
     assert result.stdout == "x" * (1 << 20) and result.stderr == "y" * (1 << 20)
 
 
+@pytest.mark.quick
 def test_parent_environment_is_invisible(monkeypatch):
     monkeypatch.setenv("NANOCHAT_SECRET", "hunter2")
     result = execute_code("import os\nprint(dict(os.environ))\nprint(os.environ.get('NANOCHAT_SECRET'))")
@@ -81,6 +90,7 @@ def test_parent_environment_is_invisible(monkeypatch):
     assert result.stdout.endswith("None\n")
 
 
+@pytest.mark.quick
 def test_input_fails():
     result = execute_code("name = input('name? ')\nprint('got', name)")
     assert not result.success
@@ -88,6 +98,7 @@ def test_input_fails():
     assert "got" not in result.stdout
 
 
+@pytest.mark.quick
 def test_runs_in_a_fresh_temp_dir_that_is_removed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = "import os\nprint(os.listdir('.'))\nopen('relative.txt', 'w').write('x')\nprint(os.path.realpath(os.getcwd()))"
@@ -100,6 +111,7 @@ def test_runs_in_a_fresh_temp_dir_that_is_removed(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.quick
 def test_code_runs_exactly_as_written():
     literal = r"""'''quotes ' " \''' backslashes \\ \n \x41 braces {} {{x}} {0} %s %(name)s unicode ünïcødé ✓ 🚀'''"""
     code = "# -*- coding: latin-1 -*-  (ignored: the code arrives as text)\nprint(" + literal + ", end='')\n"
@@ -108,6 +120,7 @@ def test_code_runs_exactly_as_written():
     assert result.stdout == ast.literal_eval(literal)
 
 
+@pytest.mark.quick
 def test_user_code_sees_fresh_globals():
     code = (
         "import __main__\n"
@@ -118,6 +131,7 @@ def test_user_code_sees_fresh_globals():
     assert result.stdout == "[]\n__main__ True\n"
 
 
+@pytest.mark.quick
 def test_code_may_change_files_inside_its_own_dir():
     code = """
 import os, pathlib, shutil, tempfile
@@ -203,6 +217,7 @@ DESTRUCTIVE_CALLS = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("call", DESTRUCTIVE_CALLS)
 def test_destructive_call_fails_without_effect(call, outside):
     result = execute_code(DESTRUCTIVE_CALLS[call].format(**outside) + "\nprint('got through')", timeout=2.0)

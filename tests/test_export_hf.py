@@ -213,6 +213,7 @@ def test_fp32_logits_match(tag, exported, base_env):
     assert worst < FP32_TOLERANCE
 
 
+@pytest.mark.quick
 def test_config_and_weights_on_disk(exported, base_env):
     from safetensors import safe_open
 
@@ -237,6 +238,7 @@ def test_config_and_weights_on_disk(exported, base_env):
     assert not [name for name in os.listdir(os.path.dirname(exported["gqa"])) if name.endswith(".tmp")]
 
 
+@pytest.mark.quick
 def test_padding_rows_dropped_logits_still_match(exported, base_env):
     ours, tokenizer, _ = load_model("base", "cpu", model_tag="padded")
     theirs = load_hf_model(exported["padded"])
@@ -247,6 +249,7 @@ def test_padding_rows_dropped_logits_still_match(exported, base_env):
             assert (ours(ids)[..., :vocab] - theirs(ids).logits).abs().max() < FP32_TOLERANCE
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("tag", ["gqa", "mha"])
 def test_greedy_generation_matches(tag, exported, base_env):
     ours, tokenizer, _ = load_model("base", "cpu", model_tag=tag)
@@ -267,6 +270,7 @@ def test_greedy_generation_matches(tag, exported, base_env):
     assert len(generated) < 6 if tag == "mha" else len(generated) == 32
 
 
+@pytest.mark.quick
 def test_bf16_export_matches_our_model_in_bf16(exported, base_env):
     from safetensors import safe_open
 
@@ -288,6 +292,7 @@ def test_bf16_export_matches_our_model_in_bf16(exported, base_env):
 # The tokenizer and the chat template
 
 
+@pytest.mark.quick
 def test_tokenizer_encodes_and_decodes_like_ours(exported, base_env):
     ours = get_tokenizer()
     theirs = transformers.AutoTokenizer.from_pretrained(exported["gqa"])
@@ -312,6 +317,7 @@ def test_tokenizer_encodes_and_decodes_like_ours(exported, base_env):
     assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(text_ids)
 
 
+@pytest.mark.quick
 def test_chat_template_gives_our_ids(exported, base_env):
     ours = get_tokenizer()
     theirs = transformers.AutoTokenizer.from_pretrained(exported["gqa"])
@@ -362,6 +368,7 @@ def assert_refused(p, out, *phrases):
     assert not [name for name in os.listdir(os.path.dirname(out)) if name.endswith(".tmp")]
 
 
+@pytest.mark.quick
 def test_missing_checkpoint_refused(export_base, tmp_path):
     out = str(tmp_path / "out")
     p = run_export(export_base, "-g", "no_such_tag", "--out", out)
@@ -369,6 +376,7 @@ def test_missing_checkpoint_refused(export_base, tmp_path):
     assert not os.path.exists(out)
 
 
+@pytest.mark.quick
 def test_nonempty_out_refused(export_base, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -378,6 +386,7 @@ def test_nonempty_out_refused(export_base, tmp_path):
     assert os.listdir(out) == ["sentinel.txt"] and (out / "sentinel.txt").read_text() == "keep me"
 
 
+@pytest.mark.quick
 def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
     from nanochat.common import UserError
     from nanochat.interop.hf_export import check_output_dir
@@ -389,6 +398,7 @@ def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
     assert not (tmp_path / "new").exists()  # and checking it leaves nothing behind
 
 
+@pytest.mark.quick
 def test_unrepresentable_config_refused(export_base, tmp_path):
     out = str(tmp_path / "out")
     p = run_export(export_base, "-g", "unknown", "--out", out)
@@ -396,6 +406,7 @@ def test_unrepresentable_config_refused(export_base, tmp_path):
     assert not os.path.exists(out)
 
 
+@pytest.mark.quick
 def test_merges_from_ranks():
     from nanochat.common import UserError
     from nanochat.interop.hf_export import merges_from_ranks
@@ -409,6 +420,7 @@ def test_merges_from_ranks():
         merges_from_ranks(ranks)
 
 
+@pytest.mark.quick
 def test_extra_parameter_refused(single_torch_thread):
     from nanochat.common import UserError
     from nanochat.interop.hf_export import hf_state_dict

@@ -45,6 +45,7 @@ def scaled_mm_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.quick
 def test_quantize_round_trip():
     torch.manual_seed(0)
     t = torch.randn(4096) * 3.0
@@ -68,6 +69,7 @@ def test_quantize_round_trip():
         assert torch.isfinite(inv_scale) and torch.equal(fp8.dequantize(q, inv_scale), torch.zeros(16, 16))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", ["fp32", "autocast_fp32_x", "autocast_bf16_x", "autocast_backward_inside"])
 def test_scaled_mm_matches_emulation(case, scaled_mm_calls):
     torch.manual_seed(0)
@@ -96,6 +98,7 @@ def test_scaled_mm_matches_emulation(case, scaled_mm_calls):
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+@pytest.mark.quick
 def test_fp8_close_to_fp32_linear():
     torch.manual_seed(0)
     x = torch.randn(4, 16, 64)
@@ -114,6 +117,7 @@ def test_fp8_close_to_fp32_linear():
     assert saved[1].dim() == 0 and saved[3].dim() == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("x_shape, out_features", [((4, 8, 24), 32), ((4, 8, 32), 20), ((5, 2, 32), 32), ((2, 3, 16), 16)])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_fallback_to_linear(x_shape, out_features, autocast, scaled_mm_calls):
@@ -128,6 +132,7 @@ def test_fallback_to_linear(x_shape, out_features, autocast, scaled_mm_calls):
         assert g.dtype == v.dtype and torch.equal(g, v)
 
 
+@pytest.mark.quick
 def test_convert_to_fp8():
     torch.manual_seed(0)
     shared = nn.Linear(32, 32, bias=False)
@@ -154,6 +159,7 @@ def test_convert_to_fp8():
         fp8.Fp8Linear(16, 16, bias=True)
 
 
+@pytest.mark.quick
 def test_training_matches_fp32():
     def train(use_fp8):
         torch.manual_seed(0)
@@ -184,6 +190,7 @@ def test_training_matches_fp32():
     assert abs(final8 - final32) < 0.15 * final32
 
 
+@pytest.mark.quick
 def test_gpt_blocks_train_with_fp8_matmuls(monkeypatch):
     # base_train --fp8 converts the blocks' linears; every one of them (the MLP too, which the CPU fast path would
     # otherwise run from its weights) must then go through fp8, and the model must learn about as well as in fp32.

@@ -84,6 +84,7 @@ def reference_forward(model, idx):
     return 15.0 * torch.tanh(logits / 15.0)
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_causal_future_tokens_never_change_earlier_logits():
     model = build(tiny_config())
@@ -95,6 +96,7 @@ def test_causal_future_tokens_never_change_earlier_logits():
     assert (a[:, 12:] - b[:, 12:]).abs().amax() > 1e-3  # and the change does reach later positions
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 @torch.no_grad()
 def test_forward_matches_hand_written_reference(n_kv_head):
@@ -105,6 +107,7 @@ def test_forward_matches_hand_written_reference(n_kv_head):
     torch.testing.assert_close(logits, reference_forward(model, idx), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 @torch.no_grad()
 def test_kv_cache_token_by_token_matches_full_forward(n_kv_head):
@@ -117,6 +120,7 @@ def test_kv_cache_token_by_token_matches_full_forward(n_kv_head):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_kv_cache_chunked_prefill_then_decode_matches_full_forward():
     model = build(tiny_config(n_kv_head=2))
@@ -130,6 +134,7 @@ def test_kv_cache_chunked_prefill_then_decode_matches_full_forward():
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_kv_cache_prefill_from_one_row_to_many_samples():
     model = build(tiny_config(n_kv_head=2))
@@ -145,6 +150,7 @@ def test_kv_cache_prefill_from_one_row_to_many_samples():
     torch.testing.assert_close(decoded, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_runs_under_bf16_autocast_with_fp32_logits():
     # CPU autocast stands in for the CUDA bf16 path: dtypes must line up, including a bf16 KV cache.
@@ -161,6 +167,7 @@ def test_runs_under_bf16_autocast_with_fp32_logits():
     torch.testing.assert_close(torch.cat(pieces, dim=1), reference, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_kv_cache_bookkeeping_and_errors():
     model = build(tiny_config(n_kv_head=2))
@@ -175,6 +182,7 @@ def test_kv_cache_bookkeeping_and_errors():
     assert cache.lengths == [5, 0]
 
 
+@pytest.mark.quick
 def test_estimate_flops_and_num_params_match_hand_count():
     config = tiny_config(sequence_len=24, vocab_size=50, n_layer=3, n_head=4, n_kv_head=2, n_embd=16)
     with torch.device("meta"):
@@ -188,6 +196,7 @@ def test_estimate_flops_and_num_params_match_hand_count():
     assert model.estimate_flops() == expected
 
 
+@pytest.mark.quick
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(0)
     config = tiny_config(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
@@ -209,6 +218,7 @@ def test_tiny_model_overfits_one_batch():
     assert model(x, y).item() < 0.05
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("eval_chunk_rows", [7, 512])  # a CPU evaluation's loss in chunks of 7 rows (the last one short), or in one
 @torch.no_grad()
 def test_ignore_index_targets_are_excluded_from_loss(monkeypatch, eval_chunk_rows):
@@ -232,6 +242,7 @@ def test_ignore_index_targets_are_excluded_from_loss(monkeypatch, eval_chunk_row
         model(idx, targets, loss_reduction="avg")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chunk_rows, n_kv_head", [(7, 4), (512, 4), (7, 2)])
 def test_cpu_fast_paths_give_the_reference_loss_and_gradients(monkeypatch, chunk_rows, n_kv_head):
     # On the CPU in fp32 training runs hand-written autograd Functions (chunked softcap cross-entropy,
@@ -263,6 +274,7 @@ def test_cpu_fast_paths_give_the_reference_loss_and_gradients(monkeypatch, chunk
         assert p.grad.abs().max() > 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fields", [
     dict(n_embd=30, n_head=4),                 # n_head does not divide n_embd
     dict(n_head=4, n_kv_head=3),               # n_kv_head does not divide n_head
@@ -284,6 +296,7 @@ def test_invalid_configs_raise_value_error_before_allocating(fields):
         GPT(config)
 
 
+@pytest.mark.quick
 @torch.no_grad()
 def test_softcap_bounds_logits():
     model = build(tiny_config())
@@ -293,6 +306,7 @@ def test_softcap_bounds_logits():
     assert logits.abs().max() > 14.9  # the cap is actually reached, not a tiny lm_head
 
 
+@pytest.mark.quick
 def test_meta_construction_and_init_are_deterministic_under_seed():
     config = tiny_config(n_kv_head=2)
     with torch.device("meta"):
@@ -311,6 +325,7 @@ def test_meta_construction_and_init_are_deterministic_under_seed():
     assert a.get_device() == torch.device("cpu")
 
 
+@pytest.mark.quick
 def test_setup_optimizers_param_groups():
     config = tiny_config(n_embd=48, n_head=4, n_kv_head=2)
     model = build(config, randomize=False)
@@ -336,6 +351,7 @@ def test_setup_optimizers_param_groups():
     assert [[id(p) for p in g["params"]] for g in again] == [[id(p) for p in g["params"]] for g in muon_groups]
 
 
+@pytest.mark.quick
 def test_logits_at_gives_just_those_positions_logits():
     """forward(logits_at=positions): what the full logits hold at one position per row (the prefill's last)."""
     model = build(tiny_config(), seed=3)

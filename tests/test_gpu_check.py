@@ -67,6 +67,7 @@ def results_for(gpus=8, name="NVIDIA H100 80GB HBM3", bf16=True, disk_free=500.0
             "disk_needed_gib": 60.0, "multi_rank": multi}
 
 
+@pytest.mark.quick
 def test_the_verdict_says_what_to_change():
     assert check.verdict(results_for()) == (True, [])
     ready, changes = check.verdict(results_for(

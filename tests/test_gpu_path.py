@@ -58,6 +58,7 @@ def batch(seed=8):
 # The model, in process
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n_kv_head", [4, 2])
 def test_plain_ops_give_the_reference_logits_loss_and_gradients(monkeypatch, no_cpu_ops, single_torch_thread, n_kv_head):
     monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
@@ -75,6 +76,7 @@ def test_plain_ops_give_the_reference_logits_loss_and_gradients(monkeypatch, no_
         assert grad.abs().max() > 0, name
 
 
+@pytest.mark.quick
 def test_a_bad_cpu_ops_switch_is_refused_before_any_compute(monkeypatch):
     from nanochat.common import UserError
     from nanochat.gpt import build_model
@@ -84,6 +86,7 @@ def test_a_bad_cpu_ops_switch_is_refused_before_any_compute(monkeypatch):
         build_model(tiny_config(), "cpu")
 
 
+@pytest.mark.quick
 def test_bf16_autocast_runs_the_plain_ops_in_bf16_and_follows_fp32(monkeypatch, no_cpu_ops, single_torch_thread):
     from nanochat.common import autocast_for
 
@@ -107,6 +110,7 @@ def test_bf16_autocast_runs_the_plain_ops_in_bf16_and_follows_fp32(monkeypatch, 
         assert cos > 0.99, (name, float(cos))
 
 
+@pytest.mark.quick
 def test_the_chunked_loss_under_cpu_autocast_is_the_plain_bf16_loss(monkeypatch, single_torch_thread):
     """A CPU with native bf16 trains in autocast; there the chunked softcap loss runs its matmuls in bf16, and its loss
     and gradients must be those of lm_head -> softcap -> cross-entropy under the same autocast."""
@@ -136,6 +140,7 @@ def test_the_chunked_loss_under_cpu_autocast_is_the_plain_bf16_loss(monkeypatch,
         torch.testing.assert_close(chunked_grads[name].norm(), grad.norm(), rtol=5e-3, atol=0)
 
 
+@pytest.mark.quick
 def test_block_causal_attention_under_cpu_autocast_follows_the_plain_bf16_attention(monkeypatch, single_torch_thread):
     """Under CPU autocast the block-causal Function runs its products in bf16 and its softmax and score gradients in
     fp32 (torch's CPU flash attention in bf16 is ~2.5x slower): its output and gradients stay as close to fp64 as bf16
@@ -182,6 +187,7 @@ def test_block_causal_attention_under_cpu_autocast_follows_the_plain_bf16_attent
         assert cos > 0.99 and g.abs().max() > 0, (name, float(cos))
 
 
+@pytest.mark.quick
 def test_a_gpu_without_bf16_or_compile_support_falls_back_with_one_note(monkeypatch, capsys):
     from nanochat import common
 
@@ -205,6 +211,7 @@ def test_a_gpu_without_bf16_or_compile_support_falls_back_with_one_note(monkeypa
     assert common.get_compute_dtype(cuda) == torch.bfloat16 and common.compile_choice("auto", cuda)
 
 
+@pytest.mark.quick
 def test_inference_attention_on_cuda_stays_off_cudnn_and_training_keeps_it():
     """cuDNN plans its attention per sequence length (a d12 decode step 40-70 ms on an H100 instead of 7): eager CUDA
     inference, which meets a new length every token, runs flash/efficient attention; training and CPUs are untouched."""
@@ -236,6 +243,7 @@ def tokenizer():
     return RustBPETokenizer.train_from_iterator(iter(f"{line} ({i})" for i in range(100) for line in lines), 300)
 
 
+@pytest.mark.quick
 def test_bf16_kv_cache_decoding_follows_bf16_recompute(monkeypatch, tokenizer, single_torch_thread):
     """
     Greedy decoding with a bf16 KV cache under bf16 autocast, against recomputing the whole sequence in bf16 at every
@@ -314,6 +322,7 @@ def runs(tiny_base_dir, tmp_path_factory):
     return bases
 
 
+@pytest.mark.slow  # 22 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_bf16_compiled_base_train_learns_and_follows_fp32(runs):
     fp32, compiled, eager = (train_losses(runs[name]) for name in ("fp32", "compiled", "eager"))
     assert sorted(fp32) == sorted(compiled) == list(range(1, N + 1))
@@ -328,6 +337,7 @@ def test_bf16_compiled_base_train_learns_and_follows_fp32(runs):
         assert abs(val_bpbs(runs[name])[N] - val_bpbs(runs["fp32"])[N]) / val_bpbs(runs["fp32"])[N] < 0.01, name
 
 
+@pytest.mark.slow  # 27 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, tiny_base_dir, tmp_path):
     """The one run through inductor's code generation (the suite's other compiled runs use aot_eager, conftest.py):
     the same dynamo capture with no graph break or recompile, and losses within 1 % of the aot_eager run's."""
@@ -342,6 +352,7 @@ def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, ti
         assert abs(inductor[step] - traced[step]) / traced[step] < 0.01, (step, inductor[step], traced[step])
 
 
+@pytest.mark.quick
 def test_bf16_compiled_base_train_resumes_exactly(runs):
     straight, resumed = train_losses(runs["compiled"]), train_losses(runs["resumed"])
     assert [straight[s] for s in range(HALF + 1, N + 1)] == [resumed[s] for s in range(HALF + 1, N + 1)]
@@ -350,6 +361,7 @@ def test_bf16_compiled_base_train_resumes_exactly(runs):
     assert val_bpbs(runs["compiled"])[N] == val_bpbs(runs["resumed"])[N]
 
 
+@pytest.mark.quick
 def test_checkpoints_evaluate_the_same_in_either_dtype(runs, monkeypatch):
     """A checkpoint trained in bf16 evaluates in fp32 and one trained in fp32 in bf16, each within 1 % of its own dtype."""
     from nanochat.checkpoint_manager import load_model
@@ -371,6 +383,7 @@ def test_checkpoints_evaluate_the_same_in_either_dtype(runs, monkeypatch):
         assert bpb != own and abs(bpb - own) / own < 0.01, (trained_in, evaluate_in, bpb, own)
 
 
+@pytest.mark.slow  # 11 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_bf16_compiled_two_ranks_equal_one(runs, tiny_base_dir, tmp_path):
     two = fresh_base(tiny_base_dir, tmp_path, "two")
     p = run_train(two, RUN_ARGS + ["--compile=1"], nproc=2, env_extra={**BF16, **COMPILE_LOGS})
@@ -387,6 +400,7 @@ def test_bf16_compiled_two_ranks_equal_one(runs, tiny_base_dir, tmp_path):
 # SFT on the GPU path
 
 
+@pytest.mark.slow  # 13 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_bf16_sft_learns_follows_fp32_and_resumes_exactly(runs, tmp_path):
     from test_chat_stages import SFT, curve, run, weights
 

@@ -33,6 +33,7 @@ def test_bad_sections_and_deadlines_are_refused_before_any_work(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.quick
 def test_reference_checkout_is_found_or_explained(tmp_path):
     missing, how = gpu_suite.reference_checkout(str(tmp_path / "none"))
     assert missing is None and f"git clone {gpu_suite.REFERENCE_URL}" in how and gpu_suite.REFERENCE_COMMIT[:12] in how

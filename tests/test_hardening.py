@@ -71,6 +71,7 @@ def test_group_sigterm_through_uv_run_saves_and_exits_zero(tiny_base_dir, tmp_pa
     assert out.count("saved checkpoint step") == 1
 
 
+@pytest.mark.slow  # 12 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_group_sigterm_under_torchrun_saves_every_rank_once(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "trun")
     proc = start(train_cmd(2) + TINY + ["--num-iterations=100000", "--eval-every=-1"], base)
@@ -98,6 +99,7 @@ def test_group_sigterm_under_torchrun_saves_every_rank_once(tiny_base_dir, tmp_p
     assert initial_lrs(steps[0] + 2) == initial_lrs(steps[0])
 
 
+@pytest.mark.slow  # 12 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_one_rank_failing_stops_every_rank_with_its_message(tiny_base_dir, tmp_path):
     # Two "nodes" (torchrun launches joined by c10d rendezvous), one rank each. Rank 1 cannot write its optimizer shard
     # (a full disk), then takes 5 s to end its process, during which its peer gets no error from the process group:
@@ -173,6 +175,7 @@ def out_of_memory_lines(monkeypatch, capsys, main, argv, after=0):
     return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+@pytest.mark.quick
 def test_out_of_memory_names_the_stage_and_the_batch_to_try(tiny_base_dir, tmp_path, monkeypatch, capsys):
     import torch
 
@@ -282,6 +285,7 @@ def test_two_concurrent_downloads_of_one_shard_fetch_it_once(tmp_path):
 # 3. Every flag checked before compute
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flag, says", [
     ("--max-seq-len=0", "--max-seq-len=0"), ("--max-seq-len=1", "--max-seq-len=1"), ("--head-dim=0", "--head-dim=0"),
     ("--head-dim=-8", "--head-dim=-8"), ("--aspect-ratio=0", "--aspect-ratio=0"), ("--num-kv-heads=-1", "--num-kv-heads=-1"),
@@ -366,6 +370,7 @@ def test_read_only_base_dir_fails_before_any_work(tiny_base_dir, tmp_path):
         assert "trained on" not in p.stdout and "step 0" not in p.stdout
 
 
+@pytest.mark.slow  # 12 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_base_dir, tmp_path):
     import resource
 
@@ -452,6 +457,7 @@ def test_eval_bundle_with_wrong_hash_or_escaping_paths_is_refused(tmp_path, monk
         httpd.shutdown()
 
 
+@pytest.mark.quick
 def test_torch_floor_excludes_versions_whose_safe_loading_is_bypassable():
     """Checkpoints and imports are read with torch.load(weights_only=True), which torch below 2.6 (CVE-2025-32434) and
     below 2.10 (CVE-2026-24747) let a crafted file bypass: the project must not allow those versions."""
@@ -465,6 +471,7 @@ def test_torch_floor_excludes_versions_whose_safe_loading_is_bypassable():
     assert tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
 
 
+@pytest.mark.quick
 def test_functions_short_and_library_free_of_its_tools():
     """The house rules: no function anywhere runs past 100 lines (a stage script may be as long as its story), and the
     library never imports the measuring tools (bench/), which live beside it."""

@@ -73,6 +73,7 @@ def base(tmp_path, monkeypatch):
     return tmp_path / "base"
 
 
+@pytest.mark.quick
 def test_every_input_kind_becomes_one_source_with_a_stable_hashed_val_split(base, tmp_path, capsys):
     docs = write_inputs(tmp_path)
     dataset.main(import_args(tmp_path, "--val-docs", "4"))
@@ -103,6 +104,7 @@ def test_every_input_kind_becomes_one_source_with_a_stable_hashed_val_split(base
     assert frac_val <= set(rows("mine", "val")) and english(999) in set(rows("mine", "val") + rows("mine", "train"))
 
 
+@pytest.mark.quick
 def test_duplicates_empty_and_invalid_utf8_are_counted_and_blank_lines_split(base, tmp_path, capsys):
     folder = tmp_path / "in"
     folder.mkdir()
@@ -119,6 +121,7 @@ def test_duplicates_empty_and_invalid_utf8_are_counted_and_blank_lines_split(bas
     assert "duplicates" in out and "bad UTF-8" in out
 
 
+@pytest.mark.quick
 def test_cut_document_keeps_every_character_and_no_piece_is_longer():
     paragraphs = [english(i, sentences=1 + i % 5) for i in range(20)]
     documents = ["\n\n".join(paragraphs), "\n".join(paragraphs), " ".join(paragraphs), JAPANESE * 20,
@@ -133,6 +136,7 @@ def test_cut_document_keeps_every_character_and_no_piece_is_longer():
     assert all(p.endswith(". ") for p in pieces[:-1])  # else at sentence ends
 
 
+@pytest.mark.quick
 def test_max_doc_chars_pieces_and_idempotent_reimport(base, tmp_path, capsys):
     folder = tmp_path / "long"
     folder.mkdir()
@@ -161,6 +165,7 @@ def test_max_doc_chars_pieces_and_idempotent_reimport(base, tmp_path, capsys):
     assert not [n for n in os.listdir(base / "base_data") if n.startswith(".long.") and not n.endswith(".lock")]
 
 
+@pytest.mark.quick
 def test_hub_dataset_import_through_the_parquet_api(base, monkeypatch, capsys):
     hub = ParquetHub()
     try:
@@ -181,6 +186,7 @@ def test_hub_dataset_import_through_the_parquet_api(base, monkeypatch, capsys):
         hub.close()
 
 
+@pytest.mark.slow  # 10 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_an_imported_source_trains_tokenizes_and_evaluates(base, tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -243,6 +249,7 @@ def make_bad_inputs(root):
         (root / "good" / f"{i}.txt").write_text(english(i))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv,message", BAD, ids=["missing", "no-files", "not-json", "no-field", "no-column", "binary",
                                                   "val-empty", "val-all", "hub-name", "not-plain"])
 def test_bad_input_names_the_file_and_writes_nothing(base, tmp_path, argv, message):

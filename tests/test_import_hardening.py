@@ -52,6 +52,7 @@ def set_user_config(folder, user_config, step=20):
 # 8: the era is told from the files or refused
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("user_config", [BASE_TRAIN_CONFIG, CHAT_SFT_CONFIG, None], ids=["base_train", "chat_sft", "none"])
 def test_a_checkpoint_that_may_be_january_or_early_march_is_refused_without_era(tmp_path, target, user_config):
     """January's files and those of 2-8 March are alike; a training config written by the scripts of both periods (or
@@ -65,6 +66,7 @@ def test_a_checkpoint_that_may_be_january_or_early_march_is_refused_without_era(
     assert not os.path.exists(target)
 
 
+@pytest.mark.quick
 def test_a_training_config_older_than_march_tells_january(tmp_path, target, capsys):
     """base_train of 11 January to 2 February saved no fp8 fields: its checkpoint is January's, and the summary
     line says how that was told."""
@@ -76,6 +78,7 @@ def test_a_training_config_older_than_march_tells_january(tmp_path, target, caps
     assert "era 2026-01 (its training config lacks fields every script of 2-8 March 2026 saved)" in capsys.readouterr().out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("era_written, era_given, message", [
     ("2026-03-09", "2026-01", "12-channel value-embedding gates, which the 2026-01 model never had"),
     ("2026-01", "2026-03-14", "32-channel value-embedding gates, which the 2026-03-14 model never had"),
@@ -120,6 +123,7 @@ def hub(monkeypatch):
         h.close()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("folder", ["../../../../../tokenizer", "/abs/d4", "linked"])
 def test_a_hub_listing_cannot_write_outside_the_cache(tmp_path, target, hub, folder):
     """A listed path with '..' parts or an absolute path is refused with the whole listing; one that resolves outside
@@ -143,6 +147,7 @@ def test_a_hub_listing_cannot_write_outside_the_cache(tmp_path, target, hub, fol
     assert not os.path.exists(os.path.join(target, "hub_cache", "models", "someone", "nanochat-d4", "main", "abs"))
 
 
+@pytest.mark.quick
 def test_a_hub_repo_without_its_meta_is_refused_in_one_line(tmp_path, target, hub):
     from nanochat.interop.model_import import import_model
 
@@ -151,6 +156,7 @@ def test_a_hub_repo_without_its_meta_is_refused_in_one_line(tmp_path, target, hu
         import_model("someone/nanochat-d4", "sft")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("tokenizer", ["models/tokenizer/tokenizer.pkl", "tokenizer/tokenizer.pkl"])
 def test_a_hub_repo_and_a_local_folder_find_the_tokenizer_alike(tmp_path, target, hub, tokenizer):
     """A checkpoint one folder deep, its tokenizer in its own tokenizer/ or in the repo's: the same search finds it in
@@ -172,6 +178,7 @@ def test_a_hub_repo_and_a_local_folder_find_the_tokenizer_alike(tmp_path, target
             assert (our_model("sft", tag)[0](idx) - source_logits(state, model_config, "2026-03-14", idx)).abs().max() <= 1e-4
 
 
+@pytest.mark.quick
 def test_the_tokenizer_search_of_a_hub_download_stays_in_its_folder(tmp_path, target, hub):
     """A flat hub repo without a tokenizer: a tokenizer.pkl two folders above its download (where a local folder's
     base-dir search would look) is not picked up; the import asks for --tokenizer."""
@@ -192,6 +199,7 @@ def test_the_tokenizer_search_of_a_hub_download_stays_in_its_folder(tmp_path, ta
 # 11: the documented first use
 
 
+@pytest.mark.quick
 def test_the_documented_first_use_imports_from_the_reference_base_dir(tmp_path, monkeypatch, capsys):
     """docs/import.md's first example, as written: the default base dir (~/.cache/nanochat) is the reference's, and
     the source is its own chatsft_checkpoints/d32. The import goes to sft/d32-imported, leaves the reference's files

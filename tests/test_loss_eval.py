@@ -7,6 +7,7 @@ By hand: bpb = (sum of per-token cross-entropy, in nats, over targets that stand
 targets of -1 are ignored and special tokens (BOS) count 0 bytes, so they drop out of both sums.
 """
 
+import pytest
 import dataclasses
 import json
 import math
@@ -56,6 +57,7 @@ def bpb_by_hand(model, batches, byte_lengths, count_zero_byte_targets=False):
     return nats / (math.log(2) * nbytes)
 
 
+@pytest.mark.quick
 def test_evaluate_bpb_matches_hand_computation(tiny_env, single_torch_thread):
     """evaluate_bpb = the hand formula within 1e-6 relative, with BOS targets (0 bytes) and -1 targets present."""
     tokenizer = get_tokenizer()
@@ -129,6 +131,7 @@ def test_base_loss_script_reports_hand_computed_bpb(tiny_base_dir, tmp_path, mon
         assert abs(reported[f"{split} bpb"] - by_hand[split]) <= 1e-6 * by_hand[split], (split, reported, by_hand)
 
 
+@pytest.mark.slow  # 10 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_base_loss_past_the_split_evaluates_it_once_on_one_rank_and_two(tiny_base_dir, tmp_path):
     """--split-tokens far beyond the tiny val split: each split is read once and the output says so; 1 rank with
     device batch 4 and 2 ranks with 2 (the same global batch) evaluate the same tokens to the same bpb."""

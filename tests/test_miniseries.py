@@ -39,6 +39,7 @@ def results(base, name):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # 9 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_series_writes_results_plots_and_report_and_a_rerun_skips_everything(base, capsys):
     miniseries.main(SERIES)
     rows = results(base, "tiny")
@@ -112,6 +113,7 @@ def test_a_series_killed_mid_run_resumes_that_run(base):
     assert [r["status"] for r in results(base, "killed")] == ["done", "done"]
 
 
+@pytest.mark.quick
 def test_fits_recover_a_known_optimum_and_power_law():
     # isoflop: bpb = 2 + 0.3 (log N - log N*)^2 with N* = 1e6 at C = 6e12 and N* = 2e6 at C = 4.8e13; a run of N
     # params costs 7.5 N FLOPs per token (attention's share on top of 6N), so D* = C / 7.5N*: ratios 0.8 and 1.6
@@ -140,6 +142,7 @@ def test_fits_recover_a_known_optimum_and_power_law():
     assert ms.frontier([(1, 3.0), (2, 3.5), (3, 2.5)]) == [(1, 3.0), (3, 2.5)]
 
 
+@pytest.mark.quick
 def test_bad_flags_fail_before_any_run_and_a_dry_run_only_plans(base, monkeypatch, capsys):
     with pytest.raises(UserError, match="--depths must be >= 1"):
         miniseries.main(["--depths", "0", "--name", "zero", *TINY])
@@ -175,6 +178,7 @@ def test_bad_flags_fail_before_any_run_and_a_dry_run_only_plans(base, monkeypatc
     assert miniseries.parse_args([]).depths == miniseries.PRESETS["cpu"]["depths"]
 
 
+@pytest.mark.quick
 def test_compare_sets_two_families_side_by_side(base, capsys):
     # two finished families written directly (no training): the best run per budget of each, the change, a plot
     def family(name, bpbs):

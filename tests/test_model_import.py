@@ -212,6 +212,7 @@ def long_ids(vocab_size, T=300, seed=1):
 # Every era of karpathy/nanochat
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("era, padded, compiled_names", [
     ("2025-10", False, False),   # the October release: vocab as trained
     ("2025-10", True, True),     # December: vocab padded to 64; a compiled model's saved names
@@ -241,6 +242,7 @@ def test_each_era_imports_with_the_sources_logits_and_greedy_tokens(tmp_path, ta
     assert our_greedy(model, tokenizer, prompt, 12) == source_greedy(state, model_config, era, prompt, 12, stops)
 
 
+@pytest.mark.quick
 def test_an_era_the_files_cannot_tell_is_named_with_era(tmp_path, target):
     """2-8 March 2026 wrote the same files as January with softcap 20: --era says so, and the logits follow."""
     from nanochat.interop.model_import import import_model
@@ -271,6 +273,7 @@ def hf_tokenizer_file(enc, path):
     build_hf_tokenizer(ours).save(path)
 
 
+@pytest.mark.quick
 def test_a_transformers_nanochat_directory_imports_with_its_logits(tmp_path, target):
     import transformers
     from nanochat.interop.model_import import import_model
@@ -303,6 +306,7 @@ def test_a_transformers_nanochat_directory_imports_with_its_logits(tmp_path, tar
     assert our_greedy(model, tokenizer, prompt, 10) == reference
 
 
+@pytest.mark.quick
 def test_our_export_round_trips_plain_and_with_every_variant(tmp_path, target):
     """An imported later-era model (components and exact-math variants: our modeling code) and a plain model
     (transformers' NanoChat) go out through export_hf and back in through import_model with the same logits."""
@@ -391,6 +395,7 @@ class ModelHub:
         self.server.server_close()
 
 
+@pytest.mark.quick
 def test_a_hub_repo_imports_through_the_file_api_and_a_second_import_is_a_no_op(tmp_path, target, monkeypatch, capsys):
     from nanochat.interop.model_import import import_model
 
@@ -429,6 +434,7 @@ class RunsACommand:
         return (os.system, (self.command,))
 
 
+@pytest.mark.quick
 def test_a_malicious_tokenizer_pickle_runs_nothing_and_is_refused_in_one_line(tmp_path):
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2025-10")
     marker = tmp_path / "pwned"
@@ -468,6 +474,7 @@ def corrupt(folder, case, tmp_path):
     return {}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case, message", [
     ("truncated", r"cannot read .*model_000020.pt .*truncated, corrupt"),
     ("no meta", r"meta_000020.json is missing"),
@@ -486,6 +493,7 @@ def test_bad_input_is_refused_naming_the_file_and_nothing_is_written(tmp_path, t
     assert not os.path.exists(target)  # not even the base dir was made
 
 
+@pytest.mark.quick
 def test_an_existing_checkpoint_or_other_tokenizer_is_never_overwritten(tmp_path, target):
     from nanochat.interop.model_import import import_model
 
@@ -547,6 +555,7 @@ def test_sft_from_an_imported_model_on_custom_conversations_resumes_exactly(tmp_
     assert "Arithmetic" in p.stdout and "WorldQA" in p.stdout
 
 
+@pytest.mark.quick
 def test_imported_checkpoint_cannot_be_resumed_by_base_train_and_says_why(tmp_path, target):
     from nanochat.checkpoint_manager import checkpoint_dir, load_checkpoint
     from nanochat.interop.model_import import import_model

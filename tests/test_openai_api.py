@@ -116,6 +116,7 @@ def test_a_calculator_reply_reads_as_text_and_its_markup_renders_back_to_the_mod
     assert again.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.quick
 def test_text_that_spells_a_special_token_stays_text(api_server, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     spelled = [{"role": "user", "content": "say <|python_start|>1+1<|python_end|>"},
@@ -130,6 +131,7 @@ def test_text_that_spells_a_special_token_stays_text(api_server, model_and_token
     assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.quick
 def test_logprobs_on_chat_whole_and_streamed_are_the_models(client, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     whole = client.chat.completions.create(model="nanochat", messages=QUESTION, temperature=0, max_tokens=40, logprobs=True,
@@ -153,6 +155,7 @@ def test_logprobs_on_chat_whole_and_streamed_are_the_models(client, model_and_to
     assert whole.choices[0].message.content == "Let me compute: 3*4 = 12. So 12."
 
 
+@pytest.mark.quick
 def test_completions_echo_logprobs_token_prompts_and_streams(client, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     bos = tokenizer.get_bos_token_id()
@@ -230,6 +233,7 @@ COMPLETION_REFUSED = [
 ]
 
 
+@pytest.mark.quick
 def test_every_field_is_read_or_refused_with_a_400_naming_it(api_server):
     url = api_server.url
     for extra, field, words in REFUSED:
@@ -260,6 +264,7 @@ def test_every_field_is_read_or_refused_with_a_400_naming_it(api_server):
     assert models[0]["context_length"] == CONTEXT == models[0]["max_model_len"]
 
 
+@pytest.mark.quick
 def test_counts_a_client_sees_are_the_tokens_the_server_reads(client, api_server, model_and_tokenizer):
     """max_model_len, /tokenize and usage agree with what is scored: a prompt that fills the context with its reply is
     read as sent (its <|bos|> would not fit), the API's default max_tokens (16) yields to the context, an explicit one
@@ -304,6 +309,7 @@ def test_counts_a_client_sees_are_the_tokens_the_server_reads(client, api_server
     assert back == long_text
 
 
+@pytest.mark.quick
 def test_logprobs_of_tokens_that_hold_part_of_a_character(client, model_and_tokenizer):
     """A token of a character's first byte: its `bytes` are that byte, not U+FFFD's; text_offset indexes the text the
     reply returns, each token at the character it begins or continues."""
@@ -322,6 +328,7 @@ def test_logprobs_of_tokens_that_hold_part_of_a_character(client, model_and_toke
     assert entry.bytes == list("日".encode()[:1]) and entry.token == "\ufffd"
 
 
+@pytest.mark.quick
 def test_logit_bias_and_penalties_steer_the_sampler(client, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     first = tokenizer.encode("Let")[0]
@@ -339,6 +346,7 @@ def test_logit_bias_and_penalties_steer_the_sampler(client, model_and_tokenizer)
     assert near_zero.choices[0].message.content == "Let me compute: 3*4 = 12. So 12."  # greedy, not NaN
 
 
+@pytest.mark.quick
 def test_vllms_tokenizer_endpoints(api_server, model_and_tokenizer):
     _, tokenizer = model_and_tokenizer
     url = api_server.url

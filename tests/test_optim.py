@@ -37,6 +37,7 @@ def load_worker():
 # AdamW
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fused", [True, False])
 def test_adamw_matches_torch_adamw(fused, monkeypatch):
     monkeypatch.setattr(optim, "FUSED", fused)  # torch's one-pass kernel, and the separate passes beside it
@@ -62,6 +63,7 @@ def test_adamw_matches_torch_adamw(fused, monkeypatch):
     assert opt.param_groups[0]["initial_lr"] == 0.01  # extra keys ride along untouched
 
 
+@pytest.mark.quick
 def test_adamw_honours_lr_mul_and_wd_mul():
     torch.manual_seed(0)
     a = nn.Parameter(torch.randn(4, 3))
@@ -84,6 +86,7 @@ def test_adamw_honours_lr_mul_and_wd_mul():
 # Muon
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("shape", [(64, 64), (96, 32), (32, 96)])
 def test_orthogonalize_pushes_singular_values_to_one(shape):
     torch.manual_seed(0)
@@ -103,6 +106,7 @@ def test_orthogonalize_pushes_singular_values_to_one(shape):
     assert cosine > 0.95
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("shape", [(48, 48), (80, 20), (20, 80)])
 def test_orthogonalize_well_conditioned_input_all_singular_values_near_one(shape):
     torch.manual_seed(1)
@@ -116,6 +120,7 @@ def test_orthogonalize_well_conditioned_input_all_singular_values_near_one(shape
     assert s.min() > 0.6 and s.max() < 1.25, s
 
 
+@pytest.mark.quick
 def test_orthogonalize_bf16_and_batched():
     torch.manual_seed(0)
     G = torch.randn(3, 16, 24)
@@ -127,6 +132,7 @@ def test_orthogonalize_bf16_and_batched():
         torch.testing.assert_close(X[i], orthogonalize(G[i], steps=5, dtype=torch.bfloat16), rtol=0, atol=0.05)
 
 
+@pytest.mark.quick
 def test_orthogonalization_and_compute_dtype_follow_the_hardware_and_the_override(monkeypatch):
     monkeypatch.delenv("NANOCHAT_MUON_DTYPE", raising=False)
     monkeypatch.delenv("NANOCHAT_DTYPE", raising=False)
@@ -159,6 +165,7 @@ def _tiny_classifier():
     return model, X, y
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("muon_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("optimizer_cls", [Muon, DistMuon])
 def test_muon_reduces_classification_loss(optimizer_cls, muon_dtype, monkeypatch):
@@ -178,6 +185,7 @@ def test_muon_reduces_classification_loss(optimizer_cls, muon_dtype, monkeypatch
     assert final < 0.5 * initial, (initial, final)
 
 
+@pytest.mark.quick
 def test_muon_single_and_distributed_agree_and_honour_group_momentum():
     params_a = [nn.Parameter(torch.randn(8, 12)) for _ in range(3)] + [nn.Parameter(torch.randn(12, 8))]
     params_b = [nn.Parameter(p.detach().clone()) for p in params_a]
@@ -204,6 +212,7 @@ def test_muon_single_and_distributed_agree_and_honour_group_momentum():
     assert single.state[params_a[1]]["momentum_buffer"].abs().sum() > 0
 
 
+@pytest.mark.quick
 def test_muon_rejects_mixed_shapes_and_vectors():
     with pytest.raises(ValueError, match="one shape"):
         DistMuon([dict(params=[nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))])])
@@ -240,6 +249,7 @@ def reference_muon(p0, grads, lrs, momenta, weight_decay, nesterov=True):
     return trajectory
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("optimizer_cls", [Muon, DistMuon])
 def test_muon_matches_float64_reference(optimizer_cls, single_torch_thread, monkeypatch):
     """Muon and (single-process) DistMuon follow the plain float64 Muon above, step by step, for wide, tall and
@@ -305,6 +315,7 @@ def _reference_run(worker, steps, resume_at=None):
     return model
 
 
+@pytest.mark.quick
 def test_state_dict_round_trip_single_process():
     worker = load_worker()
     straight = _reference_run(worker, steps=4)
@@ -352,6 +363,7 @@ def test_two_rank_gloo_step_equals_single_process(tmp_path):
         assert (p.detach() - start[name]).abs().max().item() > 1e-3, name  # it really trained
 
 
+@pytest.mark.quick
 def test_loading_state_from_another_world_size_is_a_clear_error():
     p = nn.Parameter(torch.randn(6, 4))
     p.grad = torch.randn(6, 4)
@@ -365,6 +377,7 @@ def test_loading_state_from_another_world_size_is_a_clear_error():
         DistAdamW([p], lr=0.01).load_state_dict(state)
 
 
+@pytest.mark.quick
 def test_polar_express_coefficients_are_minimax_and_end_closer_to_one():
     # Each step's quintic is the best worst case over where the singular values are: its error equioscillates,
     # and no small change of its coefficients lowers the worst case.
@@ -389,6 +402,7 @@ def test_polar_express_coefficients_are_minimax_and_end_closer_to_one():
     assert fixed.min() < 0.5
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("shape, dtype", [((48, 48), torch.float32), ((32, 128), torch.float32),
                                           ((128, 32), torch.float32), ((32, 128), torch.bfloat16)])
 def test_orthogonalize_with_polar_express_on_an_ill_conditioned_matrix(shape, dtype):

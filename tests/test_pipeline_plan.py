@@ -62,6 +62,7 @@ def test_a_budget_below_this_machines_minimum_is_refused_in_one_line_before_any_
     assert "== " not in p.stdout and not (base / "base_data").exists() and not (base / "speedrun_config.txt").exists()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("speed", [0.5, 1.0, 3.0])
 def test_no_stage_is_planned_below_its_floor_and_the_plan_fits_the_budget(speed):
     reference = pp.REFERENCE["cpu"]
@@ -94,6 +95,7 @@ def test_no_stage_is_planned_below_its_floor_and_the_plan_fits_the_budget(speed)
     assert least is not None
 
 
+@pytest.mark.quick
 def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
     path = str(tmp_path / "plan.json")
     started = time.time()
@@ -117,6 +119,7 @@ def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
     assert pp.stage_flags(resumed, "chat_eval mid", time.time()) == []  # not late: the time lost is not counted
 
 
+@pytest.mark.quick
 def test_a_chat_stage_takes_the_time_left_early_and_gives_it_back_late():
     """chat_sft's steps scale with the time left against the time the plan gave it and the stages after it: more when
     base_train ended early (up to the preset's steps), fewer when late (down to its floor), the planned ones on time."""

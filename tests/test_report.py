@@ -52,6 +52,7 @@ def assert_png(path):
     assert len(data) > 5000  # a real rendered figure, not an empty stub
 
 
+@pytest.mark.quick
 def test_full_report(report, tmp_path):
     log_some_run(report)
     cwd = tmp_path / "cwd"
@@ -90,6 +91,7 @@ def test_full_report(report, tmp_path):
         assert_png(os.path.join(cwd, link))
 
 
+@pytest.mark.quick
 def test_section_json_keeps_raw_numbers(report):
     report.log("Chat evaluation sft", [{"ARC-Easy": 0.123456789, "GSM8K": 0.05}])
     with open(os.path.join(report.report_dir, "chat-evaluation-sft.json")) as f:
@@ -105,6 +107,7 @@ def test_section_json_keeps_raw_numbers(report):
     assert summary_row(text, "GSM8K") == ["0.0500"]
 
 
+@pytest.mark.quick
 def test_partial_last_curve_line_is_skipped(report):
     report.log_curve("sft", {"step": 1, "train_loss": 2.0})
     report.log_curve("sft", {"step": 2, "train_loss": 1.5})
@@ -117,6 +120,7 @@ def test_partial_last_curve_line_is_skipped(report):
     assert [r["step"] for r in report.read_curve("sft")] == [1, 2, 4]
 
 
+@pytest.mark.quick
 def test_truncate_and_reset_curve(report):
     for step in range(10):
         report.log_curve("base_train", {"step": step, "train_loss": 10.0 - step})
@@ -131,6 +135,7 @@ def test_truncate_and_reset_curve(report):
         report.log_curve("../escape", {"step": 0})
 
 
+@pytest.mark.quick
 def test_reset_clears_everything(report):
     report.log("Chat RL", [{"reward": 0.5}])
     report.log_curve("rl", {"step": 0, "reward": 0.5})
@@ -138,6 +143,7 @@ def test_reset_clears_everything(report):
     assert sorted(os.listdir(report.report_dir)) == ["header.json", "header.md"]
 
 
+@pytest.mark.quick
 def test_other_ranks_write_nothing(tmp_path, monkeypatch):
     base = tmp_path / "base"
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
@@ -156,6 +162,7 @@ def test_other_ranks_write_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "report.md").exists()
 
 
+@pytest.mark.quick
 def test_bloat_and_git_outside_a_repo(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     (tmp_path / "pkg").mkdir()
@@ -169,6 +176,7 @@ def test_bloat_and_git_outside_a_repo(tmp_path, monkeypatch):
     assert report_mod.bloat_stats() == {"files": 2, "lines": 3, "chars": 17, "tokens": 4}
 
 
+@pytest.mark.quick
 def test_bloat_in_a_git_repo_skips_ignored_files(tmp_path, monkeypatch):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / ".gitignore").write_text("build/\n")
@@ -181,6 +189,7 @@ def test_bloat_in_a_git_repo_skips_ignored_files(tmp_path, monkeypatch):
     assert report_mod.bloat_stats()["files"] == 1
 
 
+@pytest.mark.quick
 def test_cost_estimate_assumptions():
     price, why = report_mod.hourly_price([{"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.6}] * 8)
     assert price == pytest.approx(24.0) and "H100" in why
@@ -205,6 +214,7 @@ def test_cli_generate_subprocess(report, tmp_path):
 
 
 
+@pytest.mark.quick
 def test_cli_rejects_bad_price(report, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["nanochat.report", "generate", "--hourly-price", "-1"])
     with pytest.raises(UserError, match="--hourly-price"):
@@ -212,6 +222,7 @@ def test_cli_rejects_bad_price(report, monkeypatch):
     assert not os.path.exists(os.path.join(report.report_dir, "report.md"))
 
 
+@pytest.mark.quick
 def test_every_chat_eval_task_has_a_summary_row(report):
     # a task chat_eval scores but the summary leaves out is a number the report card hides
     from scripts.chat_eval import SUITES

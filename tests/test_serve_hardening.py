@@ -237,6 +237,7 @@ def test_a_keyless_server_on_any_address_answers_only_to_its_own_names(web_base_
     assert [host_name(h) for h in ("[::1]:8000", "Example.org:80", "localhost")] == ["::1", "example.org", "localhost"]
 
 
+@pytest.mark.quick
 def test_settings_a_server_must_refuse_or_get_right(monkeypatch):
     import os
 

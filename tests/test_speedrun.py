@@ -37,6 +37,7 @@ def commands(stdout):
     return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ngpu, device_batch", [(8, "16"), (1, "16"), (8, "4")])
 def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu, device_batch, monkeypatch):
     from nanochat.training import presets
@@ -78,6 +79,7 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
     assert seen == set(TRAINING)
 
 
+@pytest.mark.quick
 def test_gpu_preset_refuses_a_gpu_count_or_device_batch_that_cannot_split_the_batch(tmp_path):
     p = dry_run(tmp_path, "gpu", 3)
     assert p.returncode == 1 and "1, 2, 4, 8 or 16 GPUs" in p.stderr and not p.stdout.count("-m ")
@@ -124,6 +126,7 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
     assert p.returncode == 1 and "no CUDA GPU" in p.stderr
 
 
+@pytest.mark.quick
 def test_a_base_dir_of_another_seed_is_refused_before_any_stage(tmp_path):
     # A real (not dry) run: it must stop at the signature check, before the report reset or any stage.
     base = tmp_path / "base"
@@ -137,6 +140,7 @@ def test_a_base_dir_of_another_seed_is_refused_before_any_stage(tmp_path):
     assert (base / "speedrun_config.txt").read_text() == "preset=cpu seed=42\n"
 
 
+@pytest.mark.quick
 def test_your_own_source_is_used_without_a_download_and_must_be_imported_first(tmp_path):
     p = dry_run(tmp_path, "gpu", 8, NANOCHAT_DATA_SOURCE="mine")
     assert p.returncode == 0, p.stderr

@@ -83,6 +83,7 @@ ARC_ROWS_2 = [
 ]
 
 
+@pytest.mark.quick
 def test_arc_downloads_once_renders_and_evaluates(parquet_hub, base_dir, tokenizer):
     parquet_hub.add("allenai/ai2_arc", "ARC-Easy", "test", ARC_ROWS, ARC_ROWS_2)
     task = get_task("arc-easy", split="test")
@@ -107,6 +108,7 @@ def test_arc_downloads_once_renders_and_evaluates(parquet_hub, base_dir, tokeniz
     assert [again[i] for i in range(3)] == [task[i] for i in range(3)]
 
 
+@pytest.mark.quick
 def test_mmlu_and_its_auxiliary_train_split(parquet_hub, tokenizer):
     rows = [{"question": "What is 2 + 2?", "subject": "elementary_mathematics", "choices": ["3", "4", "5", "22"],
              "answer": 1},
@@ -131,6 +133,7 @@ GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
                 "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
 
 
+@pytest.mark.quick
 def test_gsm8k_tool_calls_evaluate_and_reward(parquet_hub, tokenizer):
     parquet_hub.add("openai/gsm8k", "main", "test", [
         {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -167,6 +170,7 @@ HUMANEVAL_ROW = {
 }
 
 
+@pytest.mark.quick
 def test_humaneval_runs_completions_in_the_sandbox(parquet_hub, tokenizer, monkeypatch):
     monkeypatch.setattr(humaneval, "TIMEOUT_SECONDS", 1.0)
     parquet_hub.add("openai/openai_humaneval", "openai_humaneval", "test", [HUMANEVAL_ROW])
@@ -183,6 +187,7 @@ def test_humaneval_runs_completions_in_the_sandbox(parquet_hub, tokenizer, monke
     check_render(tokenizer, example)
 
 
+@pytest.mark.quick
 def test_smoltalk_skips_invalid_conversations(parquet_hub, tokenizer, capsys):
     def msg(role, content):
         return {"content": content, "role": role}
@@ -201,6 +206,7 @@ def test_smoltalk_skips_invalid_conversations(parquet_hub, tokenizer, capsys):
     assert "Be brief." in tokenizer.decode(ids)
 
 
+@pytest.mark.quick
 def test_hub_errors_name_the_task_the_url_and_the_fix(parquet_hub, monkeypatch):
     with pytest.raises(UserError) as e:  # the server does not know this split: 404 on the listing
         get_task("GSM8K", split="train")
@@ -254,6 +260,7 @@ def labels(task):
     return [task[i]["messages"][0]["content"] for i in range(len(task))]
 
 
+@pytest.mark.quick
 def test_slicing():
     assert labels(Numbers("a", 10, start=2, stop=8, step=3)) == ["a2", "a5"]
     assert len(Numbers("a", 10, start=4)) == 6 and len(Numbers("a", 10, stop=50)) == 10
@@ -263,6 +270,7 @@ def test_slicing():
         task[3]
 
 
+@pytest.mark.quick
 def test_mixture_is_a_deterministic_shuffle_and_oversamples():
     a, b = Numbers("a", 30), Numbers("b", 10)
     mix = TaskMixture([a, b], seed=1)
@@ -276,6 +284,7 @@ def test_mixture_is_a_deterministic_shuffle_and_oversamples():
     assert len(TaskMixture([a, b], seed=1, stop=5)) == 5
 
 
+@pytest.mark.quick
 def test_sequence_keeps_order():
     seq = TaskSequence([Numbers("a", 2), Numbers("b", 3, start=1), Numbers("c", 0), Numbers("d", 1)])
     assert labels(seq) == ["a0", "a1", "b1", "b2", "d0"]
@@ -286,6 +295,7 @@ def test_sequence_keeps_order():
 # Bad input
 
 
+@pytest.mark.quick
 def test_validator_names_the_problem():
     def conv(*roles):
         return {"messages": [{"role": r, "content": "x"} for r in roles]}
@@ -310,6 +320,7 @@ def test_validator_names_the_problem():
             validate_conversation(conversation)
 
 
+@pytest.mark.quick
 def test_customjson_loads_and_reports_bad_lines(tmp_path, tokenizer):
     good = tmp_path / "good.jsonl"
     lines = [json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]), "",
@@ -340,6 +351,7 @@ def test_customjson_loads_and_reports_bad_lines(tmp_path, tokenizer):
         get_task("CustomJSON")
 
 
+@pytest.mark.quick
 def test_unknown_task_and_split():
     with pytest.raises(UserError) as e:
         get_task("ARC-Medium", split="test")
@@ -360,6 +372,7 @@ def template_regex(template):
     return re.compile("^" + re.escape(template).replace(re.escape("{s}"), ".+") + "$")
 
 
+@pytest.mark.quick
 def test_worldqa_splits_keep_subjects_and_wordings_apart():
     sft, evaluation = WorldQA("sft", seed=SEED), WorldQA("eval", seed=SEED)
     world = sft.world
@@ -385,6 +398,7 @@ def test_worldqa_splits_keep_subjects_and_wordings_apart():
     assert WorldQA("eval", seed=SEED).conversations == evaluation.conversations  # deterministic
 
 
+@pytest.mark.quick
 def test_worldqa_sft_frames_come_with_every_relation():
     # a frame that only one relation's questions used would let the model answer by the frame, not the question
     frames = [template_regex(f.replace("{ask}", "{s}").replace("{direct}", "{s}")) for f in SFT_FRAMES if f[0] != "{"]
@@ -396,6 +410,7 @@ def test_worldqa_sft_frames_come_with_every_relation():
             assert "{s}" in ask and "{s}" in direct and direct in wordings
 
 
+@pytest.mark.quick
 def test_worldqa_evaluate_and_chance():
     task = WorldQA("eval", seed=SEED)
     world = task.world
@@ -427,6 +442,7 @@ def test_worldqa_evaluate_and_chance():
     assert 0 < task.baseline < 0.01
 
 
+@pytest.mark.quick
 def test_identity():
     sft, evaluation = Identity("sft", seed=SEED), Identity("eval", seed=SEED)
     assert not set(EVAL_IDENTITY_QUESTIONS) & {q for q, _ in SFT_IDENTITY_QUESTIONS}
@@ -440,6 +456,7 @@ def test_identity():
     assert evaluation.evaluate(example, "I'm NanoChat.") and not evaluation.evaluate(example, "I am ChatGPT.")
 
 
+@pytest.mark.quick
 def test_arithmetic_is_right_and_splits_never_share_a_question():
     train, test = Arithmetic("train", seed=SEED, num_examples=1500), Arithmetic("test", seed=SEED, num_examples=300)
     seen = {}
@@ -458,6 +475,7 @@ def test_arithmetic_is_right_and_splits_never_share_a_question():
     assert Arithmetic("test", seed=SEED, num_examples=20)[7] == test[7]  # any example on its own, deterministic
 
 
+@pytest.mark.quick
 def test_spelling_tasks():
     bee_train, bee_test = SpellingBee("train", seed=SEED, num_examples=500), SpellingBee("test", seed=SEED)
     assert not set(bee_train.words) & set(bee_test.words)
@@ -479,6 +497,7 @@ def test_spelling_tasks():
     assert not spell_test.evaluate(example, f"{example['answer']}-s") and not spell_test.evaluate(example, word)
 
 
+@pytest.mark.quick
 def test_builtin_conversations_are_valid_short_and_render(tokenizer):
     lengths = []
     for name in ("WorldQA", "Identity", "Arithmetic", "SpellingBee", "SimpleSpelling"):

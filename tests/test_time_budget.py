@@ -32,6 +32,7 @@ def plan_lines(stdout):
     return [line for line in stdout.splitlines() if line.startswith("plan | ")]
 
 
+@pytest.mark.slow  # 30 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_a_budgeted_run_prints_its_plan_ends_on_time_and_resumes_exactly(tiny_base_dir, tmp_path):
     base = fresh_base(tiny_base_dir, tmp_path, "budget")
     budget = 30
@@ -78,6 +79,7 @@ def test_a_budgeted_run_prints_its_plan_ends_on_time_and_resumes_exactly(tiny_ba
     assert_same_weights(final_weights(base, steps, tag="budget-30s"), final_weights(base, steps, tag="copy"))
 
 
+@pytest.mark.quick
 def test_every_rank_guesses_its_first_depth_from_one_agreed_peak(monkeypatch):
     """A CPU's peak FLOP/s is measured by each rank apart; the first depth is guessed from the fastest rank's figure
     (all_reduce_max), not each rank's own, so every rank walks the same depths through the same collectives."""
@@ -200,6 +202,7 @@ def test_bad_budgets_are_refused_in_one_line_before_any_compute(tiny_base_dir, t
     assert p.returncode == 1 and "NANOCHAT_TIME_BUDGET=abc is not a duration" in p.stderr and "-m scripts" not in p.stdout
 
 
+@pytest.mark.quick
 def test_the_plan_grows_with_the_budget_and_the_loss_surface_fit_recovers_a_law(tiny_base_dir, monkeypatch, tmp_path):
     """In process, from measured step times on disk: a longer budget trains a deeper model on more tokens; and the
     miniseries' surface fit gets back the law that made its points."""

@@ -80,6 +80,7 @@ def first_special_id(tokenizer):
 # Vocabulary and basic API
 
 
+@pytest.mark.quick
 def test_vocab_layout(tok):
     assert len(SPECIAL_TOKENS) == 9 and SPECIAL_TOKENS[0] == "<|bos|>" and SPECIAL_TOKENS[-1] == "<|output_end|>"
     assert r"\p{N}{1,2}" in SPLIT_PATTERN and r"\p{N}{1,3}" not in SPLIT_PATTERN
@@ -94,6 +95,7 @@ def test_vocab_layout(tok):
         tok.encode_special("hello")
 
 
+@pytest.mark.quick
 def test_digits_split_in_pairs(tok):
     # whatever merges were learned, no token may hold 3 digits
     for ids in tok.encode(["1234567", "98765 4321", "x2024y"]):
@@ -102,6 +104,7 @@ def test_digits_split_in_pairs(tok):
             assert sum(c.isdigit() for c in piece) <= 2, piece
 
 
+@pytest.mark.quick
 def test_round_trip_random_unicode(tok):
     rng = random.Random(1234)
     texts = [random_text(rng) for _ in range(1500)]
@@ -111,6 +114,7 @@ def test_round_trip_random_unicode(tok):
     assert [tok.decode(ids) for ids in tok.encode(texts)] == texts
 
 
+@pytest.mark.quick
 def test_literal_special_strings_are_plain_text(tok):
     specials = set(range(first_special_id(tok), tok.get_vocab_size()))
     rng = random.Random(7)
@@ -125,6 +129,7 @@ def test_literal_special_strings_are_plain_text(tok):
         assert not specials & set(ids)
 
 
+@pytest.mark.quick
 def test_batch_encode_equals_single(tok):
     rng = random.Random(99)
     texts = [random_text(rng, 200) for _ in range(300)] + make_corpus(5, 20)
@@ -138,12 +143,14 @@ def test_batch_encode_equals_single(tok):
     assert tok.encode([]) == []
 
 
+@pytest.mark.quick
 def test_decode_accepts_tensors(tok):
     ids = tok.encode("The river stone, 1234.")
     assert tok.decode(torch.tensor(ids)) == "The river stone, 1234."
     assert tok.decode(np.array(ids)) == "The river stone, 1234."
 
 
+@pytest.mark.quick
 def test_token_bytes_sum_to_utf8_length(tok, tmp_path, monkeypatch):
     lengths = tok.token_byte_lengths()
     assert lengths.shape == (tok.get_vocab_size(),)
@@ -230,6 +237,7 @@ TOOL_CONVERSATION = {
 }
 
 
+@pytest.mark.quick
 def test_render_masks_exactly_assistant_tokens(tok):
     ids, mask = tok.render_conversation(TOOL_CONVERSATION)
     want_ids, want_mask = expected_render(tok, TOOL_CONVERSATION["messages"])
@@ -249,6 +257,7 @@ def test_render_masks_exactly_assistant_tokens(tok):
     assert len(tok.visualize_render(ids, mask).splitlines()) == len(ids)
 
 
+@pytest.mark.quick
 def test_render_merges_system_message(tok):
     with_system = {
         "messages": [
@@ -265,6 +274,7 @@ def test_render_merges_system_message(tok):
     assert with_system["messages"][0]["role"] == "system"  # the caller's conversation is not modified
 
 
+@pytest.mark.quick
 def test_render_truncates(tok):
     full_ids, full_mask = tok.render_conversation(TOOL_CONVERSATION)
     for max_tokens in [1, 5, 17, len(full_ids) - 1, len(full_ids), len(full_ids) + 10]:
@@ -274,6 +284,7 @@ def test_render_truncates(tok):
     assert default_ids == tok.render_conversation(TOOL_CONVERSATION, max_tokens=2048)[0]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "messages",
     [
@@ -295,6 +306,7 @@ def test_render_rejects_malformed_conversations(tok, messages):
         tok.render_conversation({"messages": messages})
 
 
+@pytest.mark.quick
 def test_render_for_completion(tok):
     ids = tok.render_for_completion(TOOL_CONVERSATION)
     without_last = {"messages": TOOL_CONVERSATION["messages"][:-1]}
@@ -308,6 +320,7 @@ def test_render_for_completion(tok):
 # Saving and loading
 
 
+@pytest.mark.quick
 def test_save_reload_in_new_process(tok, tmp_path):
     tokenizer_dir = tmp_path / "tokenizer"
     tok.save(str(tokenizer_dir))
@@ -341,6 +354,7 @@ def test_save_reload_in_new_process(tok, tmp_path):
     assert out["fp"] == tok.fingerprint()
 
 
+@pytest.mark.quick
 def test_mismatched_or_corrupt_files_are_rejected(tok, tmp_path):
     tokenizer_dir = tmp_path / "tokenizer"
     tok.save(str(tokenizer_dir))
@@ -357,6 +371,7 @@ def test_mismatched_or_corrupt_files_are_rejected(tok, tmp_path):
         RustBPETokenizer.from_directory(str(tokenizer_dir))
 
 
+@pytest.mark.quick
 def test_missing_tokenizer_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     with pytest.raises(UserError, match=r"python -m scripts\.tok_train"):
@@ -365,6 +380,7 @@ def test_missing_tokenizer_dir(tmp_path, monkeypatch):
         get_token_bytes()
 
 
+@pytest.mark.quick
 def test_vocab_size_too_small():
     with pytest.raises(UserError, match="265"):
         RustBPETokenizer.train_from_iterator(iter(["abc"]), 264)
@@ -373,6 +389,7 @@ def test_vocab_size_too_small():
     assert tiny.get_vocab_size() == 265 and tiny.decode(tiny.encode("héllo 🙂")) == "héllo 🙂"
 
 
+@pytest.mark.quick
 def test_small_corpus_gives_smaller_contiguous_vocab(tmp_path):
     small = RustBPETokenizer.train_from_iterator(iter(["ab ab ab cd"]), 600)
     assert 265 < small.get_vocab_size() < 600
@@ -382,6 +399,7 @@ def test_small_corpus_gives_smaller_contiguous_vocab(tmp_path):
     assert RustBPETokenizer.from_directory(str(tmp_path)).encode("ab cd ab") == small.encode("ab cd ab")
 
 
+@pytest.mark.quick
 def test_from_pretrained_wraps_tiktoken_encoding(tok, monkeypatch):
     ranks = dict(tok.mergeable_ranks)
     eot = len(ranks)
@@ -396,6 +414,7 @@ def test_from_pretrained_wraps_tiktoken_encoding(tok, monkeypatch):
     assert wrapped.token_byte_lengths()[eot] == 0
 
 
+@pytest.mark.quick
 def test_from_pretrained_unavailable_offline(tmp_path, monkeypatch):
     # an empty tiktoken cache and a proxy that refuses connections: the load must fail with a clear message
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
@@ -418,6 +437,7 @@ def write_shards(data_dir, docs_per_shard):
         pq.write_table(table, os.path.join(data_dir, f"shard_{i:05d}.parquet"), row_group_size=50)
 
 
+@pytest.mark.quick
 def test_tok_train_and_eval_scripts(tmp_path, monkeypatch, capsys):
     from scripts import tok_eval, tok_train
 

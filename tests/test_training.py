@@ -12,6 +12,7 @@ from nanochat.training.recipe import (BASE_LRS, apply_schedules, batch_lr_scale,
                                       muon_momentum, short_run_lr_scale)
 
 
+@pytest.mark.quick
 def test_depth_dial_shapes():
     cfg = model_config_for_depth(20, vocab_size=32768, sequence_len=2048)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head) == (20, 1280, 10, 10)
@@ -25,6 +26,7 @@ def test_depth_dial_shapes():
         model_config_for_depth(0, 4096, 256)
 
 
+@pytest.mark.quick
 def test_grad_accum_is_validated_before_compute():
     assert grad_accum_steps(524288, 32, 2048, 8) == 1
     assert grad_accum_steps(524288, 16, 2048, 1) == 16
@@ -36,6 +38,7 @@ def test_grad_accum_is_validated_before_compute():
         grad_accum_steps(2048, 0, 256, 1)
 
 
+@pytest.mark.quick
 def test_schedules():
     n = 100
     assert lr_multiplier(0, n) == 1.0 and lr_multiplier(60, n) == 1.0
@@ -73,6 +76,7 @@ def tiny_gpt():
     return model
 
 
+@pytest.mark.quick
 def test_muon_adamw_overfit_one_batch():
     model = tiny_gpt()
     optimizers = build_optimizers(model, unembedding_lr=0.02, embedding_lr=0.2, matrix_lr=0.05, weight_decay=0.0)
@@ -95,6 +99,7 @@ def test_muon_adamw_overfit_one_batch():
     assert final < 0.05, final
 
 
+@pytest.mark.quick
 def test_weight_decay_follows_the_lr_schedule_once():
     # Decay per step is lr(t) * weight_decay: the scheduled lr carries the schedule, the decay rate stays put.
     model = tiny_gpt()
@@ -115,6 +120,7 @@ def test_weight_decay_follows_the_lr_schedule_once():
         torch.testing.assert_close(p, p0 * (1 - 0.02 * 0.25 * 0.5), rtol=1e-6, atol=0)
 
 
+@pytest.mark.quick
 def test_peak_flops_probe_leaves_the_random_stream_alone():
     # Every stage measures the matmul peak for MFU after seeding; the probe must not shift what training draws next.
     from nanochat.common import measure_matmul_flops

@@ -427,7 +427,7 @@ _END = object()  # the end of a generation's events, in its queue
 class Generation:
     """
     One request's replies, on the server's side: its worker process sends its events (Piece, Finish, or an error
-    string), which come out of `events()` in the event loop. cancel() withdraws it before the worker's next step.
+    string), which come out of `event_batches()` in the event loop. cancel() withdraws it before the worker's next step.
     """
 
     def __init__(self, pool, worker, key, prompt_ids, sampling, chat):
@@ -477,11 +477,6 @@ class Generation:
                     yield events[:-1]
                 return
             yield events
-
-    async def events(self):
-        async for events in self.event_batches():
-            for event in events:
-                yield event
 
 
 class Scoring:
