@@ -69,7 +69,7 @@ def budget_seconds(text):
 
 
 def cmd_budget(args):
-    from nanochat.corpus import ensure_builtin_workspace
+    from bench.common import ensure_builtin_workspace
 
     work_dir = args.work_dir or os.path.join(tempfile.gettempdir(), "nanochat_bench_budget")
     os.makedirs(work_dir, exist_ok=True)

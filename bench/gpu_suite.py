@@ -152,7 +152,7 @@ def section_train(scale, deadline, out, reference, root, workspace):
 
 
 def section_fp8(scale, deadline, out, reference, root, workspace):
-    from nanochat.model.fp8 import torchao_unavailable
+    from bench.train import torchao_unavailable
 
     depth = scale.fp8_depth
     bf16 = out.get(f"train_d{depth}") or bench_train(scale, depth, left(deadline) / 3)
@@ -420,7 +420,7 @@ def main(args, log):
     import datetime
 
     from nanochat.common import get_base_dir
-    from nanochat.corpus import ensure_builtin_workspace
+    from bench.common import ensure_builtin_workspace
 
     only = [name for name in args.only.split(",") if name] if args.only else list(SECTIONS)
     unknown = [name for name in only if name not in SECTIONS]

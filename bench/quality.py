@@ -13,9 +13,8 @@ import time
 
 import torch
 
-from bench.common import emit_json, log, machine_info, print_table
+from bench.common import emit_json, holds_training_data, log, machine_info, print_table
 from nanochat.common import UserError, autocast_for, get_base_dir, get_compute_dtype
-from nanochat.corpus import holds_training_data
 
 
 def quality_data(source, vocab_size):

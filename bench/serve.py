@@ -33,7 +33,7 @@ def fresh_checkpoint(base_dir, context=256):
     import torch
 
     from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
-    from nanochat.corpus import ensure_builtin_workspace
+    from bench.common import ensure_builtin_workspace
     from nanochat.gpt import build_model
     from nanochat.tokenizer import RustBPETokenizer
     from nanochat.training.recipe import config_dict, depth_recipe, split_components

@@ -14,7 +14,6 @@ network, and corpus.json records the seed, so the chat stages know which world t
 """
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -150,60 +149,6 @@ def read_corpus_info(out_dir=None):
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-# -----------------------------------------------------------------------------
-# A base dir to measure in
-
-
-@contextlib.contextmanager
-def base_dir_set_to(base_dir, source=None):
-    """NANOCHAT_BASE_DIR (and NANOCHAT_DATA_SOURCE, if given) pointed elsewhere for the duration of the block."""
-    names = {"NANOCHAT_BASE_DIR": base_dir, **({"NANOCHAT_DATA_SOURCE": source} if source else {})}
-    old = {name: os.environ.get(name) for name in names}
-    os.environ.update(names)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-
-
-def holds_training_data(base_dir, max_vocab=None):
-    """True if base_dir holds a tokenizer (of at most max_vocab tokens) and train + val shards of the default source."""
-    from nanochat.dataset import list_parquet_files
-    from nanochat.tokenizer import get_tokenizer
-
-    if not os.path.isdir(os.path.join(base_dir, "tokenizer")):
-        return False
-    with base_dir_set_to(base_dir):
-        try:
-            list_parquet_files("train")
-            list_parquet_files("val")
-            return max_vocab is None or get_tokenizer().get_vocab_size() <= max_vocab
-        except UserError:
-            return False
-
-
-def ensure_builtin_workspace(directory, vocab_size=4096, log=print0):
-    """
-    A base dir for benchmarks and checks: `directory` with the built-in corpus (seed 42, 6 MB) and a tokenizer of up to
-    vocab_size tokens trained on it (the corpus has room for ~6,000), built on the first call and reused after.
-    Returns {"base_dir", "source"}.
-    """
-    from nanochat.dataset import get_data_dir, parquets_iter_batched
-    from nanochat.tokenizer import RustBPETokenizer
-
-    with base_dir_set_to(directory, "builtin"):
-        if not holds_training_data(directory):
-            log(f"building the built-in corpus and a tokenizer of up to {vocab_size:,} tokens in {directory}")
-            write_corpus(get_data_dir("builtin"), seed=42, size_mb=6.0, verbose=False)
-            texts = (t for batch in parquets_iter_batched("train", source="builtin") for t in batch)
-            RustBPETokenizer.train_from_iterator(texts, vocab_size).save(os.path.join(directory, "tokenizer"))
-    return {"base_dir": directory, "source": "builtin"}
 
 
 def main(argv=None):

@@ -567,28 +567,19 @@ class Report:
         plots = []
         curves_dir = os.path.join(self.report_dir, CURVES_DIR)
         stages = sorted(f[:-len(".jsonl")] for f in os.listdir(curves_dir) if f.endswith(".jsonl")) if os.path.isdir(curves_dir) else []
-        try:
-            import matplotlib  # noqa: F401
-
-            have_matplotlib = True
-        except ImportError:
-            have_matplotlib = False
-        if have_matplotlib:
-            if plot_summary(table, os.path.join(self.report_dir, "summary.png")):
-                plots.append(("eval metrics", "summary.png"))
-            for stage in stages:
-                name = f"curve-{stage}.png"
-                if plot_curve(stage, self.read_curve(stage), os.path.join(self.report_dir, name)):
-                    plots.append((stage, name))
+        if plot_summary(table, os.path.join(self.report_dir, "summary.png")):
+            plots.append(("eval metrics", "summary.png"))
+        for stage in stages:
+            name = f"curve-{stage}.png"
+            if plot_curve(stage, self.read_curve(stage), os.path.join(self.report_dir, name)):
+                plots.append((stage, name))
 
         copy_dir = os.path.abspath(copy_to if copy_to is not None else os.getcwd())
         same_dir = os.path.realpath(copy_dir) == os.path.realpath(self.report_dir)
 
         def render(link_prefix):
             plot_lines = ["## Plots", ""]
-            if not have_matplotlib:
-                plot_lines.append("_matplotlib is not installed: no plots._")
-            elif not plots:
+            if not plots:
                 plot_lines.append("_No curves were logged._")
             for title, filename in plots:
                 plot_lines += [f"### {title}", "", f"![{title}]({link_prefix}{filename})", ""]

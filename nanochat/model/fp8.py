@@ -209,35 +209,3 @@ def convert_to_fp8(module):
 
     visit(module)
     return len(converted)
-
-
-# -----------------------------------------------------------------------------
-# torchao's float8 training (what torchtitan uses), where it can run: compared with ours by gpu_check --suite
-
-
-def torchao_unavailable(device):
-    """Why torchao's float8 training cannot run here (a sentence), or None where it can: it needs torchao installed
-    and a CUDA GPU of compute capability 8.9+ (its matmul is torch._scaled_mm, a reference kernel on the CPU)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"torchao's float8 training needs a CUDA GPU of compute capability 8.9+ (this is {device.type})"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return f"torchao's float8 training needs compute capability 8.9+ (this GPU has {torch.cuda.get_device_capability(device)})"
-    try:
-        import torchao.float8  # noqa: F401
-    except Exception as e:  # not installed, or built for another torch
-        return f"torchao is not importable ({type(e).__name__}: {e}); `uv pip install torchao` or carry its wheel"
-    return None
-
-
-def convert_with_torchao(module):
-    """The bias-free linears below `module` whose dims fit fp8's multiple-of-16 rule, swapped for torchao's
-    Float8Linear with its tensorwise recipe (dynamic per-tensor scales, as ours). Returns how many were converted."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    def eligible(mod, fqn):
-        return type(mod) is nn.Linear and mod.bias is None and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
-
-    count = sum(1 for m in module.modules() if eligible(m, ""))
-    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("tensorwise"), module_filter_fn=eligible)
-    return count

@@ -429,11 +429,10 @@ class ReplyStream:
 
 
 def generate_replies(engine, prompt_ids, num_samples=1, max_tokens=256, temperature=0.6, top_k=50, top_p=None,
-                     seed=None, stop=(), chat=True, cancelled=None):
+                     seed=None, stop=(), chat=True):
     """
     Sample num_samples replies to a prompt together, yielding Piece(index, kind, text) as each grows and
-    Finish(index, reason, completion_tokens, parts) once per reply. cancelled: a callable checked between
-    tokens; when it returns True generation stops at once, without Finish events.
+    Finish(index, reason, completion_tokens, parts) once per reply.
     """
     tokenizer = engine.tokenizer
     streams = [ReplyStream(tokenizer, stop, chat) for _ in range(num_samples)]
@@ -442,8 +441,6 @@ def generate_replies(engine, prompt_ids, num_samples=1, max_tokens=256, temperat
                             top_k=top_k, top_p=top_p, seed=seed)
     try:
         for column, _ in steps:
-            if cancelled is not None and cancelled():
-                return
             for index, (stream, token) in enumerate(zip(streams, column)):
                 was_open = stream.finish_reason is None
                 for kind, text in stream.push(token):
