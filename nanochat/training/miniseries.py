@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanochat.common import UserError, atomic_write_text, get_base_dir
+from nanochat.report import _new_figure, _save_png, read_jsonl
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSV_COLUMNS = ["run", "depth", "budget", "status", "params", "scaling_params", "tokens", "flops", "num_iterations",
@@ -126,16 +127,7 @@ def latest_meta(run_dir, tag):
 
 
 def read_curve(run_dir):
-    path = os.path.join(run_dir, "report", "curves", "base_train.jsonl")
-    records = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut short by a kill
-    return records
+    return read_jsonl(os.path.join(run_dir, "report", "curves", "base_train.jsonl"))  # skips a line a kill cut short
 
 
 def run_state(run_dir, tag):
@@ -331,11 +323,7 @@ def run_frontier(rows, trajectories):
 
 
 def plot_all(directory, mode, rows, trajectories, isoflop, power_law):
-    """PNG files in `directory`; returns [(title, filename)]. No matplotlib: no plots."""
-    try:
-        from nanochat.report import _new_figure, _save_png
-    except ImportError:
-        return []
+    """PNG files in `directory`; returns [(title, filename)]."""
     done = [r for r in rows if r["status"] == "done" and r["val_bpb"] is not None]
     plots = []
     fig = _new_figure(7, 4.5)
@@ -417,10 +405,6 @@ def compare_families(directories, out_path):
         families.append((os.path.basename(directory), rows, best_per_budget(rows)))
     budgets = sorted({b for _, _, best in families for b in best}, key=lambda b: float(b.split("=")[1]))
     table = [(b, [best.get(b) for _, _, best in families]) for b in budgets]
-    try:
-        from nanochat.report import _new_figure, _save_png
-    except ImportError:
-        return table
     fig = _new_figure(7, 4.5)
     ax = fig.add_subplot(1, 1, 1)
     for i, (name, rows, best) in enumerate(families):
