@@ -42,12 +42,15 @@ class Run:
                               components=model_components)
         self.config = recipe.model_config
         self.model = build_model(self.config, device)
+        self.fp8_linears = 0
         if fp8:  # base_train's --fp8 (ours), or torchao's float8 training: the blocks' linears, before compile
             from nanochat.model.fp8 import convert_to_fp8
 
             if fp8 == "torchao" and torchao_unavailable(device):
                 raise UserError(torchao_unavailable(device))
-            (convert_with_torchao if fp8 == "torchao" else convert_to_fp8)(self.model.transformer.h)
+            # counted in the result: an fp8 row whose loss equals bf16's to 4 decimals (H100, 2026-11-28) must
+            # show whether any linear was converted at all
+            self.fp8_linears = (convert_with_torchao if fp8 == "torchao" else convert_to_fp8)(self.model.transformer.h)
         self.flops_per_token = recipe.flops_per_token
         self.dtype = get_compute_dtype(device)
         self.autocast = autocast_for(device)
@@ -143,7 +146,7 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     peak_mem_mib = peak_memory_mib(device)
     return {
         "depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
-        "components": components or "none", "fp8": args.fp8 or None,
+        "components": components or "none", "fp8": args.fp8 or None, "fp8_linears": run.fp8_linears,
         "compile": bool(use_compile), "device": device.type, "dtype": str(run.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "params": run.model.num_params(), "flops_per_token": run.flops_per_token,
         "steps": args.steps, "ms_per_step": step_s * 1000, "ms_per_step_min": min(step_times) * 1000,

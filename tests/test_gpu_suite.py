@@ -43,6 +43,35 @@ def test_reference_checkout_is_found_or_explained(tmp_path):
     assert gpu_suite.reference_checkout(str(tmp_path / "ref")) == (str(tmp_path / "ref"), gpu_suite.REFERENCE_COMMIT)
 
 
+@pytest.mark.quick
+def test_the_offline_wheels_carry_every_package_the_server_and_its_client_import():
+    """The GPU machine has torch but none of chat_web's stack: every distribution that importing the server, the
+    tokenizer and bench serve's client loads must be among dev/offline_wheels.py's wheels (a hand-kept list missed
+    fastapi 0.165's opentelemetry-api and the openai client, and a lease lost its chat_web rows)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
+    try:
+        import offline_wheels
+    finally:
+        sys.path.pop(0)
+    carried = {line.split("==")[0].lower() for line in offline_wheels.requirements()}
+    # the closure as the installed packages' own metadata states it (not uv.lock, which requirements() reads)
+    from importlib import metadata
+    from packaging.requirements import Requirement
+
+    normalize = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+    needed, todo = set(), ["fastapi", "uvicorn", "openai", "rustbpe"]
+    while todo:
+        name = normalize(todo.pop())
+        if name not in needed:
+            needed.add(name)
+            for line in metadata.requires(name) or []:
+                requirement = Requirement(line)
+                if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                    todo.append(requirement.name)
+    assert "opentelemetry-api" in needed  # what fastapi 0.165 imports at start-up, as on the H100
+    assert needed - carried == set()
+
+
 @pytest.mark.slow  # ~3 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
 def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     p = suite(tmp_path / "base", ["--suite-minutes", "14",
@@ -56,7 +85,8 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     reference = [r for name, r in rows.items() if "reference" in name]
     assert reference and reference[0].startswith("skipped: no reference checkout") and "git clone" in reference[0]
     fp8 = {name.split("(")[1].split(")")[0]: r for name, r in rows.items() if "fp8 training" in name}
-    assert re.search(r"x bf16's [\d,]+, loss after 3 steps [\d.]+ vs [\d.]+ \([+-][\d.]+%\)", fp8["ours"])
+    assert re.search(r"x bf16's [\d,]+, loss after 3 steps [\d.]+ vs [\d.]+ \([+-][\d.]+%\), [1-9]\d* linears in fp8",
+                     fp8["ours"])
     assert fp8["torchao"].startswith("skipped: torchao's float8 training needs a CUDA GPU")
     run = [r for name, r in rows.items() if "base_train, 30 steps" in name]
     assert len(run) == 1 and "(falls)" in run[0], run
