@@ -34,10 +34,8 @@ def categorical_accuracy(model, tokenizer, task, indices, batch_size=8):
         conversations = [task.get_example(i) for i in indices[start:start + batch_size]]
         prompts = [tokenizer.render_for_completion(c)[-model.config.sequence_len:] for c in conversations]
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), bos, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, :len(prompt)] = torch.tensor(prompt)
-        logits = model(ids.to(device))
+        ids = torch.tensor([list(p) + [bos] * (width - len(p)) for p in prompts], dtype=torch.long, device=device)
+        logits = model(ids)
         for row, (conversation, prompt) in enumerate(zip(conversations, prompts)):
             letters = conversation["letters"]
             letter_ids = [tokenizer.encode(letter) for letter in letters]

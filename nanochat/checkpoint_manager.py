@@ -12,7 +12,6 @@ kill at any instant leaves the previous checkpoint loadable. Nothing is unpickle
 """
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0
+from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0, sha256_of
 from nanochat.gpt import OPTIONAL_FIELDS, config_from_dict
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -154,14 +153,6 @@ def list_steps(ckpt_dir):
     return sorted(steps)
 
 
-def sha256_of(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # -----------------------------------------------------------------------------
 # Optimizer state <-> (tensors, json) without pickle
 
@@ -260,8 +251,7 @@ def _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_
 def _prune(ckpt_dir, keep_last):
     if not keep_last or keep_last <= 0:
         return
-    steps = list_steps(ckpt_dir)
-    for old in steps[:-keep_last]:  # the newest is always among the kept
+    for old in list_steps(ckpt_dir)[:-keep_last]:  # the newest is always among the kept
         shutil.rmtree(os.path.join(ckpt_dir, f"step_{old:06d}"), ignore_errors=True)
 
 

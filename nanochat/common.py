@@ -6,6 +6,8 @@ peak-FLOPs numbers that MFU is measured against.
 
 import functools
 import gc
+import hashlib
+import json
 import math
 import os
 import sys
@@ -136,6 +138,24 @@ def ensure_writable(directory, what, fix="point NANOCHAT_BASE_DIR at another dir
     return directory
 
 
+def sha256_of(path):
+    with open(path, "rb") as f:
+        h = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_json_object(path):
+    """A JSON object from a file, or None when it is missing or unreadable (or not an object)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def atomic_write_bytes(path, data):
     """Write to a temp file next to path then rename, so readers never see half a file."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -201,17 +221,19 @@ def dtype_from_env(variable, allowed=DTYPE_NAMES):
     return DTYPE_NAMES[name]
 
 
+def _cpuinfo(field, default):
+    """The value of the first `field` line of /proc/cpuinfo, or `default` where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), default)
+    except OSError:
+        return default
+
+
 @functools.cache  # read once: Muon and the compute dtype ask on every step
 def cpu_flags():
     """The x86 feature flags of this machine's CPU (from /proc/cpuinfo; empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(_cpuinfo("flags", "").split())
 
 
 def orthogonalization_dtype(device):
@@ -239,11 +261,7 @@ def note_once(message):
 
 def cpu_name():
     """'AMD EPYC', 'Intel(R) Xeon(R) CPU @ 2.20GHz': how the budget's plans and the benchmarks name this CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
+    return _cpuinfo("model name", "unknown")
 
 
 def describe_gpu(device):
@@ -341,11 +359,10 @@ def compile_model(model):
 def inference_threads(device, threads, num_workers=1):
     """torch's intra-op threads for a generating process (chat_web's workers, chat_cli): the flag, else
     $OMP_NUM_THREADS, else on a CPU one fewer than its cores shared among the workers, and with GPUs the cores shared
-    among the workers. A small
-    model's decode step is many small ops that a second thread barely speeds up (measured on a 2-core CPU: 2 threads
-    25 % slower at 16 rows in the server; batch-1 decode at d4 the same with 1 or 2 threads when the machine is quiet,
-    and 478 against 921 tok/s with 2 against 1 while another process keeps one core busy), while the server's event
-    loop, the terminal or the rest of the machine need a core."""
+    among the workers. A small model's decode step is many small ops that a second thread barely speeds up (measured on
+    a 2-core CPU: 2 threads 25 % slower at 16 rows in the server; batch-1 decode at d4 the same with 1 or 2 threads when
+    the machine is quiet, and 478 against 921 tok/s with 2 against 1 while another process keeps one core busy), while
+    the server's event loop, the terminal or the rest of the machine need a core."""
     if threads:
         return threads
     if os.environ.get("OMP_NUM_THREADS"):
@@ -356,13 +373,14 @@ def inference_threads(device, threads, num_workers=1):
     return max(1, cores // num_workers)
 
 
-def autocast_for(device):
-    """The autocast context for this device's compute dtype: bf16 autocast on CUDA SM80+, a no-op in fp32."""
+def autocast_for(device, **options):
+    """The autocast context for this device's compute dtype: bf16 autocast on CUDA SM80+, a no-op in fp32. options:
+    torch.autocast's own (cache_enabled)."""
     from contextlib import nullcontext
 
     device = torch.device(device)
     dtype = get_compute_dtype(device)
-    return torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype, **options) if dtype != torch.float32 else nullcontext()
 
 
 def seed_everything(seed):
@@ -395,11 +413,10 @@ def compute_init(device_type=""):
         # Several ranks on one CPU must share its cores instead of each spawning one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     if is_ddp and not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
-            dist.init_process_group(backend=backend, device_id=device)
+            dist.init_process_group(backend="nccl", device_id=device)
         else:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend="gloo")
         dist.barrier()
         start_failure_watch(rank)
     return is_ddp, rank, local_rank, world_size, device

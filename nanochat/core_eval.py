@@ -321,10 +321,7 @@ def score_rows(model, rows, spans, pad_id, device):
     causal and only span positions are scored.
     """
     width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-    ids = ids.to(device)
+    ids = torch.tensor([list(row) + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
     logits = model(ids)
     mean_losses, exact = [], []
     for i, (start, end) in enumerate(spans):

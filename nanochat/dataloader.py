@@ -44,11 +44,8 @@ def _close_live_loaders():
 
 def list_row_groups(split, source=None):
     """Every (path, row_group_index) of a split, in file order: the global row-group numbering."""
-    row_groups = []
-    for path in list_parquet_files(split=split, source=source):
-        pf = open_parquet(path)
-        row_groups.extend((path, i) for i in range(pf.num_row_groups))
-    return row_groups
+    return [(path, i) for path in list_parquet_files(split=split, source=source)
+            for i in range(open_parquet(path).num_row_groups)]
 
 
 class DataLoader:
@@ -80,22 +77,19 @@ class DataLoader:
         all_row_groups = list_row_groups(split, source)
         self.row_groups = all_row_groups[rank::world_size]
         if not self.row_groups:
-            raise UserError(
-                f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; "
-                "use fewer ranks or more data")
+            raise UserError(f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} "
+                            "ranks; use fewer ranks or more data")
 
         if resume_state is not None:
             if resume_state.get("world_size", 1) != world_size or resume_state.get("rank", 0) != rank:
-                raise UserError(
-                    f"dataloader state was saved by rank {resume_state.get('rank')} of {resume_state.get('world_size')}, "
-                    f"cannot resume it as rank {rank} of {world_size}; resume with the same number of ranks")
+                raise UserError(f"dataloader state was saved by rank {resume_state.get('rank')} of "
+                                f"{resume_state.get('world_size')}, cannot resume it as rank {rank} of {world_size}; "
+                                "resume with the same number of ranks")
             if resume_state.get("T") != T or resume_state.get("num_row_groups") != len(self.row_groups):
                 raise UserError("dataloader state does not match this data or sequence length; "
                                 "resume with the same data and --max-seq-len, or start fresh")
-        self._state = resume_state or {
-            "epoch": 0, "pos": 0, "buffer": [],
-            "tokens_read": 0, "tokens_kept": 0, "tokens_cropped": 0, "docs_read": 0,
-        }
+        self._state = resume_state or {"epoch": 0, "pos": 0, "buffer": [], "tokens_read": 0, "tokens_kept": 0,
+                                       "tokens_cropped": 0, "docs_read": 0}
         self._queue = queue.Queue(maxsize=prefetch_batches)
         self._stop = threading.Event()
         self._thread = None
@@ -186,9 +180,7 @@ class DataLoader:
         tokens_of = {}
         for pos, rows in wanted.items():
             texts = read_row_group_texts(*self.row_groups[pos])
-            ids = self._tokenize([texts[r] for r in rows])
-            for r, doc in zip(rows, ids):
-                tokens_of[(pos, r)] = doc
+            tokens_of.update({(pos, r): doc for r, doc in zip(rows, self._tokenize([texts[r] for r in rows]))})
         return [(tuple(ref), tokens_of[(ref[1], ref[2])]) for ref in refs]
 
     def _produce_batches(self):

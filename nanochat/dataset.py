@@ -22,7 +22,6 @@ import.json that records how it was made; --data-source NAME and NANOCHAT_DATA_S
 """
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -35,7 +34,7 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
+from nanochat.common import UserError, ensure_writable, get_base_dir, read_json_object, run_main
 from nanochat.data.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
 
 # -----------------------------------------------------------------------------
@@ -73,13 +72,8 @@ def imported_source(name):
     path = os.path.join(get_base_dir(), "base_data", name, IMPORT_MANIFEST)
     if not os.path.isfile(path):
         return None
-    command = f"python -m nanochat.dataset import {name} ..."
-    try:
-        with open(path, encoding="utf-8") as f:
-            command = json.load(f).get("command", command)
-    except (OSError, ValueError):
-        pass
-    return DataSource(name, None, None, 0, command)
+    manifest = read_json_object(path) or {}
+    return DataSource(name, None, None, 0, manifest.get("command", f"python -m nanochat.dataset import {name} ..."))
 
 
 def source_names_on_disk():
@@ -154,12 +148,8 @@ def list_parquet_files(split="train", source=None):
         raise UserError(f"split must be 'train' or 'val' (got {split!r})")
     src = get_source(source)
     data_dir = _data_dir_path(src.name)
-    shards = {}
-    if os.path.isdir(data_dir):
-        for name in os.listdir(data_dir):
-            m = SHARD_RE.match(name)
-            if m:
-                shards[int(m.group(1))] = os.path.join(data_dir, name)
+    names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+    shards = {int(m.group(1)): os.path.join(data_dir, m.string) for m in map(SHARD_RE.match, names) if m}
     if not shards:
         raise UserError(f"no parquet shards in {data_dir}; create them with `{src.build_command}`")
     if split == "val":

@@ -508,21 +508,14 @@ class CapturedDecode:
         with autocast_for(self.cache.device):
             return self.model.forward(view.ids, kv_cache=view)[:, -1, :]
 
-    def _autocast(self):
-        """bf16 autocast without its cache of cast weights: a graph captured with it would keep reading casts that
-        are freed when the context exits (PyTorch's CUDA graphs notes)."""
-        from contextlib import nullcontext
-
-        dtype = get_compute_dtype(self.cache.device)
-        return nullcontext() if dtype == torch.float32 else \
-            torch.autocast(self.cache.device.type, dtype=dtype, cache_enabled=False)
-
     def _capture(self, batch, extent):
+        # bf16 autocast without its cache of cast weights (cache_enabled=False): a graph captured with it would keep
+        # reading casts that are freed when the context exits (PyTorch's CUDA graphs notes)
         view = StaticDecodeView(self.cache, batch, extent)
         view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), self._autocast():
+        with torch.cuda.stream(side), autocast_for(self.cache.device, cache_enabled=False):
             for _ in range(2):  # allocations and lazy initialisation happen outside the capture
                 view.masks = {}
                 self.model.forward(view.ids, kv_cache=view)
@@ -532,7 +525,7 @@ class CapturedDecode:
         with torch.cuda.stream(side):  # begin and end by hand: a failure inside still ends the capture and the stream
             graph.capture_begin(pool=self.pool)
             try:
-                with self._autocast():
+                with autocast_for(self.cache.device, cache_enabled=False):
                     logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
             except Exception as e:
                 error = e
@@ -782,11 +775,10 @@ class BatchEngine:
         ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
         steered = {id(seq): steer(seq.logits, seq.sampling, seq.counts) for seq in ready if seq.sampling.steers()}
         greedy = [seq for seq in ready if seq.sampling.temperature < GREEDY_BELOW]
+        sampled = {}
         if greedy:  # one argmax for every greedy row
             tokens = torch.cat([steered.get(id(seq), seq.logits) for seq in greedy]).argmax(dim=-1).tolist()
             sampled = dict(zip(map(id, greedy), tokens))
-        else:
-            sampled = {}
         for seq in ready:
             if id(seq) not in sampled:
                 s = seq.sampling
@@ -883,13 +875,10 @@ class Engine:
         finished = [False] * num_samples
         for column, column_masks in self.generate(tokens, num_samples, **kwargs):
             for i, (token, mask) in enumerate(zip(column, column_masks)):
-                if finished[i]:
-                    continue
-                if token in terminals:
-                    finished[i] = True
-                    continue
-                results[i].append(token)
-                masks[i].append(mask)
+                finished[i] = finished[i] or token in terminals
+                if not finished[i]:
+                    results[i].append(token)
+                    masks[i].append(mask)
         return results, masks
 
 

@@ -10,17 +10,7 @@ everywhere scaled_dot_product_attention does (CUDA, MPS, CPU).
 Every norm is parameter-free, so the only parameters are the embedding, the lm_head and the
 2-D matrices inside the blocks. The math is written to equal, for the same weights, the
 NanoChat model built into Hugging Face transformers (NanoChatForCausalLM), and the state-dict
-names follow the original nanochat checkpoint layout that its converter understands:
-
-    transformer.wte.weight               -> model.embed_tokens.weight
-    transformer.h.{i}.attn.c_q/c_k/c_v   -> model.layers.{i}.self_attn.q_proj/k_proj/v_proj
-    transformer.h.{i}.attn.c_proj        -> model.layers.{i}.self_attn.o_proj
-    transformer.h.{i}.mlp.c_fc/c_proj    -> model.layers.{i}.mlp.fc1/fc2
-    lm_head.weight                       -> lm_head.weight
-
-An exporter must write rms_norm_eps=NORM_EPS, rope_theta=ROPE_THETA,
-final_logit_softcapping=LOGIT_SOFTCAP, intermediate_size=4*n_embd, hidden_act="relu2",
-tie_word_embeddings=False and attention_bias=False.
+names follow the original nanochat checkpoint layout (interop/hf_export.py maps one onto the other).
 
 The model is built on the meta device and then materialised and initialised explicitly, which is
 what `build_model(config, device)` at the bottom of this file does:
@@ -119,7 +109,8 @@ class GPTConfig:
 
     def validate(self):
         """Raise ValueError for shapes the model cannot be built with, before anything is allocated."""
-        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ve_gate_channels",
+                     "smear_gate_channels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer (got {value!r})")
@@ -136,10 +127,6 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive number (got {value!r})")
         if not isinstance(self.rotary_bf16, bool):
             raise ValueError(f"GPTConfig.rotary_bf16 must be true or false (got {self.rotary_bf16!r})")
-        for name in ("ve_gate_channels", "smear_gate_channels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer (got {value!r})")
         if self.backout_layer is not None and (isinstance(self.backout_layer, bool) or not isinstance(self.backout_layer, int)
                                                or not 0 <= self.backout_layer < self.n_layer):
             raise ValueError(f"GPTConfig.backout_layer must be a layer index below n_layer or null (got {self.backout_layer!r})")

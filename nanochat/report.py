@@ -25,9 +25,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections import Counter
 
-from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, ensure_writable, format_duration, get_base_dir,
-                             get_dist_info, run_main)
+from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, cpu_name, ensure_writable,
+                             format_duration, get_base_dir, get_dist_info, read_json_object, run_main)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,28 +146,14 @@ def git_info():
     }
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def gpu_info():
     """[{name, memory_gib}] for each visible CUDA device; empty on CPU-only machines."""
     import torch
 
     if not torch.cuda.is_available():
         return []
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        gpus.append({"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)})
-    return gpus
+    return [{"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
+            for props in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))]
 
 
 def system_info():
@@ -178,7 +165,7 @@ def system_info():
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_name(),
         "cpu_logical": os.cpu_count(),
         "cpu_physical": psutil.cpu_count(logical=False),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
@@ -190,10 +177,7 @@ def system_info():
 def describe_gpus(gpus):
     if not gpus:
         return "none (CPU only)"
-    counts = {}
-    for gpu in gpus:
-        key = (gpu["name"], gpu["memory_gib"])
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter((gpu["name"], gpu["memory_gib"]) for gpu in gpus)
     return ", ".join(f"{n} × {name} ({mem} GiB each)" for (name, mem), n in counts.items())
 
 
@@ -281,11 +265,8 @@ def _save_png(fig, path):
 
 def plot_curve(stage, records, path):
     """One panel per numeric field of the stage's records against step; returns False when there is nothing to plot."""
-    fields = []
-    for record in records:
-        for key, value in record.items():
-            if key != "step" and _is_number(value) and key not in fields:
-                fields.append(key)
+    fields = list(dict.fromkeys(key for record in records for key, value in record.items()  # first seen first
+                                if key != "step" and _is_number(value)))
     if not fields:
         return False
     steps = [r["step"] if _is_number(r.get("step")) else i for i, r in enumerate(records)]
@@ -343,16 +324,6 @@ def _metric_key(name):
         if key == re.sub(r"[^a-z0-9]", "", metric.lower()):
             return metric
     return None
-
-
-def read_json(path):
-    """A JSON object from a file, or None when it is missing or unreadable."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def read_jsonl(path):
@@ -463,7 +434,7 @@ class Report:
             slug, ext = os.path.splitext(filename)
             if ext != ".md" or slug == HEADER_NAME or filename == REPORT_NAME:
                 continue
-            record = read_json(os.path.join(self.report_dir, f"{slug}.json"))
+            record = read_json_object(os.path.join(self.report_dir, f"{slug}.json"))
             if record is None:
                 record = {"section": slug, "time": os.path.getmtime(os.path.join(self.report_dir, filename)), "data": []}
             found.append((slug, record.get("section", slug), record))
@@ -499,10 +470,8 @@ class Report:
         else:
             start, since = None, None
         gpus = header["system"]["gpus"] if header is not None else gpu_info()
-        if hourly_price_usd is not None:
-            price, assumption = hourly_price_usd, "price per hour given with --hourly-price"
-        else:
-            price, assumption = hourly_price(gpus)
+        price, assumption = hourly_price(gpus) if hourly_price_usd is None else \
+            (hourly_price_usd, "price per hour given with --hourly-price")
         if start is not None:
             wall = end_time - start
             lines.append(f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to `report generate`)")
@@ -519,7 +488,7 @@ class Report:
     def generate(self, hourly_price_usd=None, copy_to=None):
         """Assemble report.md in the report dir, plus a copy in copy_to (default: the current directory)."""
         end_time = time.time()
-        header = read_json(os.path.join(self.report_dir, f"{HEADER_NAME}.json"))
+        header = read_json_object(os.path.join(self.report_dir, f"{HEADER_NAME}.json"))
         sections = self.sections()
 
         parts = ["# nanochat training report", "", f"Generated: {_now_iso(end_time)}", ""]
@@ -595,28 +564,10 @@ class Report:
 
 
 class DummyReport:
-    """What ranks other than 0 get: every call does nothing, so scripts never need to check their rank."""
+    """What ranks other than 0 get: every call does nothing (and reads no curve), so scripts never check their rank."""
 
-    def log(self, section, data):
-        pass
-
-    def log_curve(self, stage, record):
-        pass
-
-    def read_curve(self, stage):
-        return []
-
-    def reset_curve(self, stage):
-        pass
-
-    def truncate_curve(self, stage, after_step):
-        pass
-
-    def reset(self):
-        pass
-
-    def generate(self, hourly_price_usd=None, copy_to=None):
-        pass
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: [] if name == "read_curve" else None
 
 
 def get_report():

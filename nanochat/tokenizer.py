@@ -55,20 +55,14 @@ TRAIN_HINT = "run `python -m scripts.tok_train` first"
 
 def _ranks_to_text(mergeable_ranks):
     """The tiktoken rank file format: one 'base64 rank' line per token, sorted by rank."""
-    lines = [
-        f"{base64.b64encode(token).decode('ascii')} {rank}"
-        for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1])
-    ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(f"{base64.b64encode(token).decode('ascii')} {rank}"
+                     for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1])) + "\n"
 
 
 def _fingerprint(ranks_text, pattern, special_tokens):
     """sha256 over everything that decides which ids a text gets; stored in checkpoints to catch mismatches."""
-    h = hashlib.sha256()
-    h.update(ranks_text.encode("utf-8"))
-    h.update(pattern.encode("utf-8"))
-    h.update(json.dumps(special_tokens, sort_keys=True).encode("utf-8"))
-    return h.hexdigest()
+    data = ranks_text + pattern + json.dumps(special_tokens, sort_keys=True)  # hashed as one run of UTF-8 bytes
+    return hashlib.sha256(data.encode("utf-8")).hexdigest()
 
 
 class RustBPETokenizer:
@@ -89,10 +83,8 @@ class RustBPETokenizer:
         """Train on an iterator of strings. vocab_size counts the nine special tokens."""
         min_vocab = 256 + len(SPECIAL_TOKENS)
         if vocab_size < min_vocab:
-            raise UserError(
-                f"vocab size must be at least {min_vocab} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), "
-                f"got {vocab_size}"
-            )
+            raise UserError(f"vocab size must be at least {min_vocab} (256 bytes + {len(SPECIAL_TOKENS)} special "
+                            f"tokens), got {vocab_size}")
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(text_iterator, int(vocab_size) - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
         # A small corpus can run out of pairs to merge before reaching vocab_size; the specials then
@@ -126,20 +118,15 @@ class RustBPETokenizer:
                 raise ValueError(f"unknown format {meta.get('format')!r} version {meta.get('version')!r}")
             pattern = str(meta["pattern"])
             specials = [(str(name), int(i)) for name, i in meta["special_tokens"]]  # [name, id] pairs, in id order
-            mergeable_ranks = {}
-            for line in ranks_text.splitlines():
-                if line:
-                    token_b64, rank = line.split()
-                    mergeable_ranks[base64.b64decode(token_b64, validate=True)] = int(rank)
+            pairs = [line.split() for line in ranks_text.splitlines() if line]
+            mergeable_ranks = {base64.b64decode(token_b64, validate=True): int(rank) for token_b64, rank in pairs}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UserError(
-                f"tokenizer files in {tokenizer_dir} are unreadable ({e}); delete the directory and {TRAIN_HINT}"
-            ) from None
+            raise UserError(f"tokenizer files in {tokenizer_dir} are unreadable ({e}); delete the directory and "
+                            f"{TRAIN_HINT}") from None
         # Files are written one at a time: a crash between two writes must not load silently as a mix.
         if meta.get("sha256") != _fingerprint(ranks_text, pattern, dict(specials)):
-            raise UserError(
-                f"tokenizer files in {tokenizer_dir} do not match each other (interrupted save?); {TRAIN_HINT}"
-            )
+            raise UserError(f"tokenizer files in {tokenizer_dir} do not match each other (interrupted save?); "
+                            f"{TRAIN_HINT}")
         names = [name for name, _ in specials]
         first_special = len(mergeable_ranks)
         ids_ok = sorted(mergeable_ranks.values()) == list(range(first_special))
@@ -155,10 +142,9 @@ class RustBPETokenizer:
             enc = tiktoken.get_encoding(tiktoken_name)
         except Exception as e:  # tiktoken raises network, hash or value errors depending on what went wrong
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise UserError(
-                f"tiktoken encoding {tiktoken_name!r} is not available: it is not in tiktoken's cache and could not be "
-                f"downloaded ({reason}); run once with network access or point TIKTOKEN_CACHE_DIR at a cache holding it"
-            ) from None
+            raise UserError(f"tiktoken encoding {tiktoken_name!r} is not available: it is not in tiktoken's cache and "
+                            f"could not be downloaded ({reason}); run once with network access or point "
+                            "TIKTOKEN_CACHE_DIR at a cache holding it") from None
         special_ids = {token: enc.encode_single_token(token) for token in enc.special_tokens_set}
         # tiktoken has no public getter for the ranks or the pattern; we need them only to save or fingerprint.
         # gpt2 and cl100k_base both use <|endoftext|> as their document separator.
@@ -296,10 +282,8 @@ class RustBPETokenizer:
         for i, message in enumerate(messages):
             expected = "user" if i % 2 == 0 else "assistant"
             if message.get("role") != expected:
-                raise ValueError(
-                    f"message {i} has role {message.get('role')!r}; "
-                    "roles must alternate user/assistant, starting with user"
-                )
+                raise ValueError(f"message {i} has role {message.get('role')!r}; roles must alternate user/assistant, "
+                                 "starting with user")
         return messages
 
     def render_conversation(self, conversation, max_tokens=2048):
@@ -342,9 +326,8 @@ class RustBPETokenizer:
                         add(self.encode(part["text"]), 0)
                         add(special("<|output_end|>"), 0)
                     else:
-                        raise ValueError(
-                            f"assistant content part must have type text, python or python_output, got {part!r:.80}"
-                        )
+                        raise ValueError(f"assistant content part must have type text, python or python_output, "
+                                         f"got {part!r:.80}")
             else:
                 raise ValueError(f"assistant message content must be a string or a list of parts, got {content!r:.80}")
             add(special("<|assistant_end|>"), 1)

@@ -15,7 +15,7 @@ from nanochat.chat_eval import chatcore, evaluate_tasks
 from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
-from nanochat.tasks import canonical_name, get_task
+from tasks import canonical_name, get_task
 from nanochat.training.presets import fill_from_preset, preset_help
 from nanochat.training.stage import mixture_kind
 

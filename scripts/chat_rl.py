@@ -19,7 +19,7 @@ import torch
 from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
-from nanochat.tasks import TaskMixture, get_task
+from tasks import TaskMixture, get_task
 from nanochat.training.chat_data import ProblemSchedule
 from nanochat.training.presets import preset_help
 from nanochat.training.recipe import lr_multiplier, muon_momentum, train_step

@@ -14,7 +14,7 @@ import time
 
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
-from nanochat.tasks import CustomJSON, TaskMixture, get_task
+from tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training.chat_data import PackedConversations
 from nanochat.training.recipe import lr_multiplier, muon_momentum, train_step
 from nanochat.training.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,

@@ -1,5 +1,5 @@
 """
-Train a family of base_train runs and fit the scaling laws they trace (nanochat/training/miniseries.py).
+Train a family of base_train runs and fit the scaling laws they trace (bench/miniseries.py).
 
     python -m scripts.miniseries --preset=cpu --mode=isoflop        # 3 FLOP budgets x d2,d3,d4,d6 on 2 cores
     python -m scripts.miniseries --preset=cpu                       # d2..d4 at 4 tokens/param (a quick look)
@@ -19,7 +19,7 @@ import os
 
 from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, run_main
 from nanochat.report import get_report
-from nanochat.training import miniseries as ms
+from bench import miniseries as ms
 from nanochat.training.recipe import REFERENCE_BATCH
 
 PRESETS = {

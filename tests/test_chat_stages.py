@@ -194,7 +194,7 @@ def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_l
 
 @pytest.mark.quick
 def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir):
-    from nanochat.tasks import TaskMixture, get_task
+    from tasks import TaskMixture, get_task
     from nanochat.training.chat_data import PackedConversations
 
     tokenizer = tokenizer_of(tiny_base_dir)
@@ -230,7 +230,7 @@ def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir
 def test_validation_batches_read_their_conversations_once_then_end(tiny_base_dir):
     """mid/SFT validation (single_pass): every conversation once, the same tokens on one rank or split over two, then
     StopIteration on every rank at the same step, however many steps were asked for."""
-    from nanochat.tasks import TaskMixture, get_task
+    from tasks import TaskMixture, get_task
     from nanochat.training.chat_data import ConversationBatches, PackedConversations
 
     tokenizer = tokenizer_of(tiny_base_dir)
@@ -394,7 +394,7 @@ class ScriptedModel(torch.nn.Module):
 @pytest.mark.quick
 def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
     from nanochat.chat_eval import chatcore, evaluate_task
-    from nanochat.tasks.base import CategoricalTask, Task, multiple_choice_conversation
+    from tasks.base import CategoricalTask, Task, multiple_choice_conversation
 
     tokenizer = tokenizer_of(tiny_base_dir)
 
@@ -456,7 +456,7 @@ def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(tr
     from nanochat.chat_eval import completion_prompt, generate_replies
     from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
-    from nanochat.tasks import get_task
+    from tasks import get_task
 
     os.environ["NANOCHAT_BASE_DIR"] = trained_base
     try:

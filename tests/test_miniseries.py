@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from nanochat.common import UserError
-from nanochat.training import miniseries as ms
+from bench import miniseries as ms
 from nanochat.training.recipe import DEFAULT_COMPONENTS
 from scripts import miniseries
 

@@ -31,7 +31,9 @@ def test_the_plan_is_printed_for_a_small_budget_with_every_stage_and_what_is_ski
     assert set(described) >= {"data", "tok_train", "tok_eval", "base_train", "base_loss", "base_eval", "mid_train",
                               "chat_sft", "chat_eval", "report"}
     assert re.search(r"base_train +~[\d,]+ steps in \d+ s", described["base_train"])
-    assert re.search(r"chat_sft +~1[0-5]\d steps", described["chat_sft"])  # the steps it needs, before base_train's
+    _, _, fewest, need = pp.REFERENCE["cpu"]["train"]["chat_sft"]
+    planned_sft = int(re.search(r"chat_sft +~(\d+) steps", described["chat_sft"]).group(1))
+    assert fewest < planned_sft <= need  # the steps it needs (or its share of a short budget), before base_train's
     assert "skipped: below the cpu preset's time" in described["base_eval"] and "skipped" in described["mid_train"]
     flags = {m.split(".")[-1]: f for m, _, f in commands(p.stdout)}
     assert any(f.startswith("--time-budget=") for f in flags["base_train"]) and "--depth=4" in flags["base_train"]
@@ -135,7 +137,7 @@ def test_a_chat_stage_takes_the_time_left_early_and_gives_it_back_late():
 
     reference = pp.REFERENCE["cpu"]
     assert steps(on_time) == sft.steps
-    assert sft.steps < steps(on_time - 20) < reference["preset_steps"]["chat_sft"]  # early: more steps
+    assert sft.steps < steps(on_time - 10) < reference["preset_steps"]["chat_sft"]  # early: more steps
     assert steps(on_time - 1_000) == reference["preset_steps"]["chat_sft"]  # never beyond the preset's
     assert reference["train"]["chat_sft"][2] <= steps(on_time + 10) < sft.steps  # late: fewer
     assert steps(on_time + 1_000) == reference["train"]["chat_sft"][2]  # never below its floor

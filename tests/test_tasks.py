@@ -1,8 +1,8 @@
 """
-Tests for nanochat.tasks: every hub loader against a local server that speaks the hub's parquet API
+Tests for tasks/: every hub loader against a local server that speaks the hub's parquet API
 (real schemas, nested columns included), the verdicts of each task's evaluate on right and wrong
 answers, mixtures and slicing, bad input, the built-in tasks' splits and wordings, rendering, and the
-`python -m nanochat.tasks` listing.
+`python -m tasks` listing.
 """
 
 import json
@@ -17,11 +17,11 @@ from nanochat.common import UserError
 from nanochat.data import hub
 from nanochat.data.builtin.world import RELATIONS
 from nanochat.engine import use_calculator
-from nanochat.tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
+from tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
                             TaskSequence, WorldQA, get_task, humaneval, validate_conversation)
-from nanochat.tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, SFT_ASKS, SFT_FRAMES, \
+from tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, SFT_ASKS, SFT_FRAMES, \
     SFT_IDENTITY_QUESTIONS, SFT_QUESTIONS
-from nanochat.tasks.gsm8k import answer_parts
+from tasks.gsm8k import answer_parts
 from nanochat.tokenizer import RustBPETokenizer
 
 from conftest import ParquetHub  # noqa: E402
@@ -513,11 +513,11 @@ def test_builtin_conversations_are_valid_short_and_render(tokenizer):
 def test_main_lists_every_task_offline(parquet_hub, base_dir):
     parquet_hub.add("openai/openai_humaneval", "openai_humaneval", "test", [HUMANEVAL_ROW])
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(base_dir))
-    run = subprocess.run([sys.executable, "-m", "nanochat.tasks", "--download", "humaneval"], env=env,
+    run = subprocess.run([sys.executable, "-m", "tasks", "--download", "humaneval"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens: the listing must not need the network
-    run = subprocess.run([sys.executable, "-m", "nanochat.tasks"], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "tasks"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.strip()}
     assert all(name in rows for name in TASKS)

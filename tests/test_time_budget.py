@@ -207,7 +207,7 @@ def test_the_plan_grows_with_the_budget_and_the_loss_surface_fit_recovers_a_law(
     """In process, from measured step times on disk: a longer budget trains a deeper model on more tokens; and the
     miniseries' surface fit gets back the law that made its points."""
     from nanochat.training import time_budget as tb
-    from nanochat.training.miniseries import fit_loss_surface
+    from bench.miniseries import fit_loss_surface
 
     base = fresh_base(tiny_base_dir, tmp_path, "grow")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base)

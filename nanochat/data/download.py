@@ -43,10 +43,8 @@ def sha256_from_etag(value):
 def _promised_by_server(response):
     """(size, sha256) the server vouches for, looking at the final response and any redirects before it."""
     chain = [response] + list(reversed(response.history))
-    sha = None
-    for r in chain:
-        for key in ("X-Linked-Etag", "ETag"):
-            sha = sha or sha256_from_etag(r.headers.get(key))
+    etags = (sha256_from_etag(r.headers.get(key)) for r in chain for key in ("X-Linked-Etag", "ETag"))
+    sha = next((s for s in etags if s), None)
     size = response.headers.get("Content-Length")
     linked_size = next((r.headers["X-Linked-Size"] for r in chain if "X-Linked-Size" in r.headers), None)
     size = int(size) if size is not None else None

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import UserError, atomic_write_text, get_base_dir, print0
+from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, read_json_object
 from nanochat.data.download import DownloadError, download_file
 
 REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -52,9 +52,8 @@ def model_cache_dir(repo, revision):
 def plain_repo_path(name):
     """Whether a listed file path is relative and plain: parts joined by '/', none empty, '.' or '..', no backslash
     or drive letter. The hub lists nothing else; anything else would be written outside the download folder."""
-    parts = name.split("/")
     return bool(name) and "\\" not in name and not re.match(r"^[A-Za-z]:", name) and \
-        all(part not in ("", ".", "..") for part in parts)
+        all(part not in ("", ".", "..") for part in name.split("/"))
 
 
 def local_path_in(directory, name):
@@ -114,11 +113,7 @@ def list_model_files(repo, revision):
 def cached_model_files(repo, revision):
     """{path: local path} of a complete earlier download of this revision, else None. Never touches the network."""
     directory = model_cache_dir(repo, revision)
-    try:
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            names = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    names = (read_json_object(os.path.join(directory, MANIFEST)) or {}).get("files")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return None
     paths = {name: local_path_in(directory, name) for name in names}
@@ -186,10 +181,8 @@ def _how_to_fix():
 def local_parquet_files(repo, config, split):
     """The split's parquet files if a complete download is on disk, else None. Never touches the network."""
     directory = split_dir(repo, config, split)
-    try:
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            names = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
+    names = (read_json_object(os.path.join(directory, MANIFEST)) or {}).get("files")
+    if names is None:
         return None
     paths = [os.path.join(directory, name) for name in names]
     return paths if all(os.path.exists(p) for p in paths) else None
@@ -250,9 +243,7 @@ def load_table(task_name, repo, config, split):
 def local_row_count(repo, config, split):
     """Rows of a downloaded split, from the parquet footers only; None when the split is not on disk."""
     paths = local_parquet_files(repo, config, split)
-    if paths is None:
-        return None
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+    return None if paths is None else sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
 
 
 def table_row(table, index):

@@ -37,7 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import UserError, atomic_write_text, ensure_writable, get_base_dir, print0
+from nanochat.common import (UserError, atomic_write_text, ensure_writable, get_base_dir, print0, read_json_object,
+                             sha256_of)
 
 MANIFEST = "import.json"
 FORMAT_VERSION = 1  # bump when the same inputs and options would give other shards
@@ -129,11 +130,7 @@ def expand_input(arg):
 
 
 def file_fingerprint(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": h.hexdigest()}
+    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": sha256_of(path)}
 
 
 def local_inputs(args):
@@ -490,7 +487,7 @@ def build_source(name, inputs, options, document_source=None, data_root=None, co
                    "shard_chars": shard_chars}
     with FileLock(os.path.join(data_root, f".{name}.lock")):
         _recover(data_root, name)
-        old = _read_manifest(final_dir)
+        old = read_json_object(os.path.join(final_dir, MANIFEST))
         if old and old.get("fingerprint") == fingerprint and all(
                 os.path.isfile(os.path.join(final_dir, s)) for s in old.get("shards", [])):
             print0(f"import {name}: unchanged since {old['created']} ({len(old['shards'])} shards in {final_dir}); "
@@ -537,14 +534,6 @@ def _build(name, inputs, options, document_source, out_dir, base_dir, shard_char
             "crop": {"max_seq_len": options.max_seq_len, "sampled_pieces": len(sample),
                      "fraction": crop_fraction(counts, options.max_seq_len)},
             "seconds": round(time.time() - t0, 2)}
-
-
-def _read_manifest(directory):
-    try:
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _swap_into_place(tmp_dir, final_dir, data_root, name):

@@ -3,40 +3,26 @@ Export a nanochat checkpoint as a Hugging Face directory that `transformers` loa
 NanoChat architecture (AutoModelForCausalLM) and a `tokenizers` tokenizer (AutoTokenizer), giving the
 same logits and the same token ids as our model and tokenizer.
 
-The directory holds:
-    config.json              NanoChatConfig, every field that changes the math written explicitly
-    generation_config.json   stop on <|assistant_end|> or <|bos|>, like our Engine
-    model.safetensors        the weights under transformers' names, in the requested dtype
-    tokenizer.json           byte-level BPE equivalent to our tiktoken encoding, specials at our ids
-    tokenizer_config.json    bos/eos, and a chat template that renders exactly like render_for_completion
-
+The files it writes, and what it refuses before writing any (what transformers cannot represent: an unknown config
+field, an extra parameter, an unconvertible tokenizer; the directory appears only when complete), are docs/export.md.
 A model with a recipe component (gpt.COMPONENTS) has no place in transformers' NanoChat: its export writes our own
-modeling code (nanochat/interop/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and config.json
-points auto_map at it, so it loads with trust_remote_code=True.
-
-Anything else transformers cannot represent (an unknown config field, an extra parameter, an unconvertible
-tokenizer) is refused before a single file is written, and the directory appears only when complete
-(written next to the target, then renamed).
+modeling code (nanochat/interop/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and
+config.json points auto_map at it, so it loads with trust_remote_code=True.
 """
 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 
 import torch
 
-from nanochat.checkpoint_manager import (
-                                         STEP_DIR_RE,
-                                         checkpoint_dir,
-                                         find_latest_tag,
-                                         list_steps,
-                                         load_model,
-                                         resolve_step,
-                                         )
-from nanochat.common import UserError, ensure_writable, print0
+from nanochat.checkpoint_manager import (STEP_DIR_RE, checkpoint_dir, find_latest_tag, list_steps, load_model,
+                                         resolve_step)
+from nanochat.common import UserError, ensure_writable, print0, read_json_object
 from nanochat.gpt import (COMPONENTS, OPTIONAL_FIELDS, VARIANT_DEFAULTS, GPTConfig, attention_window, config_from_dict,
                           has_value_embed)
 from nanochat.tokenizer import SPECIAL_TOKENS
@@ -78,12 +64,8 @@ def raw_model_config(ckpt_dir, step=None):
         if not steps:
             return None
         step = max(steps)
-    try:
-        with open(os.path.join(ckpt_dir, f"step_{step:06d}", "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return None  # the checkpoint manager reports what is wrong with it
-    return meta.get("model_config") if isinstance(meta, dict) else None
+    meta = read_json_object(os.path.join(ckpt_dir, f"step_{step:06d}", "meta.json"))
+    return None if meta is None else meta.get("model_config")  # None: the checkpoint manager reports what is wrong
 
 
 def check_representable(model_config):
@@ -109,27 +91,20 @@ def check_representable(model_config):
     # sequence_len (its rotary embedding is computed for whatever positions it is given).
 
 
+# Our parameter names -> transformers' NanoChat names: the two outside the blocks, and a block's linears (model_import
+# reads the same tables backwards)
+HF_OUTSIDE_BLOCKS = {"transformer.wte.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
+HF_BLOCK_LINEARS = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
+                    "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+
+
 def hf_weight_name(name):
     """Our state-dict name -> transformers' NanoChat name, or None for a parameter it has no place for."""
-    if name == "transformer.wte.weight":
-        return "model.embed_tokens.weight"
-    if name == "lm_head.weight":
-        return "lm_head.weight"
-    parts = name.split(".")  # transformer.h.{i}.{attn|mlp}.{c_*}.weight
-    if len(parts) != 6 or parts[:2] != ["transformer", "h"] or not parts[2].isdigit() or parts[5] != "weight":
-        return None
-    layer, module, linear = parts[2], parts[3], parts[4]
-    renames = {
-        ("attn", "c_q"): "self_attn.q_proj",
-        ("attn", "c_k"): "self_attn.k_proj",
-        ("attn", "c_v"): "self_attn.v_proj",
-        ("attn", "c_proj"): "self_attn.o_proj",
-        ("mlp", "c_fc"): "mlp.fc1",
-        ("mlp", "c_proj"): "mlp.fc2",
-    }
-    if (module, linear) not in renames:
-        return None
-    return f"model.layers.{layer}.{renames[(module, linear)]}.weight"
+    if name in HF_OUTSIDE_BLOCKS:
+        return HF_OUTSIDE_BLOCKS[name]
+    m = re.fullmatch(r"transformer\.h\.(\d+)\.(\w+\.\w+)\.weight", name)
+    return f"model.layers.{m.group(1)}.{HF_BLOCK_LINEARS[m.group(2)]}.weight" if m and m.group(2) in HF_BLOCK_LINEARS \
+        else None
 
 
 # The exact-math variants (gpt.VARIANT_DEFAULTS) NanoChat's config has fields for; any other needs our modeling code.
@@ -156,18 +131,15 @@ def hf_state_dict(model, vocab_size, dtype):
     if model.config.vocab_size < vocab_size:
         raise UserError(f"cannot export: the model has {model.config.vocab_size} token rows but the tokenizer "
                         f"has {vocab_size} ids; this checkpoint was trained with another tokenizer")
-    if uses_components(model.config):
-        return {name: (tensor[:vocab_size] if name in ("transformer.wte.weight", "lm_head.weight")
-                       or name.startswith("value_embeds.") else tensor).detach().to(device="cpu", dtype=dtype).contiguous()
-                for name, tensor in model.state_dict().items()}
-    unmapped = [name for name in model.state_dict() if hf_weight_name(name) is None]
+    ours = uses_components(model.config)
+    unmapped = [] if ours else [name for name in model.state_dict() if hf_weight_name(name) is None]
     if unmapped:
         raise UserError(f"cannot export: parameter(s) {', '.join(unmapped)} have no place in transformers' NanoChat")
     weights = {}
     for name, tensor in model.state_dict().items():
-        if name in ("transformer.wte.weight", "lm_head.weight"):
+        if name in ("transformer.wte.weight", "lm_head.weight") or name.startswith("value_embeds."):
             tensor = tensor[:vocab_size]
-        weights[hf_weight_name(name)] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        weights[name if ours else hf_weight_name(name)] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
     return weights
 
 
@@ -252,15 +224,8 @@ def byte_to_unicode():
     """
     printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1))
     printable |= set(range(ord("®"), ord("ÿ") + 1))
-    table = {}
-    next_char = 256
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(next_char)
-            next_char += 1
-    return table
+    others = iter(range(256, 512))  # the next character from U+0100 on, for each byte that is not printable
+    return {byte: chr(byte) if byte in printable else chr(next(others)) for byte in range(256)}
 
 
 def bpe_parts(token, ranks, max_rank):

@@ -235,12 +235,8 @@ def tokenizer_from_hf_json(path):
 def tokenizer_candidates(folder):
     """TOKENIZER_SEARCH from `folder`, a '/'-separated path under some root ('' or '.' = the root itself), as paths
     under that same root; the ones that would leave the root are left out."""
-    found = []
-    for relative in TOKENIZER_SEARCH:
-        path = posixpath.normpath(posixpath.join(folder or ".", relative))
-        if path != ".." and not path.startswith("../"):
-            found.append(path)
-    return found
+    paths = [posixpath.normpath(posixpath.join(folder or ".", relative)) for relative in TOKENIZER_SEARCH]
+    return [path for path in paths if path != ".." and not path.startswith("../")]
 
 
 def find_karpathy_tokenizer(model_dir, tokenizer_path, root=None):
@@ -390,16 +386,12 @@ def make_config(fields, where):
 
 def hf_name_to_ours(name):
     """transformers' NanoChat parameter name -> ours (the inverse of hf_export.hf_weight_name), or None."""
-    if name == "model.embed_tokens.weight":
-        return "transformer.wte.weight"
-    if name == "lm_head.weight":
-        return name
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|fc1|fc2)\.weight", name)
-    if not m:
-        return None
-    ours = {"q_proj": "attn.c_q", "k_proj": "attn.c_k", "v_proj": "attn.c_v", "o_proj": "attn.c_proj",
-            "fc1": "mlp.c_fc", "fc2": "mlp.c_proj"}[m.group(3)]
-    return f"transformer.h.{m.group(1)}.{ours}.weight"
+    from nanochat.interop.hf_export import HF_BLOCK_LINEARS, HF_OUTSIDE_BLOCKS
+
+    outside = {hf: ours for ours, hf in HF_OUTSIDE_BLOCKS.items()}
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight", name)
+    linear = {hf: ours for ours, hf in HF_BLOCK_LINEARS.items()}.get(m.group(2)) if m else None
+    return outside.get(name) or (f"transformer.h.{m.group(1)}.{linear}.weight" if linear else None)
 
 
 def safetensors_files(model_dir):

@@ -9,14 +9,13 @@ the matmuls. Each Function below does the same math in fewer passes, with its ba
 out by hand (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -> 2.0 ms,
 relu^2 16.5 -> 7.2 ms as its own Function, less again fused into the MLP).
 
-gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` /
-`cpu_fp32_training`), except the chunked loss and the block-causal attention, which also run under CPU autocast with
-bf16 matmuls (`cpu_training_loss`, `cpu_training_attention`); everywhere else (CUDA, bf16 autocast on a CPU for the
-rest) the plain torch
-expressions run and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too,
-so the plain path a GPU takes can be run and tested anywhere. The results equal the plain math up
-to float rounding, and tests/test_gpt.py checks every Function's loss and gradients against it.
-Model constants (norm eps, softcap) come in as arguments, so this module knows nothing of the model.
+gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` / `cpu_fp32_training`), except the
+chunked loss and the block-causal attention, which also run under CPU autocast with bf16 matmuls (`cpu_training_loss`,
+`cpu_training_attention`); everywhere else (CUDA, bf16 autocast on a CPU for the rest) the plain torch expressions run
+and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too, so the plain path a GPU takes can be run
+and tested anywhere. The results equal the plain math up to float rounding, and tests/test_gpt.py checks every
+Function's loss and gradients against it. Model constants (norm eps, softcap) come in as arguments, so this module knows
+nothing of the model.
 """
 
 import os

@@ -36,6 +36,7 @@ NUM_SAMPLES_RANGE = (1, 8)  # the OpenAI API's n: samples are decoded together a
 SEED_MODULUS = 2**63  # any integer is a valid seed; torch takes it modulo this
 
 ROLES = ("system", "user", "assistant")
+TURN_TOKENS = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>")  # end a reply
 ASSISTANT_PART_TYPES = ("text", "python", "python_output")
 
 
@@ -164,11 +165,8 @@ def validate_messages(messages, markup=False, for_reply=True):
         if total_chars > MAX_TOTAL_CHARS:
             raise RequestError("messages", f"at most {MAX_TOTAL_CHARS} characters in all messages together")
         if normalised and normalised[-1]["role"] == role:
-            previous = normalised[-1]
-            if role == "assistant":
-                previous["content"] = previous["content"] + [{"type": "text", "text": "\n\n"}] + content
-            else:
-                previous["content"] = previous["content"] + "\n\n" + content
+            gap = [{"type": "text", "text": "\n\n"}] if role == "assistant" else "\n\n"  # between parts, or strings
+            normalised[-1]["content"] = normalised[-1]["content"] + gap + content
             continue
         normalised.append({"role": role, "content": content})
     if normalised[0]["role"] == "system" and len(normalised) == 1:
@@ -197,10 +195,8 @@ def parse_markup(text):
     for match in _MARKUP_RE.finditer(text):
         if match.start() > position:
             parts.append({"type": "text", "text": text[position:match.start()]})
-        if match.group(1) is not None:
-            parts.append({"type": "python", "text": match.group(1)})
-        else:
-            parts.append({"type": "python_output", "text": match.group(2)})
+        python = match.group(1) is not None
+        parts.append({"type": "python" if python else "python_output", "text": match.group(1 if python else 2)})
         position = match.end()
     if position < len(text) or not parts:
         parts.append({"type": "text", "text": text[position:]})
@@ -359,8 +355,7 @@ class ReplyStream:
         self.stop = list(stop)
         self.chat = chat
         special = tokenizer.encode_special
-        self.turn_tokens = {special(t) for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
-                                                  "<|assistant_end|>")}
+        self.turn_tokens = {special(t) for t in TURN_TOKENS}
         self.special_ids = {special(t) for t in tokenizer.get_special_tokens()}
         self.kind_after = {special("<|python_start|>"): "python", special("<|python_end|>"): "text",
                            special("<|output_start|>"): "python_output", special("<|output_end|>"): "text"}

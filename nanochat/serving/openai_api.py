@@ -33,8 +33,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nanochat.engine import Sampling
 from nanochat.common import print0
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, MAX_TOTAL_CHARS, MODEL_MARKUP, NUM_SAMPLES_RANGE, READABLE_MARKUP,
-                                   SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, Finish, MarkupWriter, Piece,
-                                   RequestError, check_number, validate_messages, whole_conversation)
+                                   SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, TURN_TOKENS, Finish,
+                                   MarkupWriter, Piece, RequestError, check_number, validate_messages,
+                                   whole_conversation)
 from nanochat.serving.workers import Token
 
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
@@ -718,12 +719,9 @@ async def collect(request, generations, take):
 
 async def cancel_on_disconnect(request, generations):
     """For replies sent in one piece: watch the connection while they are written, stop them if the client leaves."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            for generation in generations:
-                generation.cancel()
-            return
+    await disconnected(request)
+    for generation in generations:
+        generation.cancel()
 
 
 class ChatReplies:
@@ -736,8 +734,7 @@ class ChatReplies:
         # what content.logprobs leaves out: the token that ends the turn, and in readable text the markers
         tokenizer = table.tokenizer
         self.left_out = table.special if markup is READABLE_MARKUP else \
-            {tokenizer.encode_special(t) for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
-                                                   "<|assistant_end|>")}
+            {tokenizer.encode_special(t) for t in TURN_TOKENS}
         self.text = [""] * n
         self.entries = [[] for _ in range(n)]
         self.finished = {}

@@ -76,9 +76,7 @@ class UIRoutes:
                     out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
                 elif event is not None:
                     out.append(sse({"error": event}))
-            if kind is not None:
-                out.append(sse({kinds[kind]: text}))
-            return "".join(out)
+            return "".join(out)  # the None at the end flushed the last run of pieces
 
         async def stream():
             # A client that leaves mid-stream makes the response stop this generator (Starlette watches for the

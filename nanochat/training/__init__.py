@@ -2,6 +2,7 @@
 Training, from a model to its next checkpoint: the math every stage shares (recipe.py: the depth dial, schedules,
 one optimizer step, and a device batch that does not fit), the optimizers (optim.py: Muon and AdamW, sharded across
 ranks), the loop around a stage's step (loop.py: resume, checkpoints, evals, progress, logs), what the chat stages
-share (stage.py, chat_data.py), the presets (presets.py), time budgets for base_train and the whole speedrun
-(time_budget.py, pipeline_plan.py), and the miniseries (miniseries.py).
+share (stage.py, chat_data.py), the presets (presets.py), and time budgets for base_train and the whole speedrun
+(time_budget.py, pipeline_plan.py). The miniseries, which measures scaling laws from families of runs, is a tool:
+bench/miniseries.py.
 """

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
-from nanochat.common import (UserError, dist_rank_world, format_duration, get_peak_flops, peak_memory_mib, print0,
-                             set_memory_advice)
+from nanochat.common import (UserError, all_reduce_max, dist_rank_world, format_duration, get_peak_flops,
+                             peak_memory_mib, print0, set_memory_advice)
 from nanochat.loss_eval import describe_eval
-from nanochat.report import get_report
+from nanochat.report import DummyReport, get_report
 
 # -----------------------------------------------------------------------------
 # Where a run starts
@@ -88,29 +88,17 @@ class StopSignal:
 
     def should_stop(self, device):
         """All ranks must agree, or one would wait forever in the next collective."""
-        if dist_rank_world()[1] > 1:
-            flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return flag.item() > 0
-        return self.requested
+        return all_reduce_max([1.0 if self.requested else 0.0], device)[0] > 0
 
 
 # -----------------------------------------------------------------------------
 # Logging helpers
 
 
-class DummyWandb:
-    def log(self, *args, **kwargs):
-        pass
-
-    def finish(self):
-        pass
-
-
 def init_wandb(run, config, project="nanochat"):
     """Log to wandb when --run names a run (WANDB_MODE=offline works without network); rank 0 only."""
     if run == "dummy" or dist_rank_world()[0] != 0:
-        return DummyWandb()
+        return DummyReport()  # a logger whose every call does nothing, as on the report's other ranks
     import wandb
 
     return wandb.init(project=project, name=run, config=config)

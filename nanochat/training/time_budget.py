@@ -418,17 +418,12 @@ def read_measurements(signature, device):
 
 def write_measurements(signature, measurements):
     """Add this probe's {depth: (device batch, seconds per step)} to the base dir's record (rank 0)."""
-    from nanochat.common import atomic_write_text, dist_rank_world, get_base_dir
+    from nanochat.common import atomic_write_text, dist_rank_world, get_base_dir, read_json_object
 
     if dist_rank_world()[0] != 0 or not measurements:
         return
     path = os.path.join(get_base_dir(), PROBE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-        assert isinstance(record, dict)
-    except (OSError, ValueError, AssertionError):
-        record = {}
+    record = read_json_object(path) or {}
     entry = record.setdefault(signature, {})
     for depth, (device_batch, step_seconds) in measurements.items():
         entry[str(depth)] = {"device_batch_size": device_batch, "step_seconds": step_seconds,
@@ -507,7 +502,7 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
     recipe = meta_recipe(chosen.depth, shape)
     n = chosen.num_iterations
     calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
-    plan = Plan(budget_seconds=budget_seconds, started_at=started_at, law=law.name, depth=chosen.depth,
+    return Plan(budget_seconds=budget_seconds, started_at=started_at, law=law.name, depth=chosen.depth,
                 aspect_ratio=shape.aspect_ratio, head_dim=shape.head_dim, device_batch_size=chosen.device_batch_size,
                 grad_accum=shape.total_batch_size // (chosen.device_batch_size * shape.seq_len * shape.world_size),
                 total_batch_size=shape.total_batch_size, num_iterations=n, params=recipe.num_params,
@@ -518,7 +513,6 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
                 calibrate_at=calibrate_at if calibrate_at < (1 - warmdown_ratio) * n else None,
                 probe=[{"depth": c.depth, "device_batch_size": c.device_batch_size, "step_seconds": c.step_seconds,
                         "predicted_bpb": c.predicted_bpb, "reused": c.reused} for c in sorted(fitting, key=lambda c: c.depth)])
-    return plan
 
 
 def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eval_every, warmdown_ratio, depth,

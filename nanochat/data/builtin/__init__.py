@@ -9,5 +9,5 @@ seed with no network, and everything nanochat makes of it offline.
     core_bundle  a CORE eval bundle about the world, in the published DCLM format
 
 `python -m nanochat.corpus` writes the pretraining shards from these; the chat tasks
-(nanochat.tasks) build their conversations from `world` and `drills` directly.
+(the top-level tasks/ package, beside nanochat/) build their conversations from `world` and `drills` directly.
 """

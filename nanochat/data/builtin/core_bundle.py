@@ -26,12 +26,8 @@ EVAL_LM_EXAMPLES = 240  # examples of each generated arithmetic / letter-count t
 
 def object_last_templates(relation):
     """(text before the object, whether the object takes "a"/"an") of each template that ends on its object."""
-    cuts = []
-    for template in RELATIONS[relation].templates:
-        for slot, article in ((" {o}.", False), (" {a_o}.", True)):
-            if template.endswith(slot):
-                cuts.append((template[:-len(slot)], article))
-    return cuts
+    return [(template[:-len(slot)], article) for template in RELATIONS[relation].templates
+            for slot, article in ((" {o}.", False), (" {a_o}.", True)) if template.endswith(slot)]
 
 
 def _fact_choice_examples(rng, subjects, relation, true_value, pool, per_subject):

@@ -166,10 +166,8 @@ def spelling_document(rng, world):
         lines += [f"{w} is spelled {spell_out(w)}." for w in words]
         return "\n".join(lines)
     if style == 1:
-        out = []
-        for w in rng.sample(SPELLING_WORDS, rng.randint(3, 6)):
-            out.append(f"Spelling {w} letter by letter: {spell_out(w, ', ')}. The word {w} has {len(w)} letters.")
-        return "\n".join(out)
+        return "\n".join(f"Spelling {w} letter by letter: {spell_out(w, ', ')}. The word {w} has {len(w)} letters."
+                         for w in rng.sample(SPELLING_WORDS, rng.randint(3, 6)))
     if style == 2:
         out = []
         for w in rng.sample(SPELLING_WORDS, rng.randint(3, 6)):
@@ -191,8 +189,6 @@ def spelling_document(rng, world):
                 steps.append(ch)
         return (f"Let's count the letter {letter} in {w}. Going letter by letter: {', '.join(steps)}. "
                 f"The word {w} has {k} letter {letter}.")
-    out = []
-    for w in rng.sample(SPELLING_WORDS, rng.randint(4, 8)):
-        out.append(rng.choice([f"{w} backwards is {w[::-1]}.", f"The first letter of {w} is {w[0]}.",
-                               f"The last letter of {w} is {w[-1]}.", f"The word {w} has {len(w)} letters."]))
-    return "\n".join(out)
+    return "\n".join(rng.choice([f"{w} backwards is {w[::-1]}.", f"The first letter of {w} is {w[0]}.",
+                                 f"The last letter of {w} is {w[-1]}.", f"The word {w} has {len(w)} letters."])
+                     for w in rng.sample(SPELLING_WORDS, rng.randint(4, 8)))

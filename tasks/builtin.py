@@ -17,7 +17,7 @@ import zlib
 
 from nanochat.data.builtin.drills import _equation
 from nanochat.data.builtin.world import build_world, render_question, render_statement
-from nanochat.tasks.base import Task, last_number, mentions, validate_conversation
+from tasks.base import Task, last_number, mentions, validate_conversation
 
 DEFAULT_WORLD_SEED = 42
 

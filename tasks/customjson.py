@@ -7,7 +7,7 @@ Generative, with no automatic check (evaluate raises).
 import json
 
 from nanochat.common import UserError
-from nanochat.tasks.base import Task, validate_conversation
+from tasks.base import Task, validate_conversation
 
 
 class CustomJSON(Task):

@@ -4,7 +4,7 @@ ARC-Challenge. Categorical: the assistant answers with the label of the right ch
 """
 
 from nanochat.data.hub import load_table, table_row
-from nanochat.tasks.base import CategoricalTask, multiple_choice_conversation
+from tasks.base import CategoricalTask, multiple_choice_conversation
 
 REPO = "allenai/ai2_arc"
 SUBSETS = ("ARC-Easy", "ARC-Challenge")

@@ -8,7 +8,7 @@ when the split loads; `skipped` counts them and the count is printed.
 
 from nanochat.common import print0
 from nanochat.data.hub import load_table
-from nanochat.tasks.base import Task, validate_conversation
+from tasks.base import Task, validate_conversation
 
 REPO = "HuggingFaceTB/smol-smoltalk"
 SPLITS = ("train", "test")

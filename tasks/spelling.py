@@ -13,8 +13,8 @@ import random
 import re
 
 from nanochat.data.builtin.drills import SPELLING_WORDS, spell_out
-from nanochat.tasks.base import Task, last_number, validate_conversation
-from nanochat.tasks.builtin import get_world, world_seed
+from tasks.base import Task, last_number, validate_conversation
+from tasks.builtin import get_world, world_seed
 
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.2

@@ -8,7 +8,7 @@ import re
 
 from nanochat.data.hub import load_table, table_row
 from nanochat.execution import execute_code
-from nanochat.tasks.base import Task
+from tasks.base import Task
 
 REPO = "openai/openai_humaneval"
 CODE_BLOCK_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)

@@ -5,7 +5,7 @@ for mid-training. Categorical: the assistant answers with a letter A-D.
 """
 
 from nanochat.data.hub import load_table, table_row
-from nanochat.tasks.base import CategoricalTask, multiple_choice_conversation
+from tasks.base import CategoricalTask, multiple_choice_conversation
 
 REPO = "cais/mmlu"
 SPLITS = {"all": ("test", "validation", "dev"), "auxiliary_train": ("train",)}

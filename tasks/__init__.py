@@ -3,7 +3,7 @@ Chat tasks: what mid-training and SFT train on, what RL rewards and what chat_ev
 
     get_task("ARC-Easy", split="test")          any task by name (case-insensitive)
     TaskMixture([...], seed=42), TaskSequence([...])
-    python -m nanochat.tasks                    every task, its splits, eval type and an example
+    python -m tasks                    every task, its splits, eval type and an example
 
 Hub tasks (ARC, MMLU, GSM8K, HumanEval, SmolTalk) download their parquet files into
 <base_dir>/task_data/ on first use; the built-in tasks (WorldQA, Identity, Arithmetic, SpellingBee,
@@ -11,15 +11,15 @@ SimpleSpelling) are generated offline; CustomJSON reads your own JSONL file.
 """
 
 from nanochat.common import UserError
-from nanochat.tasks.arc import ARC
-from nanochat.tasks.base import CategoricalTask, Task, TaskMixture, TaskSequence, validate_conversation
-from nanochat.tasks.builtin import Arithmetic, Identity, WorldFacts, WorldQA
-from nanochat.tasks.customjson import CustomJSON
-from nanochat.tasks.gsm8k import GSM8K
-from nanochat.tasks.humaneval import HumanEval
-from nanochat.tasks.mmlu import MMLU
-from nanochat.tasks.smoltalk import SmolTalk
-from nanochat.tasks.spelling import SimpleSpelling, SpellingBee
+from tasks.arc import ARC
+from tasks.base import CategoricalTask, Task, TaskMixture, TaskSequence, validate_conversation
+from tasks.builtin import Arithmetic, Identity, WorldFacts, WorldQA
+from tasks.customjson import CustomJSON
+from tasks.gsm8k import GSM8K
+from tasks.humaneval import HumanEval
+from tasks.mmlu import MMLU
+from tasks.smoltalk import SmolTalk
+from tasks.spelling import SimpleSpelling, SpellingBee
 
 # name -> (class, fixed constructor arguments, splits); hub tasks first, then the built-in ones
 TASKS = {

@@ -2,8 +2,8 @@
 List every chat task from what is on this machine (no network): examples per split, eval type,
 chance baseline and one example; or fetch a hub task's files.
 
-    python -m nanochat.tasks
-    python -m nanochat.tasks --download GSM8K      (or --download all)
+    python -m tasks
+    python -m tasks --download GSM8K      (or --download all)
 """
 
 import argparse
@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 
 from nanochat.common import UserError, run_main
 from nanochat.data.hub import fetch_parquet_files, local_parquet_files, local_row_count, table_row
-from nanochat.tasks import BUILTIN_TASKS, HUB_TASKS, TASKS, arc, canonical_name, gsm8k, humaneval, mmlu, smoltalk
-from nanochat.tasks.base import conversation_text
+from tasks import BUILTIN_TASKS, HUB_TASKS, TASKS, arc, canonical_name, gsm8k, humaneval, mmlu, smoltalk
+from tasks.base import conversation_text
 
 # name -> (repo, config, eval type, baseline as shown, row -> conversation)
 HUB_SOURCES = {
@@ -39,7 +39,7 @@ def hub_row(name):
             first = pq.ParquetFile(local_parquet_files(repo, config, split)[0]).read_row_group(0).slice(0, 1)
             example = conversation_text(to_conversation(table_row(first, 0)))
     if example is None:
-        counts = [f"not downloaded (python -m nanochat.tasks --download {name} to fetch)"]
+        counts = [f"not downloaded (python -m tasks --download {name} to fetch)"]
     return [name, ", ".join(counts), eval_type, baseline], example
 
 

@@ -11,7 +11,7 @@ without annotations, and the model learns to copy the tool's output into its pro
 import re
 
 from nanochat.data.hub import load_table, table_row
-from nanochat.tasks.base import Task, parse_number
+from tasks.base import Task, parse_number
 
 REPO = "openai/gsm8k"
 SPLITS = ("train", "test")

@@ -33,7 +33,7 @@ import numpy as np
 from nanochat.common import UserError, atomic_write_text, get_base_dir
 from nanochat.report import _new_figure, _save_png, read_jsonl
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSV_COLUMNS = ["run", "depth", "budget", "status", "params", "scaling_params", "tokens", "flops", "num_iterations",
                "epochs", "val_bpb", "core_metric", "wall_seconds", "tok_per_sec", "mfu", "error"]
 
