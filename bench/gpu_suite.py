@@ -421,7 +421,7 @@ def main(args, log):
     """gpu_check --suite: the workspace, the sections, the table and its dated file, one JSON line."""
     import datetime
 
-    from nanochat.common import get_base_dir
+    from nanochat.common import ensure_writable, get_base_dir
     from bench.common import ensure_builtin_workspace
 
     only = [name for name in args.only.split(",") if name] if args.only else list(SECTIONS)
@@ -431,6 +431,8 @@ def main(args, log):
 
         raise UserError(f"--only takes {','.join(SECTIONS)} (got {','.join(unknown)}) and --suite-minutes must be > 0"
                         if unknown else f"--suite-minutes must be > 0 (got {args.suite_minutes})")
+    # before any section: a lease's rows must not be lost at the end to a folder that cannot be written
+    ensure_writable(args.results_dir, "the suite's results", fix="give --results-dir a folder you can write")
     root = os.path.join(get_base_dir(), "gpu_check")
     cuda = torch.cuda.is_available()
     log(f"gpu_check --suite | sections {','.join(only)} | {args.suite_minutes:g} minutes | "

@@ -30,6 +30,10 @@ def test_bad_sections_and_deadlines_are_refused_before_any_work(tmp_path):
     assert p.returncode != 0 and "--only takes train,decode,fp8,run,serve,stages (got graphs)" in p.stderr
     p = suite(tmp_path, ["--suite-minutes", "0"])
     assert p.returncode != 0 and "--suite-minutes must be > 0" in p.stderr
+    (tmp_path / "a_file").write_text("")
+    p = suite(tmp_path, ["--results-dir", str(tmp_path / "a_file" / "results")])
+    assert p.returncode != 0 and "cannot write the suite's results" in p.stderr
+    os.remove(tmp_path / "a_file")
     assert os.listdir(tmp_path) == []
 
 
