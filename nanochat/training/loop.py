@@ -188,6 +188,7 @@ class TrainingLoop:
         self.total_train_time = start.loop_state.get("total_train_time", 0.0)
         self.last = dict(start.loop_state.get("last", {}))  # eval name -> latest value
         self.eval_seconds = {}  # eval name -> seconds its latest run took in this process
+        self.save_seconds = None  # seconds the latest checkpoint took to write in this process
         self.best = dict(start.loop_state.get("best", {}))  # eval name -> lowest value
         self.world_size = dist_rank_world()[1]
         self.peak_flops = get_peak_flops(device) * self.world_size if s.flops_per_token else None
@@ -316,10 +317,12 @@ class TrainingLoop:
                 "tokenizer_hash": self.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
                 "loop_state": self.loop_state(), **self.meta}
         self.stopper.saving = True
+        t0 = time.time()
         try:
             save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizers, meta, keep_last=self.keep_last)
         finally:
             self.stopper.saving = False
+        self.save_seconds = time.time() - t0
 
     # -- the end -------------------------------------------------------------------------
 

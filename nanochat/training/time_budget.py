@@ -41,7 +41,8 @@ SECOND_CALIBRATION = 0.5  # least), and again half of the way in or just before 
 COMPILE_SECONDS = {"cuda": 60.0, "cpu": 30.0}  # a guess at torch.compile's first steps, until calibration measures them
 GUESS_MFU = {"cuda": 0.35, "cpu": 0.45}  # the fraction of peak FLOP/s where the probe starts looking
 START_SECONDS = 2.0  # after the plan, before the first step: the model, the data stream, the peak-FLOPs probe
-END_SECONDS = 2.0  # after the last step and its save: the report, wandb, the interpreter's exit
+END_SECONDS = {"cuda": 2.0, "cpu": 1.0}  # after the last step and its save: the report, wandb, the exit (~0.3 s on a
+# CPU without wandb; CUDA's teardown is longer)
 SAVE_BYTES_PER_SECOND = 1e9  # a checkpoint's weights and optimizer state onto local disk
 MAX_DEPTH = 64
 
@@ -266,7 +267,7 @@ def estimate_seconds(recipe, shape, device_batch, step_seconds, device):
     eval_seconds = 0.5 + eval_batches * micro_seconds / 3
     save_seconds = 0.3 + 12 * recipe.num_params / shape.world_size / SAVE_BYTES_PER_SECOND
     sample_seconds = (3.0 if device.type == "cuda" else 1.0) if shape.sample_at_end else 0.0
-    return eval_seconds, save_seconds, save_seconds + sample_seconds + END_SECONDS
+    return eval_seconds, save_seconds, save_seconds + sample_seconds + END_SECONDS.get(device.type, 2.0)
 
 
 @dataclass
@@ -524,7 +525,7 @@ def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eva
     """
     started_at = -all_reduce_max([-started_at], device)[0]
     now = all_reduce_max([time.time()], device)[0]
-    end_seconds = END_SECONDS + 1.0  # the final save of a small model; calibration cannot see it coming
+    end_seconds = END_SECONDS.get(device.type, 2.0) + 1.0  # + the final save of a small model, until one is measured
     seconds = started_at + budget_seconds - now - START_SECONDS - end_seconds - eval_seconds
     n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every,
                               save_seconds=1.0))
@@ -578,11 +579,14 @@ class BudgetClock:
         the plan the checkpoints record; plan the second calibration after the first."""
         plan, step, timer = self.plan, loop.step, loop.timer
         total, count = timer.total - self.timed[0], timer.count - max(timer.skip, self.timed[1])
-        step_seconds, eval_seconds, now = all_reduce_max(
+        step_seconds, eval_seconds, save_seconds, now = all_reduce_max(
             [total / count if count > 0 else math.nan, loop.eval_seconds.get(self.eval_name, plan.eval_seconds),
-             time.time()], loop.device)
+             plan.save_seconds if loop.save_seconds is None else loop.save_seconds, time.time()], loop.device)
         if not math.isfinite(step_seconds):
             step_seconds = plan.step_seconds
+        # a measured checkpoint replaces the estimate, for the saves to come and the final one (a 30 s run on a CPU
+        # saves in 0.02 s, not the 0.3 s guessed: ten saves guessed would end it 10 % early)
+        plan.end_seconds, plan.save_seconds = plan.end_seconds - plan.save_seconds + save_seconds, save_seconds
         n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step,
                            save_every=plan.save_every, save_seconds=plan.save_seconds)
         n = max(n, step + 1, math.ceil(step / (1 - self.warmdown_ratio)))  # the warmdown must not have begun
