@@ -143,6 +143,30 @@ def test_a_chat_stage_takes_the_time_left_early_and_gives_it_back_late():
     assert steps(on_time + 1_000) == reference["train"]["chat_sft"][2]  # never below its floor
 
 
+@pytest.mark.quick
+def test_base_train_gets_what_the_other_stages_will_not_take_as_measured_before_it():
+    """The probe prices training steps; the data, the tokenizer, the evaluations and the report do not follow it (fp32
+    on a bf16 CPU doubles the probe only). How long the stages before base_train took, against their planned seconds,
+    rescales the evaluations and the report after it, and base_train's budget gets (or gives) the difference."""
+    started = 1_000.0
+
+    def base_budget(took):
+        plan = pp.make_plan(400, started, started + 5, "cpu", 2.0, "test")
+        at = [s.name for s in plan.stages].index("base_train")
+        before = sum(s.seconds for s in plan.stages[:at] if s.run)
+        later = sum(s.seconds for s in plan.stages[at + 1:] if s.run and s.kind != "train")
+        flags = pp.stage_flags(plan, "base_train", plan.made_at + took * before)
+        return plan.host_factor, float(flags[0].removeprefix("--time-budget=").removesuffix("s")), before, later
+
+    on_plan, fast, slow = base_budget(1.0), base_budget(0.5), base_budget(3.0)
+    assert on_plan[0] == 1.0 and fast[0] == 0.5 and slow[0] == 2.0  # measured, kept within [0.5, 2]
+    before, later = on_plan[2], on_plan[3]
+    # half the time before it: that half, and half the later stages' seconds, go to base_train
+    assert fast[1] == pytest.approx(on_plan[1] + 0.5 * before + 0.5 * later, abs=1)
+    # three times (counted as two): base_train starts later and leaves the later stages twice their seconds
+    assert slow[1] == pytest.approx(on_plan[1] - 2 * before - later, abs=1)
+
+
 def measured_minimum(env):
     """This machine's least budget, as the speedrun states it (a budget of one second is refused with it)."""
     p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env={**env, "NANOCHAT_TIME_BUDGET": "1s"},
