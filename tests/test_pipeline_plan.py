@@ -37,8 +37,9 @@ def test_the_plan_is_printed_for_a_small_budget_with_every_stage_and_what_is_ski
     assert "skipped: below the cpu preset's time" in described["base_eval"] and "skipped" in described["mid_train"]
     flags = {m.split(".")[-1]: f for m, _, f in commands(p.stdout)}
     assert any(f.startswith("--time-budget=") for f in flags["base_train"]) and "--depth=4" in flags["base_train"]
-    sft_steps = int(next(f for f in flags["chat_sft"] if f.startswith("--num-iterations=")).split("=")[1])
-    assert sft_steps >= pp.REFERENCE["cpu"]["train"]["chat_sft"][2] and "-i base" in " ".join(flags["chat_sft"])
+    sft_seconds = int(next(f for f in flags["chat_sft"] if f.startswith("--time-budget=")).split("=")[1][:-1])
+    floor_seconds = pp.train_seconds(pp.REFERENCE["cpu"], "chat_sft", pp.REFERENCE["cpu"]["train"]["chat_sft"][2], 1.0)
+    assert sft_seconds >= floor_seconds - 1 and "-i base" in " ".join(flags["chat_sft"])  # a dry run: the reference's
     assert "mid_train" not in flags and "base_eval" not in flags  # skipped, and said so
     assert all("-g budget-2m30s" in line or "--model-tag=budget-2m30s" in line for line in p.stdout.splitlines()
                if " -m scripts.base_" in line or " -m scripts.chat_" in line)
@@ -110,8 +111,9 @@ def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
         given[name] = pp.stage_flags(plan, name, started + {"base_train": 12, "chat_sft": 585}.get(name, 6))
         pp.save(plan, path)
     assert given["base_train"][0].startswith("--time-budget=")
-    late = int(given["chat_sft"][0].split("=")[1])
-    assert pp.REFERENCE["cpu"]["train"]["chat_sft"][2] <= late < plan.stage("chat_sft").steps  # late: fewer steps
+    late = int(given["chat_sft"][0].removeprefix("--time-budget=").removesuffix("s"))
+    floor = pp.train_seconds(pp.REFERENCE["cpu"], "chat_sft", pp.REFERENCE["cpu"]["train"]["chat_sft"][2], 1.0)
+    assert floor - 1 <= late < plan.stage("chat_sft").seconds  # late: less time, not below its floor's
     # the second run, much later: the same plan, the same flags for what was decided, the planned ones for the rest
     monkeypatch.setattr(time, "time", lambda: started + 3_600)
     pp.main(["plan", "10m", "--preset", "cpu", "--plan-file", path])
@@ -123,24 +125,23 @@ def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
 
 @pytest.mark.quick
 def test_a_chat_stage_takes_the_time_left_early_and_gives_it_back_late():
-    """chat_sft's steps scale with the time left against the time the plan gave it and the stages after it: more when
-    base_train ended early (up to the preset's steps), fewer when late (down to its floor), the planned ones on time."""
+    """chat_sft's seconds (its --time-budget) scale with the time left against the time the plan gave it and the stages
+    after it: more when base_train ended early, less when late (down to its floor's seconds), the planned ones on time."""
     started = 1_000.0
     plan = pp.make_plan(160, started, started + 5, "cpu", 1.0, "test")
     sft = plan.stage("chat_sft")
     after = sum(s.seconds for s in plan.stages[plan.stages.index(sft):] if s.run)
     on_time = plan.deadline - pp.MARGIN * plan.budget_seconds * (1 - plan.stages.index(sft) / len(plan.stages)) - after
 
-    def steps(start):
+    def seconds(start):
         plan.decided.pop("chat_sft", None)
-        return int(pp.stage_flags(plan, "chat_sft", start)[0].split("=")[1])
+        return int(pp.stage_flags(plan, "chat_sft", start)[0].removeprefix("--time-budget=").removesuffix("s"))
 
-    reference = pp.REFERENCE["cpu"]
-    assert steps(on_time) == sft.steps
-    assert sft.steps < steps(on_time - 10) < reference["preset_steps"]["chat_sft"]  # early: more steps
-    assert steps(on_time - 1_000) == reference["preset_steps"]["chat_sft"]  # never beyond the preset's
-    assert reference["train"]["chat_sft"][2] <= steps(on_time + 10) < sft.steps  # late: fewer
-    assert steps(on_time + 1_000) == reference["train"]["chat_sft"][2]  # never below its floor
+    floor = pp.train_seconds(pp.REFERENCE["cpu"], "chat_sft", pp.REFERENCE["cpu"]["train"]["chat_sft"][2], 1.0)
+    assert seconds(on_time) == round(sft.seconds)
+    assert sft.seconds + 5 < seconds(on_time - 10) <= sft.seconds + 10  # early: its share of the time gained
+    assert floor < seconds(on_time + 10) < sft.seconds - 5  # late: its share of the loss
+    assert seconds(on_time + 1_000) == round(floor)  # never below its floor's
 
 
 @pytest.mark.quick

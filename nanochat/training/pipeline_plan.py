@@ -11,11 +11,11 @@ scaled by how much slower or faster this one is. Then it decides, for the best c
      few, and base_train the rest, each at least its minimum; a budget whose training time cannot hold the minimums
      is refused in one line, with this machine's minimum and the preset's time here.
 While the speedrun runs, each stage asks for its flags as it starts (the `flags` command below): a stage that starts
-late or early shares what is left with the stages after it in the planned proportions, never below its minimum nor, for
-the chat stages, above the preset's steps, and an optional evaluation is dropped when the run is late. base_train takes
-its seconds as `--time-budget` (its own calibration ends it on time, warmdown intact); mid_train and chat_sft take the
-steps they were planned, fewer when the run is late and more when it is early. The decisions are written into the plan
-as they are made, so a resumed speedrun runs the same stages with the same flags.
+late or early shares what is left with the stages after it in the planned proportions, never below its minimum, and an
+optional evaluation is dropped when the run is late. Every training stage takes its seconds as `--time-budget` (its own
+calibration measures its steps and ends it on time, warmdown intact): base_train all that the stages after it need,
+mid_train and chat_sft their planned seconds, less when the run is late and more when it is early. The decisions are
+written into the plan as they are made, so a resumed speedrun runs the same stages with the same flags.
 
     python -m nanochat.training.pipeline_plan plan 5m --preset cpu --started-at EPOCH   # measure, decide, print, save
     python -m nanochat.training.pipeline_plan flags chat_sft                             # a stage's flags, as it starts
@@ -349,13 +349,11 @@ def stage_flags(plan, name, now):
         seconds = stage.seconds if plan.dry_run else plan.deadline - now - after - BASE_MARGIN * plan.budget_seconds
         seconds = max(seconds, train_seconds(reference, name, reference["train"][name][2], plan.speed))
         flags = [f"--time-budget={seconds:.0f}s"]
-    elif stage.kind == "train" and plan.preset == "gpu":  # the chat stages measure their own steps there
+    elif stage.kind == "train":  # its planned seconds scaled with the time left (never below its floor's): its own
+        # --time-budget then measures its steps, so a step that costs more or less than the probe priced it (a chat
+        # step is not a base step: fp32 SFT ran 10 % faster than priced) neither ends the run early nor late
         seconds = max(stage.seconds * factor, train_seconds(reference, name, reference["train"][name][2], plan.speed))
         flags = [f"--time-budget={seconds:.0f}s"]
-    elif stage.kind == "train":  # its planned steps scaled with the time: fewer (to its floor) when the run is late,
-        # more (to the preset's own) when earlier stages left time, which would otherwise end the whole run early
-        fewest, most = reference["train"][name][2], max(stage.steps, reference["preset_steps"][name])
-        flags = [f"--num-iterations={max(fewest, min(most, int(stage.steps * factor)))}"]
     else:
         flags = []
     if name == "chat_sft" and not plan.stage("mid_train").run:
