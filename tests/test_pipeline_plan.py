@@ -145,27 +145,30 @@ def test_a_chat_stage_takes_the_time_left_early_and_gives_it_back_late():
 
 
 @pytest.mark.quick
-def test_base_train_gets_what_the_other_stages_will_not_take_as_measured_before_it():
+def test_base_train_gets_what_the_other_stages_will_not_take_as_measured_before_it(tmp_path):
     """The probe prices training steps; the data, the tokenizer, the evaluations and the report do not follow it (fp32
     on a bf16 CPU doubles the probe only). How long the stages before base_train took, against their planned seconds,
     rescales the evaluations and the report after it, and base_train's budget gets (or gives) the difference."""
     started = 1_000.0
 
-    def base_budget(took):
+    def base_budget(took, tmp_path):
         plan = pp.make_plan(400, started, started + 5, "cpu", 2.0, "test")
         at = [s.name for s in plan.stages].index("base_train")
-        before = sum(s.seconds for s in plan.stages[:at] if s.run)
         later = sum(s.seconds for s in plan.stages[at + 1:] if s.run and s.kind != "train")
-        flags = pp.stage_flags(plan, "base_train", plan.made_at + took * before)
-        return plan.host_factor, float(flags[0].removeprefix("--time-budget=").removesuffix("s")), before, later
+        # speedrun.sh's times file, whole seconds: the data and the tokenizer took `took` times their plan
+        times = tmp_path / f"times-{took}.txt"
+        times.write_text(f"data: built-in corpus {round(took * plan.stage('data').seconds)}\n"
+                         f"tokenizer: train {round(took * plan.stage('tok_train').seconds)}\n")
+        flags = pp.stage_flags(plan, "base_train", started + 30, pp.read_stage_times(times))
+        return plan.host_factor, float(flags[0].removeprefix("--time-budget=").removesuffix("s")), later
 
-    on_plan, fast, slow = base_budget(1.0), base_budget(0.5), base_budget(3.0)
-    assert on_plan[0] == 1.0 and fast[0] == 0.5 and slow[0] == 2.0  # measured, kept within [0.5, 2]
-    before, later = on_plan[2], on_plan[3]
-    # half the time before it: that half, and half the later stages' seconds, go to base_train
-    assert fast[1] == pytest.approx(on_plan[1] + 0.5 * before + 0.5 * later, abs=1)
-    # three times (counted as two): base_train starts later and leaves the later stages twice their seconds
-    assert slow[1] == pytest.approx(on_plan[1] - 2 * before - later, abs=1)
+    on_plan, fast, slow = base_budget(1.0, tmp_path), base_budget(0.5, tmp_path), base_budget(3.0, tmp_path)
+    assert on_plan[0] == pytest.approx(1.0, abs=0.1) and fast[0] == pytest.approx(0.5, abs=0.1) and slow[0] == 2.0
+    later = on_plan[2]
+    # at the same start, base_train gets what the later stages will not take (or gives what they will take more)
+    assert fast[1] - on_plan[1] == pytest.approx((on_plan[0] - fast[0]) * later, abs=1)
+    assert on_plan[1] - slow[1] == pytest.approx((slow[0] - on_plan[0]) * later, abs=1)
+    assert pp.read_stage_times(tmp_path / "none.txt") == {}  # no stage has run yet: nothing measured, factor 1
 
 
 def measured_minimum(env):

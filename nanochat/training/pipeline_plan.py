@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 # a CPU, which the plan would otherwise have to price per stage); measuring and printing the plan import what they need.
 
 PLAN_FILE = "speedrun_plan.json"  # in the base dir
+TIMES_FILE = "speedrun_times.txt"  # beside it: speedrun.sh's seconds for each stage that ran
 EVAL_SHARE = 0.1  # at the preset's time or more, the evaluations besides the final one take at most this much of it
 MARGIN = 0.03  # of the budget, kept back when planning for what the estimates miss (a stage's start-up that runs long)
 BASE_MARGIN = 0.01  # what base_train leaves when it starts: by then the time before it is measured, not estimated
@@ -117,7 +118,6 @@ class PipelinePlan:
     decided: dict = field(default_factory=dict)  # stage -> the flags it was given as it started
     resumed: int = 0
     dry_run: bool = False  # made for DRY_RUN=1: printed, never measured, never in a report
-    made_at: float = 0.0  # when the plan was made (0: unknown)
     # The stages besides training took this times their planned seconds: measured from the data and the tokenizer as
     # base_train starts, and applied to the evaluations and the report after it. The probe prices a training step, and
     # these do not follow it: fp32 on a CPU with bf16 doubles the probe, not the tokenizer's or chat_eval's seconds.
@@ -258,7 +258,7 @@ def make_plan(budget_seconds, started_at, now, preset, speed, machine, rl=False,
         seconds = rest if name == "base_train" else train_seconds(reference, name, k, speed)
         stages[name] = Stage(name, "train", seconds, steps=k)
     return PipelinePlan(budget_seconds, started_at, preset, machine, speed, minimum, preset_time,
-                        [stages[name] for name in ORDER if name in stages], made_at=now)
+                        [stages[name] for name in ORDER if name in stages])
 
 
 def planned_seconds(plan, stage):
@@ -268,16 +268,33 @@ def planned_seconds(plan, stage):
     return stage.seconds if stage.kind == "train" else stage.seconds * plan.host_factor
 
 
-def measure_host_factor(plan, now):
-    """As base_train starts: how the stages before it (the data, the tokenizer) compare with their planned seconds,
-    kept within [0.5, 2] (a corpus already on disk makes that window short for reasons that do not carry over)."""
+def measure_host_factor(plan, measured):
+    """As base_train starts: how the stages before it that ran (the data, the tokenizer; `measured`, name -> seconds
+    from speedrun.sh's times file) compare with their planned seconds, kept within [0.5, 2]."""
     at = next(i for i, s in enumerate(plan.stages) if s.name == "base_train")
-    before = sum(s.seconds for s in plan.stages[:at] if s.run)
-    if plan.dry_run or plan.made_at <= 0 or before <= 0:
+    ran = [s for s in plan.stages[:at] if s.run and s.name in measured]
+    planned, took = sum(s.seconds for s in ran), sum(measured[s.name] for s in ran)
+    if plan.dry_run or planned <= 0:
         return
-    plan.host_factor = min(2.0, max(0.5, (now - plan.made_at) / before))
-    print(f"plan | the data and the tokenizer took {now - plan.made_at:.0f} s of the {before:.0f} s planned: the "
-          f"evaluations and the report after base_train planned at {plan.host_factor:.2f}x", file=sys.stderr)
+    plan.host_factor = min(2.0, max(0.5, took / planned))
+    print(f"plan | the data and the tokenizer took {took:.0f} s of the {planned:.0f} s planned: the evaluations and the "
+          f"report after base_train planned at {plan.host_factor:.2f}x", file=sys.stderr)
+
+
+def read_stage_times(path):
+    """speedrun.sh's times file ("NAME SECONDS" a line, for the stages that ran) as {plan stage name: seconds}."""
+    names = {"tokenizer: train": "tok_train", "tokenizer: eval": "tok_eval"}
+    times = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                label, _, seconds = line.strip().rpartition(" ")
+                name = "data" if label.startswith("data") else names.get(label, label)
+                if seconds.isdigit():
+                    times[name] = times.get(name, 0) + int(seconds)
+    except OSError:
+        pass  # no stage has run in this base dir yet
+    return times
 
 
 def describe(plan):
@@ -322,7 +339,7 @@ def report_section(plan):
 # Keeping to it, stage by stage
 
 
-def stage_flags(plan, name, now):
+def stage_flags(plan, name, now, measured=None):
     """
     The flags a stage gets as it starts: its planned seconds or steps scaled by how the time left compares with the
     time the plan gives this stage and those after it (a late start shares the loss, an early one the gain), never
@@ -335,7 +352,7 @@ def stage_flags(plan, name, now):
     stage = plan.stage(name)
     at = plan.stages.index(stage)
     if name == "base_train":
-        measure_host_factor(plan, now)
+        measure_host_factor(plan, measured or {})
     planned = sum(planned_seconds(plan, s) for s in plan.stages[at:])
     left = plan.deadline - now - MARGIN * plan.budget_seconds * (1 - at / len(plan.stages))
     factor = 1.0 if plan.dry_run or planned <= 0 else max(0.0, left / planned)  # a dry run spends no time
@@ -423,7 +440,8 @@ def cmd_plan(args):
 
 def cmd_flags(args):
     plan = load(args.plan_file)
-    flags = stage_flags(plan, args.stage, time.time())
+    times = os.path.join(os.path.dirname(os.path.abspath(args.plan_file)), TIMES_FILE)
+    flags = stage_flags(plan, args.stage, time.time(), read_stage_times(times))
     save(plan, args.plan_file)
     if args.stage == "report" and not plan.dry_run:  # the report card says what each stage was given
         log_to_report(plan)
