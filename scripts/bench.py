@@ -16,6 +16,7 @@ quality, time budgets.
     python -m scripts.bench serve --fresh --lm-eval --concurrency 1 8   # lm-evaluation-harness against chat_web
     python -m scripts.bench serve --fresh --scoring          # the largest scoring request beside a stream
     python -m scripts.bench budget --budgets 2m 5m 10m     # base_train --time-budget: plan, time, predicted vs val bpb
+    python -m scripts.bench wordings -i sft                # held-out WorldQA per question wording (the dev split)
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -36,7 +37,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from bench import budget, dataloader, engine, importing, kernels, quality, serve, tokenizer, train
+from bench import budget, dataloader, engine, importing, kernels, quality, serve, tokenizer, train, wordings
 from bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -57,6 +58,12 @@ def parse_args(argv=None):
     b.add_argument("--data-source", default="", help="base_train --data-source (default: builtin)")
     b.add_argument("--work-dir", default="", help="where the runs go (default: the temp dir)")
     b.add_argument("--device-type", default="", help="cuda|cpu (default: autodetect)")
+    w = sub.add_parser("wordings", help="a chat model's held-out WorldQA per question wording (dev split: tune on it)")
+    w.add_argument("-i", "--source", default="sft", choices=["mid", "sft", "rl"], help="which stage's model")
+    w.add_argument("-g", "--model-tag", default=None, help="checkpoint tag (default: the latest)")
+    w.add_argument("--split", default="dev", choices=["dev", "eval"], help="eval: for reporting, not for choosing a change")
+    w.add_argument("--max-new-tokens", type=int, default=48)
+    w.add_argument("--device-type", default="", help="cuda|cpu (default: autodetect)")
     return p.parse_args(argv)
 
 
@@ -182,7 +189,8 @@ def add_quality_benchmark(sub):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget}
+                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget,
+                "wordings": wordings.cmd_wordings}
     commands[args.command](args)
 
 

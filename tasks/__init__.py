@@ -30,7 +30,7 @@ TASKS = {
     "GSM8K": (GSM8K, {}, ("train", "test")),
     "HumanEval": (HumanEval, {}, ("test",)),
     "SmolTalk": (SmolTalk, {}, ("train", "test")),
-    "WorldQA": (WorldQA, {}, ("sft", "eval")),
+    "WorldQA": (WorldQA, {}, ("sft", "dev", "eval")),
     "WorldFacts": (WorldFacts, {}, ("eval",)),
     "Identity": (Identity, {}, ("sft", "eval")),
     "Arithmetic": (Arithmetic, {}, ("train", "test")),

@@ -143,6 +143,18 @@ EVAL_QUESTIONS = {
                    "Name the city where {s} was born, please."),
     "occupation": ("Could you tell me {s}'s profession?", "What does {s} work as?"),
 }
+# Dev wordings: a third held-out set, for tuning how SFT generalises across wordings without reading the eval
+# split's answers (`WorldQA("dev")`: the held-out subjects asked these ways). Written before any run looked at them.
+DEV_QUESTIONS = {
+    "capital": ("Name the capital of {s}.", "Do you happen to know what {s}'s capital is?", "What city is {s} run from?"),
+    "language": ("Which tongue do the people of {s} use?", "Tell me what language they speak in {s}.",
+                 "What language would I need to learn to live in {s}?"),
+    "population": ("How many people are there in {s}?", "Give me the population of {s}.",
+                   "How large is the population of {s}, approximately?"),
+    "neighbour": ("What country is on the other side of {s}'s border?", "Tell me one country that {s} touches.",
+                  "Which country lies beside {s}?"),
+    "birthplace": ("Where is {s} originally from?", "Tell me the town where {s} was born.", "What city did {s} grow up in?"),
+}
 # Each answer is a statement pretraining told, so answering = recalling it. Each opens with a few words
 # before the subject: a tiny model copies the subject from the question far more reliably after such a
 # lead-in than when the subject is the answer's first word (measured on the CPU preset's d4 model after
@@ -167,7 +179,7 @@ class WorldQA(Task):
     """One question about one fact of the built-in world per conversation (a few SFT ones ask two)."""
 
     name = "WorldQA"
-    splits = ("sft", "eval")
+    splits = ("sft", "dev", "eval")
 
     def __init__(self, split, seed=None, **slice_args):
         super().__init__(**slice_args)
@@ -184,7 +196,10 @@ class WorldQA(Task):
         }
         self.num_populations = len({c.population for c in world.countries})
         rng = random.Random(f"worldqa-{split}-{self.seed}")
-        self.conversations = self._sft(rng) if split == "sft" else self._eval(rng)
+        if split == "sft":
+            self.conversations = self._sft(rng)
+        else:
+            self.conversations = self._eval(rng, DEV_QUESTIONS if split == "dev" else EVAL_QUESTIONS)
 
     def _sft(self, rng):
         facts = self.world.sft_facts()
@@ -202,12 +217,12 @@ class WorldQA(Task):
         rng.shuffle(conversations)
         return conversations
 
-    def _eval(self, rng):
+    def _eval(self, rng, wordings):
         facts = [f for f in self.world.eval_facts() if f.relation in EVAL_RELATIONS]
         turn = {r: 0 for r in EVAL_RELATIONS}
         conversations = []
         for fact in facts:  # the wordings of a relation in turn, so each is used about equally
-            questions = EVAL_QUESTIONS[fact.relation]
+            questions = wordings[fact.relation]
             conversations.append(self._conversation([(fact, questions[turn[fact.relation] % len(questions)])]))
             turn[fact.relation] += 1
         rng.shuffle(conversations)  # any first N (chat_eval's --max-problems) then covers every relation
@@ -267,7 +282,7 @@ class WorldFacts(WorldQA):
     splits = ("eval",)
     eval_type = "completion"
 
-    def _eval(self, rng):
+    def _eval(self, rng, wordings):
         from nanochat.data.builtin.core_bundle import object_last_templates
 
         examples = []

@@ -19,7 +19,7 @@ from nanochat.data.builtin.world import RELATIONS
 from nanochat.engine import use_calculator
 from tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
                             TaskSequence, WorldQA, get_task, humaneval, validate_conversation)
-from tasks.builtin import ANSWER_TEMPLATES, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, SFT_ASKS, SFT_FRAMES, \
+from tasks.builtin import ANSWER_TEMPLATES, DEV_QUESTIONS, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, EVAL_RELATIONS, SFT_ASKS, SFT_FRAMES, \
     SFT_IDENTITY_QUESTIONS, SFT_QUESTIONS
 from tasks.gsm8k import answer_parts
 from nanochat.tokenizer import RustBPETokenizer
@@ -396,6 +396,18 @@ def test_worldqa_splits_keep_subjects_and_wordings_apart():
     eval_users = [c["messages"][0]["content"] for c in evaluation.conversations]
     assert all(any(p.match(q) for p in eval_patterns) for q in eval_users)
     assert WorldQA("eval", seed=SEED).conversations == evaluation.conversations  # deterministic
+
+    # the dev split: the same held-out facts in a third set of wordings, none of SFT's, eval's or pretraining's
+    dev = WorldQA("dev", seed=SEED)
+    assert sorted((c["subject"], c["relation"]) for c in dev.conversations) == \
+        sorted((c["subject"], c["relation"]) for c in evaluation.conversations)
+    assert set(DEV_QUESTIONS) == set(EVAL_RELATIONS)
+    for relation, dev_forms in DEV_QUESTIONS.items():
+        assert not set(dev_forms) & (set(SFT_QUESTIONS[relation]) | set(EVAL_QUESTIONS[relation]) | pretraining)
+    dev_patterns = [template_regex(t) for forms in DEV_QUESTIONS.values() for t in forms]
+    dev_users = [c["messages"][0]["content"] for c in dev.conversations]
+    assert all(any(p.match(q) for p in dev_patterns) and not any(p.match(q) for p in eval_patterns) for q in dev_users)
+    assert not any(p.match(q) for p in dev_patterns for q in sft_users)
 
 
 @pytest.mark.quick
