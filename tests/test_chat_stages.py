@@ -193,6 +193,31 @@ def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_l
 
 
 @pytest.mark.quick
+def test_sft_step_groups_its_conversations_by_length_into_micro_batches(tiny_base_dir):
+    # A step holds the stream's next conversations, each whole in one row, the shorter ones in the earlier micro-batches,
+    # so it pads less than micro-batches in stream order would.
+    from nanochat.training.chat_data import ConversationBatches
+    from scripts.chat_sft import mixtures
+
+    train_mix, _ = mixtures("builtin")
+    tokenizer = tokenizer_of(tiny_base_dir)
+    bos = tokenizer.get_bos_token_id()
+    rendered = [tuple(tokenizer.render_conversation(train_mix[i], max_tokens=129)[0]) for i in range(24)]
+    loader = ConversationBatches(train_mix, tokenizer, 4, 128, 3)
+    padded_width = 0
+    for expected in (rendered[:12], rendered[12:]):
+        rows, widths = [], []
+        for x, y in next(loader):
+            padded_width += x.size(1) + 1
+            for row in map(tuple, x.tolist()):  # the inputs: a conversation then padding, one token short
+                rows.append(next(r for r in expected if row[:len(r) - 1] == r[:-1] and set(row[len(r):]) <= {bos}))
+            widths.append([len(r) for r in rows[-x.size(0):]])
+        assert sorted(rows) == sorted(expected)
+        assert all(max(a) <= min(b) for a, b in zip(widths, widths[1:])), widths
+    assert padded_width < sum(max(map(len, rendered[i:i + 4])) for i in range(0, 24, 4))
+
+
+@pytest.mark.quick
 def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir):
     from tasks import TaskMixture, get_task
     from nanochat.training.chat_data import PackedConversations

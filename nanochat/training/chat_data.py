@@ -10,8 +10,9 @@ the waiting conversations) is the same on every rank and small, and goes into ea
 - `PackedConversations` (mid-training): rendered conversations packed best-fit into rows of T+1 tokens
   that start with BOS. A conversation is never split across rows: one longer than a row is cut at its
   end, and space no conversation fits is padding, which is never trained on. Loss on every other token.
-- `ConversationBatches` (SFT): one conversation per row, padded to the longest in its micro-batch; the
-  targets are -1 wherever the render mask is 0 (user text, tool output, structure) and on padding.
+- `ConversationBatches` (SFT): one conversation per row, a step's rows grouped by length into its micro-batches,
+  each padded to its longest; the targets are -1 wherever the render mask is 0 (user text, tool output,
+  structure) and on padding.
 """
 
 import bisect
@@ -165,20 +166,24 @@ class ConversationBatches:
         return self
 
     def __next__(self):
-        micro_batches, empty = [], True
+        count = self.grad_accum * self.world_size * self.B
+        indices = [self.stream.next_index() for _ in range(count)]
+        if all(i is None for i in indices):  # the single pass is over, on every rank alike
+            raise StopIteration
+        rendered = [self.stream.render(i) if i is not None else ([self.bos, self.bos], [0, 0]) for i in indices]
+        # The step's loss is a sum over its supervised tokens, so how its rows are grouped into micro-batches does not
+        # change the update; grouping them by length pads far less (on the CPU preset a step costs ~25 % less).
+        rendered.sort(key=lambda r: len(r[0]))
+        micro_batches = []
         for m in range(self.grad_accum * self.world_size):
-            indices = [self.stream.next_index() for _ in range(self.B)]
-            empty = empty and all(i is None for i in indices)
-            rendered = [self.stream.render(i) if i is not None else ([self.bos, self.bos], [0, 0]) for i in indices]
             if m % self.world_size != self.rank:
                 continue
-            ids = _pad_rows([r for r, _ in rendered], self.bos)
-            mask = _pad_rows([k for _, k in rendered], 0)
+            rows = rendered[m * self.B:(m + 1) * self.B]
+            ids = _pad_rows([r for r, _ in rows], self.bos)
+            mask = _pad_rows([k for _, k in rows], 0)
             x, y = ids[:, :-1].contiguous(), ids[:, 1:].clone()
             y[mask[:, 1:] == 0] = -1  # learn only what the assistant writes; padding has mask 0 too
             micro_batches.append((x.to(self.device), y.to(self.device)))
-        if empty:  # the single pass is over, on every rank alike
-            raise StopIteration
         return micro_batches
 
     def state_dict(self):
