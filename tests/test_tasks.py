@@ -356,7 +356,7 @@ def test_unknown_task_and_split():
     with pytest.raises(UserError) as e:
         get_task("ARC-Medium", split="test")
     assert all(name in str(e.value) for name in TASKS)
-    with pytest.raises(UserError, match="sft, eval"):
+    with pytest.raises(UserError, match="sft, dev, eval"):
         get_task("WorldQA", split="train")
     with pytest.raises(UserError, match="splits train, validation, test"):
         get_task("ARC-Easy")  # several splits: one must be named
