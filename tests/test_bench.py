@@ -175,3 +175,32 @@ def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, c
     assert len({r["val_bpb"]["3"] for r in result["runs"]}) == 3 and all(r["tok_per_s"] > 0 for r in result["runs"])
     with pytest.raises(bench.UserError, match="warp"):  # refused before any data is built or any step is taken
         bench.main(["quality", "--source=builtin", "--variants", "base", "warp"])
+
+
+def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypatch, capsys):
+    # The model stands in as a reply function that knows only capitals: every capital wording is all right, every other
+    # all wrong, and the total is the capitals' share; no dev question is an eval one.
+    import nanochat.chat_eval
+    import nanochat.checkpoint_manager
+    from tasks.builtin import DEV_QUESTIONS, WorldQA
+
+    class Model:
+        def prepare_for_inference(self):
+            pass
+
+    monkeypatch.setattr(nanochat.checkpoint_manager, "find_latest_tag", lambda source: "tiny")
+    monkeypatch.setattr(nanochat.checkpoint_manager, "load_model", lambda *a, **k: (Model(), None, {"step": 3}))
+    task = WorldQA("dev")
+
+    def replies(model, tokenizer, conversations, max_tokens, **kwargs):
+        return [task.world.facts_by_subject[c["subject"]][0].object if c["relation"] == "capital" else "I do not know."
+                for c in conversations]
+
+    monkeypatch.setattr(nanochat.chat_eval, "generate_replies", replies)
+    bench.main(["wordings"])
+    result = last_json_line(capsys.readouterr().out)
+    capitals = sum(c["relation"] == "capital" for c in task.conversations)
+    assert result["split"] == "dev" and result["step"] == 3
+    assert result["accuracy"] == round(capitals / len(task), 4) and 0 < capitals < len(task)
+    assert result["wordings"] == {f"{r}: {w.replace('{s}', 'X')}": float(r == "capital")
+                                  for r, forms in DEV_QUESTIONS.items() for w in forms}
