@@ -14,8 +14,11 @@ def cmd_wordings(args):
     from nanochat.chat_eval import generate_replies
     from nanochat.checkpoint_manager import find_latest_tag, load_model
     from nanochat.common import autocast_for, compute_init
+    from nanochat.common import UserError
     from tasks.builtin import WorldQA
 
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens={args.max_new_tokens} is not valid: must be >= 1")
     task = WorldQA(args.split)
     _, _, _, _, device = compute_init(args.device_type)
     tag = args.model_tag or find_latest_tag(args.source)

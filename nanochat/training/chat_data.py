@@ -166,18 +166,16 @@ class ConversationBatches:
         return self
 
     def __next__(self):
-        count = self.grad_accum * self.world_size * self.B
-        indices = [self.stream.next_index() for _ in range(count)]
+        micro_steps = self.grad_accum * self.world_size
+        indices = [self.stream.next_index() for _ in range(micro_steps * self.B)]
         if all(i is None for i in indices):  # the single pass is over, on every rank alike
             raise StopIteration
         rendered = [self.stream.render(i) if i is not None else ([self.bos, self.bos], [0, 0]) for i in indices]
         # The step's loss is a sum over its supervised tokens, so how its rows are grouped into micro-batches does not
-        # change the update; grouping them by length pads far less (on the CPU preset a step costs ~25 % less).
+        # change the update; grouped by length they pad far less (the CPU preset: 43 % -> ~25 %, a step ~12 % faster).
         rendered.sort(key=lambda r: len(r[0]))
         micro_batches = []
-        for m in range(self.grad_accum * self.world_size):
-            if m % self.world_size != self.rank:
-                continue
+        for m in range(self.rank, micro_steps, self.world_size):  # micro-batch m goes to rank m % world_size
             rows = rendered[m * self.B:(m + 1) * self.B]
             ids = _pad_rows([r for r, _ in rows], self.bos)
             mask = _pad_rows([k for _, k in rows], 0)
