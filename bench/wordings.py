@@ -13,8 +13,7 @@ from bench.common import emit_json, log, machine_info, print_table
 def cmd_wordings(args):
     from nanochat.chat_eval import generate_replies
     from nanochat.checkpoint_manager import find_latest_tag, load_model
-    from nanochat.common import autocast_for, compute_init
-    from nanochat.common import UserError
+    from nanochat.common import UserError, autocast_for, compute_init
     from tasks.builtin import WorldQA
 
     if args.max_new_tokens < 1:

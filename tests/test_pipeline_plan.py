@@ -173,8 +173,8 @@ def test_base_train_gets_what_the_other_stages_will_not_take_as_measured_before_
 
 @pytest.mark.quick
 def test_a_budget_at_the_minimum_is_not_refused_for_one_slow_probe(tmp_path, monkeypatch):
-    """The minimum a speedrun named is what the next one accepts: a VM's step runs 10-40 % slow for seconds at a time,
-    so near the minimum a refusal waits for a second probe, and the faster of the two decides."""
+    """The minimum a speedrun named is what the next one accepts: a VM's speed drifts over minutes, so near the
+    minimum a refusal waits for a second probe, and the faster of the two decides."""
     reference_probe = pp.REFERENCE["cpu"]["probe_seconds"]
     started = time.time()
     try:
