@@ -23,6 +23,36 @@ import time
 import torch
 
 
+def import_reference():
+    """Import the reference's nanochat package (its checkout first on PYTHONPATH), never ours; exit if ours came."""
+    # Python put this file's folder (our bench/) first on sys.path, where the reference's `import kernels`
+    # (its Flash Attention 3 loader) would find our bench's kernels.py: the reference sees only its own checkout
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: its FA3 download fails at once, SDPA instead
+    import nanochat.gpt as reference_gpt  # the reference's, by PYTHONPATH
+
+    if os.path.dirname(os.path.dirname(os.path.abspath(reference_gpt.__file__))) == os.path.dirname(here):
+        sys.exit("error: this imported our own nanochat, not the reference's: put its checkout first on PYTHONPATH")
+
+
+def build_reference(depth, seq_len, vocab_size, window_pattern, device):
+    """The reference's GPT (initialised on `device`) and its MuonAdamW, built as its base_train builds them. Call
+    import_reference() first. bench/memory.py builds the same pair to measure its step's memory."""
+    from nanochat.gpt import GPT, GPTConfig
+
+    torch.manual_seed(42)
+    head_dim = 128 if depth * 64 >= 128 else depth * 64
+    model_dim = -(-depth * 64 // head_dim) * head_dim
+    config = GPTConfig(sequence_len=seq_len, vocab_size=vocab_size, n_layer=depth, n_head=model_dim // head_dim,
+                       n_kv_head=model_dim // head_dim, n_embd=model_dim, window_pattern=window_pattern)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model, model.setup_optimizer()
+
+
 def main():
     p = argparse.ArgumentParser(description="time the reference project's base_train step")
     p.add_argument("--depth", type=int, default=12)
@@ -35,35 +65,16 @@ def main():
     p.add_argument("--compile", type=int, default=1)
     args = p.parse_args()
 
-    # Python put this file's folder (our bench/) first on sys.path, where the reference's `import kernels`
-    # (its Flash Attention 3 loader) would find our bench's kernels.py: the reference sees only its own checkout
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: its FA3 download fails at once, SDPA instead
-    import nanochat.gpt as reference_gpt  # the reference's, by PYTHONPATH
-
-    if os.path.dirname(os.path.dirname(os.path.abspath(reference_gpt.__file__))) == os.path.dirname(here):
-        sys.exit("error: this imported our own nanochat, not the reference's: put its checkout first on PYTHONPATH")
+    import_reference()
     from nanochat.common import COMPUTE_DTYPE
     from nanochat.flash_attention import USE_FA3
-    from nanochat.gpt import GPT, GPTConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as the reference's compute_init
-    torch.manual_seed(42)
-    head_dim = 128 if args.depth * 64 >= 128 else args.depth * 64
-    model_dim = -(-args.depth * 64 // head_dim) * head_dim
-    config = GPTConfig(sequence_len=args.seq_len, vocab_size=args.vocab_size, n_layer=args.depth,
-                       n_head=model_dim // head_dim, n_kv_head=model_dim // head_dim, n_embd=model_dim,
-                       window_pattern=args.window_pattern)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.init_weights()
+    model, optimizer = build_reference(args.depth, args.seq_len, args.vocab_size, args.window_pattern, device)
     flops_per_token = model.estimate_flops()
     params = sum(p.numel() for p in model.parameters())
-    optimizer = model.setup_optimizer()
     train_model = torch.compile(model, dynamic=False) if args.compile else model
 
     generator = torch.Generator(device=device).manual_seed(0)
