@@ -540,12 +540,16 @@ def dist_rank_world():
 
 
 def all_reduce_mean(value, device):
-    """The mean of a Python number over all ranks (the number itself without a process group)."""
+    """The mean over all ranks of a Python number or a one-element tensor (the value itself without a process group),
+    as a Python number. A tensor is read once, after the reduction: reading it waits for the device's queued work."""
     if dist_rank_world()[1] > 1:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
+        if torch.is_tensor(value):
+            t = value.detach().reshape(1).to(torch.float64)
+        else:
+            t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return t.item() / dist.get_world_size()
-    return value
+    return value.item() if torch.is_tensor(value) else value
 
 
 def child_pythonpath(repo_root):

@@ -154,10 +154,25 @@ class GPTConfig:
 
 def norm(x, eps=NORM_EPS):
     """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps); eps None is torch's default, the
-    machine epsilon of x's dtype (GPTConfig.norm_eps)."""
+    machine epsilon of x's dtype (GPTConfig.norm_eps). The result keeps x's dtype (the kernel sums in fp32)."""
     if cpu_ops.is_cpu_fp32(x):
         return cpu_ops.rms_norm(x, torch.finfo(x.dtype).eps if eps is None else eps)
-    return F.rms_norm(x, (x.size(-1),), eps=eps)
+    # CUDA's autocast lists rms_norm among the ops it runs in fp32: a bf16 residual stream would come out of every norm
+    # as fp32, and its backward would save that fp32 copy (CPU autocast leaves rms_norm alone, so only a GPU showed it)
+    with outside_autocast(x):
+        return F.rms_norm(x, (x.size(-1),), eps=eps)
+
+
+def outside_autocast(x):
+    """A context in which ops on x run in x's own dtype: autocast off where it is on for x's device, else nothing."""
+    return torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext()
+
+
+def activation_dtype(x):
+    """The dtype the residual stream runs in: autocast's where it is on for x's device (bf16 on a GPU), else x's own.
+    An embedding lookup returns its table's dtype, which autocast leaves alone; cast to this, every activation from the
+    embedding on has the dtype of the matmuls' outputs."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
@@ -350,7 +365,10 @@ class MLP(nn.Module):
     def forward(self, x):
         if cpu_ops.is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
             return cpu_ops.relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        # h * h, not h.square(): square is pow, which CUDA's autocast runs in fp32, and the backward would keep that fp32
+        # copy of the 4x-wide hidden layer. A bf16 product rounded once is the same number either way.
+        h = F.relu(self.c_fc(x))
+        return self.c_proj(h * h)
 
 
 class Block(nn.Module):
@@ -431,7 +449,22 @@ class GPT(nn.Module):
             nn.init.zeros_(self.smear_lambda)
         if c.backout:
             nn.init.zeros_(self.backout_lambda)
+        self.store_embeddings_in_compute_dtype()
         self.init_rotary()
+
+    def store_embeddings_in_compute_dtype(self):
+        """
+        Keep wte and the value-embedding tables in the compute dtype where it is bf16 (a GPU, a CPU with AVX512-BF16),
+        as the reference project does. They are looked up, not multiplied, so autocast never casts them, and in fp32
+        they cost 16 bytes a parameter (weights, gradients, AdamW's two moments) against 8: at d24 the 13 tables hold
+        654 M parameters, ~5 GB more than bf16. AdamW still does its arithmetic in fp32 (torch's fused kernel).
+        """
+        dtype = get_compute_dtype(self.get_device())
+        if dtype == torch.float32:
+            return
+        tables = [self.transformer.wte] + (list(self.value_embeds.values()) if self.config.value_embeds else [])
+        for table in tables:
+            table.weight.data = table.weight.data.to(dtype)
 
     @torch.no_grad()
     def init_rotary(self):
@@ -470,7 +503,7 @@ class GPT(nn.Module):
             values are the ones autocast would make, so the outputs stay those of the fp32 weights under autocast.
             It also bounds oneDNN's per-shape kernel caches (common.bound_onednn_caches), which a generating process
             fills with a new shape per batch size and prompt length.
-        Embeddings, norms and scalars stay fp32.
+        Norms and scalars stay fp32 (the embedding tables are already in the compute dtype: init_weights).
         """
         device = self.get_device()
         if device.type != "cpu":
@@ -572,7 +605,7 @@ class GPT(nn.Module):
             previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
         previous = torch.cat((previous, x[:, :-1]), dim=1)
         gate = torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))
-        return x + self.smear_lambda * gate * previous
+        return x + self.smear_lambda.to(x.dtype) * gate * previous  # (1,)-shaped: it would promote a bf16 x to fp32
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
         """
@@ -597,7 +630,8 @@ class GPT(nn.Module):
             cos, sin = self.cos[:, :T], self.sin[:, :T]
 
         c = self.config
-        x = norm(self.transformer.wte(idx), c.norm_eps)
+        x = self.transformer.wte(idx)
+        x = norm(x.to(activation_dtype(x)), c.norm_eps)
         if c.smear:
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None
@@ -606,12 +640,13 @@ class GPT(nn.Module):
                 x = cpu_ops.residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             elif c.residual_scalars:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
-            value_embed = self.value_embeds[str(i)](idx) if has_value_embed(c, i) else None
+            value_embed = self.value_embeds[str(i)](idx).to(x.dtype) if has_value_embed(c, i) else None
             x = block(x, cos, sin, kv_cache, value_embed)
             if c.backout and i == (c.n_layer // 2 - 1 if c.backout_layer is None else c.backout_layer):
                 x_mid = x
         if c.backout:
-            x = x - self.backout_lambda * (x_mid if x_mid is not None else x0)  # one layer: the mid point is the input
+            # the lambda as x's dtype: a (1,)-shaped fp32 parameter times a bf16 tensor would promote it to fp32
+            x = x - self.backout_lambda.to(x.dtype) * (x_mid if x_mid is not None else x0)  # one layer: the input
         x = norm(x, c.norm_eps)
         if kv_cache is not None:
             kv_cache.advance(T)

@@ -65,7 +65,7 @@ def reference_forward(model, idx):
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
 
-    x = rms(model.transformer.wte.weight[idx])
+    x = rms(model.transformer.wte.weight[idx].float())  # a bf16 table where the compute dtype is bf16
     for block in model.transformer.h:
         a = rms(x)
         q = (a @ block.attn.c_q.weight.T).view(B, T, c.n_head, D).transpose(1, 2)

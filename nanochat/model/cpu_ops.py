@@ -58,10 +58,13 @@ def cpu_training_attention(q, k, v):
 def cpu_training_loss(x, weight):
     """Where the chunked softcap loss applies: CPU training with fp32 activations and head, in fp32 or under CPU
     autocast (its matmuls then run in the autocast dtype, as lm_head's would)."""
-    fp32 = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, weight))
-    if torch.is_autocast_enabled("cpu") and torch.compiler.is_compiling():
+    autocast = torch.is_autocast_enabled("cpu")
+    if autocast and torch.compiler.is_compiling():
         return False  # a compiled autocast model is the GPU's path: the plain loss, fused by the compiler
-    return fp32 and enabled() and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    # under autocast the residual stream, and so x, is in its dtype (gpt.activation_dtype); the head stays fp32
+    x_dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
+    fits = x.device.type == weight.device.type == "cpu" and x.dtype in x_dtypes and weight.dtype == torch.float32
+    return fits and enabled() and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def _rotate(x, cos, sin, out):
@@ -329,13 +332,15 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
         s = softcap
         n_rows, vocab = x.size(0), weight.size(0)
         chunk = min(LOSS_CHUNK_ROWS, n_rows)
-        total = x.new_zeros(())
+        total = x.new_zeros((), dtype=torch.float32)
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros_like(weight)
-        q_buffer, probs_buffer = x.new_empty(chunk, vocab), x.new_empty(chunk, vocab)
+        # the softcap, softmax and loss in fp32 whatever x's dtype (a bf16 residual stream under autocast)
+        q_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
+        probs_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
         # Under autocast the three matmuls take bf16 operands, as lm_head and its backward would: the logits are
         # rounded to bf16 before the softcap, d(logits) before it meets the weights; the rest stays fp32.
-        low = matmul_dtype != x.dtype
+        low = (x.dtype, weight.dtype, matmul_dtype) != (torch.float32,) * 3
         weight_mm = weight.to(matmul_dtype) if low else weight
         for start in range(0, n_rows, chunk):
             rows = slice(start, start + chunk)

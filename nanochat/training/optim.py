@@ -181,6 +181,20 @@ def _update_matrices(params, grads, state, group):
     row_scales = _normuon_row_scales(updates, params, state) if group.get("normuon") else [None] * len(params)
     rows, cols = params[0].shape[-2:]
     shape_scale = max(1.0, rows / cols) ** 0.5
+    multipliers = {(getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0)) for p in params}
+    if len(multipliers) == 1 and not group.get("cautious_wd"):
+        # the whole list in a few launches, not two per matrix: on a GPU each launch costs the host ~5-10 us, and
+        # the host has a hundred matrices' worth to queue at d24 (the same arithmetic as the loop below)
+        (lr_mul, wd_mul), = multipliers
+        lr, wd = group["lr"] * lr_mul, group["weight_decay"] * wd_mul
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        if row_scales[0] is None:
+            torch._foreach_add_(params, list(updates.to(params[0].dtype).unbind(0)), alpha=-lr * shape_scale)
+        else:  # NorMuon's factors ride along in the update's one pass
+            torch._foreach_addcmul_(params, list(updates.unbind(0)), list(row_scales.unbind(0)),
+                                    value=-lr * shape_scale)
+        return
     for p, u, row_scale in zip(params, updates, row_scales):
         lr = group["lr"] * getattr(p, "lr_mul", 1.0)
         wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
@@ -346,35 +360,41 @@ def _is_sharded(p, world):
     return world > 1 and p.ndim >= 1 and p.shape[0] % world == 0
 
 
-def _adamw_update(p, grad, state, group, lr_mul, wd_mul):
-    """One AdamW step on p (a full parameter or this rank's slice of one), in place."""
-    if "step" not in state:
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
-    state["step"] += 1
-    step = state["step"]
+def _adamw_updates(params, grads, states, device_steps, group, lr_mul, wd_mul):
+    """
+    One AdamW step on each of `params` (full parameters or this rank's slices of them, one dtype on one device), in
+    place. `states` are their optimizer states; `device_steps` their step counts as 0-D fp32 tensors on the device,
+    which torch's fused kernel reads (the states keep the same counts as ints, for checkpoints and for the math below).
+    Nothing here reads the device from the host, so the host can queue the whole optimizer step without waiting.
+    """
+    for p, state in zip(params, states):
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
     beta1, beta2 = group["betas"]
     lr = group["lr"] * lr_mul
     wd = group["weight_decay"] * wd_mul
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    if FUSED and p.device.type in ("cpu", "cuda") and grad.dtype == p.dtype:
-        # torch's fused kernel: the same math as below in one pass over memory instead of seven (on a CPU the
-        # separate passes cost ~1.5 ms per million parameters, the d4 value embeddings' tables are two million).
-        # It reads the step from a tensor and leaves it alone; the state keeps the int.
-        torch._fused_adamw_([p], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step), device=p.device)],
-                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
-                            maximize=False)
+    exp_avgs, exp_avg_sqs = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+    torch._foreach_add_(device_steps, 1.0)  # in step with the ints, whichever path runs below
+    if FUSED and params[0].device.type in ("cpu", "cuda") and all(g.dtype == p.dtype for p, g in zip(params, grads)):
+        # torch's fused kernel: the math below in one pass over memory instead of seven, for every parameter of the
+        # list in one launch (on a CPU the separate passes cost ~1.5 ms per million parameters). In fp32 whatever the
+        # parameters' dtype (the bf16 embedding tables). It reads the step counts and leaves them alone.
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], device_steps, lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=wd, eps=group["eps"], amsgrad=False, maximize=False)
         return
-    if wd != 0:
-        p.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    # Bias correction: early in training the moment estimates are biased towards their zero init.
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(group["eps"])
-    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    for p, grad, exp_avg, exp_avg_sq, state in zip(params, grads, exp_avgs, exp_avg_sqs, states):
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # Bias correction: early in training the moment estimates are biased towards their zero init.
+        bias_correction1 = 1 - beta1 ** state["step"]
+        bias_correction2 = 1 - beta2 ** state["step"]
+        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(group["eps"])
+        p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
 class DistAdamW(torch.optim.Optimizer):
@@ -383,19 +403,38 @@ class DistAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.device_steps = {}  # parameter -> its step count on its device (_adamw_updates); rebuilt, never saved
+
+    def device_step(self, p, like):
+        """p's step count as a 0-D fp32 tensor on `like`'s device. Made by a fill with the count as the kernel's
+        argument, not a copy from the host: nothing waits for the device even on the first step after a resume."""
+        if p not in self.device_steps:
+            self.device_steps[p] = torch.full((), float(self.state[p].get("step", 0)), dtype=torch.float32,
+                                              device=like.device)
+        return self.device_steps[p]
 
     @torch.no_grad()
     def step(self):
         rank, world = dist_rank_world()
+        if world == 1:
+            # every parameter of a group that shares a dtype and multipliers in one fused launch
+            for group in self.param_groups:
+                batches = {}
+                for p in group["params"]:
+                    key = (p.dtype, p.device, getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0))
+                    batches.setdefault(key, []).append(p)
+                for (_, _, lr_mul, wd_mul), params in batches.items():
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                    _adamw_updates(params, grads, [self.state[p] for p in params],
+                                   [self.device_step(p, p) for p in params], group, lr_mul, wd_mul)
+            return
 
         # 1) Start every gradient's reduction at once so communication overlaps the updates below.
         jobs = []
         for group in self.param_groups:
             for p in group["params"]:
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                if world == 1:
-                    jobs.append((group, p, grad, None))
-                elif _is_sharded(p, world):
+                if _is_sharded(p, world):
                     rows = p.shape[0] // world
                     my_grad = torch.empty_like(grad[:rows])
                     work = dist.reduce_scatter_tensor(my_grad, grad.contiguous(), op=dist.ReduceOp.AVG, async_op=True)
@@ -408,17 +447,16 @@ class DistAdamW(torch.optim.Optimizer):
         # 2) Update this rank's slice as its gradient arrives, then start gathering the slices.
         gathers = []
         for group, p, grad, work in jobs:
-            if work is not None:
-                work.wait()
+            work.wait()
             lr_mul, wd_mul = getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0)
             if _is_sharded(p, world):
                 rows = p.shape[0] // world
                 full = p.data if p.is_contiguous() else p.data.contiguous()
                 my_slice = full[rank * rows:(rank + 1) * rows]
-                _adamw_update(my_slice, grad, self.state[p], group, lr_mul, wd_mul)
+                _adamw_updates([my_slice], [grad], [self.state[p]], [self.device_step(p, p)], group, lr_mul, wd_mul)
                 gathers.append((p, full, dist.all_gather_into_tensor(full, my_slice, async_op=True)))
             else:
-                _adamw_update(p.data, grad, self.state[p], group, lr_mul, wd_mul)
+                _adamw_updates([p.data], [grad], [self.state[p]], [self.device_step(p, p)], group, lr_mul, wd_mul)
 
         # 3) Wait for the gathers; the parameter is now identical on every rank.
         for p, full, work in gathers:
@@ -428,6 +466,7 @@ class DistAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
+        self.device_steps = {}  # the loaded counts replace them
         rank, world = dist_rank_world()
         for group in self.param_groups:
             for p in group["params"]:

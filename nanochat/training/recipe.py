@@ -280,7 +280,11 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
     the gradients are dropped and DeviceBatchTooLarge raised on every rank before any weight moves.
     """
     divisor = len(micro_batches) if divisor is None else divisor
-    total, out_of_memory = 0.0, False
+    device = next(model.parameters()).device
+    # The losses are summed on the device and read once, after the optimizer's work is queued: reading one after its
+    # backward would make the host wait for the device there, with nothing queued behind it, and the device would then
+    # wait for the host to launch the optimizer's kernels one by one.
+    total, out_of_memory = torch.zeros((), dtype=torch.float32, device=device), False
     try:
         for batch in micro_batches:
             if oom_guard is not None:
@@ -288,7 +292,7 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
             with autocast:
                 loss = loss_fn(model, batch)
             (loss / divisor).backward()
-            total += loss.detach().item()
+            total += loss.detach().float()
     except Exception as e:
         if oom_guard is None or not is_out_of_memory(e):
             raise
@@ -297,7 +301,6 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         raise DeviceBatchTooLarge()
-    device = next(model.parameters()).device
     if grad_clip > 0:
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -306,7 +309,7 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
         opt.step()
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    return all_reduce_mean(total / divisor, device)
+    return all_reduce_mean(total / divisor, device)  # the step's one read of the device
 
 
 @torch.no_grad()
