@@ -5,6 +5,7 @@ quality, time budgets.
     python -m scripts.bench train          # CPU: d4/T=256/B=8 and d6/T=512/B=8, eager and compiled
     python -m scripts.bench train --depth=20 --seq-len=2048 --device-batch-size=32 --compile=1   # a GPU
     python -m scripts.bench train --depth=4 --seq-len=256 --device-batch-size=8 --compile=0 --alternate  # what the default set costs
+    python -m scripts.bench memory --depth=6 --seq-len=512   # peak memory of a bf16 step on the CPU, ours and the reference's
     python -m scripts.bench dataloader     # packing speed, cropped fraction, time a step waits for data
     python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
@@ -37,7 +38,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from bench import budget, dataloader, engine, importing, kernels, quality, serve, tokenizer, train, wordings
+from bench import budget, dataloader, engine, importing, kernels, memory, quality, serve, tokenizer, train, wordings
 from bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -88,6 +89,18 @@ def add_training_benchmarks(sub):
     t.add_argument("--alternate", action="store_true",
                    help="take the recipes' steps in turn in one process and report each one's tok/s against the first's "
                         "(what a recipe costs, without the machine's drift between runs)")
+
+    r = sub.add_parser("memory", help="peak memory of one bf16 training step on the CPU, by category: ours against the "
+                       "reference project's (.reference), each in a fresh process")
+    r.add_argument("--depth", type=int, default=6)
+    r.add_argument("--seq-len", type=int, default=512)
+    r.add_argument("--device-batch-size", type=int, default=8)
+    r.add_argument("--vocab-size", type=int, default=32768)
+    r.add_argument("--components", default="default", help="our recipe's components: 'default' (base_train's), 'none' "
+                   "or a comma list")
+    r.add_argument("--window-pattern", default="L", help="the reference's (L: full context, as ours by default)")
+    r.add_argument("--compile", type=int, default=0, choices=[0, 1], help="torch.compile both models (inductor)")
+    r.add_argument("--reference", default="", help="the reference's checkout (default: .reference in the repository)")
 
     d = sub.add_parser("dataloader", help="packing throughput, cropped fraction, data wait")
     d.add_argument("--tokens", type=int, default=1_000_000, help="tokens per throughput / crop measurement")
@@ -189,7 +202,7 @@ def add_quality_benchmark(sub):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget,
+                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "memory": memory.cmd_memory, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget,
                 "wordings": wordings.cmd_wordings}
     commands[args.command](args)
 
