@@ -3,16 +3,20 @@
 numerics checked in the same run:
 
 - fp8 linear (nanochat/model/fp8.py): forward + both gradients of one (M, K) x (N, K) layer under bf16 autocast, the native
-  path (torch._scaled_mm) against the fp32 emulation and against an fp32 matmul; then TFLOP/s of a square fwd+bwd
-  in fp8 against plain bf16 F.linear.
+  path (torch._scaled_mm) against the fp32 emulation and against an fp32 matmul; then one linear's fwd+bwd as base_train
+  runs it (bf16 activations, fp32 weight, bf16 autocast), timed four ways: bf16 F.linear eager and compiled, the fp8 op
+  with its body unfused (every quantisation step its own kernel) and compiled (the op called from a compiled function,
+  its body compiled: what a compiled model runs), with the compiled ones' first-call seconds.
 - sliding-window attention (gpt.flex_band_attention, compiled): output and q/k/v gradients against SDPA with the
   boolean band mask; then fwd+bwd time against that masked SDPA and against full causal SDPA (flash attention).
 
 Made for CUDA (an fp8 GPU for the native rows). On a CPU it runs small shapes and reports errors only where they
 mean something: the emulated fp8 path against fp32 (the CPU's _scaled_mm is a reference kernel, minutes per call at
-these sizes), FlexAttention's forward (it has no CPU backward), no timings of either.
+these sizes), FlexAttention's forward (it has no CPU backward); its linear timings are of the fp32 emulation at a
+small shape, which says nothing about a GPU (the table says so), and no attention timings.
 """
 
+import contextlib
 import time
 import warnings
 
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat import gpt
+from nanochat.common import compile_backend
 from nanochat.model import fp8
 from bench.common import emit_json, log, machine_info, print_table
 
@@ -40,7 +45,7 @@ def seconds_per_call(fn, device, repeats):
     return (time.perf_counter() - t0) / repeats
 
 
-def fp8_rows(device, M, K, N, square, repeats):
+def fp8_rows(device, M, K, N):
     native = fp8.fp8_available(device)
     x0, w0 = torch.randn(M, K, device=device), torch.randn(N, K, device=device) * 0.02
     grad_y = torch.randn(M, N, device=device)
@@ -65,14 +70,51 @@ def fp8_rows(device, M, K, N, square, repeats):
         rows.append([f"fp8 {name} ({M}x{K} @ {K}x{N})", f"{result[f'fp8_emulated_vs_fp32_{name}']:.2e}",
                      f"{result[f'fp8_native_vs_fp32_{name}']:.2e}" if native else "-",
                      f"{result[f'fp8_native_vs_emulated_{name}']:.2e}" if native else "-"])
-    if native:
-        a = torch.randn(square, square, device=device, dtype=torch.bfloat16, requires_grad=True)
-        b = torch.randn(square, square, device=device, dtype=torch.bfloat16, requires_grad=True)
-        flops = 3 * 2 * square ** 3  # forward and the two gradient products
-        bf16_s = seconds_per_call(lambda: F.linear(a, b).sum().backward(), device, repeats)
-        fp8_s = seconds_per_call(lambda: fp8.fp8_linear(a, b, native=True).sum().backward(), device, repeats)
-        result.update(linear_bf16_tflops=flops / bf16_s / 1e12, linear_fp8_tflops=flops / fp8_s / 1e12)
     return rows, result
+
+
+@contextlib.contextmanager
+def fp8_body_unfused():
+    """The fp8 op's body run eagerly, one kernel per step of the quantisation, even on a GPU (fp8.FUSED_DEVICE_TYPES)."""
+    fused = fp8.FUSED_DEVICE_TYPES
+    fp8.FUSED_DEVICE_TYPES = set()
+    try:
+        yield
+    finally:
+        fp8.FUSED_DEVICE_TYPES = fused
+
+
+LINEAR_VARIANTS = ("bf16_eager", "bf16_compiled", "fp8_unfused", "fp8_compiled")
+
+
+def linear_speed(device, M, K, N, repeats):
+    """
+    Seconds per fwd+bwd of one linear as base_train runs it (x (M, K) bf16 activations, W (N, K) fp32, bf16 autocast),
+    for each of LINEAR_VARIANTS, and the compiled variants' first call (tracing and code generation included).
+    """
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device=device) * 0.02).requires_grad_()
+    grad_y = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    linears = {"bf16_eager": F.linear, "bf16_compiled": torch.compile(F.linear, backend=compile_backend()),
+               "fp8_unfused": fp8.fp8_linear, "fp8_compiled": torch.compile(fp8.fp8_linear, backend=compile_backend())}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result = {}
+    for name in LINEAR_VARIANTS:
+        def fwd_bwd(linear=linears[name]):
+            with torch.autocast(device.type, torch.bfloat16):
+                y = linear(x, w)
+            y.backward(grad_y)
+            x.grad = w.grad = None
+
+        with fp8_body_unfused() if name == "fp8_unfused" else contextlib.nullcontext():
+            if name.endswith("compiled"):
+                t0 = time.perf_counter()
+                fwd_bwd()
+                sync()
+                result[f"linear_{name}_first_call_s"] = time.perf_counter() - t0
+            result[f"linear_{name}_ms"] = 1e3 * seconds_per_call(fwd_bwd, device, repeats)
+        result[f"linear_{name}_tflops"] = 3 * 2 * M * K * N / (result[f"linear_{name}_ms"] / 1e3) / 1e12
+    return result
 
 
 def attention_rows(device, B, H, H_kv, T, D, window, repeats):
@@ -117,21 +159,28 @@ def cmd_kernels(args):
     device = torch.device(args.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     M, K, N = (4096, 2048, 1536) if cuda else (256, 256, 128)
+    timed = (args.square,) * 3 if cuda else (M, K, N)  # a CPU times the emulation, at the small shape
     B, H, H_kv, T, D = (4, 12, 4, args.seq_len or 2048, 128) if cuda else (1, 4, 2, args.seq_len or 256, 32)
     window = T // 2  # what sliding_window gives the short layers
-    log(f"bench kernels | {device} | fp8 linear {M}x{K} @ {K}x{N}, square {args.square} | attention B{B} H{H}/{H_kv} "
-        f"T{T} D{D} window {window}")
-    fp8_table, fp8_result = fp8_rows(device, M, K, N, args.square, args.repeats)
+    log(f"bench kernels | {device} | fp8 linear {M}x{K} @ {K}x{N}, timed {'x'.join(map(str, timed))} | attention "
+        f"B{B} H{H}/{H_kv} T{T} D{D} window {window}")
+    fp8_table, fp8_result = fp8_rows(device, M, K, N)
     attention_table, attention_result = attention_rows(device, B, H, H_kv, T, D, window, args.repeats)
-    result = {**fp8_result, **attention_result}
+    linear_result = linear_speed(device, *timed, args.repeats)
+    result = {**fp8_result, **attention_result, **linear_result, "linear_shape": list(timed)}
     print_table("kernels: relative error (Frobenius norm of the difference over the reference's)",
                 ["check", "emulated vs fp32", "native/flex vs reference", "native vs emulated"], fp8_table + attention_table)
+    fp8_kind = "torch._scaled_mm" if fp8_result["fp8_native"] else "its fp32 emulation: says nothing of fp8 on a GPU"
+    linear_rows = [[name.replace("_", " "), f"{result[f'linear_{name}_ms']:.3f}", f"{result[f'linear_{name}_tflops']:.3g}",
+                    f"{result[f'linear_{name}_first_call_s']:.1f}" if f"linear_{name}_first_call_s" in result else "-"]
+                   for name in LINEAR_VARIANTS]
+    print_table(f"kernels: one linear's fwd+bwd on {device.type}, {'x'.join(map(str, timed))} (x bf16, W fp32, bf16 "
+                f"autocast; fp8 = {fp8_kind}; compiled with {compile_backend()})",
+                ["linear", "ms", "TFLOP/s", "first call s"], linear_rows)
     if cuda:
-        speed = [["fp8 linear fwd+bwd, TFLOP/s", f"{result['linear_fp8_tflops']:.0f}" if "linear_fp8_tflops" in result else "-",
-                  f"{result['linear_bf16_tflops']:.0f}" if "linear_bf16_tflops" in result else "-", "-"],
-                 ["attention fwd+bwd, ms", f"{result['flex_band_fwd_bwd_ms']:.3f}", f"{result['masked_sdpa_fwd_bwd_ms']:.3f}",
+        speed = [["attention fwd+bwd, ms", f"{result['flex_band_fwd_bwd_ms']:.3f}", f"{result['masked_sdpa_fwd_bwd_ms']:.3f}",
                   f"{result['causal_sdpa_fwd_bwd_ms']:.3f}"]]
-        print_table(f"kernels: speed ({args.square}^3 linear; attention as above)",
-                    ["what", "fp8 / flex band", "bf16 / masked SDPA", "full causal SDPA"], speed)
+        print_table("kernels: attention speed (shape as above)", ["what", "flex band", "masked SDPA", "full causal SDPA"],
+                    speed)
     machine = {**machine_info(), "gpu": torch.cuda.get_device_name(device) if cuda else None}
     emit_json({"bench": "kernels", "machine": machine, **result})
