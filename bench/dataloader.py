@@ -59,7 +59,7 @@ def cmd_dataloader(args):
     run = Run(depth, seq_len, batch, vocab_size, device, use_compile=False, components=DEFAULT_COMPONENTS)
     for _ in range(args.warmup):
         run.train_step()
-    parts = [run.instrumented_step() for _ in range(args.steps)]
+    parts = [run.instrumented_step(from_loader=True) for _ in range(args.steps)]
     run.close()
     wait_ms = statistics.mean(p["data"] for p in parts) * 1000
     step_ms = statistics.mean(sum(p.values()) for p in parts) * 1000

@@ -1,12 +1,13 @@
 """
-`python -m scripts.gpu_check --suite`: every number a GPU lease is for, from one prepared command, each section in a
-process of its own under one deadline, so that a section that fails or hangs costs its own row and not the others.
+`python -m scripts.gpu_check --suite`: every number a GPU lease is for, from one prepared command, each measurement in
+a process of its own under one deadline, so that one that fails or hangs costs its own row and not the others.
 
     train   ours and the reference project's (karpathy/nanochat at REFERENCE_COMMIT, from a checkout in .reference/)
-            training step at d12 and d24, bf16, compiled: tok/s and MFU against the same peak
+            training step at d12 and d24, bf16, compiled: tok/s and MFU against the same peak, the memory, our loader
+            timed apart, and a reduced profile of each
+    fp8     our --fp8 and torchao's float8 training against bf16 at d24: tok/s, and the loss after the same steps
     decode  ms a decode step: Engine at batch 1, BatchEngine at 1, 16 and 64 rows, eager and captured (CUDA graphs;
             with whether the captured step wrote the eager tokens), on a random-init d12
-    fp8     our --fp8 and torchao's float8 training against bf16 at d24: tok/s, and the loss after the same steps
     run     a d12 base_train of 200 steps on the built-in corpus (a smaller global batch): its val bpb must fall
     serve   `bench serve` against chat_web on the run's checkpoint: one at a time, 64 rows eager and captured, at 1, 16
             and 64 clients
@@ -14,17 +15,19 @@ process of its own under one deadline, so that a section that fails or hangs cos
             base_eval, mid_train, chat_sft, chat_rl, chat_eval on the built-in corpus and its offline tasks: every
             CUDA path speedrun.sh takes), then chat_web answering one request
 
-Sections run in that order until the deadline (--suite-minutes); `--only` picks some. On one GPU the compiles dominate
-(on an H200 a compiled d24's first step takes ~92 s), so the six take four 9-minute commands: `--only train,decode`,
-`--only fp8`, `--only run,serve`, `--only stages`. Without CUDA the same sections run scaled down (tiny
-depths, a few steps), which is what CI runs. The rows go to stdout in BENCHMARKS.md's table format, the device named in
-every row, with one JSON line, also written to a dated file under --results-dir (dev/gpu_results/).
+train and fp8 run together (bench/suite_training.py): their configurations compile side by side first, as many as the
+GPU's memory holds, and are then timed one at a time, each starting warm; the other sections follow in that order
+until the deadline (--suite-minutes); `--only` picks some. Every compiled configuration keeps a portable compile cache
+in --compile-cache-dir (bench/compile_cache.py), which a lease carries to the next one as one archive, so that it is
+compiled once and not every lease. With --out-dir (a lease's $OUT) the results (.md and .json), the log, the compile
+caches (compile_cache.tar.gz) and the profiles with every child's log (profiles.tar.gz) go there: five files, each
+under the 16 MiB a lease returns. Without CUDA the same sections run scaled down (tiny depths, a few steps), which is
+what CI runs. The rows go to stdout in BENCHMARKS.md's table format, the device named in every row, with one JSON line.
 """
 
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,13 +37,18 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import compile_cache
 from bench import gpu_check as check
-from nanochat.common import child_pythonpath
+from bench import suite_training as training
 
 REFERENCE_URL = "https://github.com/karpathy/nanochat"
 REFERENCE_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # 2026-07-03, the newest this project has read
 REFERENCE_DIR = os.path.join(check.REPO_ROOT, ".reference")  # ignored by git: the reference's code is never committed
-SECTIONS = ("train", "decode", "fp8", "run", "serve", "stages")  # the order they run in: the most wanted first
+SECTIONS = ("train", "fp8", "decode", "run", "serve", "stages")  # the order they run in: the most wanted first
+CACHE_ARCHIVE, PROFILES_ARCHIVE = "compile_cache.tar.gz", "profiles.tar.gz"
+# what a lease's output folder returns: 8 files at most, each under 16 MiB, 2 folders deep
+OUT_MAX_FILES, OUT_MAX_BYTES, OUT_MAX_DEPTH = 8, 16 * 2**20, 2
+ARCHIVE_LIMIT = 15 * 2**20  # an archive's most, under OUT_MAX_BYTES with room to spare
 
 
 @dataclass
@@ -60,15 +68,26 @@ class Scale:
     serve_clients: tuple
     serve_tokens: int
     vocab: int
-    seconds: dict  # the most each section may take
+    seconds: dict  # the most each section may take (train and fp8, run together, the two added)
+    costs: dict  # suite_training's measured costs of the compiled configurations
+    memory_budget_gib: float  # the warm-ups side by side at most, by those costs
+    start_s: float  # a training process's start (python, torch, the model built): an estimate
+    profile_s: float  # a profile's reduction and its trace's export after the timed steps: an estimate
+    end_reserve_s: float  # kept free at the end for the results and the archives
 
 
+# The H200's 140 GiB (143,771 MiB) less ~28: CUDA contexts, the allocator's slack, and the error of peaks measured as
+# max_memory_allocated in runs alone. It holds ours at d24 with both d12s (102 GiB), or our fp8 with the reference's d24
+# (110.3 GiB), never two bf16 d24s.
 GPU = Scale(train_depths=(12, 24), seq_len=2048, device_batch=16, timed_steps=8, warmup=3, fp8_depth=24, run_depth=12,
             run_steps=200, decode_depth=12, decode_rows=(1, 16, 64), serve_clients=(1, 16, 64), serve_tokens=64,
-            vocab=32768, seconds={"train": 450, "decode": 60, "fp8": 540, "run": 150, "serve": 180, "stages": 420})
+            vocab=32768, seconds={"train": 450, "decode": 60, "fp8": 540, "run": 150, "serve": 180, "stages": 420},
+            costs=training.GPU_COSTS, memory_budget_gib=112, start_s=10, profile_s=10, end_reserve_s=15)
+# two compiles at once on a CPU at most: the 1 GiB each is what keeps it to two on a small machine's cores
 CPU = Scale(train_depths=(2,), seq_len=64, device_batch=4, timed_steps=2, warmup=1, fp8_depth=2, run_depth=2,
             run_steps=30, decode_depth=2, decode_rows=(1, 4), serve_clients=(1, 4), serve_tokens=8, vocab=4096,
-            seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600})
+            seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600},
+            costs=training.CPU_COSTS, memory_budget_gib=2.5, start_s=15, profile_s=10, end_reserve_s=20)
 
 
 def reference_checkout(path):
@@ -84,103 +103,30 @@ def reference_checkout(path):
     return path, p.stdout.strip() or "unknown commit"
 
 
-def run_json(command, timeout, env=None, cwd=check.REPO_ROOT):
+def run_json(name, command, timeout, logs, env=None):
     """A child that ends with one JSON line: its dict, or {"error": a line} when it fails, hangs or says nothing. A child
-    that outlives `timeout` is killed with everything it started (a chat_web and its GPU workers among them)."""
-    env = {**os.environ, "PYTHONPATH": check.CHILD_PYTHONPATH, **(env or {})}
-    p = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=max(1, timeout))
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        return {"error": f"did not finish in {timeout:.0f} s"}
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = [line for line in stderr.splitlines() if line.strip()][-1:] or [f"exit code {p.returncode}"]
-        return {"error": tail[0][:300]}
-    return json.loads(lines[-1])
+    that outlives `timeout` is killed with everything it started (a chat_web and its GPU workers among them); its
+    stdout and stderr are kept in `logs` as NAME.out and NAME.log."""
+    return training.Child(name, command, env or {}, logs, timeout).wait()
 
 
-def bench_train(scale, depth, timeout, fp8=""):
-    """Our base_train step (`bench train`), compiled, the default recipe."""
-    command = [sys.executable, "-m", "scripts.bench", "train", f"--depth={depth}", f"--seq-len={scale.seq_len}",
-               f"--device-batch-size={scale.device_batch}", "--compile=1", "--components=default",
-               f"--steps={scale.timed_steps}", f"--warmup={scale.warmup}", "--breakdown-steps=2", "--probe-seconds=0",
-               "--peak-seconds=0.25", f"--vocab-size={scale.vocab}", f"--fp8={fp8}"]
-    result = run_json(command, timeout)
-    return result if "error" in result else result["runs"][0]
+def cached(cache_dir, name, module):
+    """`python -m module` under a portable compile cache of its own (bench/compile_cache.py): the command's start."""
+    return [sys.executable, "-m", "bench.compile_cache", os.path.join(cache_dir, f"{name}.bin"), "-m", module]
 
 
-def reference_train(scale, depth, timeout, reference):
-    command = [sys.executable, os.path.join(check.REPO_ROOT, "bench", "reference_train.py"),
-               f"--depth={depth}", f"--seq-len={scale.seq_len}", f"--device-batch-size={scale.device_batch}",
-               f"--vocab-size={scale.vocab}", f"--steps={scale.timed_steps}", f"--warmup={scale.warmup}"]
-    # the reference's package first, and whatever the user's PYTHONPATH adds (wheels installed with --target), not ours
-    return run_json(command, timeout, env={"PYTHONPATH": child_pythonpath(reference)})
-
-
-def speed(result, peak=None):
-    if "skipped" in result:
-        return f"skipped: {result['skipped']}"
-    if "error" in result:
-        return f"failed: {result['error']}"
-    peak = peak or result.get("peak_flops")
-    mfu = f", MFU {100 * result['tok_per_s'] * result['flops_per_token'] / peak:.1f} %" if peak else ""
-    parts = result.get("breakdown_ms") or {}  # ours: a step taken apart (synced between phases), where the time goes
-    split = f" ({' / '.join(f'{k} {v:.0f}' for k, v in parts.items())} ms)" if parts else ""
-    return f"{result['tok_per_s']:,.0f} tok/s{mfu}{split}"
-
-
-def section_train(scale, deadline, out, reference, root, workspace):
-    rows = []
-    path, commit = reference_checkout(reference)
-    for depth in scale.train_depths:
-        ours = out[f"train_d{depth}"] = bench_train(scale, depth, min(scale.seconds["train"] / 2, left(deadline)))
-        theirs = out[f"reference_d{depth}"] = reference_train(scale, depth, left(deadline), path) if path else \
-            {"skipped": commit}
-        label = f"d{depth} {ours.get('dtype', '')} training, compiled, device batch {scale.device_batch} x {scale.seq_len}"
-        rows.append((f"{label}, ours (default recipe)", speed(ours)))
-        ratio = ""
-        if "tok_per_s" in ours and "tok_per_s" in theirs:
-            ratio = f"; ours / reference {ours['tok_per_s'] / theirs['tok_per_s']:.2f}x"
-        rows.append((f"{label}, reference {commit[:7] if path else ''} ({theirs.get('attention', '-')}, full windows, "
-                     f"{theirs.get('dtype', '-').replace('torch.', '')})",
-                     speed(theirs, ours.get("peak_flops")) + ratio))
-    return rows
-
-
-def section_fp8(scale, deadline, out, reference, root, workspace):
-    from bench.train import torchao_unavailable
-
-    depth = scale.fp8_depth
-    bf16 = out.get(f"train_d{depth}") or bench_train(scale, depth, left(deadline) / 3)
-    rows = []
-    for backend in ("ours", "torchao"):
-        reason = torchao_unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu")) \
-            if backend == "torchao" else None
-        result = out[f"fp8_{backend}_d{depth}"] = {"skipped": reason} if reason else \
-            bench_train(scale, depth, min(scale.seconds["fp8"] / 2, left(deadline)) if backend == "ours" else
-                        left(deadline), fp8=backend)  # torchao, last, takes what is left: its compile ran past 149 s
-        line = speed(result)
-        if "tok_per_s" in result and "tok_per_s" in bf16:
-            line += (f"; {result['tok_per_s'] / bf16['tok_per_s']:.2f}x bf16's {bf16['tok_per_s']:,.0f}, loss after "
-                     f"{scale.warmup + scale.timed_steps} steps {result['final_loss']:.6f} vs "
-                     f"{bf16['final_loss']:.6f} ({result['final_loss'] / bf16['final_loss'] - 1:+.4%}), "
-                     f"{result['fp8_linears']} linears in fp8")
-        rows.append((f"d{depth} fp8 training ({backend}), device batch {scale.device_batch} x {scale.seq_len}", line))
-    return rows
-
-
-def section_run(scale, deadline, out, reference, root, workspace):
+def section_run(scale, deadline, out, paths):
     depth, steps = scale.run_depth, scale.run_steps
     total = 2 * scale.device_batch * scale.seq_len
-    command = [sys.executable, "-m", "scripts.base_train", f"--depth={depth}", f"--max-seq-len={scale.seq_len}",
+    command = [*cached(paths["cache"], f"run_d{depth}", "scripts.base_train"), f"--depth={depth}",
+               f"--max-seq-len={scale.seq_len}",
                f"--device-batch-size={scale.device_batch}", f"--total-batch-size={total}",
                f"--num-iterations={steps}", f"--eval-every={steps // 2}", f"--eval-tokens={8 * total}",
                "--core-metric-every=-1", "--sample-every=-1", "--model-tag=suite"]
-    result = out["run"] = check.run_smoke("suite_run", command, workspace, root, timeout=left(deadline))
+    result = out["run"] = check.run_smoke("suite_run", command, paths["workspace"], paths["root"],
+                                          timeout=left(deadline))
+    if os.path.isfile(os.path.join(result["base_dir"], "output.log")):
+        shutil.copy(os.path.join(result["base_dir"], "output.log"), os.path.join(paths["logs"], "run.log"))
     if result.get("error"):
         return [(f"d{depth} base_train, {steps} steps", f"failed: {result['error']}")]
     bpb = result["val_bpb"]
@@ -256,12 +202,13 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     print(json.dumps(results))
 
 
-def section_decode(scale, deadline, out, reference, root, workspace):
+def section_decode(scale, deadline, out, paths):
     rows_arg = ",".join(map(str, scale.decode_rows))
-    result = out["decode"] = run_json([sys.executable, "-m", "scripts.gpu_check", "--worker=decode",
-                                       f"--decode-depth={scale.decode_depth}", f"--decode-rows={rows_arg}",
-                                       f"--seq-len={2048 if torch.cuda.is_available() else 256}"],
-                                      left(deadline), env={"NANOCHAT_BASE_DIR": workspace["base_dir"]})
+    result = out["decode"] = run_json("decode", [sys.executable, "-m", "scripts.gpu_check", "--worker=decode",
+                                                 f"--decode-depth={scale.decode_depth}", f"--decode-rows={rows_arg}",
+                                                 f"--seq-len={2048 if torch.cuda.is_available() else 256}"],
+                                      left(deadline), paths["logs"],
+                                      env={"NANOCHAT_BASE_DIR": paths["workspace"]["base_dir"]})
     label = f"d{scale.decode_depth} decode, random init, vocab {result.get('vocab', 0):,}, greedy"
     if "error" in result:
         return [(label, f"failed: {result['error']}")]
@@ -280,7 +227,7 @@ def section_decode(scale, deadline, out, reference, root, workspace):
     return rows
 
 
-def section_serve(scale, deadline, out, reference, root, workspace):
+def section_serve(scale, deadline, out, paths):
     """bench serve against chat_web: one at a time, then 64 rows eager, then 64 rows captured."""
     run = out.get("run") or {}
     source = ["-i", "base", "-g", "suite"] if run.get("base_dir") and not run.get("error") else ["--fresh"]
@@ -288,10 +235,12 @@ def section_serve(scale, deadline, out, reference, root, workspace):
     rows, single = [], None
     for max_batch, decode in ((1, "eager"), (most, "eager"), (most, "captured")):
         result = out[f"serve_{max_batch}_{decode}"] = run_json(
+            f"serve_{max_batch}_{decode}",
             [sys.executable, "-m", "scripts.bench", "serve", *source, "--max-batch", str(max_batch), "--decode", decode,
              "--concurrency", *[str(c) for c in scale.serve_clients], "--requests", str(most), "--max-tokens",
              str(scale.serve_tokens), "--seconds", "60"],
-            left(deadline), env={"NANOCHAT_BASE_DIR": run.get("base_dir") or workspace["base_dir"]})
+            left(deadline), paths["logs"],
+            env={"NANOCHAT_BASE_DIR": run.get("base_dir") or paths["workspace"]["base_dir"]})
         label = f"chat_web ({'one at a time' if max_batch == 1 else f'{max_batch} rows, {decode}'})"
         if "error" in result:
             rows.append((label, f"failed: {result['error']}"))
@@ -338,29 +287,33 @@ def stage_commands(cuda):
     ]
 
 
-def section_stages(scale, deadline, out, reference, root, workspace):
+def section_stages(scale, deadline, out, paths):
     """Every stage of the speedrun for a few steps (so each CUDA path speedrun.sh takes runs once), in a base dir of
-    its own on the built-in corpus, then chat_web answering a request with the RL model."""
-    base = os.path.join(root, "runs", "suite_stages")
+    its own on the built-in corpus, each script under a portable compile cache of its own, then chat_web answering a
+    request with the RL model."""
+    base = os.path.join(paths["root"], "runs", "suite_stages")
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
     env = dict(os.environ, NANOCHAT_BASE_DIR=base, NANOCHAT_DATA_SOURCE="builtin", PYTHONPATH=check.CHILD_PYTHONPATH)
     rows, times = [], {}
     for module, flags in stage_commands(torch.cuda.is_available()):
         script = module.split(".")[-1]
+        start = cached(paths["cache"], f"stages_{script}", module) if module.startswith("scripts.") else \
+            [sys.executable, "-m", module]
+        log_path = os.path.join(paths["logs"], f"stages_{script}.log")
         t0 = time.time()
         try:
-            p = subprocess.run([sys.executable, "-m", module, *flags], cwd=check.REPO_ROOT, env=env,
-                               capture_output=True, text=True, timeout=max(1, left(deadline)))
+            p = subprocess.run([*start, *flags], cwd=check.REPO_ROOT, env=env, capture_output=True, text=True,
+                               timeout=max(1, left(deadline)))
             error = None if p.returncode == 0 else \
                 ([line for line in p.stderr.splitlines() if line.strip()][-1:] or [f"exit code {p.returncode}"])[0][:300]
-            with open(os.path.join(base, f"{script}.log"), "w") as f:
+            with open(log_path, "w") as f:
                 f.write(p.stdout + p.stderr)
         except subprocess.TimeoutExpired:
             error = "did not finish in the suite's time"
         times[script] = time.time() - t0
         if error:
-            rows.append((f"stage {script} ({' '.join(flags)})", f"failed: {error} (log: {base}/{script}.log)"))
+            rows.append((f"stage {script} ({' '.join(flags)})", f"failed: {error} (log: {log_path})"))
             break
     out["stages"] = times
     ran = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())
@@ -392,22 +345,40 @@ def left(deadline):
     return deadline - time.time()
 
 
-def run_suite(only, minutes, reference, root, workspace, log):
-    """The sections in `only`, in SECTIONS' order, until `minutes` have passed: (rows [(check, result)], results)."""
+def run_suite(only, deadline, paths, log):
+    """The sections in `only`, in SECTIONS' order (train and fp8 together), until `deadline`: (rows [(check, result)],
+    results)."""
     scale = GPU if torch.cuda.is_available() else CPU
-    deadline = time.time() + 60 * minutes
-    rows, out = [], {"scale": scale.__dict__}
+    rows, out = [], {"scale": {k: v for k, v in scale.__dict__.items() if k != "costs"}}
+    together = [name for name in ("train", "fp8") if name in only]
+    if together:
+        from bench.train import torchao_unavailable
+
+        end = min(deadline, time.time() + sum(scale.seconds[name] for name in together))
+        log(f"suite: {','.join(together)} (at most {left(end):.0f} s)")
+        torchao_reason = torchao_unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu")) \
+            if "fp8" in together else None
+        t0 = time.time()
+        try:
+            new, results = training.run(together, scale, end, paths, log, paths["reference_commit"], torchao_reason)
+            out.update(results)
+        except Exception as e:  # one section's surprise is its row: the others' numbers still come out
+            new = [(f"section {','.join(together)}", f"failed: {type(e).__name__}: {e}")]
+        for check_name, result in new:
+            log(f"  {check_name}: {result}")
+        rows += new
+        out.setdefault("seconds", {})[",".join(together)] = time.time() - t0
     for name in SECTIONS:
-        if name not in only:
+        if name not in only or name in together:
             continue
         if left(deadline) < 10:
-            rows.append((f"section {name}", f"skipped: the suite's {minutes:g} minutes were spent"))
+            rows.append((f"section {name}", "skipped: the suite's time was spent"))
             continue
         log(f"suite: {name} (at most {min(scale.seconds[name], left(deadline)):.0f} s)")
         section_deadline = min(deadline, time.time() + scale.seconds[name])
         t0 = time.time()
         try:
-            new = globals()[f"section_{name}"](scale, section_deadline, out, reference, root, workspace)
+            new = globals()[f"section_{name}"](scale, section_deadline, out, paths)
         except Exception as e:  # one section's surprise is its row: the others' numbers still come out
             new = [(f"section {name}", f"failed: {type(e).__name__}: {e}")]
         for check_name, result in new:
@@ -418,29 +389,48 @@ def run_suite(only, minutes, reference, root, workspace, log):
 
 
 def main(args, log):
-    """gpu_check --suite: the workspace, the sections, the table and its dated file, one JSON line."""
+    """gpu_check --suite: the carried compile caches unpacked, the workspace, the sections, the table and its dated
+    files, the archives, one JSON line."""
     import datetime
 
-    from nanochat.common import ensure_writable, get_base_dir
+    from nanochat.common import UserError, ensure_writable, get_base_dir
     from bench.common import ensure_builtin_workspace
 
+    t_start = time.time()
     only = [name for name in args.only.split(",") if name] if args.only else list(SECTIONS)
     unknown = [name for name in only if name not in SECTIONS]
     if unknown or args.suite_minutes <= 0:
-        from nanochat.common import UserError
-
         raise UserError(f"--only takes {','.join(SECTIONS)} (got {','.join(unknown)}) and --suite-minutes must be > 0"
                         if unknown else f"--suite-minutes must be > 0 (got {args.suite_minutes})")
-    # before any section: a lease's rows must not be lost at the end to a folder that cannot be written
-    ensure_writable(args.results_dir, "the suite's results", fix="give --results-dir a folder you can write")
     root = os.path.join(get_base_dir(), "gpu_check")
+    results_dir = args.out_dir or args.results_dir
+    cache_dir = args.compile_cache_dir or os.path.join(root, "compile_cache")
+    # before any section: a lease's rows must not be lost at the end to a folder that cannot be written
+    ensure_writable(results_dir, "the suite's results", fix="give --out-dir (or --results-dir) a folder you can write")
+    ensure_writable(cache_dir, "the compile caches", fix="give --compile-cache-dir a folder you can write")
+    work = os.path.join(root, "suite")  # this run's profiles and children's logs
+    shutil.rmtree(work, ignore_errors=True)
+    paths = {"root": root, "cache": cache_dir, "profiles": os.path.join(work, "profiles"),
+             "logs": os.path.join(work, "logs")}
+    for folder in (results_dir, cache_dir, paths["profiles"], paths["logs"]):
+        os.makedirs(folder, exist_ok=True)
+    log = teed(log, os.path.join(args.out_dir or work, "suite.log"), t_start)
+
     cuda = torch.cuda.is_available()
+    paths["reference"], paths["reference_commit"] = reference_checkout(args.reference)
     log(f"gpu_check --suite | sections {','.join(only)} | {args.suite_minutes:g} minutes | "
-        f"{'GPU' if cuda else 'CPU scale-down'} | reference: {reference_checkout(args.reference)[1]}")
-    workspace = ensure_builtin_workspace(os.path.join(root, "workspace"), 32768 if cuda else 4096, log=log)
+        f"{'GPU' if cuda else 'CPU scale-down'} | reference: {paths['reference_commit']}")
+    carried = os.path.join(cache_dir, CACHE_ARCHIVE)
+    if os.path.isfile(carried):
+        names = compile_cache.unpack(carried, cache_dir)
+        log(f"compile caches: {len(names)} carried in ({', '.join(names)}), unpacked into {cache_dir}")
+    else:
+        log(f"compile caches: none carried in ({carried} absent): every compile starts cold")
+    paths["workspace"] = ensure_builtin_workspace(os.path.join(root, "workspace"), 32768 if cuda else 4096, log=log)
     env = check.environment(get_base_dir())
-    t0 = time.time()
-    rows, results = run_suite(only, args.suite_minutes, args.reference, root, workspace, log)
+    scale = GPU if cuda else CPU
+    rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log)
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=check.REPO_ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown commit"
     machine, date = check.machine_label(env), datetime.date.today().isoformat()
@@ -450,17 +440,69 @@ def main(args, log):
     summary = json.dumps({"gpu_suite": {"machine": machine, "commit": commit, "rows": rows, "results": results}},
                          default=str)
     print("\n" + table)
-    # the results go to a dated file of their own (dev/gpu_results/ by default), never onto BENCHMARKS.md's page
-    os.makedirs(args.results_dir, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S")
-    path = os.path.join(args.results_dir, f"{stamp}_{slug(machine)}.md")
+    # the results go to dated files of their own (dev/gpu_results/ by default), never onto BENCHMARKS.md's page
+    stamp = f"{datetime.datetime.now().strftime('%Y-%m-%d_%H%M%S')}_{slug(machine)}"
+    path = os.path.join(results_dir, f"{stamp}.md")
     with open(path, "w") as f:
         f.write(f"# gpu_check --suite, {date}: {machine}\n\nsections {','.join(only)}, commit {commit}\n\n{table}\n\n"
                 f"```json\n{summary}\n```\n")
+    with open(os.path.join(results_dir, f"{stamp}.json"), "w") as f:
+        f.write(summary + "\n")
     failed = [name for name, result in rows if result.startswith("failed")]
-    log(f"suite: {len(rows)} rows, {len(failed)} failed, {time.time() - t0:.0f} s; written to {path}")
+    log(f"suite: {len(rows)} rows, {len(failed)} failed, {time.time() - t_start:.0f} s; written to {path}")
+    archive(only, scale, paths, args.out_dir, log)
     print(summary)
     return not failed
+
+
+def teed(log, path, t_start):
+    """`log`, each line also appended to the file `path` with the seconds since t_start."""
+    def both(message):
+        log(message)
+        with open(path, "a") as f:
+            f.write(f"[{time.time() - t_start:5.0f}s] {message}\n")
+    return both
+
+
+def archive(only, scale, paths, out_dir, log):
+    """The compile caches into one archive (in out_dir, else in the cache folder, where a later run unpacks it), and
+    with out_dir the profiles and every child's log into another: each under ARCHIVE_LIMIT, the most wanted first."""
+    wanted = [c.name for c in training.configs_for(only, scale)]
+    names = sorted((name for name in os.listdir(paths["cache"]) if name.endswith(".bin")),
+                   key=lambda name: (wanted.index(name[:-4]) if name[:-4] in wanted else len(wanted), name))
+    caches = [os.path.join(paths["cache"], name) for name in names]
+    packed, left_out = compile_cache.pack(caches, os.path.join(out_dir or paths["cache"], CACHE_ARCHIVE), ARCHIVE_LIMIT)
+    log(f"compile caches: {len(packed)} packed into {CACHE_ARCHIVE}" +
+        (f", left out for its size: {', '.join(left_out)}" if left_out else ""))
+    if not out_dir:
+        log(f"profiles and logs: in {os.path.dirname(paths['profiles'])}")
+        return
+    files = [os.path.join(folder, name) for folder in (paths["profiles"], paths["logs"]) for name in os.listdir(folder)]
+    files.sort(key=lambda p: (p.endswith(".trace.json.gz"), os.path.dirname(p) == paths["logs"], p))  # text first
+    packed, left_out = compile_cache.pack(files, os.path.join(out_dir, PROFILES_ARCHIVE), ARCHIVE_LIMIT)
+    log(f"profiles and logs: {len(packed)} files packed into {PROFILES_ARCHIVE}" +
+        (f", left out for its size: {', '.join(left_out)}" if left_out else ""))
+    for problem in out_dir_problems(out_dir):
+        log(f"--out-dir: {problem}")
+
+
+def out_dir_problems(folder):
+    """What a lease's output folder would not return whole: more than OUT_MAX_FILES files, a file of OUT_MAX_BYTES or
+    more, a file deeper than OUT_MAX_DEPTH folders. Returns the problems, one sentence each."""
+    problems, files = [], []
+    for dirpath, _, names in os.walk(folder):
+        depth = len(os.path.relpath(dirpath, folder).split(os.sep)) if dirpath != folder else 0
+        for name in names:
+            path = os.path.join(dirpath, name)
+            files.append(path)
+            if os.path.getsize(path) >= OUT_MAX_BYTES:
+                problems.append(f"{path} is {os.path.getsize(path) / 2**20:.1f} MiB, at least "
+                                f"{OUT_MAX_BYTES / 2**20:.0f}")
+            if depth > OUT_MAX_DEPTH:
+                problems.append(f"{path} is {depth} folders deep, more than {OUT_MAX_DEPTH}")
+    if len(files) > OUT_MAX_FILES:
+        problems.append(f"{len(files)} files, more than {OUT_MAX_FILES}")
+    return problems
 
 
 def slug(text):

@@ -11,9 +11,14 @@ with a checkout of the reference first on PYTHONPATH, never imported:
 at the commit gpu_suite.REFERENCE_COMMIT pins, and is never committed.) Without its Flash Attention 3 kernels, which
 it downloads from the Hugging Face hub, the reference runs PyTorch SDPA; SDPA has no sliding windows, so the window
 pattern defaults to "L" (full context everywhere), as the reference's own warning advises. One JSON line on stdout.
+
+Timed as ours: a few device batches made before the timed steps and cycled; --compile-cache FILE, --warmup-only and
+--profile STEM as `bench train` has them, through our bench/compile_cache.py and bench/profiling.py loaded by file.
 """
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -34,6 +39,16 @@ def import_reference():
 
     if os.path.dirname(os.path.dirname(os.path.abspath(reference_gpt.__file__))) == os.path.dirname(here):
         sys.exit("error: this imported our own nanochat, not the reference's: put its checkout first on PYTHONPATH")
+
+
+def our_bench_module(name):
+    """Our bench/<name>.py, loaded by its file: neither our bench package nor our nanochat may be imported here (the
+    modules it loads this way use only torch and the standard library)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"our_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_reference(depth, seq_len, vocab_size, window_pattern, device):
@@ -63,9 +78,16 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--compile", type=int, default=1)
+    p.add_argument("--compile-cache", default="", metavar="FILE",
+                   help="a portable compile cache: loaded before the first compile if FILE exists, saved after the warm-up")
+    p.add_argument("--warmup-only", action="store_true", help="stop after the warm-up steps (and the cache's save)")
+    p.add_argument("--profile", default="", metavar="STEM",
+                   help="after the timed steps: a profile of two steps and a step's peak memory, reduced, to STEM.txt/.json")
     args = p.parse_args()
 
     import_reference()
+    compile_cache, profiling = our_bench_module("compile_cache"), our_bench_module("profiling")
+    cache = compile_cache.load(args.compile_cache)  # before anything compiles
     from nanochat.common import COMPUTE_DTYPE
     from nanochat.flash_attention import USE_FA3
 
@@ -79,11 +101,12 @@ def main():
 
     generator = torch.Generator(device=device).manual_seed(0)
     shape = (args.device_batch_size, args.seq_len)
-    batches = [torch.randint(0, args.vocab_size, shape, device=device, generator=generator) for _ in range(4)]
+    inputs = [torch.randint(0, args.vocab_size, shape, device=device, generator=generator) for _ in range(4)]
+    batches = [(x, torch.roll(x, -1, dims=1)) for x in inputs]  # made before any step, as bench train makes ours
 
     def step(i):
-        x = batches[i % len(batches)]
-        loss = train_model(x, torch.roll(x, -1, dims=1))
+        x, y = batches[i % len(batches)]
+        loss = train_model(x, y)
         loss.backward()
         optimizer.step()
         model.zero_grad(set_to_none=True)
@@ -92,43 +115,65 @@ def main():
             torch.cuda.synchronize()
         return value
 
-    def timed_phases(i):
-        """One step taken apart, synced between phases, as `bench train --breakdown-steps` takes ours apart."""
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        x = batches[i % len(batches)]
-        sync()
-        t0 = time.perf_counter()
-        loss = train_model(x, torch.roll(x, -1, dims=1))
-        sync()
-        t1 = time.perf_counter()
-        loss.backward()
-        sync()
-        t2 = time.perf_counter()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        sync()
-        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": time.perf_counter() - t2}
+    sync = profiling.synchronizer(device)
+    phased_indices = itertools.count(args.warmup + args.steps)  # the batches after the timed steps'
+
+    def phased_step():
+        """One step taken apart into the phases a profile labels, each ended by a sync, as `bench train` takes ours
+        apart: seconds spent in each."""
+        i = next(phased_indices)
+        times, t0 = {}, time.perf_counter()
+        with profiling.phase("data", sync):
+            x, y = batches[i % len(batches)]
+        times["data"], t0 = time.perf_counter() - t0, time.perf_counter()
+        with profiling.phase("forward", sync):
+            loss = train_model(x, y)
+        times["forward"], t0 = time.perf_counter() - t0, time.perf_counter()
+        with profiling.phase("backward", sync):
+            loss.backward()
+        times["backward"], t0 = time.perf_counter() - t0, time.perf_counter()
+        with profiling.phase("optimizer", sync):
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
+        times["optimizer"] = time.perf_counter() - t0
+        return times
 
     t0 = time.perf_counter()
     first_loss = step(0)
+    first_step_s = time.perf_counter() - t0
+    after_first = compile_cache.compile_counts()
     for i in range(1, args.warmup):
         step(i)
     warmup_s = time.perf_counter() - t0
+    cache["compile_cache_saved_bytes"] = compile_cache.save(args.compile_cache)
+    warmed = {"project": "reference", "depth": args.depth, "seq_len": args.seq_len,
+              "device_batch_size": args.device_batch_size, **cache, "first_step_s": first_step_s,
+              "warmup_s": warmup_s, "warmup_steps": args.warmup}
+    if args.warmup_only:
+        peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        print(json.dumps({**warmed, "compile_counts": compile_cache.after_first_step(after_first),
+                          "peak_mem_gib": peak_mem_gib}))
+        return
     times, loss = [], first_loss
     for i in range(args.steps):
         t = time.perf_counter()
         loss = step(args.warmup + i)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)
-    breakdown = [timed_phases(args.warmup + args.steps + i) for i in range(2)]
+    breakdown = [phased_step() for _ in range(2)]
+    # the timed steps' own peak, before a profile's steps run
+    peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    counts = compile_cache.after_first_step(after_first)
+    if args.profile:
+        profiling.record(args.profile, os.path.basename(args.profile), phased_step, device, counts)
     tokens = args.device_batch_size * args.seq_len
     print(json.dumps({
-        "project": "reference", "depth": args.depth, "seq_len": args.seq_len, "device_batch_size": args.device_batch_size,
+        **warmed, "compile_counts": counts, "profile": args.profile or None,
         "window_pattern": args.window_pattern, "attention": "fa3" if USE_FA3 else "sdpa", "dtype": str(COMPUTE_DTYPE),
         "params": params, "flops_per_token": flops_per_token, "ms_per_step": step_s * 1000, "tok_per_s": tokens / step_s,
-        "warmup_s": warmup_s, "first_loss": first_loss, "final_loss": loss,
+        "first_loss": first_loss, "final_loss": loss,
         "breakdown_ms": {k: statistics.median(b[k] for b in breakdown) * 1000 for k in breakdown[0]},
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": peak_mem_gib,
     }))
 
 

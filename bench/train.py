@@ -1,8 +1,14 @@
 """
 `bench train`: the real base_train step timed (ms/step, tok/s, MFU against a peak measured in the same process, or the data sheet's on a GPU), one fresh process per configuration; or, with --alternate, recipes' steps in turn in one process, for what a recipe costs against another.
+
+A timed step cycles a few device batches made before it from the real loader, as bench/reference_train.py times the
+reference's step, and the loader's own cost is measured apart (ms a batch). --compile-cache FILE loads a portable
+compile cache before the first compile and saves one after the warm-up steps; --warmup-only stops there (gpu_suite's
+warm-up processes); --profile STEM writes a reduced profile of two steps and a step's peak memory (bench/profiling.py).
 """
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -10,14 +16,17 @@ import time
 
 import torch
 
+from bench import compile_cache, profiling
 from bench.common import (OtherLoad, bench_vocab_size, emit_json, ensure_data, log, machine_info,
                                    print_table)
-from nanochat.common import (UserError, autocast_for, compute_init, describe_peak_flops, get_compute_dtype,
-                             keep_freed_memory_in_process, measure_matmul_flops, peak_memory_mib, resolve_device_type)
+from nanochat.common import (UserError, autocast_for, compile_model, compute_init, describe_peak_flops,
+                             get_compute_dtype, keep_freed_memory_in_process, measure_matmul_flops, peak_memory_mib,
+                             resolve_device_type)
 from nanochat.training.recipe import DEFAULT_COMPONENTS, canonical_components
 
 CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
 GPU_CONFIGS = [(12, 2048, 32), (20, 2048, 32)]
+PREMADE_BATCHES = 4  # the device batches a timed step cycles through: as many as bench/reference_train.py makes
 
 
 class Run:
@@ -54,63 +63,84 @@ class Run:
         self.flops_per_token = recipe.flops_per_token
         self.dtype = get_compute_dtype(device)
         self.autocast = autocast_for(device)
-        self.train_model = torch.compile(self.model, dynamic=False) if use_compile else self.model
+        self.train_model = compile_model(self.model) if use_compile else self.model
         self.optimizers = build_optimizers(self.model, **recipe.lrs(), optimizer_components=optimizer_components)
         self.loader = DataLoader(tokenizer, batch, seq_len, split="train", device=device)
+        # real tokens, read before any step: the timed step is the model's and the optimizer's work alone, as the
+        # reference's is timed; what the loader costs is measured apart (loader_ms_per_batch)
+        self.batches = [next(self.loader) for _ in range(PREMADE_BATCHES)]
+        self.sync = profiling.synchronizer(device)
         self.step = 0
 
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+    def next_batch(self):
+        return self.batches[self.step % len(self.batches)]
 
     def train_step(self):
         """One real optimizer step (what base_train runs), timed to completion."""
         from nanochat.training.recipe import muon_momentum, train_step
 
         t0 = time.perf_counter()
-        loss = train_step(self.train_model, self.optimizers, [next(self.loader)], lambda m, xy: m(*xy), 1.0,
+        loss = train_step(self.train_model, self.optimizers, [self.next_batch()], lambda m, xy: m(*xy), 1.0,
                           muon_momentum(self.step), self.autocast)
         self.sync()
         self.step += 1
         return time.perf_counter() - t0, loss
 
-    def instrumented_step(self):
-        """The same step taken apart, with a sync between phases: seconds spent in each."""
+    def instrumented_step(self, from_loader=False):
+        """The same step taken apart into the phases a profile labels, each ended by a sync: seconds spent in each. Its
+        data is a batch made before (as the timed step's), or with from_loader the loader's next, as base_train reads
+        it (bench dataloader's wait for data)."""
         from nanochat.training.recipe import apply_schedules, muon_momentum
 
-        times = {}
-        t0 = time.perf_counter()
-        x, y = next(self.loader)
-        self.sync()
-        t1 = time.perf_counter()
-        with self.autocast:
-            loss = self.train_model(x, y)
-        loss.item()
-        t2 = time.perf_counter()
-        loss.backward()
-        self.sync()
-        t3 = time.perf_counter()
-        apply_schedules(self.optimizers, 1.0, momentum=muon_momentum(self.step))
-        for opt in self.optimizers:
-            opt.step()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        self.sync()
-        t4 = time.perf_counter()
+        times, t0 = {}, time.perf_counter()
+        with profiling.phase("data", self.sync):
+            x, y = next(self.loader) if from_loader else self.next_batch()
+        times["data"], t0 = time.perf_counter() - t0, time.perf_counter()
+        with profiling.phase("forward", self.sync):
+            with self.autocast:
+                loss = self.train_model(x, y)
+        times["forward"], t0 = time.perf_counter() - t0, time.perf_counter()
+        with profiling.phase("backward", self.sync):
+            loss.backward()
+        times["backward"], t0 = time.perf_counter() - t0, time.perf_counter()
+        with profiling.phase("optimizer", self.sync):
+            apply_schedules(self.optimizers, 1.0, momentum=muon_momentum(self.step))
+            for opt in self.optimizers:
+                opt.step()
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+        times["optimizer"] = time.perf_counter() - t0
         self.step += 1
-        times.update(data=t1 - t0, forward=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
         return times
+
+    def loader_ms_per_batch(self, batches=8):
+        """The loader's own cost: ms a batch pulled back to back once its prefetched batches are taken, i.e. how fast it
+        makes them (a step shorter than this would wait for data in base_train)."""
+        for _ in range(2 * batches):  # more than its prefetch queue holds (4 batches, as base_train builds it)
+            next(self.loader)
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            next(self.loader)
+        self.sync()
+        return (time.perf_counter() - t0) / batches * 1000
 
     def close(self):
         self.loader.close()
 
 
 def bench_train_one(args, depth, seq_len, batch, use_compile, components):
-    """Time one (config, compile) run in this process; returns its result dict."""
+    """Time one (config, compile) run in this process; returns its result dict (with --warmup-only, what the warm-up
+    took, and nothing timed)."""
     _, _, _, _, device = compute_init(args.device_type)  # as base_train: picks the device, tf32 on CUDA
     vocab_size = bench_vocab_size(args.vocab_size, device.type)
     ensure_data(vocab_size)
+    cache = compile_cache.load(args.compile_cache)  # before anything compiles
     run = Run(depth, seq_len, batch, vocab_size, device, use_compile, components, fp8=args.fp8)
+    config = {"depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
+              "components": components or "none", "fp8": args.fp8 or None, "fp8_linears": run.fp8_linears,
+              "compile": bool(use_compile), "device": device.type, "dtype": str(run.dtype).replace("torch.", ""),
+              "threads": torch.get_num_threads(), "params": run.model.num_params(), "flops_per_token": run.flops_per_token}
     # The peak is measured before and after the timed steps and the higher value kept: on a shared VM the
     # speed of the same matmul drifts by 10-20 % over seconds, and the higher value gives the lower, honest MFU.
     with OtherLoad() as peak_other:
@@ -118,9 +148,16 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
 
     t0 = time.perf_counter()
     first_step, _ = run.train_step()  # includes compilation when compiling
+    after_first = compile_cache.compile_counts()
     for _ in range(args.warmup - 1):
         run.train_step()
     warmup_s = time.perf_counter() - t0
+    cache["compile_cache_saved_bytes"] = compile_cache.save(args.compile_cache)
+    warmed = {**config, **cache, "first_step_s": first_step, "warmup_s": warmup_s, "warmup_steps": args.warmup}
+    if args.warmup_only:
+        run.close()
+        return {**warmed, "compile_counts": compile_cache.after_first_step(after_first),
+                "peak_mem_mib": peak_memory_mib(device)}
     # Where the peak is measured, a short probe of it also follows every timed step, and the interleaved MFU
     # divides by the median probe: a step and its neighbouring probes see the same share of a shared host, so
     # this ratio holds still while both absolute speeds swing (a probe costs the next step its warm caches).
@@ -134,7 +171,12 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
             if interleave:
                 probes.append(measure_matmul_flops(device, run.dtype, seconds=args.probe_seconds, rounds=1))
     parts = [run.instrumented_step() for _ in range(args.breakdown_steps)]
+    peak_mem_mib = peak_memory_mib(device)  # the timed steps' own peak, before a profile's steps run
+    loader_ms = run.loader_ms_per_batch()
     run.close()
+    counts = compile_cache.after_first_step(after_first)
+    if args.profile:
+        profiling.record(args.profile, os.path.basename(args.profile), run.instrumented_step, device, counts)
     peak_after, _ = describe_peak_flops(device, run.dtype, seconds=args.peak_seconds, rounds=3)
     peak = max(peak_before, peak_after)
 
@@ -143,21 +185,17 @@ def bench_train_one(args, depth, seq_len, batch, use_compile, components):
     model_flops = run.flops_per_token * tok_per_s
     peak_interleaved = statistics.median(probes) if probes else None
     breakdown = {k: statistics.median(p[k] for p in parts) * 1000 for k in parts[0]} if parts else {}
-    peak_mem_mib = peak_memory_mib(device)
     return {
-        "depth": depth, "seq_len": seq_len, "device_batch_size": batch, "vocab_size": vocab_size,
-        "components": components or "none", "fp8": args.fp8 or None, "fp8_linears": run.fp8_linears,
-        "compile": bool(use_compile), "device": device.type, "dtype": str(run.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(), "params": run.model.num_params(), "flops_per_token": run.flops_per_token,
-        "steps": args.steps, "ms_per_step": step_s * 1000, "ms_per_step_min": min(step_times) * 1000,
-        "ms_per_step_max": max(step_times) * 1000, "first_step_s": first_step, "warmup_s": warmup_s,
+        **warmed, "steps": args.steps, "ms_per_step": step_s * 1000, "ms_per_step_min": min(step_times) * 1000,
+        "ms_per_step_max": max(step_times) * 1000,
         "tok_per_s": tok_per_s, "model_flops_per_s": model_flops, "peak_flops": peak, "peak_flops_before": peak_before,
         "peak_flops_after": peak_after, "peak_source": peak_source,
         "mfu": model_flops / peak, "peak_flops_interleaved": peak_interleaved,
         "mfu_interleaved": model_flops / peak_interleaved if probes else None, "peak_mem_mib": peak_mem_mib,
         "peak_mem_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
-        "breakdown_ms": breakdown, "final_loss": losses[-1] if losses else None, "other_load_cores": other.cores,
-        "peak_other_load_cores": peak_other.cores,
+        "breakdown_ms": breakdown, "loader_ms_per_batch": loader_ms, "final_loss": losses[-1] if losses else None,
+        "other_load_cores": other.cores, "peak_other_load_cores": peak_other.cores, "compile_counts": counts,
+        "profile": args.profile or None,
     }
 
 
@@ -215,13 +253,14 @@ def train_table(runs):
             f"{r['ms_per_step']:.1f}", f"{r['tok_per_s']:,.0f}", f"{r['model_flops_per_s'] / 1e9:.1f}",
             f"{r['peak_flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}%",
             f"{100 * r['mfu_interleaved']:.1f}%" if r.get("mfu_interleaved") else "-", f"{r['peak_mem_mib']:.0f}",
-            f"{r['first_step_s']:.1f}", f"{r['other_load_cores']:.2f}",
+            f"{r['first_step_s']:.1f} ({r['compile_cache']})", f"{r['other_load_cores']:.2f}",
             " / ".join(f"{b.get(k, 0):.0f}" for k in ("data", "forward", "backward", "optimizer"))
-            + f" ({100 * b.get('data', 0) / total:.1f}% data)",
+            + f" ({100 * b.get('data', 0) / total:.1f}% data)", f"{r['loader_ms_per_batch']:.1f}",
         ])
-    print_table("train: median of the timed steps (real base_train step, grad_accum=1)",
+    print_table("train: median of the timed steps (real base_train step, grad_accum=1, pre-made batches; the loader "
+                "timed apart)",
                 ["model", "T", "B", "components", "compile", "ms/step", "tok/s", "GFLOP/s", "peak GFLOP/s", "MFU", "MFU interleaved", "peak MiB",
-                 "1st step s", "other load", "data/fwd/bwd/opt ms"], rows)
+                 "1st step s (cache)", "other load", "data/fwd/bwd/opt ms", "loader ms/batch"], rows)
 
 
 def compile_modes(value):
@@ -251,7 +290,13 @@ def cmd_train(args):
         emit_json({"bench": "train", "mode": "alternate", "machine": machine_info(), "runs": results})
         return
     jobs = [(d, t, b, c, comp) for d, t, b in configs for c in compile_modes(args.compile) for comp in components]
-
+    if len(jobs) > 1 and (args.compile_cache or args.warmup_only or args.profile):
+        raise UserError("--compile-cache, --warmup-only and --profile are for one configuration: give --depth (or "
+                        "--seq-len, --device-batch-size), one --compile and one --components")
+    if len(jobs) == 1 and args.warmup_only:
+        emit_json({"bench": "train", "mode": "warmup", "machine": machine_info(),
+                   "runs": [bench_train_one(args, *jobs[0])]})
+        return
     if len(jobs) == 1:
         runs = [bench_train_one(args, *jobs[0])]
     else:

@@ -89,6 +89,11 @@ def add_training_benchmarks(sub):
     t.add_argument("--alternate", action="store_true",
                    help="take the recipes' steps in turn in one process and report each one's tok/s against the first's "
                         "(what a recipe costs, without the machine's drift between runs)")
+    t.add_argument("--compile-cache", default="", metavar="FILE",
+                   help="a portable compile cache: loaded before the first compile if FILE exists, saved after the warm-up")
+    t.add_argument("--warmup-only", action="store_true", help="stop after the warm-up steps (and the cache's save)")
+    t.add_argument("--profile", default="", metavar="STEM",
+                   help="after the timed steps: a profile of two steps and a step's peak memory, reduced, to STEM.txt/.json")
 
     r = sub.add_parser("memory", help="peak memory of one bf16 training step on the CPU, by category: ours against the "
                        "reference project's (.reference), each in a fresh process")

@@ -6,6 +6,8 @@ Is this node ready for the speedrun? What to run on a machine you just rented, b
     python -m scripts.gpu_check --append my_nodes.md     # also append its rows to that file
     python -m scripts.gpu_check --suite                  # developers: ours against the reference, every GPU path;
                                                          # the rows also go to dev/gpu_results/<date>_<machine>.md
+    python -m scripts.gpu_check --suite --only train,fp8 --compile-cache-dir .compile_cache --out-dir $OUT
+                                                         # a lease: its files in $OUT, the compile caches carried
 
 On CUDA: the environment (torch, CUDA, driver, NCCL, each GPU's memory and bf16/fp8 support, free disk), a d4 and a
 d12 base_train smoke (compiled, bf16) with tok/s and MFU against the data-sheet peak, the largest --device-batch-size
@@ -51,7 +53,14 @@ def parse_args(argv=None):
     p.add_argument("--only", default="", help="--suite's sections, comma-separated (default: all)")
     p.add_argument("--results-dir", default=os.path.join(REPO_ROOT, "dev", "gpu_results"),
                    help="--suite's results: a dated markdown file per run (default: dev/gpu_results/)")
-    p.add_argument("--suite-minutes", type=float, default=9.0, help="--suite's deadline: later sections are skipped")
+    p.add_argument("--suite-minutes", type=float, default=9.0,
+                   help="--suite's deadline, from its start to its last file written: later sections are skipped")
+    p.add_argument("--out-dir", default="", help="--suite's output folder (a lease's $OUT): the results .md and .json, "
+                   "the log, compile_cache.tar.gz and profiles.tar.gz, instead of --results-dir")
+    p.add_argument("--compile-cache-dir", default="",
+                   help="--suite's portable compile caches, a file per compiled configuration: a compile_cache.tar.gz "
+                   "in it (carried from the last lease) is unpacked first (default: $NANOCHAT_BASE_DIR/gpu_check/"
+                   "compile_cache)")
     p.add_argument("--reference", default=suite.REFERENCE_DIR, help="a checkout of karpathy/nanochat for --suite")
     p.add_argument("--worker", choices=["probe", "allreduce", "decode"], help=argparse.SUPPRESS)  # subprocesses' jobs
     p.add_argument("--decode-depth", type=int, default=12, help=argparse.SUPPRESS)

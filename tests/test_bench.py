@@ -21,10 +21,10 @@ def last_json_line(stdout):
     return json.loads(lines[-1])
 
 
-def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
+def test_train_runs_the_real_step_and_reports_mfu(tiny_env, tmp_path):
     cmd = [sys.executable, "-m", "scripts.bench", "train", "--depth=1", "--seq-len=32", "--device-batch-size=2",
            "--compile=0", "--steps=2", "--warmup=1", "--breakdown-steps=1", "--peak-seconds=0.05", "--probe-seconds=0.02",
-           "--vocab-size=1024", "--threads=1", "--device-type=cpu", "--components", "default"]
+           "--vocab-size=1024", "--threads=1", "--device-type=cpu", f"--profile={tmp_path / 'd1'}", "--components", "default"]
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ms/step" in proc.stdout and "MFU" in proc.stdout
@@ -41,6 +41,70 @@ def test_train_runs_the_real_step_and_reports_mfu(tiny_env):
     assert run["peak_flops_interleaved"] > 0
     assert run["mfu_interleaved"] == pytest.approx(run["model_flops_per_s"] / run["peak_flops_interleaved"])
     assert run["final_loss"] > 0
+    # the step cycles batches made before it; the loader is timed apart
+    assert run["loader_ms_per_batch"] > 0 and run["breakdown_ms"]["data"] < run["breakdown_ms"]["forward"]
+    assert run["compile_cache"] == "cold" and run["compile_counts"]["recompiles"] == 0
+    profile = (tmp_path / "d1.txt").read_text()  # two steps profiled, the four labelled phases
+    assert all(f"\n{phase} " in profile for phase in ("data", "forward", "backward", "optimizer")) and "aten::" in profile
+
+
+@pytest.mark.quick
+def test_train_steps_cycle_batches_made_before_them_and_time_the_loader_apart(tiny_env):
+    import torch
+
+    from bench.train import PREMADE_BATCHES, Run
+    from nanochat.training.recipe import canonical_components
+
+    class CountedLoader:  # the real loader, each batch taken from it counted
+        def __init__(self, loader):
+            self.loader, self.taken = loader, 0
+
+        def __next__(self):
+            self.taken += 1
+            return next(self.loader)
+
+        def close(self):
+            self.loader.close()
+
+    torch.manual_seed(0)
+    run = Run(1, 32, 2, 1024, torch.device("cpu"), False, canonical_components("none"))
+    assert len(run.batches) == PREMADE_BATCHES and run.batches[0][0].shape == (2, 32)
+    run.loader = CountedLoader(run.loader)
+    seen = []  # the inputs each step fed the model
+    run.model.register_forward_pre_hook(lambda module, args: seen.append(args[0].data_ptr()))
+    for _ in range(PREMADE_BATCHES + 1):
+        run.train_step()
+    assert set(run.instrumented_step()) == {"data", "forward", "backward", "optimizer"}
+    assert run.loader.taken == 0  # the timed steps read no data
+    assert seen[:PREMADE_BATCHES] == [x.data_ptr() for x, _ in run.batches] and seen[PREMADE_BATCHES] == seen[0]
+    assert run.loader_ms_per_batch(batches=3) > 0 and run.loader.taken == 3 * 3  # drained twice over, then timed
+    run.close()
+
+
+@pytest.mark.slow  # two inductor compiles of a d1 model: ~2 minutes on 2 busy cores
+def test_train_compile_cache_makes_another_machines_first_step_warm(tiny_env, tmp_path):
+    cache = tmp_path / "d1.bin"
+
+    def warm_up(inductor_cache):  # a machine is its inductor cache: the second one's starts empty
+        cmd = [sys.executable, "-m", "scripts.bench", "train", "--depth=1", "--seq-len=32", "--device-batch-size=2",
+               "--compile=1", "--warmup=2", "--peak-seconds=0.05", "--vocab-size=1024", "--threads=1",
+               "--device-type=cpu", "--components=none", f"--compile-cache={cache}", "--warmup-only"]
+        env = dict(os.environ, NANOCHAT_COMPILE_BACKEND="inductor", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / inductor_cache))
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (run,) = last_json_line(proc.stdout)["runs"]
+        assert "ms_per_step" not in run and run["warmup_steps"] == 2  # nothing timed after the warm-up
+        return run
+
+    cold = warm_up("first_machine")
+    assert cold["compile_cache"] == "cold" and cold["compile_counts"]["fxgraph_cache_miss"] > 0
+    assert cold["compile_cache_saved_bytes"] == cache.stat().st_size > 0
+    warm = warm_up("second_machine")
+    assert warm["compile_cache"] == "warm" and warm["compile_cache_artifacts"] > 0
+    counts = warm["compile_counts"]  # every inductor graph from the file (AOT autograd caches most of its own too)
+    assert counts["fxgraph_cache_hit"] > 0 and counts["fxgraph_cache_miss"] == 0
+    assert counts["autograd_cache_hit"] > 0 and counts["recompiles"] == 0
 
 
 @pytest.mark.quick
@@ -119,6 +183,13 @@ def test_train_alternates_recipes_in_one_process_against_the_first(tiny_env, cap
 def test_train_refuses_bad_timing_flags_before_any_work(flag):
     with pytest.raises(bench.UserError, match="probe-seconds"):
         bench.main(["train", flag, "--device-type=cpu"])
+
+
+@pytest.mark.quick
+def test_train_refuses_a_cache_or_profile_for_several_configurations():
+    for flag in ("--compile-cache=d4.bin", "--warmup-only", "--profile=d4"):  # --compile=both: two runs
+        with pytest.raises(bench.UserError, match="are for one configuration"):
+            bench.main(["train", flag, "--depth=1", "--device-type=cpu"])
 
 
 @pytest.mark.quick

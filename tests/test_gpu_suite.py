@@ -3,18 +3,28 @@ gpu_check --suite (bench/gpu_suite.py) scaled down on a CPU, as CI runs it: ever
 against the reference (here: no checkout, and the row says how to get one), fp8 (ours emulated against bf16; torchao
 skipped with its reason), a base_train whose val bpb falls, eager and captured decoding (the captured step run
 eagerly, the same tokens), chat_web one at a time and batched, every stage for a few steps and chat_web answering on
-their model; the rows go to a dated file under --results-dir and a JSON line. Bad --only / --suite-minutes are refused before any work.
+their model; the results, the log and the two archives go to --out-dir, five files a lease can return, and a JSON
+line. Bad --only / --suite-minutes are refused before any work. Its pieces one by one: a profile reduced to its phases
+and top ops, a memory snapshot to what holds its peak, the archives' limits, the out-dir's check, and the warm-ups
+scheduled side by side under the memory budget with the timed runs' time kept free.
 """
 
+import gzip
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from bench import gpu_suite
+from bench import compile_cache, gpu_suite, profiling
+from bench import suite_training as training
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +37,7 @@ def suite(base, args, timeout=900):
 
 def test_bad_sections_and_deadlines_are_refused_before_any_work(tmp_path):
     p = suite(tmp_path, ["--only", "train,graphs"])
-    assert p.returncode != 0 and "--only takes train,decode,fp8,run,serve,stages (got graphs)" in p.stderr
+    assert p.returncode != 0 and "--only takes train,fp8,decode,run,serve,stages (got graphs)" in p.stderr
     p = suite(tmp_path, ["--suite-minutes", "0"])
     assert p.returncode != 0 and "--suite-minutes must be > 0" in p.stderr
     (tmp_path / "a_file").write_text("")
@@ -45,6 +55,178 @@ def test_reference_checkout_is_found_or_explained(tmp_path):
     (tmp_path / "ref" / "nanochat" / "gpt.py").write_text("")
     (tmp_path / "ref" / "COMMIT").write_text(gpu_suite.REFERENCE_COMMIT + "\n")
     assert gpu_suite.reference_checkout(str(tmp_path / "ref")) == (str(tmp_path / "ref"), gpu_suite.REFERENCE_COMMIT)
+
+
+@pytest.mark.quick
+def test_a_profile_of_two_steps_reduces_to_its_phases_and_top_ops(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = profiling.synchronizer(torch.device("cpu"))
+
+    def step():
+        with profiling.phase("data", sync):
+            x = torch.randn(64, 32)
+        with profiling.phase("forward", sync):
+            loss = model(x).square().mean()
+        with profiling.phase("backward", sync):
+            loss.backward()
+        with profiling.phase("optimizer", sync):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    report = profiling.record(str(tmp_path / "tiny"), "tiny", step, torch.device("cpu"), {"graph_breaks": 0})
+    assert list(report["phases"]) == list(profiling.PHASES) and report["steps"] == 2
+    assert all(p["wall_ms"] > 0 for p in report["phases"].values())
+    for name in ("forward", "backward", "optimizer"):  # every op is taken by the phase it ran in
+        assert 0 < report["phases"][name]["busy_ms"] <= report["phases"][name]["wall_ms"] * 1.01, name
+    kernels = {k["name"]: k for k in report["kernels"]}
+    assert kernels["aten::addmm"]["count"] == 2  # the two linears' forward, a step
+    assert 0 < sum(k["share"] for k in report["kernels"]) <= 1.01
+    text = (tmp_path / "tiny.txt").read_text()
+    for name in profiling.PHASES:
+        assert re.search(rf"^{name} +[\d.]+ +[\d.]+ +[\d.]+%$", text, re.M), name
+    assert re.search(r"^ +[\d.]+ +2\.0 +[\d.]+%  aten::addmm$", text, re.M)
+    assert "peak memory: skipped: no CUDA memory snapshot on a cpu" in text and "compile: graph breaks 0" in text
+    assert json.loads((tmp_path / "tiny.json").read_text())["kernels"] == report["kernels"]
+    with gzip.open(tmp_path / "tiny.trace.json.gz") as f:  # the chrome trace, small enough to keep
+        assert any(e.get("name") == "forward" for e in json.load(f)["traceEvents"])
+    assert report["trace"].startswith("tiny.trace.json.gz (")
+
+
+@pytest.mark.quick
+def test_a_memory_snapshot_reduces_to_what_holds_the_peak():
+    def alloc(addr, size, frames):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    def free(addr, size):
+        return {"action": "free_completed", "addr": addr, "size": size}
+
+    ours = [{"filename": "/py/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"},
+            {"filename": "/work/main/nanochat/gpt.py", "line": 120, "name": "forward"}]
+    compiled = [{"filename": "/tmp/torchinductor_root/ab/cabc123.py", "line": 77, "name": "call"}]
+    trace = [alloc(1, 100, ours), alloc(2, 50, compiled), alloc(3, 30, compiled),  # the peak: 1000 + 180
+             free(2, 50), alloc(4, 10, ours), free(99, 20), free(1, 100), free(3, 30), free(4, 10)]
+    reduced = profiling.reduce_snapshot({"device_traces": [trace]}, allocated_before=1000)
+    assert reduced["peak_bytes"] == 1180 and reduced["trace_entries"] == 9
+    assert reduced["held_by"] == [
+        {"bytes": 1000, "blocks": 1, "allocated_at": "allocated before the step (weights, optimizer state, ...)"},
+        {"bytes": 100, "blocks": 1, "allocated_at": "nanochat/gpt.py:120 forward"},
+        {"bytes": 80, "blocks": 2, "allocated_at": "compiled graph cabc123.py (call)"}]
+    top1 = profiling.reduce_snapshot({"device_traces": [trace]}, allocated_before=1000, top=1)
+    assert top1["others"] == {"bytes": 180, "blocks": 3}
+
+
+@pytest.mark.quick
+def test_archives_keep_under_their_limit_and_unpack_only_plain_names(tmp_path):
+    (tmp_path / "caches").mkdir()
+    sizes = {"ours_d12.bin": 1000, "reference_d12.bin": 1000, "ours_d24.bin": 300_000}
+    for name, size in sizes.items():
+        (tmp_path / "caches" / name).write_bytes(os.urandom(size))  # random: gzip cannot shrink it
+    paths = [str(tmp_path / "caches" / name) for name in sizes]
+    packed, left_out = compile_cache.pack(paths, str(tmp_path / "a.tar.gz"), limit_bytes=100_000)
+    assert packed == ["ours_d12.bin", "reference_d12.bin"] and left_out == ["ours_d24.bin"]
+    assert os.path.getsize(tmp_path / "a.tar.gz") < 100_000
+    assert sorted(compile_cache.unpack(str(tmp_path / "a.tar.gz"), str(tmp_path / "next"))) == sorted(packed)
+    assert (tmp_path / "next" / "ours_d12.bin").read_bytes() == (tmp_path / "caches" / "ours_d12.bin").read_bytes()
+    with tarfile.open(tmp_path / "evil.tar.gz", "w:gz") as tar:  # a member that names a path outside the folder
+        info = tarfile.TarInfo("../../outside.bin")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    assert compile_cache.unpack(str(tmp_path / "evil.tar.gz"), str(tmp_path / "next")) == ["outside.bin"]
+    assert (tmp_path / "next" / "outside.bin").read_bytes() == b"abc" and not (tmp_path / "outside.bin").exists()
+    # a file saved here after the archive was made is newer than what the archive carries: it stays,
+    os.utime(tmp_path / "a.tar.gz", (time.time() - 60, time.time() - 60))
+    (tmp_path / "next" / "ours_d12.bin").write_bytes(b"newer")
+    os.remove(tmp_path / "next" / "reference_d12.bin")  # and one that is not here is unpacked
+    assert compile_cache.unpack(str(tmp_path / "a.tar.gz"), str(tmp_path / "next")) == ["reference_d12.bin"]
+    assert (tmp_path / "next" / "ours_d12.bin").read_bytes() == b"newer"
+
+
+@pytest.mark.quick
+def test_the_out_dir_is_checked_against_what_a_lease_returns(tmp_path):
+    for name in ("a.md", "a.json", "suite.log", "compile_cache.tar.gz", "profiles.tar.gz"):
+        (tmp_path / name).write_text("x")
+    assert gpu_suite.out_dir_problems(str(tmp_path)) == []
+    with open(tmp_path / "profiles.tar.gz", "wb") as f:
+        f.truncate(16 * 2**20)
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    for i in range(4):
+        (tmp_path / "a" / "b" / "c" / f"deep{i}").write_text("x")
+    problems = gpu_suite.out_dir_problems(str(tmp_path))
+    assert any("profiles.tar.gz is 16.0 MiB, at least 16" in p for p in problems)
+    assert any("deep0 is 3 folders deep, more than 2" in p for p in problems)
+    assert problems[-1] == "9 files, more than 8"
+
+
+class FakeChild:
+    """A warm-up that ends well after `seconds_to_run` (or never, for None), in place of a process."""
+
+    def __init__(self, config, seconds, seconds_to_run, events):
+        self.config, self.seconds, self.events = config, seconds, events
+        self.started = time.time()
+        self.deadline = self.started + seconds
+        self.ends = None if seconds_to_run is None else self.started + seconds_to_run
+
+    def poll(self):
+        if self.ends is None or time.time() < self.ends:
+            return None
+        self.events.append(("ended", self.config.name))
+        return {"first_step_s": 0.1, "compile_cache": "cold"}
+
+    def kill(self, why):
+        self.events.append(("killed", self.config.name))
+        self.ends = self.started  # over
+        return {"error": why}
+
+    def holds_memory(self):
+        return self.ends is None or time.time() < self.ends
+
+
+@pytest.mark.quick
+def test_warm_ups_run_side_by_side_within_the_memory_budget_and_keep_the_timed_runs_time(monkeypatch):
+    monkeypatch.setattr(training, "POLL_S", 0.005)
+    costs = {("ours", 12, ""): training.Cost(18, 0.06, 0.0), ("reference", 12, ""): training.Cost(15, 0.07, 0.0),
+             ("ours", 24, ""): training.Cost(69, 0.09, 0.0), ("reference", 24, ""): training.Cost(55, 0.09, 0.0),
+             ("ours", 24, "ours"): training.Cost(55, 0.18, 0.0), ("ours", 24, "torchao"): training.Cost(69, 0.15, 0.0)}
+    scale = SimpleNamespace(costs=costs, memory_budget_gib=112, start_s=0.0, profile_s=0.0, warmup=1, timed_steps=1,
+                            train_depths=(12, 24), fp8_depth=24)
+    configs = training.configs_for(["train", "fp8"], scale)
+    assert [c.name for c in configs] == ["ours_d24", "reference_d24", "ours_d12", "reference_d12", "ours_fp8_d24",
+                                         "torchao_fp8_d24"]
+    durations = {c.name: costs[(c.project, c.depth, c.fp8)].cold_s for c in configs}
+    durations["ours_fp8_d24"] = None  # a compile that never ends
+    events, running = [], []
+
+    def start(config, stage, seconds):
+        running[:] = [c for c in running if c.holds_memory()]
+        child = FakeChild(config, seconds, durations[config.name], events)
+        running.append(child)
+        in_use = sum(costs[(c.config.project, c.config.depth, c.config.fp8)].gib for c in running)
+        assert in_use <= 112, [c.config.name for c in running]  # never more than the budget at once
+        events.append(("started", config.name))
+        return child
+
+    results = training.warm_up(configs, scale, time.time() + 60, start, lambda message: None)
+    started = [name for what, name in events if what == "started"]
+    # the most wanted first, then whatever fits beside it; torchao once every other one has started
+    assert started[:3] == ["ours_d24", "ours_d12", "reference_d12"] and started[-1] == "torchao_fp8_d24"
+    assert set(started) == {c.name for c in configs}
+    assert results["ours_fp8_d24"]["error"] == "its compile did not finish in 0 s (alone, measured: 0 s)"
+    assert ("killed", "ours_fp8_d24") in events  # at its deadline, twice its compile measured alone
+    assert all("first_step_s" in results[c.name] for c in configs if c.name != "ours_fp8_d24")
+
+    # too little time left for every timed run: the least wanted are dropped, torchao before it starts, our fp8 while
+    # it compiles, and the others warm up
+    events.clear()
+    scale.profile_s = 1.0
+    costs[("ours", 24, "ours")] = training.Cost(55, 1.0, 0.0)
+    end = time.time() + sum(training.timed_seconds(c, scale) for c in configs[:5]) + 0.3
+    results = training.warm_up(configs, scale, end, start, lambda message: None)
+    for name in ("torchao_fp8_d24", "ours_fp8_d24"):
+        assert results[name]["skipped"].startswith("dropped: the timed runs of the configurations before it"), name
+    assert ("killed", "ours_fp8_d24") in events and ("started", "torchao_fp8_d24") not in events
+    assert all("first_step_s" in results[c.name] for c in configs[:4])
 
 
 @pytest.mark.quick
@@ -76,16 +258,21 @@ def test_the_offline_wheels_carry_every_package_the_server_and_its_client_import
     assert needed - carried == set()
 
 
-@pytest.mark.slow  # ~3 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
+@pytest.mark.slow  # ~4 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
 def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
-    p = suite(tmp_path / "base", ["--suite-minutes", "14",
-                                  "--reference", str(tmp_path / "no_reference"), "--results-dir", str(tmp_path / "results")])
+    out = tmp_path / "out"
+    p = suite(tmp_path / "base", ["--suite-minutes", "14", "--reference", str(tmp_path / "no_reference"),
+                                  "--out-dir", str(out), "--compile-cache-dir", str(tmp_path / "caches")])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])["gpu_suite"]
     rows = dict(result["rows"])
-    ours = [r for name, r in rows.items() if re.match(r"d2 (bfloat16|float32) training", name) and "ours" in name]
+    ours = [r for name, r in rows.items()
+            if re.match(r"d2 (bfloat16|float32) training", name) and name.endswith("ours (default recipe)")]
     assert len(ours) == 1 and re.fullmatch(r"[\d,]+ tok/s, MFU [\d.]+ % \(data \d+ / forward \d+ / backward \d+ / "
-                                           r"optimizer \d+ ms\)", ours[0]), ours
+                                           r"optimizer \d+ ms\); first step: warm-up \d+ s \((cold|warm)\), timed run "
+                                           r"[\d.]+ s \((cold|warm)\)", ours[0]), ours
+    loader = [r for name, r in rows.items() if name.endswith("ours: its data loader, timed apart from the step")]
+    assert len(loader) == 1 and re.fullmatch(r"[\d.]+ ms a batch \(the step \d+ ms\)", loader[0]), loader
     reference = [r for name, r in rows.items() if "reference" in name]
     assert reference and reference[0].startswith("skipped: no reference checkout") and "git clone" in reference[0]
     fp8 = {name.split("(")[1].split(")")[0]: r for name, r in rows.items() if "fp8 training" in name}
@@ -109,9 +296,21 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
                                                                          "base_eval", "mid_train", "chat_sft", "chat_rl",
                                                                          "chat_eval")), stages
     assert rows["chat_web on the stages' RL model, one request"].startswith("200, a reply of")
-    written = list((tmp_path / "results").iterdir())  # one dated file of this run's rows, BENCHMARKS.md untouched
-    assert len(written) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d{6}_.+\.md", written[0].name), written
-    table = [line for line in written[0].read_text().splitlines() if line.startswith("| 20")]
+    # the out-dir: what a lease returns, five files
+    written = sorted(path.name for path in out.iterdir())
+    assert len(written) == 5 and written[2:] == ["compile_cache.tar.gz", "profiles.tar.gz", "suite.log"], written
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d{6}_.+\.json", written[0]) and written[1] == written[0][:-4] + "md"
+    assert gpu_suite.out_dir_problems(str(out)) == []
+    table = [line for line in (out / written[1]).read_text().splitlines() if line.startswith("| 20")]
     assert len(table) == len(rows) and all("no CUDA" in line for line in table)
+    assert json.loads((out / written[0]).read_text())["gpu_suite"]["rows"] == result["rows"]
+    log = (out / "suite.log").read_text()
+    assert "warm-up ours_d2 started" in log and "timed run ours_d2" in log and "packed into profiles.tar.gz" in log
+    with tarfile.open(out / "profiles.tar.gz") as tar:
+        names = tar.getnames()
+        profile = tar.extractfile("ours_d2.txt").read().decode()
+    assert {"ours_d2.txt", "ours_d2.json", "ours_fp8_d2.txt", "warmup_ours_d2.log", "timed_ours_d2.out", "decode.log",
+            "run.log", "stages_chat_rl.log"} <= set(names), names
+    assert all(re.search(rf"^{phase} ", profile, re.M) for phase in profiling.PHASES) and "recompiles 0" in profile
     assert not [r for r in rows.values() if r.startswith("failed")]
     assert {r for r in rows.values() if r.startswith("skipped")} == {reference[0], fp8["torchao"]}
