@@ -95,6 +95,27 @@ def test_a_profile_of_two_steps_reduces_to_its_phases_and_top_ops(tmp_path):
 
 
 @pytest.mark.quick
+def test_on_a_gpu_each_kernel_belongs_to_the_phase_it_starts_in():
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               self_cpu_time_total=end - start, is_user_annotation=False)
+
+    ranges = [event(name, start, end, DeviceType.CPU) for name, start, end in
+              (("data", 0, 10), ("forward", 10, 110), ("backward", 110, 310), ("optimizer", 310, 400))]
+    kernels = [event("gemm", 20, 60), event("gemm", 120, 200), event("gemm", 210, 250), event("adam", 320, 380)]
+    mirrored = [event("forward", 15, 100), event("ProfilerStep#1", 0, 400)]  # the ranges on the device's timeline
+    launches = [event("cudaLaunchKernel", 20, 25, DeviceType.CPU)]  # CPU work: not counted on a GPU
+    reduced = profiling.reduce_profile(ranges + kernels + mirrored + launches, steps=1, cuda=True)
+    assert reduced["time_kind"] == "GPU kernel time" and reduced["step_ms"] == pytest.approx(0.4)
+    busy = {name: phase["busy_ms"] for name, phase in reduced["phases"].items()}
+    assert busy == pytest.approx({"data": 0.0, "forward": 0.04, "backward": 0.12, "optimizer": 0.06})
+    assert [(k["name"], k["count"]) for k in reduced["kernels"]] == [("gemm", 3), ("adam", 1)]
+    assert reduced["kernels"][0]["share"] == pytest.approx(0.4) and reduced["busy_ms"] == pytest.approx(0.22)
+
+
+@pytest.mark.quick
 def test_a_memory_snapshot_reduces_to_what_holds_the_peak():
     def alloc(addr, size, frames):
         return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
