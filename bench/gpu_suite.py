@@ -431,8 +431,10 @@ def main(args, log):
     scale = GPU if cuda else CPU
     rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=check.REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown commit"
+    # a lease's copy of the tree came with the .git of the session's start (2026-11-28: rows said ce26dd8 of a tree
+    # at 2fc4048), so the sender names its commit
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=check.REPO_ROOT,
+                                           capture_output=True, text=True).stdout.strip() or "unknown commit"
     machine, date = check.machine_label(env), datetime.date.today().isoformat()
     command = f"`python -m scripts.gpu_check --suite` at {commit}"
     table = "| date | machine | check | result | command |\n|---|---|---|---|---|\n" + "\n".join(

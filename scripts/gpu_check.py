@@ -61,6 +61,8 @@ def parse_args(argv=None):
                    help="--suite's portable compile caches, a file per compiled configuration: a compile_cache.tar.gz "
                    "in it (carried from the last lease) is unpacked first (default: $NANOCHAT_BASE_DIR/gpu_check/"
                    "compile_cache)")
+    p.add_argument("--commit", default="", help="--suite's rows name this commit instead of the checkout's HEAD: a GPU "
+                   "machine that got a copy of the working tree may hold an older .git (give it the sender's commit)")
     p.add_argument("--reference", default=suite.REFERENCE_DIR, help="a checkout of karpathy/nanochat for --suite")
     p.add_argument("--worker", choices=["probe", "allreduce", "decode"], help=argparse.SUPPRESS)  # subprocesses' jobs
     p.add_argument("--decode-depth", type=int, default=12, help=argparse.SUPPRESS)
