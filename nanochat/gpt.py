@@ -604,14 +604,19 @@ class GPT(nn.Module):
     def _smear(self, x, kv_cache):
         """e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1). The first position of a sequence has no previous
         token; at decode the previous token is the last one the cache saw, whose embedding the cache keeps."""
+        channels = self.smear_gate.in_features
+        lam = self.smear_lambda.to(x.dtype)  # (1,)-shaped: it would promote a bf16 x to fp32
         if kv_cache is None and cpu_ops.is_cpu_fp32(x):
-            return cpu_ops.smear(x, self.smear_gate(x[..., :self.smear_gate.in_features]), self.smear_lambda)
-        previous = x.new_zeros(x.size(0), 1, x.size(2))
-        if kv_cache is not None:
-            previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
+            return cpu_ops.smear(x, self.smear_gate(x[..., :channels]), self.smear_lambda)
+        if kv_cache is None:
+            # the first position unchanged and the others read their predecessor through slices of x: a shifted copy
+            # of x (zeros first) would be one more (B, T, C) tensor kept for the backward
+            gate = torch.sigmoid(self.smear_gate(x[:, 1:, :channels]))
+            return torch.cat((x[:, :1], x[:, 1:] + lam * gate * x[:, :-1]), dim=1)
+        previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
         previous = torch.cat((previous, x[:, :-1]), dim=1)
-        gate = torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))
-        return x + self.smear_lambda.to(x.dtype) * gate * previous  # (1,)-shaped: it would promote a bf16 x to fp32
+        gate = torch.sigmoid(self.smear_gate(x[..., :channels]))
+        return x + lam * gate * previous
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
         """

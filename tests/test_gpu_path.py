@@ -248,9 +248,10 @@ def test_compiled_the_tensors_saved_for_backward_are_bf16(monkeypatch, single_to
     fp32 = [shape for dtype, shape in saved if dtype != torch.bfloat16]
     assert saved and not fp32, (fp32, saved)
     # the residual stream is kept twice a layer (after attention, after the MLP: what the norms' backward and the
-    # residual scalars' gradients read), plus the embedding's few; the residual mix is recomputed, not kept a third time
+    # residual scalars' gradients read), plus two before the first block (the looked-up embedding and x0, which smear
+    # reads through slices rather than a shifted copy); the residual mix is recomputed, not kept a third time
     stream = [shape for _, shape in saved if shape == (*idx.shape, C)]
-    assert len(stream) <= 2 * model.config.n_layer + 3, saved
+    assert len(stream) <= 2 * model.config.n_layer + 2, saved
 
 
 @pytest.mark.quick
