@@ -21,6 +21,10 @@ calculator's forced output and max_tokens are per row. A step prefills at most `
 long prompt is spread over steps and never stalls the rows already decoding. The cache is allocated once, for
 max_batch rows of the model's context (or max_len), and reused; on a GPU the decode step can be captured as CUDA
 graphs (decode="captured"). StreamDecoder turns one row's tokens into text without splitting a UTF-8 character.
+
+A model written against karpathy/nanochat's engine (its forward(idx, kv_cache=cache) without our logits_at, reading
+and advancing one position for the whole batch) decodes in Engine on that project's KVCache (nanochat/kv_cache.py,
+re-exported here).
 """
 
 import ast
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
+from nanochat.kv_cache import KVCache  # nanochat.engine.KVCache is also the reference project's name for it
 
 # -----------------------------------------------------------------------------
 # The calculator tool: what the model may run between <|python_start|> and <|python_end|>.
@@ -817,14 +822,18 @@ class BatchEngine:
 
 class Engine:
     """
-    Generation for one prompt: its samples prefilled once and decoded together on a BatchEngine of as many rows,
-    sampled with seeds seed, seed + 1, ..., calculator tool calls answered. The model follows the batching engine's
-    cache protocol (nanochat/gpt.py: forward(ids, kv_cache=rows, logits_at=positions)).
+    Generation for one prompt: its samples prefilled once and decoded together, sampled with seeds seed, seed + 1,
+    ..., calculator tool calls answered. A model of the batching engine's cache protocol (nanochat/gpt.py:
+    forward(ids, kv_cache=rows, logits_at=positions)) runs on a BatchEngine of as many rows. A model without
+    logits_at is one written against karpathy/nanochat's engine: it runs on that project's KVCache, the way its
+    engine ran it, with the same sampling (the same tokens as on rows, for the same logits).
     """
 
     def __init__(self, model, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
+        # our GPT takes logits_at; karpathy/nanochat's forward(idx, targets=None, kv_cache=None, ...) does not
+        self.on_rows = "logits_at" in inspect.signature(model.forward).parameters
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42):
         """
@@ -850,6 +859,9 @@ class Engine:
             raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
         steps = context - len(tokens) if max_tokens is None else min(max_tokens, context - len(tokens))
         if steps == 0:
+            return
+        if not self.on_rows:
+            yield from self._generate_on_kv_cache(tokens, num_samples, steps, temperature, top_k, top_p, seed)
             return
         # a cache of the positions this call can reach (the last token is never fed back), the prompt in one chunk
         engine = BatchEngine(self.model, self.tokenizer, num_samples, prefill_chunk=len(tokens),
@@ -880,6 +892,52 @@ class Engine:
                     results[i].append(token)
                     masks[i].append(mask)
         return results, masks
+
+    def _generate_on_kv_cache(self, tokens, num_samples, steps, temperature, top_k, top_p, seed):
+        """
+        generate() for a model of karpathy/nanochat's protocol: the prompt prefilled once into a KVCache of one row,
+        copied into one of num_samples rows, then one forward a step for every row, stopped rows too (the rows share
+        one position). Each row draws from its own generator, seeded as the batching engine seeds it.
+        """
+        device, ids = self.model.get_device(), ChatTokens(self.tokenizer)
+        generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(num_samples)]
+        with torch.inference_mode():
+            prompt_cache = self._new_kv_cache(1, len(tokens), device)
+            logits = self._forward_last(torch.tensor([tokens], dtype=torch.long, device=device), prompt_cache)
+            # the last generated token is never fed back: the prompt and steps - 1 tokens
+            cache = self._new_kv_cache(num_samples, len(tokens) + steps - 1, device)
+            cache.prefill(prompt_cache)
+            del prompt_cache
+        logits = logits.expand(num_samples, -1)  # each row then draws its own first token
+        rows = [ToolState() for _ in range(num_samples)]
+        for step in range(steps):
+            column, masks = [], []
+            for i, row in enumerate(rows):
+                if row.finished_with is not None:
+                    token, mask = row.finished_with, 0
+                else:
+                    with torch.inference_mode():
+                        sampled = int(sample_next_tokens(logits[i:i + 1], generators[i], temperature, top_k, top_p))
+                    token, mask = row.take(sampled, ids, self.tokenizer)
+                column.append(token)
+                masks.append(mask)
+            yield column, masks
+            if step == steps - 1 or all(row.finished_with is not None for row in rows):
+                return
+            with torch.inference_mode():
+                logits = self._forward_last(torch.tensor(column, dtype=torch.long, device=device)[:, None], cache)
+
+    def _new_kv_cache(self, batch_size, seq_len, device):
+        """In the compute dtype, as the reference allocates it: its model writes its activations into it as they are."""
+        c = self.model.config
+        return KVCache(batch_size=batch_size, num_heads=c.n_kv_head, seq_len=seq_len, head_dim=c.n_embd // c.n_head,
+                       num_layers=c.n_layer, device=device, dtype=get_compute_dtype(device))
+
+    def _forward_last(self, ids, cache):
+        """(B, V) logits of the token after ids, the cache advanced past them. Autocast is entered per call, never held
+        across a yield, where it would leak into the caller's code."""
+        with autocast_for(ids.device):
+            return self.model.forward(ids, kv_cache=cache)[:, -1, :]
 
 
 # -----------------------------------------------------------------------------

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from nanochat.engine import Engine, StreamDecoder, use_calculator
+from nanochat.engine import Engine, KVCache, StreamDecoder, use_calculator
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.tokenizer import RustBPETokenizer
 from scripts import bench
@@ -330,18 +331,174 @@ def test_bench_engine_runs_and_ends_with_its_json_line(tiny_env, capsys):
     assert set(result["step_ms_by_cached_length"]) == {"8", "16"}
 
 
-@pytest.mark.quick
-def test_a_model_with_the_reference_forward_signature_generates(tokenizer):
-    """The engine's contract is forward(ids, kv_cache=rows): a model without our logits_at (a user's own class, a
-    mock, the reference's signature) gives every position's logits and still generates, the same tokens as with it."""
-    script, filler, choose = tool_script(tokenizer, "2+3")
+# -----------------------------------------------------------------------------
+# karpathy/nanochat's cache protocol: KVCache, and a model that reads and advances it itself
 
-    class ReferenceProtocolModel(ScriptedModel):
-        def forward(self, ids, kv_cache=None):  # no logits_at: the reference project's signature
-            return super().forward(ids, kv_cache=kv_cache)
+
+class ReferenceCacheModel(nn.Module):
+    """
+    A tiny transformer that uses the cache the way karpathy/nanochat's gpt.py does: forward(idx, targets=None,
+    kv_cache=None, loss_reduction="mean") with no logits_at; each layer writes its (B, T, H, D) keys and values into
+    get_layer_cache(i) at cache_seqlens and attends to everything up to there; the last layer calls advance(T); the
+    last token's embedding goes to prev_embedding for smear. Positions come from a learned table, so a wrong cache
+    position changes the logits.
+    """
+
+    def __init__(self, vocab_size, sequence_len=CONTEXT, n_layer=2, n_head=2, head_dim=8):
+        super().__init__()
+        n_embd = n_head * head_dim
+        self.config = SimpleNamespace(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                                      n_kv_head=n_head, n_embd=n_embd)
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(sequence_len, n_embd)
+        self.qkv = nn.ModuleList(nn.Linear(n_embd, 3 * n_embd, bias=False) for _ in range(n_layer))
+        self.proj = nn.ModuleList(nn.Linear(n_embd, n_embd, bias=False) for _ in range(n_layer))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * (1.0 if p.ndim == 2 and p.shape[1] > n_embd else 0.5))
+
+    def get_device(self):
+        return self.wte.weight.device
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        B, T = idx.shape
+        H = self.config.n_head
+        start = 0 if kv_cache is None else kv_cache.get_pos()
+        x = self.wte(idx)
+        previous = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)  # smear: the token before each one
+        if kv_cache is not None:
+            if kv_cache.prev_embedding is not None:
+                previous[:, :1] = kv_cache.prev_embedding
+            kv_cache.prev_embedding = x[:, -1:]
+        x = x + 0.5 * previous + self.wpe(torch.arange(start, start + T))
+        for i in range(self.config.n_layer):
+            q, k, v = self.qkv[i](x).view(B, T, 3, H, -1).unbind(2)  # (B, T, H, D): the cache's layout
+            if kv_cache is None:
+                y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            else:
+                k_cache, v_cache = kv_cache.get_layer_cache(i)
+                pos = int(kv_cache.cache_seqlens[0])
+                k_cache[:, pos:pos + T], v_cache[:, pos:pos + T] = k, v
+                visible = torch.arange(pos + T)[None, :] <= torch.arange(pos, pos + T)[:, None]
+                y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :pos + T].transpose(1, 2),
+                                                   v_cache[:, :pos + T].transpose(1, 2), attn_mask=visible)
+                if i == kv_cache.n_layers - 1:
+                    kv_cache.advance(T)
+            x = x + self.proj[i](y.transpose(1, 2).reshape(B, T, -1))
+        return self.lm_head(x).float()
+
+
+@pytest.mark.quick
+def test_kv_cache_has_the_reference_interface():
+    cache = KVCache(batch_size=1, num_heads=2, seq_len=8, head_dim=4, num_layers=3, device="cpu", dtype=torch.float32)
+    assert cache.k_cache.shape == cache.v_cache.shape == (3, 1, 8, 2, 4)
+    k, v = cache.get_layer_cache(1)
+    k[0, :5] = 1.0  # a layer's cache is a view: what the model writes there is the cache
+    v[0, :5] = 2.0
+    cache.prev_embedding = torch.full((1, 1, 6), 3.0)
+    assert cache.get_pos() == 0
+    cache.advance(5)
+    assert cache.get_pos() == 5 and cache.cache_seqlens.tolist() == [5]
+    with pytest.raises(ValueError, match="overflows"):
+        cache.advance(4)
+
+    decode = KVCache(batch_size=3, num_heads=2, seq_len=10, head_dim=4, num_layers=3, device="cpu", dtype=torch.float32)
+    decode.prefill(cache)  # a batch-1 prompt to every row
+    assert decode.get_pos() == 5 and decode.cache_seqlens.tolist() == [5, 5, 5]
+    assert (decode.k_cache[1, :, :5] == 1.0).all() and (decode.v_cache[1, :, :5] == 2.0).all()
+    assert (decode.k_cache[1, :, 5:] == 0.0).all() and (decode.k_cache[0] == 0.0).all()
+    assert decode.prev_embedding.shape == (3, 1, 6) and (decode.prev_embedding == 3.0).all()
+    with pytest.raises(ValueError, match="not empty"):
+        decode.prefill(cache)
+    decode.reset()
+    assert decode.get_pos() == 0 and decode.prev_embedding is None
+    with pytest.raises(ValueError, match="layers"):
+        decode.prefill(KVCache(1, 2, 8, 4, 2, "cpu", torch.float32))
+
+
+@pytest.mark.quick
+def test_a_reference_protocol_model_prefills_decodes_and_generates(tokenizer):
+    model = ReferenceCacheModel(tokenizer.get_vocab_size()).eval()
+    bos = tokenizer.get_bos_token_id()
+    prompt = tokenizer.encode("The quick brown", prepend=bos)
+
+    # by hand, as code written against the reference does it: a batch-1 prefill, copied to 2 rows, decoded
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + [7, 9]]))
+        prompt_cache = KVCache(1, 2, len(prompt), 8, 2, "cpu", torch.float32)
+        prefill_logits = model(torch.tensor([prompt]), kv_cache=prompt_cache)
+        cache = KVCache(2, 2, len(prompt) + 2, 8, 2, "cpu", torch.float32)
+        cache.prefill(prompt_cache)
+        step1 = model(torch.tensor([[7], [7]]), kv_cache=cache)
+        step2 = model(torch.tensor([[9], [9]]), kv_cache=cache)
+    assert prompt_cache.get_pos() == len(prompt) and cache.get_pos() == len(prompt) + 2
+    close = dict(rtol=1e-4, atol=1e-3)  # logits of size ~10 summed in other orders
+    torch.testing.assert_close(prefill_logits[0], full[0, :len(prompt)], **close)
+    for row in range(2):
+        torch.testing.assert_close(step1[row, -1], full[0, len(prompt)], **close)
+        torch.testing.assert_close(step2[row, -1], full[0, len(prompt) + 1], **close)
+
+    # Engine: greedy is the full recompute's, every sample alike, up to the context
+    engine = Engine(model, tokenizer)
+    for start in ([bos], prompt):
+        columns, masks = columns_of(engine, start, num_samples=3, max_tokens=12, temperature=0)
+        assert [c[0] for c in columns] == naive_greedy(model, tokenizer, start, 12)
+        assert all(len(set(c)) == 1 for c in columns) and all(m == [1, 1, 1] for m in masks)
+    long_prompt = (prompt * CONTEXT)[:CONTEXT - 3]
+    results, masks = engine.generate_batch(long_prompt, max_tokens=100, temperature=0)
+    expected = naive_greedy(model, tokenizer, long_prompt, 100)
+    assert len(expected) == 3 and not set(expected) & terminals(tokenizer)  # it runs into the context
+    assert results == [long_prompt + expected] and masks == [[0] * len(long_prompt) + [1] * 3]
+
+    # sampling: each row its own draw, reproducible with the seed, another seed another draw
+    first, first_masks = engine.generate_batch(prompt, num_samples=8, max_tokens=6, temperature=1.0, seed=3)
+    assert engine.generate_batch(prompt, num_samples=8, max_tokens=6, temperature=1.0, seed=3) == (first, first_masks)
+    assert engine.generate_batch(prompt, num_samples=8, max_tokens=6, temperature=1.0, seed=4)[0] != first
+    assert len({tuple(r) for r in first}) > 1
+    for result, mask in zip(first, first_masks):
+        assert result[:len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(result) - len(prompt))
+
+
+class ScriptedReferenceModel(ScriptedModel):
+    """ScriptedModel's choices on karpathy/nanochat's protocol: one position for the batch, which forward advances."""
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        if kv_cache.get_pos() == 0:  # the prompt's prefill, one row
+            self.prompt, self.history = idx[0].tolist(), {}
+        else:
+            for row, token in enumerate(idx[:, -1].tolist()):
+                self.history.setdefault(row, list(self.prompt)).append(token)
+        kv_cache.advance(idx.size(1))
+        logits = torch.full((idx.size(0), idx.size(1), self.vocab_size), -100.0)
+        for row in range(idx.size(0)):
+            choice = self.choose(self.history.get(row, self.prompt), len(self.prompt))
+            logits[row, -1, choice if isinstance(choice, list) else [choice]] = 0.0
+        return logits
+
+
+@pytest.mark.quick
+def test_a_reference_protocol_model_gets_the_tools_and_samples_of_ours(tokenizer):
+    """The calculator's forced tokens (mask 0), stopped rows and each row's draws are the same on the reference's
+    KVCache as on our rows, for the same choices."""
+    script, _, tool_choose = tool_script(tokenizer, "2+3")
+    end, heads, tails = tokenizer.encode_special("<|assistant_end|>"), tokenizer.encode("a")[0], tokenizer.encode("b")[0]
+
+    def coin_choose(history, prompt_len):  # a coin flip per row, then heads stops at once and tails after 3 more
+        generated = history[prompt_len:]
+        return [heads, tails] if not generated else end if generated[0] == heads or len(generated) == 4 else tails
 
     prompt = [tokenizer.get_bos_token_id()]
-    ours = Engine(ScriptedModel(tokenizer.get_vocab_size(), choose), tokenizer).generate_batch(prompt, max_tokens=20)
-    theirs = Engine(ReferenceProtocolModel(tokenizer.get_vocab_size(), choose), tokenizer).generate_batch(
+    for choose, num_samples in ((tool_choose, 2), (coin_choose, 12)):
+        ours = Engine(ScriptedModel(tokenizer.get_vocab_size(), choose), tokenizer)
+        theirs = Engine(ScriptedReferenceModel(tokenizer.get_vocab_size(), choose), tokenizer)
+        kwargs = dict(num_samples=num_samples, max_tokens=20, seed=5)
+        assert columns_of(theirs, prompt, **kwargs) == columns_of(ours, prompt, **kwargs)
+        assert theirs.generate_batch(prompt, **kwargs) == ours.generate_batch(prompt, **kwargs)
+    results, masks = theirs.generate_batch(prompt, num_samples=12, max_tokens=20, seed=5)
+    assert {tuple(r) for r in results} == {(prompt[0], heads), (prompt[0], tails, tails, tails, tails)}
+    results, masks = Engine(ScriptedReferenceModel(tokenizer.get_vocab_size(), tool_choose), tokenizer).generate_batch(
         prompt, max_tokens=20)
-    assert theirs == ours and ours[0][0][1:len(script) + 1] == script
+    forced = [tokenizer.encode_special("<|output_start|>"), *tokenizer.encode("5"), tokenizer.encode_special("<|output_end|>")]
+    assert results[0][1:len(script) + len(forced) + 1] == script + forced
+    assert masks[0][1:len(script) + len(forced) + 1] == [1] * len(script) + [0] * len(forced)
