@@ -365,6 +365,29 @@ def load_model(source, device, phase="eval", model_tag=None, step=None):
     return model, tokenizer, meta
 
 
+def check_weights_fit(model_state, model_config, where):
+    """
+    The checkpoint's tensors must be the parameters its model_config describes, name for name and shape for shape,
+    compared on the meta device before the model is built for real: a meta.json that claims a far larger model than
+    its weights is refused in one line instead of trying to allocate that model.
+    """
+    from nanochat.gpt import GPT
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in GPT(config_from_dict(model_config)).state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in model_state.items()}
+    if found == expected:
+        return
+    unknown, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
+    wrong = [f"{name} {found[name]} (its config needs {expected[name]})" for name in sorted(set(found) & set(expected))
+             if found[name] != expected[name]]
+    raise UserError(f"{where} does not fit the model its meta.json describes"
+                    + (f"; unknown parameters: {', '.join(unknown[:4])}" if unknown else "")
+                    + (f"; missing parameters: {', '.join(missing[:4])}" if missing else "")
+                    + (f"; shapes: {', '.join(wrong[:4])}" if wrong else "")
+                    + "; delete that step directory and use an older one")
+
+
 def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train that stage first, or check -i / -g"):
     """load_model for a checkpoint directory named by its path (a stage resuming its own checkpoints)."""
     from nanochat.gpt import build_model
@@ -373,11 +396,9 @@ def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train th
     device = torch.device(device)
     step = resolve_step(ckpt_dir, step, fix=fix)
     model_state, _, meta = load_checkpoint(ckpt_dir, step, device, load_optimizer=False)
+    check_weights_fit(model_state, meta["model_config"], f"checkpoint {ckpt_dir} step {step}")
     model = build_model(meta["model_config"], device)
-    try:
-        model.load_state_dict(model_state, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"checkpoint {ckpt_dir} step {step} does not match the model code ({e})") from e
+    model.load_state_dict(model_state, strict=True)
     model.train(phase == "train")
     tokenizer = get_tokenizer()
     saved_tok = meta.get("tokenizer_hash")

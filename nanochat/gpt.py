@@ -70,6 +70,34 @@ VARIANT_DEFAULTS = {"rope_theta": ROPE_THETA, "rotary_bf16": False, "norm_eps": 
                     "smear_gate_channels": GATE_CHANNELS, "backout_layer": None, "attention_windows": None}
 # GPTConfig fields a checkpoint's model_config may leave out (a missing one reads as the plain model's / the old default)
 OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",) + tuple(VARIANT_DEFAULTS)
+# The largest shapes a GPTConfig takes. A checkpoint's meta.json or an imported config is a file anyone may write, and
+# GPT(config) trusts its shapes: n_layer 10^6 spent minutes building blocks before any check, n_embd 2^40 overflowed in
+# torch. The bounds are generous: several times the largest public models of this kind (Llama 3.1 405B: 126 layers,
+# width 16,384, 128 heads, a 128K context; Gemma 3: 262,144 tokens), far past nanochat's (d32: 32 layers, width 2,048,
+# a 2,048-token context). The context's is the tightest, because the rotary tables are built up front for
+# ROTARY_LENGTH_FACTOR times it, whatever the weights: at 2^18 positions and head_dim 128, 1.3 GB. The worst case
+# within every bound builds on the meta device in about half a second.
+SHAPE_LIMITS = {"sequence_len": 2**18, "vocab_size": 2**20, "n_layer": 1024, "n_head": 2**16, "n_kv_head": 2**16,
+                "n_embd": 2**16, "ve_gate_channels": 2**16, "smear_gate_channels": 2**16}
+
+
+def shape_problem(name, value):
+    """Why `value` cannot be GPTConfig's shape field `name` (a positive integer up to SHAPE_LIMITS), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return f"GPTConfig.{name} must be a positive integer (got {value!r:.60})"
+    if value > SHAPE_LIMITS[name]:
+        return f"GPTConfig.{name} must be at most {SHAPE_LIMITS[name]:,} (got {value!r:.60}), past any model this code builds"
+    return None
+
+
+def is_positive_number(value):
+    """A finite number above 0 (not a bool, not NaN or inf, not an int beyond a float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -110,11 +138,10 @@ class GPTConfig:
 
     def validate(self):
         """Raise ValueError for shapes the model cannot be built with, before anything is allocated."""
-        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ve_gate_channels",
-                     "smear_gate_channels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer (got {value!r})")
+        for name in SHAPE_LIMITS:  # first: every later check and GPT(config) may loop over them or multiply them
+            problem = shape_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(problem)
         for name in COMPONENTS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be true or false (got {getattr(self, name)!r})")
@@ -124,8 +151,8 @@ class GPTConfig:
         for name in ("rope_theta", "qk_scale", "ve_gate_scale") + (("norm_eps",) if self.norm_eps is not None else ()) \
                 + (("logit_softcap",) if self.logit_softcap is not None else ()):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive number (got {value!r})")
+            if not is_positive_number(value):
+                raise ValueError(f"GPTConfig.{name} must be a positive number (got {value!r:.60})")
         if not isinstance(self.rotary_bf16, bool):
             raise ValueError(f"GPTConfig.rotary_bf16 must be true or false (got {self.rotary_bf16!r})")
         if self.backout_layer is not None and (isinstance(self.backout_layer, bool) or not isinstance(self.backout_layer, int)

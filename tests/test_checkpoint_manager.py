@@ -208,3 +208,53 @@ def test_damaged_checkpoint_files_are_refused_by_name(base_copy, single_torch_th
     with pytest.raises(UserError, match="corrupt") as excinfo:
         load_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, "cpu", load_optimizer=True)
     assert optim in str(excinfo.value)
+
+
+def save_untrained(tokenizer, step=1):
+    """A tiny untrained GPT saved as base/tiny; returns its meta.json's path."""
+    config = tiny_config(tokenizer)
+    meta = {"model_config": dataclasses.asdict(config), "tokenizer_hash": tokenizer.fingerprint()}
+    save_checkpoint(checkpoint_dir("base", "tiny"), step, build_model(config, "cpu"), [], meta)
+    return os.path.join(checkpoint_dir("base", "tiny"), f"step_{step:06d}", "meta.json")
+
+
+def edit_model_config(meta_path, **fields):
+    meta = json.loads(read_bytes(meta_path))
+    meta["model_config"].update(fields)
+    write_bytes(meta_path, json.dumps(meta).encode())
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("field, value, bound", [("n_layer", 10**6, "1,024"), ("n_embd", 2**40, "65,536")])
+def test_a_meta_with_a_shape_past_any_model_is_refused_by_field_before_building(base_copy, capsys, field, value, bound):
+    """n_layer 10^6 in a meta.json hung chat_cli, chat_web and base_eval in GPT(config); n_embd 2^40 overflowed."""
+    from nanochat.checkpoint_manager import load_meta
+
+    meta_path = save_untrained(get_tokenizer())
+    edit_model_config(meta_path, **{field: value})
+    reason = rf"GPTConfig\.{field} must be at most {bound} \(got {value}\)"
+    with pytest.raises(UserError, match=reason):
+        load_meta(checkpoint_dir("base", "tiny"), 1)
+    with pytest.raises(UserError, match="no checkpoint found"):
+        load_model("base", "cpu", model_tag="tiny")
+    assert f"{field} must be at most {bound}" in capsys.readouterr().out  # the skipped step's warning says why
+
+
+@pytest.mark.quick
+def test_weights_that_do_not_fit_the_meta_are_refused_in_one_line_before_building(base_copy, monkeypatch):
+    """A meta.json that claims a larger model than its weights (here ~400 GB of it) is refused on the meta device,
+    naming what does not fit, before the model is built for real."""
+    meta_path = save_untrained(get_tokenizer())
+
+    def build_model_refused(*args, **kwargs):
+        raise AssertionError("the model was built before its weights were checked against its config")
+
+    monkeypatch.setattr("nanochat.gpt.build_model", build_model_refused)
+    edit_model_config(meta_path, n_embd=2**16, n_head=2**9, n_kv_head=2**9)
+    with pytest.raises(UserError, match=r"step 1 does not fit the model its meta.json describes; shapes: ") as excinfo:
+        load_model("base", "cpu", model_tag="tiny")
+    assert "\n" not in str(excinfo.value) and "(its config needs (" in str(excinfo.value)
+    edit_model_config(meta_path, n_embd=32, n_head=2, n_kv_head=1, n_layer=3)
+    with pytest.raises(UserError, match=r"missing parameters: transformer\.h\.2\.") as excinfo:
+        load_model("base", "cpu", model_tag="tiny")
+    assert "\n" not in str(excinfo.value)

@@ -30,7 +30,7 @@ import torch
 from nanochat.checkpoint_manager import (STAGE_DIRS, TAG_RE, checkpoint_dir, list_steps, load_meta, save_checkpoint,
                                          sha256_of)
 from nanochat.common import UserError, get_base_dir, print0
-from nanochat.gpt import GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed
+from nanochat.gpt import GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed, shape_problem
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 
 KARPATHY_FORMAT, TRANSFORMERS_FORMAT, RECIPE_FORMAT = "karpathy/nanochat", "transformers NanoChat", "nanochat export (recipe)"
@@ -97,16 +97,18 @@ TOKENIZER_SEARCH = ("tokenizer.pkl", "tokenizer/tokenizer.pkl", "../tokenizer.pk
 
 
 def load_torch_weights(path):
-    """A state dict of tensors from a torch.save file, with weights_only=True (no code runs); mmap where it can."""
-    for mmap in (True, False):  # old non-zip files cannot be mapped
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-            break
-        except Exception as e:  # truncated zip, not a torch file, a pickle that asks for something weights_only refuses
-            problem = e
-    else:
-        raise UserError(f"cannot read {path} ({type(problem).__name__}: {str(problem).splitlines()[0][:200]}): it is "
-                        "truncated, corrupt or not a model state dict; download or copy it again") from None
+    """
+    A state dict of tensors from a torch.save file, with weights_only=True (no code runs). Read whole, not mapped:
+    torch.load(mmap=True) slices each tensor out of the mapped file by the length the pickle gives it and never compares
+    that with its record's, so a record cut short was read on into the next records' bytes; read, every record's size
+    is checked. Reading holds the file's bytes in memory, which the fp32 weights the import makes (to_our_state) match
+    or double anyway.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, a short record, not a torch file, a pickle weights_only refuses
+        raise UserError(f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
+                        "it is truncated, corrupt or not a model state dict; download or copy it again") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         raise UserError(f"{path} is not a model state dict (a dict of named tensors)")
     return {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # a compiled model's keys carry that prefix
@@ -330,6 +332,7 @@ def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
     missing = [f for f in KARPATHY_CONFIG_FIELDS if not (type(model_config.get(f)) is int and model_config[f] > 0)]
     if missing:
         raise UserError(f"{meta_path}: model_config lacks positive integers for {', '.join(missing)}")
+    check_shapes(model_config, meta_path)
     tokenizer_file = find_karpathy_tokenizer(model_dir, tokenizer_path, root)
     tokenizer = tokenizer_from_pickle(tokenizer_file)  # before the weights: a refused pickle is the quicker answer
     state = load_torch_weights(model_path)
@@ -370,6 +373,24 @@ def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
     description = {"format": KARPATHY_FORMAT, "era": era, "era_told": era_told, "step": step,
                    "summary": numbers["summary"]}
     return config, state, tokenizer, files, description
+
+
+def check_shapes(fields, where):
+    """A config's shape fields within GPTConfig's bounds, said before anything loops over n_layer or builds a model."""
+    for name in KARPATHY_CONFIG_FIELDS:
+        problem = shape_problem(name, fields[name])
+        if problem:
+            raise UserError(f"{where}: the model it describes cannot be built ({problem})")
+
+
+def as_float(value):
+    """A config's number as a float; anything else as it is, for GPTConfig to refuse by the field's name."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a float's range
+        return float("inf")
 
 
 def make_config(fields, where):
@@ -422,6 +443,8 @@ def read_transformers(model_dir):
         sequence_len = hf["max_position_embeddings"]
     except KeyError as e:
         raise UserError(f"{config_path} lacks {e.args[0]}") from None
+    check_shapes(dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                      n_kv_head=n_kv_head, n_embd=n_embd), config_path)
     if model_type == "nanochat":
         problems = []
         if hf.get("hidden_act", "relu2") != "relu2":
@@ -431,6 +454,8 @@ def read_transformers(model_dir):
         if hf.get("attention_bias"):
             problems.append("attention_bias")
         rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+        if not isinstance(rope, dict):
+            rope = {"rope_type": rope}  # refused just below, by what it is
         if rope.get("rope_type", "default") != "default":
             problems.append(f"rope_type {rope.get('rope_type')!r} (only default)")
         if problems:
@@ -445,25 +470,25 @@ def read_transformers(model_dir):
             renamed[ours] = tensor
         state = renamed
         fields = dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                      n_kv_head=n_kv_head, n_embd=n_embd, rope_theta=float(rope.get("rope_theta", 10000.0)),
+                      n_kv_head=n_kv_head, n_embd=n_embd, rope_theta=as_float(rope.get("rope_theta", 10000.0)),
                       norm_eps=hf.get("rms_norm_eps", 1e-6), logit_softcap=hf.get("final_logit_softcapping", 15.0))
         fmt = TRANSFORMERS_FORMAT
     elif model_type == "nanochat_recipe":
-        windows = [int(w) for w in hf.get("attention_windows") or [0] * n_layer]
-        ve_layers = list(hf.get("value_embed_layers") or [])
+        windows = hf.get("attention_windows") or [0] * n_layer  # GPTConfig checks what is in it
+        ve_layers = hf.get("value_embed_layers") or []
         fields = dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
                       n_kv_head=n_kv_head, n_embd=n_embd, value_embeds=bool(hf.get("value_embeds")),
                       residual_scalars=bool(hf.get("residual_scalars")), smear=bool(hf.get("smear")),
-                      backout=bool(hf.get("backout")), rope_theta=float(hf.get("rope_theta", 10000.0)),
+                      backout=bool(hf.get("backout")), rope_theta=as_float(hf.get("rope_theta", 10000.0)),
                       rotary_bf16=bool(hf.get("rotary_bf16", False)), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                      qk_scale=float(hf.get("qk_scale", 1.0)), logit_softcap=hf.get("final_logit_softcapping", 15.0),
+                      qk_scale=as_float(hf.get("qk_scale", 1.0)), logit_softcap=hf.get("final_logit_softcapping", 15.0),
                       ve_gate_channels=hf.get("ve_gate_channels", hf.get("gate_channels", 32)),
-                      ve_gate_scale=float(hf.get("ve_gate_scale", 2.0)),
+                      ve_gate_scale=as_float(hf.get("ve_gate_scale", 2.0)),
                       smear_gate_channels=hf.get("smear_gate_channels", hf.get("gate_channels", 32)),
                       backout_layer=None if hf.get("backout_layer") in (None, n_layer // 2 - 1) else hf["backout_layer"],
-                      attention_windows=windows if any(windows) else None)
+                      attention_windows=windows if not isinstance(windows, list) or any(windows) else None)
         if ve_layers:
-            fields["value_embed_layers"] = ",".join(map(str, ve_layers))
+            fields["value_embed_layers"] = ",".join(map(str, ve_layers)) if isinstance(ve_layers, list) else ve_layers
         fmt = RECIPE_FORMAT
     else:
         raise UserError(f"{config_path}: model_type {model_type!r} is not nanochat's (nanochat or nanochat_recipe)")
@@ -492,7 +517,7 @@ def detect_format(directory):
 
 def to_our_state(state, config, where):
     """Our model's state dict from the source's (names already ours): fp32, padding rows past the vocab dropped; the
-    names and shapes checked against the model before anything is written."""
+    names and shapes checked against the model, and every value finite, before anything is written."""
     with torch.device("meta"):
         expected = GPT(config).state_dict()
     unknown, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
@@ -509,7 +534,13 @@ def to_our_state(state, config, where):
             tensor = tensor[:want[0]]  # a vocab padded to a multiple of 64: its rows are never an input or an output
         if tuple(tensor.shape) != want:
             raise UserError(f"{where}: {name} has shape {tuple(tensor.shape)}, the model needs {want}")
-        ours[name] = tensor.to(torch.float32).contiguous()
+        tensor = tensor.to(torch.float32).contiguous()
+        # a NaN or inf weight loads and serves without a word (the probe's logits may never reach it): named here
+        not_finite = int(tensor.numel() - torch.isfinite(tensor).sum())
+        if not_finite:
+            raise UserError(f"{where}: {name} holds {not_finite:,} NaN or infinite values; the weights are damaged "
+                            "(a diverged run, or a broken copy): import a checkpoint from before, or copy it again")
+        ours[name] = tensor
     return ours
 
 
