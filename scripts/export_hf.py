@@ -20,7 +20,7 @@ def main():
                    help="which stage's checkpoint")
     p.add_argument("-g", "--model-tag", default=None, help="checkpoint tag (default: the most recent one)")
     p.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--out", required=True, help="directory to create; must not exist, or be empty")
+    p.add_argument("--out", required=True, help="directory to create; must not exist, or be empty (a symbolic link: its target)")
     p.add_argument("--dtype", default="float32", choices=sorted(EXPORT_DTYPES), help="dtype of the exported weights")
     p.add_argument("--device-type", default="cpu", help="device to load the checkpoint on (cuda|mps|cpu; default cpu)")
     args = p.parse_args()

@@ -399,6 +399,53 @@ def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
 
 
 @pytest.mark.quick
+def test_out_as_a_link_to_an_empty_directory_exports_into_its_target(base_env, tmp_path):
+    """The link was checked as an empty directory, then removed with rmdir after the whole export: a traceback."""
+    from nanochat.interop.hf_export import export_checkpoint
+
+    target, link = tmp_path / "exports" / "gqa", tmp_path / "gqa-link"
+    target.mkdir(parents=True)
+    link.symlink_to(target, target_is_directory=True)
+    written = export_checkpoint("base", str(link), model_tag="gqa")
+    assert sorted(os.listdir(target)) == sorted(written) and "model.safetensors" in written
+    assert link.is_symlink() and os.path.realpath(link) == str(target)  # the link still leads to the export
+    assert not [name for name in os.listdir(tmp_path / "exports") if name.endswith(".tmp")]
+
+
+class MeddlingTokenizer:
+    """A tokenizer whose save() also lets another program write at --out, while the export is being written."""
+
+    def __init__(self, meddle):
+        self.meddle = meddle
+
+    def save(self, path):
+        with open(path, "w") as f:
+            f.write("{}")
+        self.meddle()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("out_exists", [True, False], ids=["file_into_empty_out", "file_at_new_out"])
+def test_something_written_at_out_during_the_export_is_kept_and_refused_in_one_line(tmp_path, out_exists):
+    from nanochat.common import UserError
+    from nanochat.interop.hf_export import write_export_dir
+
+    out = tmp_path / "out"
+    if out_exists:
+        out.mkdir()
+    mine = out / "notes.txt" if out_exists else out
+
+    def meddle():
+        mine.write_text("keep me")
+
+    with pytest.raises(UserError, match=r"cannot put the export at --out .*out \(.*\).*nothing of the export") as excinfo:
+        write_export_dir(str(out), {"config.json": {"a": 1}}, MeddlingTokenizer(meddle), {"w": torch.zeros(2)})
+    assert "\n" not in str(excinfo.value)
+    assert mine.read_text() == "keep me" and (not out_exists or os.listdir(out) == ["notes.txt"])
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temp directory left beside it
+
+
+@pytest.mark.quick
 def test_unrepresentable_config_refused(export_base, tmp_path):
     out = str(tmp_path / "out")
     p = run_export(export_base, "-g", "unknown", "--out", out)

@@ -398,10 +398,16 @@ def hf_tokenizer_config(sequence_len):
 
 
 def check_output_dir(out_dir):
-    """--out must be new or empty, and writable: said before the checkpoint is read."""
+    """
+    The directory the export goes to: --out, a symbolic link resolved to its target (the export replaces the empty
+    directory it names, and a link itself cannot be replaced by one), which must be new or empty, and writable. Said
+    before the checkpoint is read.
+    """
+    out_dir = os.path.realpath(out_dir)
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise UserError(f"--out {out_dir} already exists and is not empty; choose a new directory or remove it first")
     ensure_writable(out_dir, "the export", fix="choose another --out")
+    return out_dir
 
 
 def format_size(num_bytes):
@@ -414,7 +420,11 @@ def format_size(num_bytes):
 
 
 def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
-    """Write everything into a temp dir next to out_dir, then rename it into place: never a partial export."""
+    """
+    Write everything into a temp dir next to out_dir, then rename it into place: never a partial export. The rename
+    takes out_dir's name in one step where it is free or an empty directory, and fails on anything else: a file
+    written into out_dir meanwhile stays as it is, and the export is refused in one line with nothing left of it.
+    """
     from safetensors.torch import save_file
 
     parent = os.path.dirname(out_dir)
@@ -429,9 +439,12 @@ def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
             shutil.copyfile(source, os.path.join(tmp_dir, name))
         save_file(weights, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
         written = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked before): rename needs the name free
-        os.rename(tmp_dir, out_dir)
+        try:
+            os.rename(tmp_dir, out_dir)
+        except OSError as e:
+            raise UserError(f"cannot put the export at --out {out_dir} ({e.strerror}), new or empty when it began: "
+                            "something was written there meanwhile; nothing of the export is left, run it again to a "
+                            "new or empty --out") from None
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -446,8 +459,7 @@ def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="fl
     t0 = time.time()
     if dtype_name not in EXPORT_DTYPES:
         raise UserError(f"--dtype must be one of {sorted(EXPORT_DTYPES)} (got {dtype_name!r})")
-    out_dir = os.path.abspath(out_dir)
-    check_output_dir(out_dir)
+    out_dir = check_output_dir(out_dir)
     model_tag = model_tag or find_latest_tag(source)
     ckpt_dir = checkpoint_dir(source, model_tag)
     model_config = raw_model_config(ckpt_dir, step)
