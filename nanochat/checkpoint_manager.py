@@ -42,7 +42,7 @@ def checkpoints_root(stage):
 
 
 def checkpoint_dir(stage, tag):
-    if not isinstance(tag, str) or not TAG_RE.match(tag):
+    if not isinstance(tag, str) or not TAG_RE.fullmatch(tag):  # fullmatch: '$' alone lets 'd4\n' through
         raise UserError(f"model tag {tag!r} must be a plain name: letters, digits, '_', '-' or '.', not starting with "
                         "'.' (no slashes, no '..')")
     return os.path.join(checkpoints_root(stage), tag)

@@ -365,6 +365,9 @@ def import_main(argv):
                                                         "hub's parquet API ($HF_ENDPOINT honoured)")
     parser.add_argument("--config", default="default", help="--hf-repo: the dataset config (default 'default')")
     parser.add_argument("--split", default="train", help="--hf-repo: the split (default train)")
+    parser.add_argument("--follow-links", action="store_true",
+                        help="in folders and globs, also read links to folders and to files outside the input (each "
+                             "folder once); without it they are skipped, and the summary says so")
     args = parser.parse_args(argv)
     options = ti.ImportOptions(split_on=args.split_on, field=args.field, column=args.column, val_docs=args.val_docs,
                                val_frac=args.val_frac, max_doc_chars=args.max_doc_chars, max_seq_len=args.max_seq_len)
@@ -374,8 +377,11 @@ def import_main(argv):
         raise UserError("nothing to import: pass files, folders or globs, or --hf-repo owner/name")
     if not ti.is_plain_name(args.name) or args.name in SOURCES:
         ti.build_source(args.name, [], options, reserved=list(SOURCES))  # refuses the name, before reading any input
+    if args.hf_repo:
+        ti.check_hub_dataset(args.hf_repo, args.config, args.split)
     ensure_writable(os.path.join(get_base_dir(), "base_data"), f"the {args.name} source")
-    inputs = [ti.hub_input(args.hf_repo, args.config, args.split)] if args.hf_repo else ti.local_inputs(args.inputs)
+    inputs = [ti.hub_input(args.hf_repo, args.config, args.split)] if args.hf_repo else \
+        ti.local_inputs(args.inputs, follow_links=args.follow_links)
     print(f"import {args.name}: {sum(len(i.files) for i in inputs)} file(s) from {len(inputs)} input(s), "
           f"val {'%d docs' % args.val_docs if args.val_docs else 'fraction %g' % (args.val_frac or ti.DEFAULT_VAL_FRAC)}, "
           f"max doc chars {args.max_doc_chars or 'none'}", flush=True)

@@ -228,3 +228,79 @@ def test_the_documented_first_use_imports_from_the_reference_base_dir(tmp_path, 
     assert "already imported" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"--model-tag d32: .* pick another --model-tag \(the default is d32-imported\)"):
         main(["~/.cache/nanochat/chatsft_checkpoints/d32", "--as", "sft", "--model-tag", "d32"])
+
+
+# -----------------------------------------------------------------------------
+# Hardening IV, 2: what a hub repo names is read from its download folder only
+
+
+def transformers_files(folder):
+    """A tiny transformers NanoChat as save_pretrained writes it (config.json, model.safetensors), with its
+    tokenizer.json; the files' bytes by name."""
+    import transformers
+    from test_model_import import hf_tokenizer_file, source_encoding
+
+    enc = source_encoding()
+    config = transformers.NanoChatConfig(vocab_size=enc.n_vocab, hidden_size=64, intermediate_size=256,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.NanoChatForCausalLM(config).save_pretrained(folder)
+    hf_tokenizer_file(enc, os.path.join(folder, "tokenizer.json"))
+    return {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("where", ["absolute", "dotdot"])
+def test_a_hub_weights_index_cannot_import_a_local_file(tmp_path, target, hub, where):
+    """The attack: a repo of config.json, tokenizer.json and a model.safetensors.index.json whose weight_map points at
+    a .safetensors file of this machine (here a real model's, so the import would succeed, its sha256 in
+    imported_from). The index is refused in one line and nothing is written."""
+    from nanochat.interop.model_import import import_model
+
+    files = transformers_files(str(tmp_path / "victim"))
+    victim = tmp_path / "victim" / "model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(victim), "pt") as f:
+        keys = list(f.keys())
+    # the cache folder is <target>/hub_cache/models/someone/nanochat-d4/main: six levels below tmp_path
+    pointer = str(victim) if where == "absolute" else "../../../../../../victim/model.safetensors"
+    files = {"config.json": files["config.json"], "tokenizer.json": files["tokenizer.json"],
+             "model.safetensors.index.json": json.dumps({"metadata": {}, "weight_map": {k: pointer for k in keys}}).encode()}
+    hub(files)
+    with pytest.raises(UserError, match=r"refusing weights index .*model.safetensors.index.json: it names "
+                                        r".*victim/model.safetensors', not a plain file path inside"):
+        import_model("someone/nanochat-d4", "base")
+    assert not os.path.exists(os.path.join(target, "base_checkpoints")) and \
+        not os.path.exists(os.path.join(target, "tokenizer"))
+
+
+@pytest.mark.quick
+def test_a_weights_index_that_is_not_a_map_of_names_is_one_line(tmp_path, target):
+    from nanochat.interop.model_import import import_model
+
+    folder = tmp_path / "hf"
+    transformers_files(str(folder))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    with pytest.raises(UserError, match=r"weight_map must be an object from parameter names to file names"):
+        import_model(str(folder), "base")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}}))
+    with pytest.raises(UserError, match=rf"names gone.safetensors, which is not in {folder}"):
+        import_model(str(folder), "base")
+    assert not os.path.exists(os.path.join(target, "base_checkpoints"))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("folder, problem", [("a\0b", "control character"), ("x" * 300, "too long to write"),
+                                             ("bad\ud800", "not valid Unicode")], ids=["nul", "long", "surrogate"])
+def test_a_listing_with_a_nul_an_overlong_or_an_invalid_name_is_one_line(tmp_path, target, hub, folder, problem):
+    from nanochat.interop.model_import import import_model
+
+    layout = {kind: f"{folder}/{name}" for kind, name in (("model", "model_000650.pt"), ("meta", "meta_000650.json"),
+                                                          ("tokenizer", "tokenizer.pkl"))}
+    server = hub(hub_files(tmp_path, layout)[0])
+    with pytest.raises(UserError, match=rf"refusing hub repo someone/nanochat-d4@main: its listing names .*{problem}"):
+        import_model("someone/nanochat-d4", "sft")
+    assert not [r for r in server.requests if "/resolve/" in r]
+    assert not os.path.exists(os.path.join(target, "chatsft_checkpoints"))

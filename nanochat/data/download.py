@@ -3,25 +3,45 @@ The one way nanochat fetches a file over HTTP: pretraining shards, the CORE eval
 chat-task parquet files all come through `download_file`.
 
 Each attempt streams into a temp file of its own next to the destination, checks it (the size the
-server promised, the sha256 the server or the caller vouches for, an optional size cap and a
-caller's `validate` check) and only then renames it into place, so the destination path never
-holds a partial or unverified file. Network errors, 5xx answers and failed checks are retried with
+server promised, the sha256 the server or the caller vouches for, a size cap and a caller's
+`validate` check) and only then renames it into place, so the destination path never holds a
+partial or unverified file. Network errors, 5xx answers and failed checks are retried with
 exponential backoff and jitter; a 4xx answer is final. After the last attempt a DownloadError
 names the URL and the last problem.
+
+What bounds one download, whatever the server does (a hostile or broken server included):
+- size: at most what the server announced, else `max_bytes` (default DEFAULT_MAX_BYTES); a size the
+  disk has no room for is refused before the first byte;
+- time: an attempt fails when no byte comes for HTTP_TIMEOUT[1] seconds (a stall) or when fewer than
+  MIN_RATE bytes a second arrive over any RATE_WINDOW seconds (a drip); the whole download, every
+  attempt and wait included, ends at DEADLINE seconds;
+- where: http(s) only; a redirect to another scheme (file://...) is refused at once, not retried;
+- leftovers: a temp file left by a killed run (its process gone, untouched for STALE_TEMP_SECONDS) is
+  removed by the next download of the same file.
 """
 
 import hashlib
 import os
 import random
 import re
+import shutil
 import threading
+import time
+from urllib.parse import urlsplit
 
 import requests
+import urllib3
 
 from nanochat.common import UserError
 
 HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
-HTTP_TIMEOUT = (10, 60)  # seconds to connect, and to wait for the next bytes before calling the attempt failed
+HTTP_TIMEOUT = (10, 30)  # seconds to connect, and to wait for the next bytes before calling the attempt stalled
+MIN_RATE = 10_000  # bytes a second, averaged over RATE_WINDOW seconds: a slower attempt is a drip, not a download
+RATE_WINDOW = 60.0
+DEADLINE = 24 * 3600.0  # seconds for one file, every attempt and backoff included: a trickle just above MIN_RATE ends
+DEFAULT_MAX_BYTES = 16 << 30  # a body whose size nobody announced stops here (the largest file we fetch is far smaller)
+STALE_TEMP_SECONDS = 600  # a live attempt writes far more often than this (the stall timeout and MIN_RATE see to it)
+READ_SIZE = 1 << 16
 
 
 class DownloadError(UserError):
@@ -45,21 +65,65 @@ def _promised_by_server(response):
     chain = [response] + list(reversed(response.history))
     etags = (sha256_from_etag(r.headers.get(key)) for r in chain for key in ("X-Linked-Etag", "ETag"))
     sha = next((s for s in etags if s), None)
-    size = response.headers.get("Content-Length")
-    linked_size = next((r.headers["X-Linked-Size"] for r in chain if "X-Linked-Size" in r.headers), None)
-    size = int(size) if size is not None else None
+    size = _byte_count(response.headers.get("Content-Length"), "Content-Length")
+    linked_size = _byte_count(next((r.headers["X-Linked-Size"] for r in chain if "X-Linked-Size" in r.headers), None),
+                              "X-Linked-Size")
     if linked_size is not None:
-        if size is not None and int(linked_size) != size:
+        if size is not None and linked_size != size:
             raise AttemptFailed(f"Content-Length {size} disagrees with X-Linked-Size {linked_size}")
-        size = int(linked_size)
+        size = linked_size
     return size, sha
 
 
-def _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, stop):
+def _byte_count(value, header):
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise AttemptFailed(f"the server's {header} {value[:40]!r} is not a number of bytes")
+    return int(value)
+
+
+class _Clock:
+    """The limits in time of one download_file call: its overall deadline, and the rate of the current attempt."""
+
+    def __init__(self, url, deadline, min_rate, rate_window):
+        self.url, self.deadline, self.min_rate, self.rate_window = url, deadline, min_rate, rate_window
+        self.t0 = time.monotonic()
+
+    def remaining(self):
+        left = self.deadline - (time.monotonic() - self.t0)
+        if left <= 0:
+            raise DownloadError(f"cannot download {self.url}: not finished within the {self.deadline:g} s deadline "
+                                "for one file")
+        return left
+
+    def start_attempt(self):
+        self.window_start, self.window_bytes = time.monotonic(), 0
+
+    def received(self, n):
+        """Count n more bytes; fail the attempt when the last rate_window seconds brought fewer than min_rate a second."""
+        self.window_bytes += n
+        elapsed = time.monotonic() - self.window_start
+        if elapsed >= self.rate_window:
+            if self.window_bytes < self.min_rate * elapsed:
+                raise AttemptFailed(f"too slow: {self.window_bytes:,} bytes in {elapsed:.1f} s, under the minimum "
+                                    f"rate of {self.min_rate:,} bytes/s")
+            self.start_attempt()
+
+
+def _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, stop, clock):
     """Stream url into tmp_path and check it. Raises AttemptFailed (retry) or DownloadError (give up)."""
+    connect_timeout, read_timeout = timeout if isinstance(timeout, tuple) else (timeout, timeout)
+    # A read may not outlast the deadline: the socket's timeout is the smaller of the two.
+    read_timeout = min(read_timeout, clock.remaining())
     # identity encoding: Content-Length and the hash must describe exactly the bytes we store
     try:
-        response = requests.get(url, stream=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
+        response = requests.get(url, stream=True, timeout=(connect_timeout, read_timeout),
+                                headers={"Accept-Encoding": "identity"})
+    except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
+            requests.exceptions.TooManyRedirects) as e:
+        # a redirect to file://, or in circles: asking again gets the same answer
+        raise DownloadError(f"cannot download {url}: {type(e).__name__}: {e} (not retrying)") from None
     except requests.RequestException as e:
         raise AttemptFailed(f"request failed ({type(e).__name__}: {e})") from e
     with response:
@@ -70,27 +134,44 @@ def _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, st
                 raise DownloadError(f"cannot download {url}: {message} (not retrying a client error)")
             raise AttemptFailed(message)
         size, server_sha = _promised_by_server(response)
-        if max_bytes is not None and size is not None and size > max_bytes:
+        if size is not None and size > max_bytes:
             raise DownloadError(f"cannot download {url}: the server announces {size:,} bytes, more than the "
                                 f"{max_bytes:,} this file may have")
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(tmp_path))).free
+        if size is not None and size > free:
+            raise DownloadError(f"cannot download {url}: it is {size:,} bytes and {os.path.dirname(tmp_path)} has "
+                                f"{free:,} bytes free; free some space and run again")
+        limit = size if size is not None else max_bytes  # the body may never outgrow what was announced
         hasher = hashlib.sha256()
         received = 0
+        clock.start_attempt()
         try:
             with open(tmp_path, "wb") as f:
-                for chunk in response.iter_content(chunk_size=1 << 16):
+                while True:
+                    # read1: whatever has arrived, up to READ_SIZE, so a drip comes back here to be timed
+                    chunk = response.raw.read1(READ_SIZE, decode_content=True)
+                    if not chunk:
+                        break
                     if stop.is_set():
                         raise KeyboardInterrupt
                     received += len(chunk)
-                    if max_bytes is not None and received > max_bytes:
-                        raise DownloadError(f"cannot download {url}: more than the {max_bytes:,} bytes this file may have")
+                    if received > limit:
+                        raise DownloadError(f"cannot download {url}: more than the {limit:,} bytes this file may have")
                     f.write(chunk)
                     hasher.update(chunk)
                     on_bytes(len(chunk))
+                    clock.received(len(chunk))
+                    clock.remaining()
                 f.flush()
                 os.fsync(f.fileno())
-        except requests.RequestException as e:  # urllib3 wraps socket errors and short reads into these
+        except urllib3.exceptions.ReadTimeoutError:
+            raise AttemptFailed(f"stalled: no bytes for {read_timeout:g} s after {received:,}") from None
+        except (requests.RequestException, urllib3.exceptions.HTTPError) as e:  # socket errors, short reads
             expected = f" (expected {size} bytes)" if size is not None else ""
             raise AttemptFailed(f"connection broken mid-file{expected}: {type(e).__name__}: {e}") from e
+        except OSError as e:  # a full disk, a read-only folder: another attempt would fail alike
+            raise DownloadError(f"cannot download {url}: cannot write {tmp_path} ({e.strerror or e}); free some "
+                                "space or make the folder writable, and run again") from None
     if size is not None and received != size:
         raise AttemptFailed(f"size mismatch: got {received} bytes, server said {size}")
     digest = hasher.hexdigest()
@@ -100,22 +181,57 @@ def _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, st
         raise AttemptFailed(f"sha256 mismatch: got {digest}, expected {expected_sha256}")
 
 
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temp_files(path):
+    """Remove the temp files a killed download of `path` left (path.tmpPID.TID): its process is gone and the file
+    has not been written for STALE_TEMP_SECONDS. A live attempt, in this process or another, keeps its file."""
+    directory, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"\.tmp(\d+)\.\d+")
+    for name in os.listdir(directory):
+        match = pattern.fullmatch(name)
+        if not match or int(match.group(1)) == os.getpid() or _process_alive(int(match.group(1))):
+            continue
+        temp = os.path.join(directory, name)
+        try:
+            if time.time() - os.path.getmtime(temp) > STALE_TEMP_SECONDS:
+                os.remove(temp)
+        except FileNotFoundError:  # another process cleaned it first
+            pass
+
+
 def download_file(url, path, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT, expected_sha256=None, max_bytes=None,
-                  validate=None, on_bytes=None, stop=None):
+                  validate=None, on_bytes=None, stop=None, min_rate=None, rate_window=None, deadline=None):
     """
     Fetch url to path (verified, atomically renamed into place) and return path. `validate(tmp_path)` may
     raise AttemptFailed to reject what arrived; `on_bytes(n)` reports progress; setting the `stop` event
     abandons the download with KeyboardInterrupt. The temp file is unique to this call, so two processes
     fetching the same file never write into each other's bytes (the last complete one wins the rename).
+    max_bytes, min_rate (bytes/s over rate_window seconds) and deadline (seconds for the whole call) default to
+    the module's DEFAULT_MAX_BYTES, MIN_RATE, RATE_WINDOW and DEADLINE.
     """
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise DownloadError(f"cannot download {url}: only http:// and https:// URLs are fetched")
     on_bytes = on_bytes or (lambda n: None)
     stop = stop or threading.Event()
+    max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    clock = _Clock(url, DEADLINE if deadline is None else deadline, MIN_RATE if min_rate is None else min_rate,
+                   RATE_WINDOW if rate_window is None else rate_window)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    remove_stale_temp_files(path)
     tmp_path = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
     problem = None
     for attempt in range(1, max_attempts + 1):
         try:
-            _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, stop)
+            _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, stop, clock)
             if validate is not None:
                 validate(tmp_path)
             os.replace(tmp_path, path)
@@ -128,6 +244,6 @@ def download_file(url, path, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT, 
         if attempt < max_attempts:
             # jitter keeps parallel workers from retrying in lockstep against a rate limit
             delay = backoff * 2 ** (attempt - 1) * (1 + 0.25 * random.random())
-            if stop.wait(min(delay, 120.0)):
+            if stop.wait(min(delay, 120.0, clock.remaining())):
                 raise KeyboardInterrupt
     raise DownloadError(f"failed to download {url} after {max_attempts} attempts: {problem}")

@@ -12,8 +12,9 @@ Models: GET {endpoint}/api/models/{owner}/{name}/tree/{revision}?recursive=true 
 GET {endpoint}/{owner}/{name}/resolve/{revision}/{path} fetches one, into
 <base_dir>/hub_cache/models/{owner}/{name}/{revision}/ with a manifest written last; a revision with a manifest is
 read again without the network. A listed path is only ever written inside that folder: one with '..', '.' or empty
-parts, an absolute path or a backslash refuses the whole listing, and one that resolves outside the folder (through
-a link there) is refused before anything is downloaded.
+parts, an absolute path, a backslash, a control character or a part too long for a file name refuses the whole
+listing, and one that resolves outside the folder (through a link there) is refused before anything is downloaded.
+A dataset's repo, config and split become folders too, so each must be a plain name.
 """
 
 import json
@@ -27,9 +28,14 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 
 from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, read_json_object
-from nanochat.data.download import DownloadError, download_file
+from nanochat.data.download import HEX64, AttemptFailed, DownloadError, download_file
 
-REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Always used with fullmatch: re.match with '$' would accept a name ending in a newline.
+PLAIN_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # one folder name: no '..' or '.', no separator
+REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*")  # a branch, tag or commit
+MAX_NAME_BYTES = 200  # of one part of a listed path: the file system's 255, less the room a temp file's suffix takes
+MAX_PATH_CHARS = 1000
 MANIFEST = "files.json"  # written last into a download directory: its presence means complete
 
 
@@ -40,7 +46,9 @@ def hub_endpoint():
 def parse_repo_id(source):
     """'owner/name' or 'owner/name@revision' -> (repo, revision), or None when `source` is not written like one."""
     repo, _, revision = source.partition("@")
-    if not REPO_RE.match(repo) or ".." in repo or (source.count("@") and not revision):
+    if not REPO_RE.fullmatch(repo) or ".." in repo or (source.count("@") and not revision):
+        return None
+    if revision and (not REVISION_RE.fullmatch(revision) or len(revision) > MAX_NAME_BYTES):
         return None
     return repo, revision or "main"
 
@@ -49,11 +57,28 @@ def model_cache_dir(repo, revision):
     return os.path.join(get_base_dir(), "hub_cache", "models", repo, revision.replace("/", "--"))
 
 
+def repo_path_problem(name):
+    """Why a listed file path cannot be written inside the download folder, or None when it is relative and plain:
+    parts joined by '/', none empty, '.' or '..', no backslash or drive letter, no control character, each part a
+    possible file name. The hub lists nothing else."""
+    if not isinstance(name, str) or not name:
+        return "an empty path"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, which JSON can carry and no file name can
+        return "a path that is not valid Unicode"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "a path with a control character (a NUL, a newline...)"
+    parts = name.split("/")
+    if "\\" in name or re.match(r"[A-Za-z]:", name) or any(part in ("", ".", "..") for part in parts):
+        return "a path that leads outside its download folder (a '..', '.' or empty part, or an absolute path)"
+    if len(name) > MAX_PATH_CHARS or any(len(part.encode("utf-8")) > MAX_NAME_BYTES for part in parts):
+        return f"a path too long to write (a part over {MAX_NAME_BYTES} bytes, or over {MAX_PATH_CHARS} characters)"
+    return None
+
+
 def plain_repo_path(name):
-    """Whether a listed file path is relative and plain: parts joined by '/', none empty, '.' or '..', no backslash
-    or drive letter. The hub lists nothing else; anything else would be written outside the download folder."""
-    return bool(name) and "\\" not in name and not re.match(r"^[A-Za-z]:", name) and \
-        all(part not in ("", ".", "..") for part in name.split("/"))
+    return repo_path_problem(name) is None
 
 
 def local_path_in(directory, name):
@@ -76,7 +101,7 @@ def fetch_json(url, attempts=3, backoff=1.0):
             answer["text"] = f.read()
         try:
             answer["value"] = json.loads(answer["text"])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested too deep to parse
             raise DownloadError(f"expected JSON, got {answer['text'][:200]!r}") from None
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,14 +122,14 @@ def list_model_files(repo, revision):
                         "and revision, the network, or set HF_ENDPOINT to a reachable mirror") from None
     listing = {}
     for entry in entries:
-        if not plain_repo_path(entry["path"]):
-            raise UserError(f"refusing hub repo {repo}@{revision}: its listing names {entry['path']!r}, a path that "
-                            "would be written outside its download folder (a '..', '.' or empty part, or an absolute "
-                            "path)")
+        problem = repo_path_problem(entry["path"])
+        if problem:
+            raise UserError(f"refusing hub repo {repo}@{revision}: its listing names {entry['path'][:100]!r}, {problem}")
         if entry.get("type", "file") == "file":
             lfs = entry.get("lfs") if isinstance(entry.get("lfs"), dict) else {}
-            size = entry.get("size") if isinstance(entry.get("size"), int) else None
-            listing[entry["path"]] = {"size": size, "sha256": lfs.get("oid") if isinstance(lfs.get("oid"), str) else None}
+            size = entry.get("size") if type(entry.get("size")) is int and entry["size"] >= 0 else None
+            oid = lfs.get("oid") if isinstance(lfs.get("oid"), str) and HEX64.fullmatch(lfs["oid"]) else None
+            listing[entry["path"]] = {"size": size, "sha256": oid}
     if not listing:
         raise UserError(f"hub repo {repo}@{revision} lists no files at {url}")
     return listing
@@ -160,6 +185,7 @@ def fetch_model_files(repo, revision, choose):
 # -----------------------------------------------------------------------------
 # Datasets: a split's parquet files
 
+PART_FILE_RE = re.compile(r"part-\d{4,}\.parquet")  # the names fetch_parquet_files gives the split's files
 LIST_ATTEMPTS = 3
 LIST_BACKOFF_SECONDS = 1.0  # doubled after each failed attempt to list a split
 
@@ -168,7 +194,23 @@ def listing_url(repo, config, split):
     return f"{hub_endpoint()}/api/datasets/{repo}/parquet/{config}/{split}"
 
 
+def dataset_id_problem(repo, config, split):
+    """(which, why) for the first of a dataset's repo, config and split that is not a plain name; None when all are.
+    Each becomes a folder under task_data/, so a '..' there would write anywhere."""
+    if not (isinstance(repo, str) and REPO_RE.fullmatch(repo) and ".." not in repo):
+        return "repo", (f"{repo!r} is not owner/name (letters, digits, '-', '_' and '.', each part starting with a "
+                        "letter or digit)")
+    for which, value in (("config", config), ("split", split)):
+        if not (isinstance(value, str) and PLAIN_PART_RE.fullmatch(value) and len(value) <= MAX_NAME_BYTES):
+            return which, (f"{value!r} is not a plain name (letters, digits, '-', '_' and '.', starting with a letter "
+                           "or digit)")
+    return None
+
+
 def split_dir(repo, config, split):
+    problem = dataset_id_problem(repo, config, split)
+    if problem:
+        raise UserError(f"hub dataset {repo!r} ({config!r}/{split!r}): its {problem[0]} {problem[1]}")
     return os.path.join(get_base_dir(), "task_data", repo, config, split)
 
 
@@ -182,10 +224,10 @@ def local_parquet_files(repo, config, split):
     """The split's parquet files if a complete download is on disk, else None. Never touches the network."""
     directory = split_dir(repo, config, split)
     names = (read_json_object(os.path.join(directory, MANIFEST)) or {}).get("files")
-    if names is None:
-        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) and PART_FILE_RE.fullmatch(n) for n in names):
+        return None  # no manifest, or not one we wrote: download again
     paths = [os.path.join(directory, name) for name in names]
-    return paths if all(os.path.exists(p) for p in paths) else None
+    return paths if all(os.path.isfile(p) for p in paths) else None
 
 
 def _list_parquet_urls(label, repo, config, split, how_to_fix):
@@ -223,11 +265,19 @@ def fetch_parquet_files(task_name, repo, config, split, label=None, how_to_fix=N
             if os.path.exists(path):  # download_file renames only complete files into place
                 continue
             try:
-                download_file(url, path)
+                download_file(url, path, validate=_check_parquet)
             except DownloadError as e:
                 raise UserError(f"{label}: {e}; {how_to_fix}") from None
         atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"urls": urls, "files": names}, indent=2))
         return [os.path.join(directory, name) for name in names]
+
+
+def _check_parquet(tmp_path):
+    """A downloaded file must be parquet (its footer read back), or the attempt failed: never cache what cannot be read."""
+    try:
+        pq.ParquetFile(tmp_path).close()
+    except Exception as e:  # pyarrow raises several kinds for a file that is not parquet
+        raise AttemptFailed(f"not a parquet file ({type(e).__name__}: {e})") from None
 
 
 def load_table(task_name, repo, config, split):

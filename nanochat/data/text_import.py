@@ -15,12 +15,20 @@ How the text becomes shards, and why:
   else spaces (mid-word only for a longer "word"); the pieces join back into the document. The loader keeps one
   row's worth of each document, so uncut long documents would train on their openings only.
 - Exact duplicate documents are dropped, empty ones skipped, invalid UTF-8 replaced; each is counted.
-- Memory stays bounded: pass 1 streams the documents into hash buckets on disk, pass 2 sorts one bucket at a time.
+- Memory stays bounded: files are read (and decompressed) a chunk at a time, pass 1 streams the documents into hash
+  buckets on disk, pass 2 sorts one bucket at a time. What must be whole in memory is one document (a .txt/.md file
+  with --split-on file, a JSONL line, a parquet cell: at most MAX_DOC_CHARS characters) and a .json file (parsed
+  whole: at most MAX_JSON_CHARS).
+- Only what was asked for is read: in a folder or glob, a link is followed only to a file inside it (else it is
+  skipped, unless --follow-links), special files (FIFOs, devices, sockets) are skipped, and the summary counts both.
 - Atomic and idempotent: the source is built in a temp dir and renamed into place, and import.json records the
-  inputs' sizes and sha256 with the options, so an unchanged re-run is a no-op and a changed input rebuilds.
+  inputs' sizes and sha256 with the options, so an unchanged re-run is a no-op and a changed input rebuilds. A
+  failure to write (a full disk) removes the temp dir and leaves the previous source as it was.
 """
 
 import codecs
+import contextlib
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -29,8 +37,11 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
+import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -45,16 +56,31 @@ FORMAT_VERSION = 1  # bump when the same inputs and options would give other sha
 VAL_INDEX = 0
 TEXT_EXTS, JSON_EXTS, PARQUET_EXTS = (".txt", ".md"), (".jsonl", ".json"), (".parquet",)
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # with fullmatch: '$' would let "name\n" through
 DEFAULT_VAL_FRAC = 0.01
 SHARD_CHARS = 250_000_000  # about the hub shards' size (~250 M characters each)
 MAX_ROWS_PER_GROUP = 1024  # the hub shards' row groups; smaller for a small source, so 8 ranks x 8 groups exist
 NUM_BUCKETS = 64
 CHARS_PER_TOKEN = 4.0  # the estimate when no tokenizer has been trained yet (English BPE: ~4 characters a token)
 RECORD = struct.Struct("<QQIII")  # piece hash, document hash, input index, piece index, text bytes
+READ_BYTES = 1 << 18  # files are read, decompressed and decoded this much at a time
+MAX_DOC_CHARS = 1 << 26  # one document held whole (a .txt file with --split-on file, a JSONL line): ~64 M characters
+MAX_JSON_CHARS = 1 << 28  # a .json file, parsed whole (a .jsonl file is read a line at a time)
+BLANK_LINE = re.compile(r"[ \t]*")
+SKIPPED = {  # what a folder or glob holds that is not read, as the summary words it
+    "links": "links to a folder or out of the input (read them with --follow-links)",
+    "broken": "broken links",
+    "special": "special files (FIFOs, devices, sockets)",
+}
 
 
 def _count_invalid(error):
+    """U+FFFD for what cannot be decoded (invalid UTF-8) or encoded (a lone surrogate, which JSON's \\ud800 escapes
+    carry), counting each replacement."""
+    if isinstance(error, UnicodeEncodeError):
+        count = error.end - error.start
+        _count_invalid.replaced += count
+        return "\ufffd".encode("utf-8") * count, error.end  # utf-8's encoder takes back bytes, or ASCII-only text
     _count_invalid.replaced += 1
     return "\ufffd", error.end
 
@@ -84,10 +110,12 @@ class Input:
     label: str
     files: list  # paths, sorted
     fingerprint: dict = field(default_factory=dict)  # what makes a re-import a no-op when unchanged
+    skipped: dict = field(default_factory=dict)  # kind (a key of SKIPPED) -> paths in its folder left unread
+    when_unreadable: str = ""  # what to do when one of its files cannot be read (a hub download: delete it)
 
 
 def is_plain_name(name):
-    return bool(NAME_RE.match(name or ""))
+    return bool(NAME_RE.fullmatch(name or ""))
 
 
 def split_extension(path):
@@ -105,39 +133,171 @@ def _kinds():
     return "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"
 
 
-def expand_input(arg):
-    """The files one INPUT argument names: a file, a folder (searched recursively) or a glob."""
-    if any(c in arg for c in "*?["):
-        paths = sorted(p for p in glob.glob(arg, recursive=True) if os.path.isfile(p))
-        files = [p for p in paths if split_extension(p)[0]]
-        if not files:
-            raise UserError(f"input {arg} matches no {_kinds()} files" +
-                            (f" ({len(paths)} other files)" if paths else ""))
+def _has_magic(part):
+    return any(c in part for c in "*?[")
+
+
+class _Finder:
+    """
+    The files under one input folder (or a glob's fixed leading folders), and what is left unread and why. A file
+    counts when its real path lies inside the folder: a link to a file elsewhere (/etc/passwd), and any link to a
+    folder, is read only with follow_links, which then visits each real folder once, so a loop of links ends.
+    FIFOs, devices and sockets are never read (a FIFO blocks, /dev/zero never ends).
+    """
+
+    def __init__(self, root, follow_links):
+        self.root_real = os.path.realpath(root or ".")
+        self.follow_links = follow_links
+        self.skipped = {}
+        self.visited = set()  # (device, inode) of folders already listed
+
+    def skip(self, kind, path):
+        self.skipped.setdefault(kind, []).append(path)
+
+    def kind(self, path):
+        """'dir' (to descend into), 'file' (to read) or None: a skipped entry, or a file of no kind we read."""
+        try:
+            st = os.lstat(path)
+        except OSError:  # gone since it was listed, or a glob's literal part that names nothing
+            return None
+        is_link = stat.S_ISLNK(st.st_mode)
+        try:
+            st = os.stat(path) if is_link else st  # where a link leads
+        except OSError:  # a dangling link, or a loop of links
+            self.skip("broken", path)
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            if is_link and not self.follow_links:
+                self.skip("links", path)
+                return None
+            return "dir"
+        if not split_extension(path)[0]:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self.skip("special", path)
+            return None
+        real = os.path.realpath(path)
+        if not self.follow_links and os.path.commonpath([self.root_real, real]) != self.root_real:
+            self.skip("links", path)
+            return None
+        return "file"
+
+    def first_visit(self, directory):
+        st = os.stat(directory)
+        if (st.st_dev, st.st_ino) in self.visited:
+            return False
+        self.visited.add((st.st_dev, st.st_ino))
+        return True
+
+    def list_dir(self, directory):
+        try:
+            return sorted(os.listdir(directory or "."))
+        except OSError as e:
+            raise UserError(f"cannot list the folder {directory or '.'} ({e.strerror or e})") from None
+
+    def folder(self, top):
+        """The files under top in os.walk's order (a folder's own files, sorted, before its subfolders'); hidden
+        names skipped. A stack, not recursion: a folder tree may be deeper than Python's recursion limit."""
+        files, stack = [], [top]
+        while stack:
+            directory = stack.pop()
+            if not self.first_visit(directory):
+                continue
+            subfolders = []
+            for name in self.list_dir(directory):
+                if name.startswith("."):
+                    continue
+                path = os.path.join(directory, name)
+                kind = self.kind(path)
+                if kind == "file":
+                    files.append(path)
+                elif kind == "dir":
+                    subfolders.append(path)
+            stack.extend(reversed(subfolders))
         return files
+
+    def glob(self, root, parts):
+        """The paths under root matching the pattern's parts, as glob.glob(recursive=True) matches them ('**' for
+        any depth of folders, '*' not matching a hidden name), without following a link to a folder (with
+        follow_links: each real folder once per pattern part)."""
+        found, stack, seen = set(), [(root, 0)], set()
+        while stack:
+            path, i = stack.pop()
+            if i == len(parts):
+                found.add(path)
+                continue
+            part = parts[i]
+            if not _has_magic(part):
+                stack.append((os.path.join(path, part), i + 1))
+                continue
+            if not os.path.isdir(path or "."):
+                continue
+            st = os.stat(path or ".")
+            if (st.st_dev, st.st_ino, i) in seen:  # '**' through a followed link back to a folder already expanded
+                continue
+            seen.add((st.st_dev, st.st_ino, i))
+            for name in self.list_dir(path):
+                if name.startswith(".") and not part.startswith("."):
+                    continue
+                child = os.path.join(path, name)
+                if part == "**":
+                    if i + 1 == len(parts):
+                        found.add(child)
+                    if os.path.isdir(child) and (self.follow_links or not os.path.islink(child)):
+                        stack.append((child, i))
+                elif fnmatch.fnmatchcase(name, part):
+                    stack.append((child, i + 1))
+            if part == "**":
+                stack.append((path, i + 1))  # '**' matching no folder at all
+        return sorted(found)
+
+
+def expand_input(arg, follow_links=False):
+    """(files, skipped) for one INPUT argument: a file, a folder (searched recursively) or a glob. A file named
+    here is read wherever it leads, but must be a regular file; see _Finder for what a folder or glob reads."""
+    if _has_magic(arg):
+        parts = arg.split(os.sep)
+        fixed = next(i for i, part in enumerate(parts) if _has_magic(part))
+        root = os.sep.join(parts[:fixed]) or ("" if fixed == 0 else os.sep)
+        finder = _Finder(root, follow_links)
+        files = [p for p in finder.glob(root, parts[fixed:]) if finder.kind(p) == "file"]
+        if not files:
+            raise UserError(f"input {arg} matches no {_kinds()} files" + _skipped_note(finder.skipped))
+        return files, finder.skipped
     if os.path.isdir(arg):
-        files = []
-        for root, dirs, names in os.walk(arg):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            files += [os.path.join(root, n) for n in sorted(names) if not n.startswith(".") and split_extension(n)[0]]
+        finder = _Finder(arg, follow_links)
+        files = finder.folder(arg)
         if not files:
-            raise UserError(f"input folder {arg} holds no {_kinds()} files")
-        return files
+            raise UserError(f"input folder {arg} holds no {_kinds()} files" + _skipped_note(finder.skipped))
+        return files, finder.skipped
     if not os.path.exists(arg):
-        raise UserError(f"input {arg} does not exist; pass files, folders or globs of {_kinds()}")
+        broken = " (a broken link)" if os.path.islink(arg) else ""
+        raise UserError(f"input {arg} does not exist{broken}; pass files, folders or globs of {_kinds()}")
     if not split_extension(arg)[0]:
         raise UserError(f"input {arg} is not a {_kinds()} file; rename it, or convert it to one of those")
-    return [arg]
+    if not stat.S_ISREG(os.stat(arg).st_mode):
+        raise UserError(f"input {arg} is not a regular file (a FIFO, a device or a socket), and reading one may never "
+                        "end; copy its text into a file")
+    return [arg], {}
+
+
+def _skipped_note(skipped):
+    counts = ", ".join(f"{len(paths)} {SKIPPED[kind]}" for kind, paths in skipped.items())
+    return f" (skipped: {counts})" if counts else ""
 
 
 def file_fingerprint(path):
-    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": sha256_of(path)}
+    try:
+        return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": sha256_of(path)}
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or e})") from None
 
 
-def local_inputs(args):
+def local_inputs(args, follow_links=False):
     inputs = []
     for arg in args:
-        files = expand_input(arg)
-        inputs.append(Input(arg, files, {"arg": arg, "files": [file_fingerprint(p) for p in files]}))
+        files, skipped = expand_input(arg, follow_links)
+        inputs.append(Input(arg, files, {"arg": arg, "files": [file_fingerprint(p) for p in files]}, skipped))
     return inputs
 
 
@@ -145,30 +305,112 @@ def local_inputs(args):
 # Reading documents
 
 
-def read_file_bytes(path):
-    """The file's bytes, decompressed."""
+def _open_decompressed(path):
+    """The file as a stream of its bytes, decompressed on the fly."""
+    compression = split_extension(path)[1]
+    if compression == "gzip":
+        return gzip.open(path, "rb")
+    if compression == "zstd":
+        return pa.input_stream(path, compression="zstd")
+    return open(path, "rb")
+
+
+def byte_chunks(path):
+    """The file's bytes, decompressed, READ_BYTES at a time: never the whole file in memory."""
     compression = split_extension(path)[1]
     try:
-        if compression == "gzip":
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        if compression == "zstd":
-            with pa.input_stream(path, compression="zstd") as f:
-                return f.read()
-        with open(path, "rb") as f:
-            return f.read()
-    except (OSError, EOFError, pa.ArrowException) as e:
-        raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); is it really {compression or 'uncompressed'}?")
+        with _open_decompressed(path) as f:
+            while data := f.read(READ_BYTES):
+                yield data
+    except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
+        raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); is it really {compression or 'uncompressed'}?"
+                        ) from None
 
 
-def decode_text(data, path, stats):
-    """bytes -> str, refusing binary files and replacing (and counting) invalid UTF-8."""
-    if b"\0" in data[:65536]:
-        raise UserError(f"{path} looks binary (it holds NUL bytes), not text; pass text, JSON(L) or parquet files")
+def text_chunks(path, stats):
+    """The file's text a chunk at a time: decoded as UTF-8 (invalid bytes replaced and counted), a binary file (a
+    NUL byte anywhere, not only near the start) refused."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="nanochat_count_replace")
+    for data in byte_chunks(path):
+        if b"\0" in data:
+            raise UserError(f"{path} looks binary (it holds NUL bytes), not text; pass text, JSON(L) or parquet files")
+        _count_invalid.replaced = 0
+        text = decoder.decode(data)
+        stats.invalid_utf8 += _count_invalid.replaced
+        if text:
+            yield text
     _count_invalid.replaced = 0
-    text = data.decode("utf-8", errors="nanochat_count_replace")
+    text = decoder.decode(b"", final=True)  # a multi-byte sequence cut off by the end of the file
     stats.invalid_utf8 += _count_invalid.replaced
-    return text.replace("\r\n", "\n")
+    if text:
+        yield text
+
+
+def whole_text(path, stats, limit):
+    r"""The file's text in one string ("\r\n" read as "\n"), refused when longer than `limit` characters."""
+    pieces, chars, held = [], 0, ""
+    for chunk in text_chunks(path, stats):
+        chunk = held + chunk
+        held = "\r" if chunk.endswith("\r") else ""  # its "\n" may start the next chunk
+        chunk = chunk[:len(chunk) - len(held)].replace("\r\n", "\n")
+        chars += len(chunk)
+        if chars > limit:
+            raise UserError(_too_long(path, limit))
+        pieces.append(chunk)
+    return "".join(pieces) + held
+
+
+def text_lines(path, stats):
+    r"""The file's lines without their "\n" ("\r\n" read as "\n"), as text.split("\n") gives them, one at a time."""
+    partial, partial_chars = [], 0  # the line the last chunk ended in
+    for chunk in text_chunks(path, stats):
+        lines = chunk.split("\n")
+        for line in lines[:-1]:
+            if partial:
+                line = "".join(partial) + line
+                partial, partial_chars = [], 0
+            yield line[:-1] if line.endswith("\r") else line
+        partial.append(lines[-1])
+        partial_chars += len(lines[-1])
+        if partial_chars > MAX_DOC_CHARS:
+            raise UserError(_too_long(path, MAX_DOC_CHARS, "a line"))
+    yield "".join(partial)
+
+
+def blank_line_blocks(path, stats):
+    r"""The documents of a text file cut at blank lines, exactly as re.split(r"\n[ \t]*\n", text) cuts the whole
+    text, read a line at a time: a blank line followed by another line ends a document."""
+    lines = text_lines(path, stats)
+    block = [next(lines)]  # a file has at least one line, if an empty one
+    chars, blank = len(block[0]), None
+    for line in lines:
+        if blank is not None:
+            yield "\n".join(block)
+            block, chars, blank = [line], len(line), None
+        elif BLANK_LINE.fullmatch(line):
+            blank = line
+        else:
+            block.append(line)
+            chars += len(line) + 1
+            if chars > MAX_DOC_CHARS:
+                raise UserError(_too_long(path, MAX_DOC_CHARS))
+    if blank is not None:
+        block.append(blank)
+    yield "\n".join(block)
+
+
+def _too_long(path, limit, what="a document"):
+    return (f"{path}: {what} of more than {limit:,} characters, more than an import holds in memory at once; split "
+            "the file (--split-on blank-lines cuts a text file at its blank lines; a .json list can become .jsonl)")
+
+
+def parse_json(text, where, hint):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{where}: not JSON ({e}); {hint}") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser's stack
+        raise UserError(f"{where}: JSON nested too deep to read; {hint}") from None
 
 
 def get_field(record, dotted):
@@ -205,28 +447,20 @@ def documents_in_file(path, options, stats):
     ext = split_extension(path)[0]
     if ext in PARQUET_EXTS:
         yield from _parquet_documents(path, options, stats)
-        return
-    text = decode_text(read_file_bytes(path), path, stats)
-    if ext in TEXT_EXTS:
+    elif ext in TEXT_EXTS:
         if options.split_on == "blank-lines":
-            yield from re.split(r"\n[ \t]*\n", text)
+            yield from blank_line_blocks(path, stats)
         else:
-            yield text
+            yield whole_text(path, stats, MAX_DOC_CHARS)
     elif ext == ".jsonl":
-        for lineno, line in enumerate(text.split("\n"), start=1):
+        for lineno, line in enumerate(text_lines(path, stats), start=1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"{path} line {lineno}: not JSON ({e}); each line of a .jsonl file is one JSON "
-                                f"object") from None
+            record = parse_json(line, f"{path} line {lineno}", "each line of a .jsonl file is one JSON object")
             yield _field_text(record, options.field, f"{path} line {lineno}")
     else:
-        try:
-            records = json.loads(text)
-        except ValueError as e:
-            raise UserError(f"{path}: not JSON ({e}); a .json input is a list of records (or use .jsonl)") from None
+        records = parse_json(whole_text(path, stats, MAX_JSON_CHARS), path,
+                             "a .json input is a list of records (or use .jsonl)")
         if not isinstance(records, list):
             raise UserError(f"{path}: a .json input must be a JSON list of records or strings, "
                             f"not a {type(records).__name__}")
@@ -235,11 +469,18 @@ def documents_in_file(path, options, stats):
 
 
 def _parquet_documents(path, options, stats):
-    compression = split_extension(path)[1]
+    # Parquet is read from its footer back, so a compressed one is first decompressed into a temp file (not memory).
+    with (tempfile.TemporaryFile() if split_extension(path)[1] else contextlib.nullcontext()) as spool:
+        if spool is not None:
+            for data in byte_chunks(path):
+                spool.write(data)
+            spool.seek(0)
+        yield from _parquet_file_documents(path, spool or path, options)
+
+
+def _parquet_file_documents(path, source, options):
     try:
-        pf = pq.ParquetFile(pa.BufferReader(read_file_bytes(path)) if compression else path)
-    except UserError:
-        raise
+        pf = pq.ParquetFile(source)
     except Exception as e:  # pyarrow raises several kinds for a file that is not parquet
         raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
     if options.column not in pf.schema_arrow.names:
@@ -249,8 +490,17 @@ def _parquet_documents(path, options, stats):
             not pa.types.is_large_string(pf.schema_arrow.field(options.column).type):
         raise UserError(f"{path}: column {options.column!r} holds {pf.schema_arrow.field(options.column).type}, "
                         f"not text; pass --column with a string column")
-    for batch in pf.iter_batches(columns=[options.column], batch_size=4096):
+    batches = pf.iter_batches(columns=[options.column], batch_size=4096)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:  # a damaged data page passes the footer check and fails only here
+            raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
+        if batch is None:
+            return
         for text in batch.column(0).to_pylist():
+            if text and len(text) > MAX_DOC_CHARS:
+                raise UserError(_too_long(path, MAX_DOC_CHARS))
             yield text or ""
 
 
@@ -297,6 +547,7 @@ class InputStats:
     pieces: int = 0
     val_documents: int = 0
     tokens: float = 0.0  # estimated, filled in at the end
+    skipped: dict = field(default_factory=dict)  # kind (a key of SKIPPED) -> {"count": n, "examples": first paths}
 
 
 def _hash64(data):
@@ -309,7 +560,8 @@ def _scatter(inputs, options, document_source, bucket_dir):
     seen, doc_hashes, all_stats = set(), [], []
     try:
         for index, item in enumerate(inputs):
-            stats = InputStats(item.label, files=len(item.files))
+            skipped = {kind: {"count": len(paths), "examples": paths[:3]} for kind, paths in item.skipped.items()}
+            stats = InputStats(item.label, files=len(item.files), skipped=skipped)
             all_stats.append(stats)
             for text in document_source(item, stats):
                 text = text.strip()
@@ -494,14 +746,20 @@ def build_source(name, inputs, options, document_source=None, data_root=None, co
                    f"nothing to do")
             return dict(old, unchanged=True)
         tmp_dir = os.path.join(data_root, f".{name}.tmp-{os.getpid()}")
-        os.makedirs(os.path.join(tmp_dir, ".buckets"))
         try:
+            os.makedirs(os.path.join(tmp_dir, ".buckets"))
             manifest = _build(name, inputs, options, document_source or _file_documents(options), tmp_dir, base_dir,
                               shard_chars)
             manifest.update(name=name, fingerprint=fingerprint, command=command or f"python -m nanochat.dataset "
                             f"import {name} ...", created=time.strftime("%Y-%m-%d %H:%M:%S"))
             atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=2))
             _swap_into_place(tmp_dir, final_dir, data_root, name)
+        except OSError as e:  # reading errors are UserErrors by now: this is writing (a full disk, a quota)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            _recover(data_root, name)  # puts back the previous source if the swap was cut short
+            raise UserError(f"cannot write the {name} source in {data_root} ({e.strerror or e}); nothing was changed "
+                            f"(the previous source, if any, is as it was): free some space (an import needs about "
+                            f"twice its text's size) and run it again") from None
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return dict(manifest, unchanged=False)
@@ -510,7 +768,12 @@ def build_source(name, inputs, options, document_source=None, data_root=None, co
 def _file_documents(options):
     def documents(item, stats):
         for path in item.files:
-            yield from documents_in_file(path, options, stats)
+            try:
+                yield from documents_in_file(path, options, stats)
+            except UserError as e:
+                if not item.when_unreadable:
+                    raise
+                raise UserError(f"{e}; {item.when_unreadable}") from None
     return documents
 
 
@@ -579,6 +842,11 @@ def print_summary(manifest, data_dir):
     for row in [header] + rows:
         print0("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
                                 enumerate(zip(row, widths))))
+    for stats in manifest["inputs"]:
+        for kind, skipped in stats.get("skipped", {}).items():
+            more = ", ..." if skipped["count"] > len(skipped["examples"]) else ""
+            print0(f"{stats['label']}: skipped {skipped['count']:,} {SKIPPED[kind]}: "
+                   f"{', '.join(skipped['examples'])}{more}")
     crop = manifest["crop"]
     print0(f"tokens estimated with {manifest['tokens_estimated_with']}; at --max-seq-len={crop['max_seq_len']} the "
            f"loader would crop {100 * crop['fraction']:.1f} % of the tokens (measured on {crop['sampled_pieces']:,} "
@@ -590,14 +858,27 @@ def print_summary(manifest, data_dir):
            f"or NANOCHAT_DATA_SOURCE={manifest['name']}")
 
 
+def check_hub_dataset(repo, config, split):
+    """--hf-repo, --config and --split become folders under task_data/: each must be a plain name, as NAME is ('../..'
+    would write anywhere). Refused before anything is written or fetched."""
+    from nanochat.data.hub import dataset_id_problem
+
+    problem = dataset_id_problem(repo, config, split)
+    if problem:
+        which, why = problem
+        flag = {"repo": "--hf-repo", "config": "--config", "split": "--split"}[which]
+        raise UserError(f"{flag} {why}")
+
+
 def hub_input(repo, config, split):
     """A Hugging Face dataset split as an input: its parquet files, fetched once through the hub's parquet API."""
-    from nanochat.data.hub import fetch_parquet_files
+    from nanochat.data.hub import fetch_parquet_files, split_dir
 
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo or ""):
-        raise UserError(f"--hf-repo must be owner/name (got {repo!r})")
+    check_hub_dataset(repo, config, split)
     paths = fetch_parquet_files(repo, repo, config, split, label=f"import --hf-repo {repo}",
                                 how_to_fix="check the network, or set HF_ENDPOINT to a reachable mirror of "
                                            "huggingface.co; or download the files and import them from disk")
+    # A file that was checked when downloaded and cannot be read now was damaged on disk: the cache must go.
     return Input(f"{repo} ({config}/{split})", paths,
-                 {"hf_repo": repo, "config": config, "split": split, "files": [file_fingerprint(p) for p in paths]})
+                 {"hf_repo": repo, "config": config, "split": split, "files": [file_fingerprint(p) for p in paths]},
+                 when_unreadable=f"delete {split_dir(repo, config, split)} to download the split again")

@@ -416,10 +416,26 @@ def hf_name_to_ours(name):
 
 
 def safetensors_files(model_dir):
+    """The weight files of a transformers directory: those its model.safetensors.index.json names, else every
+    .safetensors file there. An index comes with the model (from a hub repo, say), so each file it names must be a
+    plain path inside model_dir: a '../' or absolute path would import any .safetensors file on this machine."""
+    from nanochat.data.hub import local_path_in
+
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index, "weights index").get("weight_map", {})
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"weights index {index}: weight_map must be an object from parameter names to file names")
+        paths = []
+        for name in sorted(set(weight_map.values())):
+            path = local_path_in(model_dir, name)
+            if path is None:  # '..', absolute, a NUL, too long, or through a link that leads elsewhere
+                raise UserError(f"refusing weights index {index}: it names {name[:100]!r}, not a plain file path "
+                                f"inside {model_dir}; a model's weights are read from its own folder only")
+            if not os.path.isfile(path):
+                raise UserError(f"weights index {index} names {name}, which is not in {model_dir}")
+            paths.append(path)
+        return paths
     names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     if not names:
         raise UserError(f"no .safetensors weights in {model_dir}")
@@ -611,7 +627,7 @@ def resolve_source(source, step):
 def default_tag(directory, repo):
     name = repo.split("@")[0].split("/")[-1] if repo else os.path.basename(os.path.normpath(directory))
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip(".") or "imported"
-    return name if TAG_RE.match(name) else "imported"
+    return name if TAG_RE.fullmatch(name) else "imported"
 
 
 def target_checkpoint(stage, model_tag, directory, repo):
