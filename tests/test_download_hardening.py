@@ -94,6 +94,14 @@ def trickle(req):
         time.sleep(0.02)
 
 
+def stall(req):
+    """A 50 MB file of which 1 KB comes, then nothing (for up to 10 s, a bound for the test)."""
+    headers(req, 50_000_000)
+    req.wfile.write(b"x" * 1000)
+    req.wfile.flush()
+    time.sleep(10)
+
+
 def redirect_to_file(req):
     req.send_response(302)
     req.send_header("Location", "file:///etc/passwd")
@@ -132,6 +140,13 @@ def test_a_download_ends_at_its_deadline_and_is_not_retried(serve, tmp_path):
     with pytest.raises(DownloadError, match=r"not finished within the 1 s deadline"):
         download_file(server.url + "/trickle", str(tmp_path / "f.bin"), backoff=0.01, deadline=1.0)
     assert server.requests["/trickle"] == 1 and leftovers(tmp_path) == []
+
+
+def test_a_stalled_download_says_so_and_leaves_no_temp_file(serve, tmp_path):
+    server = serve({"/stall": stall})
+    with pytest.raises(DownloadError, match=r"after 2 attempts: stalled: no bytes for 0.3 s after 1,000"):
+        download_file(server.url + "/stall", str(tmp_path / "f.bin"), max_attempts=2, backoff=0.01, timeout=(5, 0.3))
+    assert server.requests["/stall"] == 2 and leftovers(tmp_path) == []
 
 
 def test_a_redirect_to_file_is_refused_at_once(serve, tmp_path):

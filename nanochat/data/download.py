@@ -197,7 +197,7 @@ def remove_stale_temp_files(path):
     directory, base = os.path.split(os.path.abspath(path))
     pattern = re.compile(re.escape(base) + r"\.tmp(\d+)\.\d+")
     for name in os.listdir(directory):
-        match = pattern.fullmatch(name)
+        match = pattern.fullmatch(name) if name.startswith(base) else None  # a folder of 6,543 shards, listed per shard
         if not match or int(match.group(1)) == os.getpid() or _process_alive(int(match.group(1))):
             continue
         temp = os.path.join(directory, name)
