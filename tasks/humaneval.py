@@ -1,13 +1,14 @@
 """
 HumanEval (openai/openai_humaneval): 164 Python functions to complete from their signature and
-docstring. Generative: the reply's code runs against the task's unit tests in nanochat.execution's
-sandbox, and passes only if every test does.
+docstring. Generative: the reply's code runs in nanochat.execution's sandbox, the task's unit tests in a
+sandboxed process of their own that calls it (a verdict the reply's code cannot forge), and it passes
+only if every test does.
 """
 
 import re
 
 from nanochat.data.hub import load_table, table_row
-from nanochat.execution import execute_code
+from nanochat.execution import execute_tests
 from tasks.base import Task
 
 REPO = "openai/openai_humaneval"
@@ -44,8 +45,10 @@ class HumanEval(Task):
 
     def evaluate(self, conversation, completion):
         code = with_prompt_imports(extract_code(completion), conversation["prompt"])
-        program = f"{code}\n\n{conversation['test']}\n\ncheck({conversation['entry_point']})\n"
-        return execute_code(program, timeout=TIMEOUT_SECONDS).success
+        # The prompt's own helpers (HumanEval/10's is_palindrome, /38's encode_cyclic) serve the tests, not the reply's.
+        tests = f"{conversation['test']}\n\ncheck({conversation['entry_point']})\n"
+        return execute_tests(code, tests, conversation["entry_point"], setup=conversation["prompt"],
+                             timeout=TIMEOUT_SECONDS).success
 
 
 def conversation_from_row(row):

@@ -1,0 +1,289 @@
+"""The code sandbox's OS layer against real attacks: the escapes past the Python guards that the audit of Hardening IV
+found, each run through the sandbox as model-written code and checked for its effect outside (docs/sandbox.md)."""
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import psutil
+import pytest
+
+from nanochat import isolation
+from nanochat.execution import execute_code, isolation_mode
+from tasks.humaneval import HumanEval
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every test runs a few sandboxed interpreters; a hung one must not hang the suite.
+pytestmark = [pytest.mark.quick, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def needs_namespaces():
+    # Where the OS gives less (macOS, a container without user namespaces) these escapes are expected to work; CI's
+    # machine must give it all, so there a missing layer fails the tests instead of skipping them.
+    if isolation_mode() != "namespaces" and not os.environ.get("CI"):
+        pytest.skip(f"the sandbox runs in {isolation_mode()!r} mode on this machine, not 'namespaces'")
+
+
+# -----------------------------------------------------------------------------
+# Forging the verdict
+
+
+CONVERSATION = {"prompt": 'def total(numbers):\n    """Sum of the numbers."""\n',
+                "test": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n",
+                "entry_point": "total"}
+RIGHT = "def total(numbers):\n    return sum(numbers)\n"
+FORGERIES = {
+    # A success report on every fd (the status pipe among them), then an exit before the tests can fail.
+    "status pipe": """
+import os
+for fd in range(3, 256):
+    try:
+        os.write(fd, b'{"error": null, "memory_exceeded": false}')
+    except OSError:
+        pass
+os._exit(0)
+""",
+    # A harness in the code's process reports through json.dumps, which the code can replace.
+    "harness's report rewritten": """
+import json
+json.dumps = lambda *args, **kwargs: '{"error": null, "memory_exceeded": false}'
+def total(numbers):
+    return -1
+""",
+    "always-equal object": """
+class Anything:
+    def __eq__(self, other):
+        return True
+def total(numbers):
+    return Anything()
+""",
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_humaneval_verdict_cannot_be_forged(forgery):
+    scorer = HumanEval.__new__(HumanEval)  # scoring needs no rows
+    assert scorer.evaluate(CONVERSATION, f"```python\n{RIGHT}```")
+    assert not scorer.evaluate(CONVERSATION, f"```python\n{FORGERIES[forgery]}```")
+
+
+# -----------------------------------------------------------------------------
+# The caller: killed, its environment read, its memory rewritten
+
+
+CALLER = """
+import ctypes, json, os, sys
+from nanochat.execution import execute_code
+marker = bytearray(b"untouched")
+address = ctypes.addressof((ctypes.c_char * len(marker)).from_buffer(marker))
+code = sys.argv[1].replace("CALLER_PID", str(os.getpid())).replace("MARKER_ADDRESS", str(address))
+result = execute_code(code, timeout=10.0)
+print(json.dumps({"marker": marker.decode(), "stdout": result.stdout, "error": result.error}))
+"""
+ATTACKS_ON_THE_CALLER = {
+    "kill it": """
+import sys
+del sys.modules['posix']
+import posix
+posix.kill(posix.getppid(), 9)
+posix.kill(CALLER_PID, 9)
+""",
+    "read its environment": """
+import os
+for pid in (os.getppid(), CALLER_PID):
+    try:
+        print(open(f'/proc/{pid}/environ').read())
+    except OSError as error:
+        print(error)
+""",
+    "rewrite its memory": """
+import _io
+memory = _io.FileIO('/proc/CALLER_PID/mem', 'r+')
+memory.seek(MARKER_ADDRESS)
+memory.write(b'rewritten')
+""",
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS_ON_THE_CALLER)
+def test_code_cannot_reach_its_caller(attack):
+    # The caller is a process of its own, so that what the code does to it does not happen to pytest.
+    env = {**os.environ, "NANOCHAT_SECRET": "hunter2", "PYTHONPATH": REPO_ROOT}
+    caller = subprocess.run([sys.executable, "-c", CALLER, ATTACKS_ON_THE_CALLER[attack]], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert caller.returncode == 0, caller.stderr
+    outcome = json.loads(caller.stdout.splitlines()[-1])
+    assert outcome["marker"] == "untouched"
+    assert "hunter2" not in outcome["stdout"]
+
+
+# -----------------------------------------------------------------------------
+# Programs run, files written and deleted, sockets opened
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file outside the sandbox, and a world-writable directory beside it, as root's would be."""
+    (tmp_path / "keep.txt").write_text("precious")
+    shared = tempfile.mkdtemp(prefix="nanochat_shared_")
+    os.chmod(shared, 0o1777)
+    try:
+        yield {"file": str(tmp_path / "keep.txt"), "dir": str(tmp_path), "shared": shared}
+        assert (tmp_path / "keep.txt").read_text() == "precious"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+        assert os.listdir(shared) == []
+    finally:
+        shutil.rmtree(shared)
+
+
+ESCAPES = {
+    "Popen's base class": "import subprocess\nsubprocess.Popen.__bases__[0](['/bin/rm', '-f', FILE]).wait()",
+    "re-imported posix.fork/execv": """
+import sys
+del sys.modules['posix']
+import posix
+pid = posix.fork()
+if pid == 0:
+    posix.execv('/bin/rm', ['rm', '-f', FILE])
+posix.waitpid(pid, 0)
+""",
+    "ctypes popped from sys.modules": """
+import sys
+sys.modules.pop('ctypes')
+sys.modules.pop('_ctypes')
+import ctypes
+ctypes.CDLL(None).unlink(FILE.encode())
+""",
+    "io.FileIO": "import io\nio.FileIO(FILE, 'w').write(b'clobbered')",
+    "_io.open": "import _io\n_io.open(FILE, 'w').write('clobbered')",
+    "open's closure": """
+real_open = [cell.cell_contents for cell in open.__closure__ if getattr(cell.cell_contents, '__name__', '') == 'open']
+real_open[0](FILE, 'w').write('clobbered')
+""",
+    "os.remove's closure": """
+import os
+real_remove = [cell.cell_contents for cell in os.remove.__closure__
+               if getattr(cell.cell_contents, '__name__', '') == 'remove']
+real_remove[0](FILE)
+""",
+    "sqlite3": "import sqlite3\nsqlite3.connect(DIR + '/new.db').execute('create table t (x)')",
+    "a world-writable directory": "import io\nio.FileIO(SHARED + '/dropped', 'w').write(b'x')",
+}
+
+
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_escape_past_the_guards_changes_nothing_outside(escape, outside):
+    code = ESCAPES[escape].replace("FILE", repr(outside["file"])).replace("SHARED", repr(outside["shared"]))
+    result = execute_code(code.replace("DIR", repr(outside["dir"])), timeout=10.0)
+    assert not result.timeout, result
+    # The `outside` fixture checks on teardown that the file is intact and nothing new appeared.
+
+
+@pytest.fixture
+def listeners():
+    """A TCP server on the loopback and a Unix socket anyone may connect to, as a D-Bus or agent socket would be."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    directory = tempfile.mkdtemp(prefix="nanochat_socket_")
+    os.chmod(directory, 0o755)
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(os.path.join(directory, "agent.sock"))
+    os.chmod(os.path.join(directory, "agent.sock"), 0o777)
+    for server in (tcp, unix):
+        server.listen()
+        server.setblocking(False)
+    try:
+        yield {"port": tcp.getsockname()[1], "path": os.path.join(directory, "agent.sock")}
+        for server in (tcp, unix):
+            with pytest.raises(BlockingIOError):  # nobody connected
+                server.accept()
+    finally:
+        tcp.close()
+        unix.close()
+        shutil.rmtree(directory)
+
+
+SOCKETS = {
+    "_socket.socket": "import _socket\n_socket.socket(_socket.AF_INET).connect(('127.0.0.1', PORT))",
+    "importlib.reload(socket)": "import importlib, socket\nimportlib.reload(socket)\n"
+                                "socket.create_connection(('127.0.0.1', PORT))",
+    "a Unix socket on disk": "import _socket\n_socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM).connect(PATH)",
+}
+
+
+@pytest.mark.parametrize("attack", SOCKETS)
+def test_code_opens_no_socket(attack, listeners):
+    code = SOCKETS[attack].replace("PORT", str(listeners["port"])).replace("PATH", repr(listeners["path"]))
+    result = execute_code(code + "\nprint('connected')", timeout=10.0)
+    assert not result.success and "connected" not in result.stdout
+    # The `listeners` fixture checks on teardown that no connection reached either server.
+
+
+# -----------------------------------------------------------------------------
+# Processes left behind, too many processes, the disk filled
+
+
+def test_no_process_outlives_the_run():
+    # A grandchild in a session of its own escapes a kill of the process group; a unique argument finds it after.
+    tag = f"{random.randrange(10**6, 10**7)}.5"
+    code = """
+import sys, time
+del sys.modules['posix']
+import posix
+if posix.fork() == 0:
+    posix.setsid()
+    posix.execv('/bin/sleep', ['sleep', TAG])
+time.sleep(0.5)
+print('forked')
+"""
+    result = execute_code(code.replace("TAG", repr(tag)), timeout=10.0)
+    assert result.stdout == "forked\n", result
+    survivors = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", tag]]
+    for survivor in survivors:
+        survivor.kill()
+    assert survivors == []
+
+
+def test_process_count_is_limited():
+    code = """
+import sys, time
+del sys.modules['posix']
+import posix
+started = 0
+for _ in range(200):
+    try:
+        pid = posix.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        posix._exit(0)
+    started += 1
+print(started)
+"""
+    result = execute_code(code, timeout=20.0)
+    assert result.success, result
+    assert int(result.stdout) < isolation.PROCESS_LIMIT
+
+
+def test_disk_writes_are_capped_in_total():
+    # Three files, each under RLIMIT_FSIZE, together more than the sandbox's tmpfs holds.
+    code = """
+written = 0
+for name in 'abc':
+    with open(name, 'wb', buffering=0) as f:
+        for _ in range(32):
+            try:
+                written += f.write(bytes(1 << 20))
+            except OSError:
+                break
+print(written >> 20)
+"""
+    result = execute_code(code, timeout=20.0, maximum_memory_bytes=None)
+    assert result.stdout.strip(), result
+    assert int(result.stdout) <= isolation.TMPFS_BYTES >> 20
