@@ -16,11 +16,14 @@ One worker process per GPU (one on CPU) holds a model and decodes every request 
 batching, nanochat/engine.py): new requests join between steps, up to --max-batch sequences; one that waits
 longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
 `Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
-names). A reply whose client stops reading is closed after --write-timeout (docs/serving.md "Under hostile load"). The server itself (workers, batching, cancellation, both APIs) is nanochat/serving/serve.py;
-request limits are the constants at the top of nanochat/serving/chat.py.
+names). A reply whose client stops reading is closed after --write-timeout, and one client (a key, or a peer
+address) holds at most --client-share of the server (docs/serving.md "Under hostile load"). The server itself
+(workers, batching, cancellation, both APIs) is nanochat/serving/serve.py; request limits are the constants at the
+top of nanochat/serving/chat.py.
 """
 
 import argparse
+import gc
 import os
 import signal
 
@@ -29,9 +32,9 @@ import uvicorn
 from nanochat.common import UserError, print0, run_main
 from nanochat.serving.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
 from nanochat.serving.serve import bind_socket, create_app
-from nanochat.serving.serve import (HEADER_TIMEOUT, LOOPBACK, WRITE_TIMEOUT, ConnectionGuard, allowed_host_names,
-                                           default_max_connections, raise_open_file_limit)
-from nanochat.serving.workers import WorkerPool, load_workers
+from nanochat.serving.serve import (HEADER_TIMEOUT, LOOPBACK, STALL_BYTES, WRITE_TIMEOUT, ConnectionGuard,
+                                   allowed_host_names, default_max_connections, raise_open_file_limit)
+from nanochat.serving.workers import CLIENT_SHARE, WorkerPool, load_workers
 
 
 def parse_args(argv=None):
@@ -57,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
                    help="seconds a new connection has to send its request's headers")
     p.add_argument("--write-timeout", type=float, default=WRITE_TIMEOUT,
-                   help="seconds a reply may wait for its client to read what was sent before the connection is closed "
-                        "and the reply cancelled")
+                   help=f"seconds a reply's client may take less than {STALL_BYTES // 1024} KiB of it (its bytes "
+                        "waiting in the buffers) before the connection is closed and the reply cancelled")
     p.add_argument("--allowed-hosts", default="", metavar="NAMES",
                    help="more names a request's Host header may give, comma-separated (without --api-key the server "
                         "answers only to its own names and addresses; '*': to any, which a web page can then reach by "
@@ -74,9 +77,17 @@ def parse_args(argv=None):
                    help="torch threads of each worker (default on a CPU: one fewer than its cores, at least 1, so the "
                         "server's event loop and the clients keep a core; with GPUs the cores shared among the "
                         "workers; $OMP_NUM_THREADS also sets it)")
-    p.add_argument("--api-key", default=os.environ.get("NANOCHAT_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every route but / and /health (default: $NANOCHAT_API_KEY)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but / and /health (default: "
+                        "$NANOCHAT_API_KEY); given several times, any of the keys, and each key is one client for "
+                        "--client-share")
+    p.add_argument("--client-share", type=float, default=CLIENT_SHARE,
+                   help="the share of the server one client (a key where there are several, else a peer address) may "
+                        "hold at once: of the rows, of --max-queue and of the prompt tokens waiting to be scored "
+                        "(1: no bound)")
     args = p.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = [os.environ["NANOCHAT_API_KEY"]] if os.environ.get("NANOCHAT_API_KEY") is not None else []
     try:
         check_number("--temperature", args.temperature, *TEMPERATURE_RANGE)
         check_number("--top-k", args.top_k, *TOP_K_RANGE, integer=True)
@@ -91,11 +102,13 @@ def parse_args(argv=None):
         check_number("--max-connections", args.max_connections, 0, 1_000_000, integer=True)
         check_number("--header-timeout", args.header_timeout, 0.0, 3600.0, low_open=True)
         check_number("--write-timeout", args.write_timeout, 0.0, 3600.0, low_open=True)
-        if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
-            raise RequestError("--api-key", "must be a non-empty key without surrounding spaces")
-        if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
-            raise RequestError("--api-key", "must be printable ASCII: HTTP headers cannot carry other characters, so "
-                               "no client could send it")
+        check_number("--client-share", args.client_share, 0.0, 1.0, low_open=True)
+        for key in args.api_key:
+            if not key.strip() or key != key.strip():
+                raise RequestError("--api-key", "must be a non-empty key without surrounding spaces")
+            if not (key.isascii() and key.isprintable()):
+                raise RequestError("--api-key", "must be printable ASCII: HTTP headers cannot carry other characters, "
+                                   "so no client could send it")
     except RequestError as e:
         raise UserError(str(e)) from None
     return args
@@ -138,12 +151,17 @@ def main(argv=None):
     if args.source == "base":
         print0("note: a base model was never taught the chat format; expect it to ramble "
                "(chat_cli -i base continues plain text)")
-    pool = WorkerPool(workers, args.queue_timeout, args.max_queue)
+    pool = WorkerPool(workers, args.queue_timeout, args.max_queue, args.client_share)
     defaults = {"temperature": args.temperature, "top_k": args.top_k, "max_tokens": args.max_tokens}
     guard = ConnectionGuard(args.max_connections or default_max_connections(open_files), args.header_timeout,
                             args.write_timeout)
-    app = create_app(pool, tokenizer, info, defaults, api_key=args.api_key, allowed_hosts=allowed_hosts(args),
+    app = create_app(pool, tokenizer, info, defaults, api_keys=args.api_key, allowed_hosts=allowed_hosts(args),
                      connections=guard.stats)
+    # what start-up made (the model's modules, the tokenizer's tables) is never garbage: out of the collector's way, so
+    # a full collection while a big reply is built walks the reply, not them (gc.collect first: it stops tracking the
+    # tuples of plain values, such as the token table's bytes, which a frozen object would keep tracked)
+    gc.collect()
+    gc.freeze()
     host, port = sock.getsockname()[:2]
     shown_host = {"0.0.0.0": "localhost", "::": "localhost"}.get(host, f"[{host}]" if ":" in host else host)
     if args.host not in LOOPBACK and not args.api_key:

@@ -21,10 +21,12 @@ began in training) that is not echoed: so even its first token has a log probabi
 import asyncio
 import codecs
 import dataclasses
+import ipaddress
 import json
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -113,6 +115,28 @@ async def read_json_body(request):
     return {name: value for name, value in body.items() if value is not None}  # null is how clients say "absent"
 
 
+CLIENT_SCOPE_KEY = "nanochat.client"  # set by serve.RequireKey where the server has several keys
+
+
+def client_of(request):
+    """Who a request comes from, for what one client may hold (workers.CLIENT_SHARE): its key where the server has
+    several (serve.RequireKey names it in the scope), else its peer address; an IPv6 peer by its /64, which is what one
+    host is usually given (it could otherwise be a thousand clients)."""
+    return request.scope.get(CLIENT_SCOPE_KEY) or peer_identity((request.scope.get("client") or ("",))[0])
+
+
+def peer_identity(host):
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a Unix socket's path, or no address at all
+        return host
+    if address.version == 6 and address.ipv4_mapped:
+        return str(address.ipv4_mapped)
+    if address.version == 6 and not address.is_loopback:
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
 def check_fields(body, known, endpoint):
     for name in body:
         if name not in known:
@@ -170,9 +194,12 @@ def validate_stop(value):
 
 
 def validate_seed(value):
-    """None (a fresh random seed) or any integer, folded into the range torch accepts."""
+    """None (a fresh random seed) or any integer, folded into the range torch accepts; 1.0 reads as 1, as in every
+    other integer field (check_number)."""
     if value is None:
         return secrets.randbelow(SEED_MODULUS)  # not the random module: a library may have seeded it
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError("seed", f"must be an integer (got {value!r:.40})")
     return value % SEED_MODULUS
@@ -340,6 +367,7 @@ class TokenTable:
         self.tokenizer = tokenizer
         enc = tokenizer.enc
         self.bytes = [token_bytes(enc, i) for i in range(enc.n_vocab)]
+        self.byte_values = [tuple(b) for b in self.bytes]  # a chat logprob's "bytes", one per token (chat_logprob)
         self.text = [b.decode("utf-8", errors="replace") for b in self.bytes]
         self.special = special_ids(tokenizer)
 
@@ -352,10 +380,15 @@ def token_bytes(enc, token):
 
 
 def chat_logprob(table, token, logprob, top):
-    """One token of a chat reply's logprobs.content, with its alternatives: `bytes` are the token's own."""
+    """
+    One token of a chat reply's logprobs.content, with its alternatives: `bytes` are the token's own. Tuples, not lists
+    (the same JSON): the garbage collector stops tracking a tuple or dict of plain values, and a reply with n 8, 2,000
+    tokens and 20 alternatives holds ~700,000 of them, which every full collection walked on the event loop (~1 s, a
+    few times a reply) while they were lists.
+    """
     def entry(t, lp):
-        return {"token": table.text[t], "logprob": lp, "bytes": list(table.bytes[t])}
-    return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+        return {"token": table.text[t], "logprob": lp, "bytes": table.byte_values[t]}
+    return {**entry(token, logprob), "top_logprobs": tuple(entry(t, lp) for t, lp in top)}
 
 
 class CompletionLogprobs:
@@ -442,7 +475,7 @@ class OpenAIRoutes:
         # so its messages go in whole or not at all (a 400 context_length_exceeded).
         prompt = await asyncio.to_thread(whole_conversation, self.tokenizer, messages, self.context)
         sampling.max_tokens = reply_room(body, sampling.max_tokens, len(prompt.ids), self.context, "the messages")
-        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling))
+        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling, client=client_of(request)))
         head = openai_head(self.model_id, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         replies = ChatReplies(self.table, sampling.num_samples, MODEL_MARKUP if markup else READABLE_MARKUP,
                               sampling.logprobs is not None)
@@ -453,7 +486,7 @@ class OpenAIRoutes:
         if failure or len(replies.finished) < sampling.num_samples:
             return self.failed(failure)
         tokens = sum(f.completion_tokens for f in replies.finished.values())
-        return openai_completion(head, replies.whole(), openai_usage(len(prompt.ids), tokens))
+        return await json_reply(openai_completion(head, replies.whole(), openai_usage(len(prompt.ids), tokens)))
 
     async def chat_stream(self, generation, prompt, head, replies, include_usage):
         def render():
@@ -512,13 +545,13 @@ class OpenAIRoutes:
         choices = Completions(self.table, prompts, model_prompts, sampling, echo)
         if scoring:  # the prompts' log probabilities, in slices between decode steps; a one-token reply drawn from them
             scored, drawn = await until_disconnect(request, self.pool.score(
-                model_prompts, sampling.logprobs, sampling.per_sample() if one_token else []))
-            await asyncio.to_thread(choices.add_scores, scored, drawn)  # thousands of entries: off the event loop
+                model_prompts, sampling.logprobs, sampling.per_sample() if one_token else [], client_of(request)))
+            await in_reply_thread(choices.add_scores, scored, drawn)  # thousands of entries: off the event loop
         generations = []
         try:
             for ids, limit in ([] if choices.done() else zip(model_prompts, limits)):
                 generations.append(await until_disconnect(request, self.pool.submit(
-                    ids, dataclasses.replace(sampling, max_tokens=limit), chat=False)))
+                    ids, dataclasses.replace(sampling, max_tokens=limit), chat=False, client=client_of(request))))
         except BaseException:  # the rest will not be asked for: free the rows of those that were
             for generation in generations:
                 generation.cancel()
@@ -529,7 +562,7 @@ class OpenAIRoutes:
         failure = await collect(request, generations, choices.take)
         if failure or not choices.done():
             return self.failed(failure)
-        return await whole_json({**head, "object": "text_completion", "choices": choices.whole(),
+        return await json_reply({**head, "object": "text_completion", "choices": choices.whole(),
                                  "usage": choices.usage()})
 
     def read_after_bos(self, body, ids, room, field):
@@ -556,7 +589,7 @@ class OpenAIRoutes:
         def end():
             return [sse(openai_usage_chunk(head, choices.usage(), "text_completion"))] if include_usage else []
 
-        start = await asyncio.to_thread(render)  # echoed prompts and their scores, one-token replies: off the event loop
+        start = await in_reply_thread(render)  # echoed prompts and their scores, one-token replies: off the event loop
         async for text in stream_events(generations, choices.take, render, end, start):
             yield text
 
@@ -587,18 +620,24 @@ class OpenAIRoutes:
             for_reply = check_bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
             messages = validate_messages(body["messages"], for_reply=for_reply)
             conversation = {"messages": messages}
-            render = (lambda: self.tokenizer.render_for_completion(conversation)) if for_reply else \
-                (lambda: self.tokenizer.render_conversation(conversation, max_tokens=None)[0])
-            ids = ([self.bos] if check_bool(body, "add_special_tokens") else []) + await asyncio.to_thread(render)
+            bos = [self.bos] if check_bool(body, "add_special_tokens") else []
+
+            def tokens():
+                if for_reply:
+                    return bos + self.tokenizer.render_for_completion(conversation)
+                return bos + self.tokenizer.render_conversation(conversation, max_tokens=None)[0]
         elif isinstance(body.get("prompt"), str):
             if "add_generation_prompt" in body:
                 raise RequestError("add_generation_prompt", "is for messages; a prompt is tokenized as it is")
             bos = [self.bos] if check_bool({"add_special_tokens": True, **body}, "add_special_tokens") else []
             specials = self.tokenizer.get_special_tokens()
-            ids = bos + await asyncio.to_thread(self.tokenizer.enc.encode, body["prompt"], allowed_special=specials)
+
+            def tokens():
+                return bos + self.tokenizer.enc.encode(body["prompt"], allowed_special=specials)
         else:
             raise RequestError("prompt", "must be a string (or give messages)")
-        return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+        ids = await asyncio.to_thread(tokens)  # a 1 MB prompt is ~990,000 ids: encoded, then written, off the loop
+        return await json_reply({"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, request: Request):
         """POST /detokenize (vLLM's): {"tokens": ids} -> {"prompt": text}, as many ids as the request body holds."""
@@ -606,10 +645,14 @@ class OpenAIRoutes:
         check_fields(body, {"model", "tokens"}, "detokenize")
         check_model(body, self.model_id)
         ids, vocab = body.get("tokens"), self.tokenizer.get_vocab_size()
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                for t in ids):
-            raise RequestError("tokens", f"must be a list of token ids, 0 to {vocab - 1}")
-        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, ids)}
+
+        def decode():  # checked and decoded off the event loop: the body may hold ~990,000 ids
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                    for t in ids):
+                raise RequestError("tokens", f"must be a list of token ids, 0 to {vocab - 1}")
+            return self.tokenizer.decode(ids)
+
+        return await json_reply({"prompt": await asyncio.to_thread(decode)})
 
     async def tokenizer_info(self):
         """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
@@ -658,18 +701,76 @@ async def stream_events(generations, take, render, end, start):
             generation.cancel()
 
 
-async def whole_json(payload, key="choices"):
-    """
-    A reply that can hold megabytes (a prompt's scores: a few hundred bytes a token), serialised in a thread a choice
-    at a time: each json.dumps holds the interpreter's lock only for one choice, so the event loop, and every other
-    client, keeps its turns.
-    """
-    def dumps():
-        rest = json.dumps({k: v for k, v in payload.items() if k != key})[:-1]
-        items = ", ".join(json.dumps(item) for item in payload[key])
-        return (rest + (", " if len(rest) > 1 else "") + f'"{key}": [{items}]}}').encode()
+# -----------------------------------------------------------------------------
+# Whole replies as JSON, off the event loop
+#
+# A reply can hold tens of megabytes (990,000 token ids from /tokenize; a chat reply with n 8, 2,000 tokens and 20
+# alternatives each: 19.6 MiB). Built on the event loop, by FastAPI's encoder or one json.dumps, it held every other
+# client for seconds (/health waited 13 s). So a reply is written in pieces, each a json.dumps of at most a few hundred
+# KB: a small one at once on the event loop, and once that has taken INLINE_SECONDS, the rest in REPLY_THREAD, which
+# hands Python's lock back between pieces. One thread, not a pool: writing JSON is the interpreter's work, so more
+# threads would only take more turns from the event loop (the server's Python runs on one core however many there are).
 
-    return Response(await asyncio.to_thread(dumps), media_type="application/json")
+REPLY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanochat-replies")
+INLINE_SECONDS = 0.002
+# what one json.dumps writes of a long list or string: ~100 KB at most (a chat token with 20 alternatives is ~1.3 KB)
+SLICE_OF_OBJECTS = 64  # items of a list of objects or lists
+SLICE_OF_VALUES = 4096  # items of a list of numbers or strings
+SLICE_OF_TEXT = 65536  # characters
+
+
+def json_pieces(value):
+    """value as compact JSON (what Starlette's JSONResponse writes), in pieces: objects and short lists of objects are
+    walked, long lists and strings written a slice at a time."""
+    if isinstance(value, dict):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ("," if i else "") + json.dumps(key, ensure_ascii=False) + ":"
+            yield from json_pieces(item)
+        yield "}"
+    elif isinstance(value, list) and value:
+        nested = isinstance(value[0], (dict, list)) or isinstance(value[-1], (dict, list))
+        if nested and len(value) <= SLICE_OF_OBJECTS:  # a few big items (a reply's choices): each its own pieces
+            yield "["
+            for i, item in enumerate(value):
+                yield "," if i else ""
+                yield from json_pieces(item)
+            yield "]"
+            return
+        step = SLICE_OF_OBJECTS if nested else SLICE_OF_VALUES
+        yield "["
+        for start in range(0, len(value), step):
+            yield ("," if start else "") + json.dumps(value[start:start + step], ensure_ascii=False,
+                                                      separators=(",", ":"))[1:-1]
+        yield "]"
+    elif isinstance(value, str) and len(value) > SLICE_OF_TEXT:
+        yield '"'
+        for start in range(0, len(value), SLICE_OF_TEXT):
+            yield json.dumps(value[start:start + SLICE_OF_TEXT], ensure_ascii=False)[1:-1]
+        yield '"'
+    else:
+        yield json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+async def in_reply_thread(function, *args):
+    """function(*args) in REPLY_THREAD: work on a reply's Python objects that can take seconds."""
+    return await asyncio.get_running_loop().run_in_executor(REPLY_THREAD, function, *args)
+
+
+async def json_reply(payload, status_code=200):
+    """The payload as a JSON response, written on the event loop while it is small, in REPLY_THREAD once it is not."""
+    pieces, written, started = json_pieces(payload), [], time.perf_counter()
+    for piece in pieces:
+        written.append(piece)
+        if time.perf_counter() - started > INLINE_SECONDS:
+            def write_the_rest():  # the same generator, taken up where the event loop left it
+                written.extend(pieces)
+                return "".join(written).encode()
+            body = await in_reply_thread(write_the_rest)
+            break
+    else:
+        body = "".join(written).encode()
+    return Response(body, status_code=status_code, media_type="application/json")
 
 
 class ClientGone(Exception):

@@ -1,18 +1,24 @@
 """
 The chat server behind `python -m scripts.chat_web`: the FastAPI app over a pool of worker processes
 (nanochat/serving/workers.py), with the browser UI, its streaming endpoint, the OpenAI API
-(nanochat/serving/openai_api.py), /health and /stats, and the API key that guards them; then what keeps it serving
+(nanochat/serving/openai_api.py), /health and /stats, and the API keys that guard them; then what keeps it serving
 under hostile load: a bound on open connections that a flood of idle sockets or of clients that never read cannot
-fill, a file-descriptor limit raised to what the system allows, and checks on every request that a web page in the
-user's browser cannot pass (a JSON body, and a Host header naming this server, which DNS rebinding cannot fake).
+fill, replies judged by what their clients take, a client past the bound told to retry rather than cut off, a
+file-descriptor limit raised to what the system allows, and checks on every request that a web page in the user's
+browser cannot pass (a JSON body, and a Host header naming this server, which DNS rebinding cannot fake). What one
+client may hold of the workers is workers.WorkerPool's.
 """
 
 import asyncio
+import fcntl
 import hmac
 import ipaddress
 import os
+import re
 import resource
 import socket
+import struct
+import termios
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -24,9 +30,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanochat.common import UserError, print0
 from nanochat.serving.chat import Finish, Piece, RequestError, fit_conversation, prompt_budget, validate_messages
-from nanochat.serving.openai_api import (SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes, check_bool, check_model,
-                                         openai_error, openai_usage, read_json_body, read_sampling, sse,
-                                         until_disconnect)
+from nanochat.serving.openai_api import (CLIENT_SCOPE_KEY, SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes,
+                                         check_bool, check_model, client_of, openai_error, openai_usage, read_json_body,
+                                         read_sampling, sse, until_disconnect)
 from nanochat.serving.workers import NoWorkerAlive, QueueTimeout, ServerStopping
 
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
@@ -56,7 +62,7 @@ class UIRoutes:
             raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
         budget = prompt_budget(self.context, sampling.max_tokens)
         prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, budget)  # trimmed, and told so
-        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling))
+        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling, client=client_of(request)))
         kinds = {"text": "token", "python": "python", "python_output": "python_output"}
 
         def as_sse(events):
@@ -103,34 +109,45 @@ OPEN_PATHS = ("/", "/health")  # the UI's page (it holds no model access: it ask
 
 class RequireKey:
     """
-    ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY`, compared in constant time; others get
-    a 401 in the API's error shape. Plain ASGI rather than an HTTP middleware, which would buffer the streamed replies
-    and hide a client's disconnect from them.
+    ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY` with one of the server's keys,
+    compared in constant time; others get a 401 in the API's error shape, and a request with two Authorization headers
+    a 400 (which one counts would be up to whoever reads them). Where the server has several keys, the key names the
+    client (openai_api.client_of: what one client may hold). Plain ASGI rather than an HTTP middleware, which would
+    buffer the streamed replies and hide a client's disconnect from them.
     """
 
-    def __init__(self, app, key):
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, keys):
+        self.app, self.keys = app, [key.encode() for key in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"")
+            headers = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(headers) > 1:
+                response = JSONResponse(openai_error(f"{len(headers)} Authorization headers: send one",
+                                                     "invalid_request_error"), status_code=400)
+                return await response(scope, receive, send)
+            header = headers[0] if headers else b""
             scheme, _, given = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+            # every key compared, whatever matched: the time taken says nothing of which key came close
+            matches = [hmac.compare_digest(given.strip(), key) for key in self.keys]
+            if scheme.lower() != b"bearer" or not any(matches):
                 reason = "missing" if not header else "wrong"
-                error = openai_error(f"{reason} API key: send the header `Authorization: Bearer <key>` with the key the "
+                error = openai_error(f"{reason} API key: send the header `Authorization: Bearer <key>` with a key the "
                                      "server was started with (--api-key)", "invalid_request_error")
                 error["error"]["code"] = "invalid_api_key"
                 response = JSONResponse(error, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
+            if len(self.keys) > 1:
+                scope[CLIENT_SCOPE_KEY] = f"key {matches.index(True) + 1}"
         return await self.app(scope, receive, send)
 
 
-def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_hosts=("127.0.0.1", "localhost", "::1"),
+def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts=("127.0.0.1", "localhost", "::1"),
                connections=None):
     """
-    The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests that omit them; api_key:
-    a key every route but OPEN_PATHS requires (RequireKey), or None; allowed_hosts: the names a request's Host header
-    may give (allowed_host_names below), or None for any; connections: a function giving the connections'
+    The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests that omit them; api_keys:
+    the keys every route but OPEN_PATHS requires one of (RequireKey), or none; allowed_hosts: the names a request's
+    Host header may give (allowed_host_names below), or None for any; connections: a function giving the connections'
     counts for /stats (ConnectionGuard.stats below).
     """
     ui_routes = UIRoutes(pool, tokenizer, model_info, defaults)
@@ -176,7 +193,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_host
 
     async def health():
         alive = sum(1 for w in pool.workers if w.alive)
-        body = {"status": "ok" if alive else "no worker alive", "workers": alive, "auth_required": api_key is not None,
+        body = {"status": "ok" if alive else "no worker alive", "workers": alive, "auth_required": bool(api_keys),
                 "model": model_info}
         return body if alive else JSONResponse(body, status_code=503)
 
@@ -188,7 +205,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_key=None, allowed_host
     app.get("/stats")(stats)
     app.post("/chat/completions")(ui_routes.ui_completion)
     OpenAIRoutes(pool, tokenizer, model_info, defaults).mount(app)
-    return RequireJSONAndHost(RequireKey(app, api_key) if api_key else app, allowed_hosts)
+    return AnswerOverBound(RequireJSONAndHost(RequireKey(app, api_keys) if api_keys else app, allowed_hosts))
 
 
 # -----------------------------------------------------------------------------
@@ -213,8 +230,15 @@ def bind_socket(host, port):
 # Hostile load: connections, open files, what a browser's page cannot send
 
 HEADER_TIMEOUT = 10.0  # seconds a new connection has to send a whole request's headers
-WRITE_TIMEOUT = 30.0  # seconds a reply may wait for its client to read before the connection is closed
+WRITE_TIMEOUT = 30.0  # seconds a reply may go without its client taking STALL_BYTES before the connection is closed
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# A reply "moves" while its client takes at least this many bytes per window (--write-timeout to keep its connection,
+# EVICT_WINDOW to keep it when a new connection needs its slot). Counted as the client's TCP acknowledges them, not as
+# asyncio hands them to the kernel: Linux wakes a writer only once a third of a full send buffer (up to 4 MB) is free,
+# so a client reading a steady 40 KB/s looked, to asyncio, like one that read nothing for half a minute
+STALL_BYTES = 16384
+EVICT_WINDOW = 5.0
+OVER_BOUND_SCOPE_KEY = "nanochat.over_bound"  # set on a request that came in past --max-connections
 
 
 def raise_open_file_limit():
@@ -231,31 +255,79 @@ def raise_open_file_limit():
 
 def default_max_connections(open_files):
     """Connections the server keeps open at once: room below the open-file limit for the model's files, the workers'
-    pipes, and the batches of up to 128 connections (the backlog) asyncio accepts before the guard sees them, while
-    the ones it evicted are still closing: half the limit, at least 256 files, in reserve (with 256, a flood under a
-    1,024-file limit ran the server out of files now and then)."""
+    pipes, the connections let in past the bound (over_bound_connections), and the batches of up to 128 connections
+    (the backlog) asyncio accepts before the guard sees them, while the ones it evicted are still closing: half the
+    limit, at least 256 files, in reserve (with 256, a flood under a 1,024-file limit ran the server out of files now
+    and then)."""
     return max(16, min(4096, open_files - max(256, open_files // 2)))
+
+
+def over_bound_connections(max_connections):
+    """Connections let in past max_connections when every one of those holds a request in progress: each is answered
+    once (/health, or a 503 with Retry-After) and closed. A sixteenth of the bound, at least 16: 32 of the reserve's
+    256 files under a 1,024-file limit."""
+    return max(16, max_connections // 16)
+
+
+def unsent_bytes(transport):
+    """Bytes the kernel holds for this connection that its client has not acknowledged yet (Linux's SIOCOUTQ); 0 where
+    the system does not say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return 0
+
+
+class CountingTransport:
+    """A connection's transport that counts what the server wrote to it: with what still waits in asyncio's buffer and
+    the kernel's, what the client has taken (taken())."""
+
+    def __init__(self, transport):
+        self.transport, self.written = transport, 0
+
+    def write(self, data):
+        self.written += len(data)
+        self.transport.write(data)
+
+    def taken(self):
+        return self.written - self.transport.get_write_buffer_size() - unsent_bytes(self.transport)
+
+    def __getattr__(self, name):  # everything else is the transport's own
+        return getattr(self.transport, name)
 
 
 class ConnectionGuard:
     """
-    The server's open connections, at most max_connections. A connection has header_timeout seconds to send a whole
-    request, headers and body (one that sends nothing, or its headers or body a byte at a time, is closed); one that
-    waits for its next request is closed by uvicorn's keep-alive timeout, or by this one if it starts a request and
-    does not finish it. A reply whose client stops reading (the socket's buffers full: writing paused) has
-    write_timeout seconds to move again, or its connection is closed, which cancels the reply and frees its row and
-    memory. Only a connection whose whole request is in counts as busy: when the bound is reached, a new connection
-    closes the one that has waited longest without a complete request, else the one whose reply has waited longest on
-    a client that does not read, or itself if every one is busy and moving, so idle, slow and stalled sockets cannot
-    keep a client with a request out.
+    The server's open connections, at most max_connections, and what their clients do with them.
+
+    A connection has header_timeout seconds to send a whole request, headers and body (one that sends nothing, or its
+    headers or body a byte at a time, is closed); one that waits for its next request is closed by uvicorn's
+    keep-alive timeout, or by this one if it starts a request and does not finish it. A reply whose bytes wait for its
+    client (asyncio paused its writing, or the app has written all of it and the rest waits in asyncio's buffer) is
+    judged by what the client takes, counted once a second: one whose client took fewer than STALL_BYTES in
+    write_timeout seconds is closed, which cancels the reply and frees its row and memory; one whose last bytes have
+    gone waits for the next request.
+
+    When max_connections are open, a new connection closes the one that has waited longest for a request, else the
+    reply whose client has taken fewer than STALL_BYTES for the longest (at least EVICT_WINDOW seconds): a reply that
+    moves is never cut. If every connection holds a request that is moving, the new one is let in past the bound (at
+    most over_bound_connections of them) to be answered once, /health as always and any other request with a 503 and
+    Retry-After (AnswerOverBound), and closed: a client is always answered, at worst told to retry.
     """
 
     def __init__(self, max_connections, header_timeout=HEADER_TIMEOUT, write_timeout=WRITE_TIMEOUT):
         self.max_connections, self.header_timeout, self.write_timeout = max_connections, header_timeout, write_timeout
+        self.max_over_bound = over_bound_connections(max_connections)
+        self.evict_window = min(EVICT_WINDOW, write_timeout)
         self.idle = OrderedDict()  # protocol -> since when it has waited for a complete request, oldest first
-        self.busy = set()
-        self.stalled = OrderedDict()  # protocol -> since when its reply has waited for the client to read, oldest first
-        self.closed_idle = self.closed_stalled = 0
+        self.busy = set()  # a request in, or its reply still going out
+        self.waiting_on_client = {}  # protocol -> (since, bytes taken then): its client took < STALL_BYTES since
+        self.over_bound = set()  # let in past max_connections, to be answered once
+        self.closed_idle = self.closed_stalled = self.let_in_over_bound = 0
+        self.ticking = False
 
     def protocol_class(self):
         guard = self
@@ -263,24 +335,27 @@ class ConnectionGuard:
         class GuardedH11Protocol(H11Protocol):
             def connection_made(self, transport):
                 super().connection_made(transport)
+                self.transport = CountingTransport(transport)  # uvicorn writes every response through it
                 guard.opened(self)
 
             def data_received(self, data):
                 super().data_received(data)
+                if self in guard.over_bound and self.scope is not None:  # the app has not seen the request yet
+                    self.scope[OVER_BOUND_SCOPE_KEY] = True
                 if guard.serving(self):
                     guard.started(self)
 
             def on_response_complete(self):
                 super().on_response_complete()
-                guard.waiting(self)
+                guard.response_complete(self)
 
             def pause_writing(self):
                 super().pause_writing()
-                guard.write_paused(self)
+                guard.watch(self)
 
             def resume_writing(self):
                 super().resume_writing()
-                guard.stalled.pop(self, None)
+                guard.write_resumed(self)
 
             def connection_lost(self, exc):
                 guard.lost(self)
@@ -294,37 +369,43 @@ class ConnectionGuard:
         cycle = protocol.cycle
         return cycle is not None and not cycle.more_body and not cycle.response_complete
 
+    @staticmethod
+    def delivered(protocol):
+        """Its response is complete and none of it waits in asyncio's buffer (the kernel sends the rest even after a
+        close)."""
+        cycle = protocol.cycle
+        return cycle is not None and cycle.response_complete and not protocol.transport.get_write_buffer_size()
+
     def opened(self, protocol):
         if len(self.idle) + len(self.busy) >= self.max_connections:
-            victim = next(iter(self.idle), None) or next(iter(self.stalled), None) or protocol
-            if victim in self.stalled:
-                self.closed_stalled += 1
-            else:
+            idle = next(iter(self.idle), None)
+            stalled = self.longest_stalled() if idle is None else None
+            if idle is not None:  # closed at once: its file is what the new connection needs
                 self.closed_idle += 1
-            self.lost(victim)
-            victim.transport.abort()  # at once: its file is what the new connection needs
-            if victim is protocol:
+                self.close(idle)
+            elif stalled is not None:
+                self.closed_stalled += 1
+                self.close(stalled)
+            elif len(self.over_bound) < self.max_over_bound:
+                self.over_bound.add(protocol)
+                self.let_in_over_bound += 1
+            else:  # as many let in past the bound as it allows, each with its request in: no file to spare
+                self.close(protocol)
                 return
         self.wait_for_request(protocol)
 
     def stats(self):
-        """For /stats: connections open, and how many were closed for sending no request or reading no reply."""
-        return {"open": len(self.idle) + len(self.busy), "busy": len(self.busy), "stalled": len(self.stalled),
-                "closed_idle": self.closed_idle, "closed_stalled": self.closed_stalled}
+        """For /stats: connections open, and how many were closed for sending no request or reading no reply, or let
+        in past the bound to be answered once."""
+        return {"open": len(self.idle) + len(self.busy), "busy": len(self.busy), "stalled": len(self.waiting_on_client),
+                "closed_idle": self.closed_idle, "closed_stalled": self.closed_stalled,
+                "let_in_over_bound": self.let_in_over_bound}
 
-    def write_paused(self, protocol):
-        since = time.monotonic()
-        self.stalled[protocol] = since
-        protocol.loop.call_later(self.write_timeout, self.expire_write, protocol, since)
+    def close(self, protocol):
+        self.lost(protocol)
+        protocol.transport.abort()
 
-    def expire_write(self, protocol, since):
-        """Its reply has not moved since `since`: closed (the reply is cancelled when the app sees the disconnect)."""
-        if self.stalled.get(protocol) == since:
-            self.lost(protocol)
-            protocol.transport.abort()
-            self.closed_stalled += 1
-            print0(f"closed a connection whose client read nothing of its reply for {self.write_timeout:g} s "
-                   "(--write-timeout)")
+    # -- requests ---------------------------------------------------------------------------------
 
     def wait_for_request(self, protocol):
         since = time.monotonic()
@@ -335,26 +416,111 @@ class ConnectionGuard:
     def expire(self, protocol, since):
         """Still no complete request since `since`: closed (a flood's socket, slow headers, a slow body)."""
         if self.idle.get(protocol) == since:
-            self.lost(protocol)
-            protocol.transport.abort()
+            self.close(protocol)
             self.closed_idle += 1
 
     def started(self, protocol):
         self.idle.pop(protocol, None)
         self.busy.add(protocol)
 
-    def waiting(self, protocol):
-        self.busy.discard(protocol)
+    def response_complete(self, protocol):
+        """The app has written its whole response: the connection waits for its next request once the last bytes have
+        gone, and until then its client's progress is watched."""
         if protocol.transport.is_closing() or self.serving(protocol):  # closing, or a pipelined request began
-            if self.serving(protocol):
-                self.busy.add(protocol)
             return
-        self.wait_for_request(protocol)
+        if self.delivered(protocol):
+            self.busy.discard(protocol)
+            self.wait_for_request(protocol)
+        else:
+            self.watch(protocol)
 
     def lost(self, protocol):
         self.idle.pop(protocol, None)
         self.busy.discard(protocol)
-        self.stalled.pop(protocol, None)
+        self.waiting_on_client.pop(protocol, None)
+        self.over_bound.discard(protocol)
+
+    # -- replies whose bytes wait for their client --------------------------------------------------
+
+    def watch(self, protocol):
+        """From now on judged by what its client takes (asyncio paused its writing, or a complete reply's last bytes
+        wait in its buffer)."""
+        if protocol not in self.waiting_on_client and protocol in self.busy:
+            self.waiting_on_client[protocol] = (time.monotonic(), protocol.transport.taken())
+        if not self.ticking:
+            self.ticking = True
+            protocol.loop.call_later(self.tick_seconds(), self.tick, protocol.loop)
+
+    def write_resumed(self, protocol):
+        if self.delivered(protocol):
+            self.waiting_on_client.pop(protocol, None)
+            self.response_complete(protocol)
+        elif not (protocol.cycle and protocol.cycle.response_complete):  # the app writes on: watched when it pauses
+            self.waiting_on_client.pop(protocol, None)
+
+    def tick_seconds(self):
+        return min(1.0, self.write_timeout / 2)
+
+    def progress(self):
+        """Moves the mark of every watched reply whose client took STALL_BYTES since its mark; returns now."""
+        now = time.monotonic()
+        for protocol, (since, taken) in list(self.waiting_on_client.items()):
+            taken_now = protocol.transport.taken()
+            if taken_now - taken >= STALL_BYTES:
+                self.waiting_on_client[protocol] = (now, taken_now)
+        return now
+
+    def tick(self, loop):
+        """Every second while replies wait for their clients: a reply whose last bytes have gone waits for the next
+        request; one whose client took fewer than STALL_BYTES in write_timeout seconds is closed (its generation is
+        cancelled when the app sees the disconnect)."""
+        now = self.progress()
+        for protocol, (since, _) in list(self.waiting_on_client.items()):
+            if self.delivered(protocol):
+                self.waiting_on_client.pop(protocol)
+                self.response_complete(protocol)
+            elif now - since >= self.write_timeout:
+                self.close(protocol)
+                self.closed_stalled += 1
+                print0(f"closed a connection whose client took less than {STALL_BYTES // 1024} KiB of its reply in "
+                       f"{self.write_timeout:g} s (--write-timeout)")
+        self.ticking = bool(self.waiting_on_client)
+        if self.ticking:
+            loop.call_later(self.tick_seconds(), self.tick, loop)
+
+    def longest_stalled(self):
+        """The reply whose client has gone longest without taking STALL_BYTES, if at least evict_window; else None."""
+        now = self.progress()
+        stalled = [(since, id(p), p) for p, (since, _) in self.waiting_on_client.items()
+                   if now - since >= self.evict_window]
+        return min(stalled)[2] if stalled else None
+
+
+class AnswerOverBound:
+    """
+    ASGI wrapper for a request on a connection let in past --max-connections (ConnectionGuard): /health is answered as
+    always, any other request gets a 503 with Retry-After, and the connection is closed after either. So a client
+    finds out that it should come back, where it was cut off without a word.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope.get(OVER_BOUND_SCOPE_KEY):
+            return await self.app(scope, receive, send)
+
+        async def send_and_close(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        if scope["path"] == "/health":
+            return await self.app(scope, receive, send_and_close)
+        error = openai_error("every connection this server keeps open (--max-connections) holds a request in progress; "
+                             "try again shortly", "server_busy")
+        response = JSONResponse(error, status_code=503, headers={"Retry-After": "1"})
+        return await response(scope, receive, send_and_close)
 
 
 def local_addresses():
@@ -397,11 +563,14 @@ def allowed_host_names(host, extra=()):
     return sorted(names - {"", "0.0.0.0", "::"})
 
 
+HOST_HEADER = re.compile(r"\[(?P<address>[0-9a-f:.]+)\](:\d*)?|(?P<name>[^\[\]:]+)(:\d*)?")
+
+
 def host_name(header):
-    """The name in a Host header, without its port: "[::1]:8000" -> "::1", "Example.org:80" -> "example.org"."""
-    if header.startswith("["):
-        return header[1:].split("]")[0].lower()
-    return (header.rsplit(":", 1)[0] if header.count(":") == 1 else header).lower()
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1", "Example.org:80" -> "example.org"; None
+    for a header that is not a name or a bracketed address with an optional port ("[::1].evil.com", "::1")."""
+    match = HOST_HEADER.fullmatch(header.lower())
+    return match and (match["address"] or match["name"])
 
 
 class RequireJSONAndHost:
@@ -422,7 +591,7 @@ class RequireJSONAndHost:
             problem = None
             if self.allowed is not None:
                 host = headers.get(b"host", b"").decode("latin-1")
-                if host_name(host) not in self.allowed:
+                if host_name(host) not in self.allowed or sum(name == b"host" for name, _ in scope["headers"]) > 1:
                     problem = (421, f"Host {host!r:.100} is not this server: it answers to "
                                     f"{', '.join(sorted(self.allowed))} (a web page may not reach it under another name; "
                                     "chat_web --allowed-hosts adds names)")

@@ -41,7 +41,7 @@ from nanochat.common import (UserError, inference_threads, print0, resolve_devic
                              use_cuda_device)
 from nanochat.engine import (GREEDY_BELOW, BatchEngine, kv_budget_bytes, kv_row_bytes, sample_next_tokens, steer,
                              token_logprobs)
-from nanochat.serving.chat import Finish, Piece, ReplyStream, RequestError, model_info, summary_line
+from nanochat.serving.chat import Finish, Piece, ReplyStream, RequestError, StopStrings, model_info, summary_line
 from nanochat.tokenizer import get_tokenizer
 
 # Prompt tokens that may wait to be scored at once, over all workers (a request past it gets a 503, unless nothing
@@ -50,9 +50,14 @@ from nanochat.tokenizer import get_tokenizer
 MAX_SCORING_TOKENS = 8 * 64 * 2048
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
-# Prompt tokens (padded to the slice's longest) scored between two decode steps: a request scoring 64 prompts of a
-# 2,048-token context runs as 64 slices, and every stream decoding beside it waits at most one slice for its next token
+# Prompt tokens (padded to the slice's longest) scored in one forward pass: a request scoring 64 prompts of a
+# 2,048-token context runs as 64 slices, and a stream decoding beside it waits at most one slice for its next token
 SCORE_SLICE_TOKENS = 2048
+# While rows are decoding, scoring gets at most this share of the worker's time: after a slice that took s seconds the
+# worker decodes for 2s before the next one. A slice between every two decode steps, as before, let eight maximal
+# scoring requests slow a stream beside them ~25x (a slice of 2,048 tokens is ~100 decode steps of a small model);
+# with a third, a stream keeps two thirds of its worker's steps (docs/serving.md has what was measured)
+SCORING_SHARE = 1 / 3
 
 
 # -----------------------------------------------------------------------------
@@ -260,12 +265,46 @@ class NoWorkerAlive(Exception):
     pass
 
 
-class WorkerPool:
-    """The workers, where each request goes, and what was served (for /stats)."""
+# What one client (a key, or a peer address: openai_api.client_of) may hold at once, as a share of the server: of all
+# the workers' rows, of --max-queue, and of MAX_SCORING_TOKENS (--client-share). A quarter: four clients can fill the
+# server, and one that holds its whole share leaves three quarters of the rows to the others (560 streams nobody read
+# held all 64 rows and the queue, and everyone else got 503s)
+CLIENT_SHARE = 0.25
 
-    def __init__(self, workers, queue_timeout, max_queue=256):
+
+class ClientShare:
+    """What one client holds: rows its requests were given or sent for, its requests held back until its own rows
+    leave room, its prompt tokens waiting to be scored. `freed` is set (and replaced) whenever its rows go down."""
+
+    def __init__(self):
+        self.rows, self.held_back, self.scoring_tokens = 0, 0, 0
+        self.freed = asyncio.Event()
+
+    def holds_nothing(self):
+        return not (self.rows or self.held_back or self.scoring_tokens)
+
+    def has_room(self, rows, client_rows):
+        """A request of `rows` fits the client's share (or the client holds none: one request of any size goes)."""
+        return not self.rows or self.rows + rows <= client_rows
+
+    def free_rows(self, rows):
+        self.rows -= rows
+        self.freed.set()
+        self.freed = asyncio.Event()
+
+
+class WorkerPool:
+    """The workers, where each request goes, what each client holds, and what was served (for /stats)."""
+
+    def __init__(self, workers, queue_timeout, max_queue=256, client_share=CLIENT_SHARE):
         self.workers = workers
         self.queue_timeout, self.max_queue = queue_timeout, max_queue
+        # one client's bounds (CLIENT_SHARE); a client that holds nothing may always send one request of any size
+        self.client_rows = max(1, int(client_share * sum(w.rows for w in workers)))
+        self.client_queue = max(1, int(client_share * max_queue))
+        self.client_scoring_tokens = max(1, int(client_share * MAX_SCORING_TOKENS))
+        self.clients = {}  # client -> ClientShare, while it holds anything
+        self.held_back = 0  # requests waiting for their client's share of rows, not sent to a worker yet
         self.active = set()  # generations in flight, cancelled when the server stops
         self.keys = itertools.count()
         self.stopping = None  # the reason, once the server is stopping
@@ -301,7 +340,10 @@ class WorkerPool:
         for generation in ended:
             generation.cancel()
             generation.receive([reason, Ended(getattr(generation, "tokens", 0), 0.0, 0)])
-        return len(ended)
+        held_back = self.held_back
+        for share in self.clients.values():  # requests waiting for their client's share wake up to a 503
+            share.freed.set()
+        return len(ended) + held_back
 
     def stop(self):
         for generation in list(self.active):  # let the workers end them now rather than at max_tokens
@@ -311,11 +353,25 @@ class WorkerPool:
         stop_processes([worker.process for worker in self.workers], seconds=5)
 
     def waiting(self):
-        return sum(1 for g in self.active if not g.was_admitted and not g.cancelled)
+        return self.held_back + sum(1 for g in self.active if not g.was_admitted and not g.cancelled)
 
-    async def submit(self, prompt_ids, sampling, chat=True):
-        """A Generation on the least loaded worker, once the engine has given its samples rows; a request that waits
-        longer than the queue timeout for them is withdrawn and gets a 503."""
+    def share_of(self, client):
+        if client not in self.clients:
+            self.clients[client] = ClientShare()
+        return self.clients[client]
+
+    def forget_if_idle(self, client):
+        if client in self.clients and self.clients[client].holds_nothing():
+            del self.clients[client]
+
+    async def submit(self, prompt_ids, sampling, chat=True, client=""):
+        """
+        A Generation on the least loaded worker, once the engine has given its samples rows. `client` (a key, or a peer
+        address) may hold client_rows rows: a request beyond them waits here for the client's own requests to end (at
+        most client_queue of them wait so; one more gets a 503 at once), and what the client holds never keeps another
+        client's request from a row. A request that waits longer than the queue timeout in all is withdrawn and gets a
+        503.
+        """
         if self.stopping:
             raise ServerStopping(self.stopping)
         alive = self.alive()
@@ -327,24 +383,58 @@ class WorkerPool:
             rows = max(w.rows for w in alive)
             raise RequestError("n", f"at most {rows} replies per request on this server (a worker's batch has {rows} "
                                f"rows: --max-batch, or the KV cache's memory budget); got {sampling.num_samples}")
-        worker = min(roomy, key=lambda w: w.load())
-        generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
-        worker.submit(generation)
-        try:
-            await asyncio.wait_for(generation.admitted.wait(), self.queue_timeout)
-        except asyncio.TimeoutError:
-            generation.cancel()
-            generation.rejected = True  # counted here; if a row came in the meantime, not as cancelled too
+        share = self.share_of(client)
+        if not share.has_room(sampling.num_samples, self.client_rows) and share.held_back >= self.client_queue:
             self.requests_rejected += 1
-            rows = sum(w.rows for w in alive)
-            raise QueueTimeout(f"all {rows} rows of the batch stayed busy for {self.queue_timeout:g} s "
-                               "(--queue-timeout); try again shortly") from None
-        except BaseException:  # the request itself was cancelled (its client left, the server is stopping)
-            generation.cancel()
-            raise
+            raise QueueFull(f"this client has {share.held_back} requests waiting for its {self.client_rows} rows "
+                            "already (--client-share); try again shortly")
+        deadline = time.monotonic() + self.queue_timeout
+        try:
+            await self.wait_for_share(share, sampling.num_samples, deadline)
+            worker = min(roomy, key=lambda w: w.load())
+            generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
+            generation.client, share.rows = client, share.rows + sampling.num_samples  # given back in finished()
+            worker.submit(generation)
+            try:
+                await asyncio.wait_for(generation.admitted.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                generation.cancel()
+                generation.rejected = True  # counted here; if a row came in the meantime, not as cancelled too
+                self.requests_rejected += 1
+                rows = sum(w.rows for w in alive)
+                raise QueueTimeout(f"all {rows} rows of the batch stayed busy for {self.queue_timeout:g} s "
+                                   "(--queue-timeout); try again shortly") from None
+            except BaseException:  # the request itself was cancelled (its client left, the server is stopping)
+                generation.cancel()
+                raise
+        finally:
+            self.forget_if_idle(client)
         if self.stopping:
             raise ServerStopping(self.stopping)
         return generation
+
+    async def wait_for_share(self, share, rows, deadline):
+        """Until the client's rows leave room for `rows` more (or it holds none): its own requests end first."""
+        if share.has_room(rows, self.client_rows):
+            return
+        self.held_back += 1
+        share.held_back += 1
+        try:
+            while not share.has_room(rows, self.client_rows):
+                if self.stopping:
+                    raise ServerStopping(self.stopping)
+                try:
+                    await asyncio.wait_for(share.freed.wait(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    self.requests_rejected += 1
+                    raise QueueTimeout(f"this client's requests held its {self.client_rows} rows (--client-share) for "
+                                       f"{self.queue_timeout:g} s (--queue-timeout); try again shortly") from None
+                except asyncio.CancelledError:  # its client left while it waited: it never reached a worker
+                    self.requests_withdrawn += 1
+                    raise
+        finally:
+            self.held_back -= 1
+            share.held_back -= 1
 
     def alive(self):
         alive = [w for w in self.workers if w.alive]
@@ -352,13 +442,14 @@ class WorkerPool:
             raise NoWorkerAlive("every worker process has exited (see the server's log); restart the server")
         return alive
 
-    async def score(self, prompts, top, samplings=()):
+    async def score(self, prompts, top, samplings=(), client=""):
         """
         (per prompt [(log p or None, alternatives)], per choice (token, log p, alternatives) for each of `samplings`
         after each prompt): the worker with the fewest rows asked of it scores the prompts in slices between its decode
         steps (no rows needed). samplings: engine Samplings of a max_tokens 1 request, whose one token comes from the
-        same pass. At most MAX_SCORING_TOKENS of prompts wait to be scored at once (a 503 beyond); a request cancelled
-        while it waits (its client left) is withdrawn from its worker, whose slices not yet run never run.
+        same pass. At most MAX_SCORING_TOKENS of prompts wait to be scored at once, client_scoring_tokens of them one
+        `client`'s (a 503 beyond, unless nothing waits); a request cancelled while it waits (its client left) is
+        withdrawn from its worker, whose slices not yet run never run.
         """
         if self.stopping:
             raise ServerStopping(self.stopping)
@@ -368,8 +459,13 @@ class WorkerPool:
             self.requests_rejected += 1
             raise QueueFull(f"{self.scoring_tokens:,} prompt tokens are already waiting to be scored (at most "
                             f"{MAX_SCORING_TOKENS:,}); try again shortly")
+        held = self.clients[client].scoring_tokens if client in self.clients else 0
+        if held and held + tokens > self.client_scoring_tokens:
+            self.requests_rejected += 1
+            raise QueueFull(f"this client has {held:,} prompt tokens waiting to be scored already (its share: "
+                            f"{self.client_scoring_tokens:,}, --client-share); try again shortly")
         worker = min(alive, key=lambda w: w.load())
-        scoring = Scoring(self, worker, next(self.keys), tokens)
+        scoring = Scoring(self, worker, next(self.keys), tokens, client)
         worker.send(Score(scoring.key, prompts, top, list(samplings)))
         try:
             events = await scoring.done
@@ -387,6 +483,10 @@ class WorkerPool:
     def finished(self, generation):
         """Called in the event loop when a generation's last event is in."""
         self.active.discard(generation)
+        if generation.client is not None:  # its rows go back to its client's share
+            self.clients[generation.client].free_rows(generation.num_samples)
+            self.forget_if_idle(generation.client)
+            generation.client = None
         if not generation.was_admitted and generation.cancelled and not generation.rejected:
             self.requests_withdrawn += 1
         if not generation.was_admitted or generation.rejected:
@@ -406,7 +506,7 @@ class WorkerPool:
         busy = sum(1 for o in occupancy if o["active"])
         rows, active = sum(o["rows"] for o in occupancy), sum(o["active"] for o in occupancy)
         return {
-            "queue_depth": sum(o["waiting"] for o in occupancy),
+            "queue_depth": sum(o["waiting"] for o in occupancy) + self.held_back,
             "workers": {"total": len(self.workers), "busy": busy, "free": len(self.workers) - busy},
             "batch": {"rows": rows, "active": active, "occupancy": round(active / rows, 3),
                       "shared_steps": sum(o["shared_steps"] for o in occupancy)},
@@ -415,6 +515,9 @@ class WorkerPool:
             "requests_rejected": self.requests_rejected,
             "requests_withdrawn": self.requests_withdrawn,
             "scoring": {"requests": len(self.scorings), "prompt_tokens": self.scoring_tokens},
+            "clients": {"holding": len(self.clients), "held_back": self.held_back,
+                        "share": {"rows": self.client_rows, "queue": self.client_queue,
+                                  "scoring_tokens": self.client_scoring_tokens}},
             "tokens_generated": self.tokens_generated,
             "tokens_per_second": round(self.tokens_generated / max(self.generation_seconds, 1e-9), 1),
             "uptime_seconds": round(time.time() - self.started, 1),
@@ -439,6 +542,7 @@ class Generation:
         self.was_admitted = False
         self.tokens, self.replies_finished, self.seconds = 0, 0, 0.0
         self.cancelled = self.ended = self.rejected = False
+        self.client = None  # whose share of rows it holds, until it ends (WorkerPool.submit)
         pool.active.add(self)
 
     def receive(self, events):
@@ -485,13 +589,14 @@ class Scoring:
 
     num_samples = 0  # it takes no rows
 
-    def __init__(self, pool, worker, key, tokens):
-        self.pool, self.worker, self.key, self.tokens = pool, worker, key, tokens
+    def __init__(self, pool, worker, key, tokens, client=""):
+        self.pool, self.worker, self.key, self.tokens, self.client = pool, worker, key, tokens, client
         self.events, self.ended = [], False
         self.done = asyncio.get_running_loop().create_future()
         worker.generations[key] = self
         pool.scorings.add(self)
         pool.scoring_tokens += tokens
+        pool.share_of(client).scoring_tokens += tokens
 
     def receive(self, events):
         self.events += events
@@ -503,6 +608,8 @@ class Scoring:
         self.worker.generations.pop(self.key, None)
         self.pool.scorings.discard(self)
         self.pool.scoring_tokens -= self.tokens
+        self.pool.share_of(self.client).scoring_tokens -= self.tokens
+        self.pool.forget_if_idle(self.client)
 
     def cancel(self):
         if not self.ended:
@@ -625,7 +732,8 @@ class Job:
 
     def __init__(self, key, samplings, stop, chat, tokenizer):
         self.key, self.samplings = key, samplings
-        self.streams = [ReplyStream(tokenizer, stop, chat) for _ in samplings]
+        stops = StopStrings(stop)  # built once, read by each sample's stream
+        self.streams = [ReplyStream(tokenizer, stops, chat) for _ in samplings]
         self.seqs = []
         self.outbox = []  # events not yet sent to the server
         self.admitted, self.started, self.tokens, self.replies_finished = False, None, 0, 0
@@ -679,6 +787,7 @@ class EngineLoop:
         self.owner = {}  # id(Sequence) -> (Job, sample index)
         self.flushed = 0.0  # when events were last sent
         self.trimmed = True  # nothing allocated since the last malloc_trim
+        self.decode_owed = 0.0  # seconds of decoding due before the next scoring slice (SCORING_SHARE)
 
     def run(self):
         try:
@@ -695,9 +804,17 @@ class EngineLoop:
                     if not self._handle(self.conn.recv()):
                         return
                 if self.engine.busy():
+                    started = time.perf_counter()
                     self._step()
-                if self.scorings:  # one slice between two decode steps: generation keeps its pace
+                    # decoding beyond what is owed earns scoring nothing: a slice never waits on an idle stretch
+                    self.decode_owed = max(0.0, self.decode_owed - (time.perf_counter() - started))
+                else:
+                    self.decode_owed = 0.0  # nothing decodes: scoring may take the whole worker
+                if self.scorings and self.decode_owed == 0:
+                    started = time.perf_counter()
                     self._score_slice()
+                    if self.engine.busy():  # rows decode beside it: they get their share before the next slice
+                        self.decode_owed += (time.perf_counter() - started) * (1 - SCORING_SHARE) / SCORING_SHARE
         except (EOFError, OSError):  # the server process is gone: nobody is left to answer
             return
 
