@@ -81,7 +81,7 @@ class Scale:
 # (110.3 GiB), never two bf16 d24s.
 GPU = Scale(train_depths=(12, 24), seq_len=2048, device_batch=16, timed_steps=8, warmup=3, fp8_depth=24, run_depth=12,
             run_steps=200, decode_depth=12, decode_rows=(1, 16, 64), serve_clients=(1, 16, 64), serve_tokens=64,
-            vocab=32768, seconds={"train": 450, "decode": 60, "fp8": 540, "run": 150, "serve": 180, "stages": 420},
+            vocab=32768, seconds={"train": 450, "decode": 90, "fp8": 540, "run": 150, "serve": 180, "stages": 420},
             costs=training.GPU_COSTS, memory_budget_gib=112, start_s=10, profile_s=10, end_reserve_s=15)
 # two compiles at once on a CPU at most: the 1 GiB each is what keeps it to two on a small machine's cores
 CPU = Scale(train_depths=(2,), seq_len=64, device_batch=4, timed_steps=2, warmup=1, fp8_depth=2, run_depth=2,
@@ -199,6 +199,11 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
                                                                results[f"captured_{rows}"].pop("tokens"))
     for rows in rows_list:
         results[f"eager_{rows}"].pop("tokens")
+    # why captured and eager differ where they do: logits compared while the tokens agree (bench/decode_check.py)
+    from bench.decode_check import decode_controls
+
+    rows, fewer = max(rows_list), (sorted(rows_list)[-2] if len(rows_list) > 1 else 1)
+    results["controls"] = {"rows": rows, "pairs": decode_controls(model, tokenizer, prompts, new_tokens, rows, fewer)}
     print(json.dumps(results))
 
 
@@ -224,6 +229,11 @@ def section_decode(scale, deadline, out, paths):
                 line += f", the eager tokens in {r['same_tokens']}" + \
                     (f" (ran eagerly: {result['captured_off']})" if result["captured_off"] else "")
             rows.append((f"{label}: BatchEngine, {n} rows, {decode}", line))
+    from bench.decode_check import describe
+
+    controls = result.get("controls") or {"pairs": {}}
+    for name, pair in controls["pairs"].items():
+        rows.append((f"{label}: {controls['rows']} rows, control", describe(name, pair)))
     return rows
 
 

@@ -478,12 +478,15 @@ class CapturedDecode:
     next). Where CUDA graphs cannot run (a CPU), or a capture fails, the same static step runs eagerly and says why.
     """
 
-    def __init__(self, model, cache, max_batch):
+    def __init__(self, model, cache, max_batch, capture=True):
+        """capture=False runs the static step eagerly on any device: the captured step's arithmetic without the
+        graphs, the control that tells a capture's fault from what the padded shapes and masks change."""
         self.model, self.cache = model, cache
         self.rows, self.extents = decode_buckets(max_batch, cache.seq_len)
         self.graphs, self.pool = {}, None
-        self.capture = cache.device.type == "cuda"
-        self.why_eager = None if self.capture else f"CUDA graphs need a GPU (this is {cache.device.type})"
+        self.capture = capture and cache.device.type == "cuda"
+        self.why_eager = None if self.capture else "asked for the static step uncaptured" if not capture else \
+            f"CUDA graphs need a GPU (this is {cache.device.type})"
         if self.capture:
             try:
                 with torch.inference_mode(), torch.cuda.device(cache.device):
@@ -569,7 +572,7 @@ class Sequence:
     logprob: tuple | None = None  # the last token's (log p, [(id, log p)] alternatives), when sampling.logprobs asks
 
 
-DECODE_MODES = ("eager", "captured")
+DECODE_MODES = ("eager", "captured", "static")
 
 
 class BatchEngine:
@@ -597,8 +600,10 @@ class BatchEngine:
         self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
         # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
         self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
-        # decode="captured": the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere)
-        self.captured = CapturedDecode(model, self.cache, max_batch) if decode == "captured" else None
+        # decode="captured": the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere);
+        # "static": the same static shapes run eagerly everywhere (a control for the captured step)
+        self.captured = CapturedDecode(model, self.cache, max_batch, capture=decode == "captured") \
+            if decode in ("captured", "static") else None
 
     # -- requests ----------------------------------------------------------------------
 

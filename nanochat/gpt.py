@@ -201,11 +201,12 @@ def outside_autocast(x):
     return torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext()
 
 
-def activation_dtype(x):
-    """The dtype the residual stream runs in: autocast's where it is on for x's device (bf16 on a GPU), else x's own.
-    An embedding lookup returns its table's dtype, which autocast leaves alone; cast to this, every activation from the
-    embedding on has the dtype of the matmuls' outputs."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+def activation_dtype(x, weights_dtype):
+    """The dtype the residual stream runs in: autocast's where it is on for x's device (bf16 on a GPU), else the
+    matmuls' weights'. An embedding lookup returns its table's dtype, which autocast leaves alone (and a table stored
+    in bf16 meets fp32 weights when autocast is off); cast to this, every activation from the embedding on has the
+    dtype of the matmuls' outputs."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weights_dtype
 
 
 def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
@@ -669,7 +670,7 @@ class GPT(nn.Module):
 
         c = self.config
         x = self.transformer.wte(idx)
-        x = norm(x.to(activation_dtype(x)), c.norm_eps)
+        x = norm(x.to(activation_dtype(x, self.lm_head.weight.dtype)), c.norm_eps)
         if c.smear:
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None

@@ -428,3 +428,39 @@ def test_the_static_decode_step_in_bf16_agrees_to_rounding(model, tokenizer, mon
                 assert (a.logits - b.logits).abs().max() <= 0.03 * a.logits.abs().max(), compared
                 compared += 1
     assert compared >= 40
+
+
+@pytest.mark.quick
+def test_decode_controls_compare_logits_only_where_the_tokens_agree():
+    """bench/decode_check.py's comparison: a row's logits are compared up to (and with) the step where the tokens
+    first differ, never after (their inputs differ from there); the margin at the flip is the first run's top-2 gap."""
+    from bench.decode_check import compare
+
+    def logits(*values):
+        return torch.tensor(values, dtype=torch.float32)
+
+    first = ([[1, 2, 3], [4, 5]],
+             [[None, logits(0.0, 2.0, 1.0), logits(3.0, 0.0, 2.9)], [None, logits(1.0, 0.0, 0.0)]])
+    second = ([[1, 2, 0], [4, 5]],
+              [[None, logits(0.0, 2.0, 1.01), logits(2.0, 0.0, 3.0)], [None, logits(1.0, 0.0, 0.0)]])
+    result = compare(first, second)
+    assert result["rows"] == 2 and result["same_rows"] == 1
+    assert result["flips_at_margin"] == [pytest.approx(0.1, abs=1e-5)]  # 3.0 - 2.9 where row 0 went 3 against 0
+    assert result["max_diff"] == pytest.approx(1.0)  # the flip's own step counts: same inputs, other arithmetic
+    assert result["median_max_diff"] == pytest.approx(1.0)  # rows' maxima sorted [0, 1.0]: the upper middle
+
+
+@pytest.mark.quick
+def test_decode_controls_run_every_pair_on_the_cpu(model, tokenizer):  # noqa: F811
+    """The five pairs the GPU suite's decode section compares: without CUDA "captured" runs the static step eagerly,
+    so the two are the same arithmetic (equal logits), and fp32 eager and static write the same tokens."""
+    from bench.decode_check import decode_controls, describe
+
+    ps = prompts(tokenizer, [5, 9, 17])
+    pairs = decode_controls(model, tokenizer, ps, 10, rows=3, control_rows=1)
+    assert set(pairs) == {"eager_vs_captured", "eager_vs_static", "static_vs_captured", "eager_3_vs_eager_1",
+                          "eager_vs_captured_fp32"}
+    assert pairs["static_vs_captured"]["same_rows"] == 3 and pairs["static_vs_captured"]["max_diff"] == 0.0
+    assert pairs["eager_vs_captured_fp32"]["same_rows"] == 3
+    assert pairs["eager_3_vs_eager_1"]["rows"] == 1
+    assert describe("eager_vs_captured", pairs["eager_vs_captured"]).startswith("eager vs captured: ")

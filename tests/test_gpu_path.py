@@ -650,3 +650,15 @@ def test_bf16_sft_learns_follows_fp32_and_resumes_exactly(runs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     resumed_losses = {r["step"]: r["train_loss"] for r in curve(resumed, "chat_sft") if "train_loss" in r}
     assert [resumed_losses[s] for s in (3, 4)] == [losses["bf16"][s] for s in (3, 4)]
+
+
+@pytest.mark.quick
+def test_a_model_built_for_bf16_runs_without_autocast_in_its_weights_dtype(monkeypatch, single_torch_thread):
+    """Built where the compute dtype is bf16, the embedding tables are bf16; run with autocast off (an fp32 control,
+    a caller that switched it off), the stream takes the matmuls' weights' dtype rather than the table's."""
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    model = build(tiny_config(value_embeds=True, smear=True))
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+    idx, _ = batch()
+    logits = model(idx)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
