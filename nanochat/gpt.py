@@ -443,6 +443,10 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.empty(1))
         if config.backout:
             self.backout_lambda = nn.Parameter(torch.empty(1))
+        # Activation checkpointing (base_train --checkpoint-activations): a training choice, not part of the model,
+        # so not in the config or a checkpoint. Each block keeps only its input for the backward and runs its forward
+        # again there: one block's activations alive at a time instead of every block's, for a third more compute.
+        self.checkpoint_activations = False
         # Rotary tables are derived, not learned: non-persistent, filled by init_rotary().
         head_dim = config.n_embd // config.n_head
         rotary_len = ROTARY_LENGTH_FACTOR * config.sequence_len
@@ -685,7 +689,11 @@ class GPT(nn.Module):
             elif c.residual_scalars:
                 x = residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             value_embed = self.value_embeds[str(i)](idx).to(x.dtype) if has_value_embed(c, i) else None
-            x = block(x, cos, sin, kv_cache, value_embed)
+            if self.checkpoint_activations and kv_cache is None and torch.is_grad_enabled():
+                # the block's activations are recomputed in the backward from its input, not kept from the forward
+                x = checkpoint(block, x, cos, sin, None, value_embed, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, kv_cache, value_embed)
             if c.backout and i == (c.n_layer // 2 - 1 if c.backout_layer is None else c.backout_layer):
                 x_mid = x
         if c.backout:

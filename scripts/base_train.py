@@ -5,33 +5,39 @@ Examples:
   python -m scripts.base_train --depth=4 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048
   torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth=20 --run=d20
   python -m scripts.base_train --time-budget=20m     # the depth and tokens that do best in 20 minutes here
+  NANOCHAT_GPU_MEMORY=24GiB python -m scripts.base_train --depth=20   # a device batch (and checkpointing) for 24 GiB
 Resume after a crash or a stop with the same command plus --resume (or --resume-from-step=N); a larger
 --num-iterations on resume continues training (the lr schedule is recomputed for the new length). A time-budgeted
-run's plan (nanochat.training.time_budget) is saved with its checkpoints, and a resume follows it.
+run's plan (nanochat.training.time_budget) is saved with its checkpoints, and a resume follows it. On a GPU (or with
+NANOCHAT_GPU_MEMORY / --gpu-memory) a device batch left unset is the largest the memory model
+(nanochat.training.memory_model) predicts to fit, with activation checkpointing where one row does not fit without.
 """
 
 import argparse
+import os
 import time
 
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_later_checkpoints,
                                          refuse_to_overwrite, resolve_step)
 from nanochat.common import (UserError, autocast_for, compile_backend, compile_choice, compile_model, compute_cleanup,
-                             compute_init, get_compute_dtype, keep_freed_memory_in_process, print0, resolve_device_type,
-                             run_main, seed_everything)
+                             compute_init, get_compute_dtype, keep_freed_memory_in_process, peak_memory_mib, print0,
+                             resolve_device_type, run_main, seed_everything)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
 from nanochat.report import get_report
 from nanochat.tokenizer import get_tokenizer
 from nanochat.training.loop import RunSettings, StartPoint, TrainingLoop, resume_from
+from nanochat.training.memory_model import (MEMORY_SHARE, describe_fit, device_memory_limit, fit_step, fits,
+                                            format_bytes, parse_memory, predict)
 from nanochat.training.presets import fill_from_preset, preset_help
 from nanochat.training.recipe import (DEFAULT_COMPONENTS, FittingBatches, build_optimizers, canonical_components,
                                       config_dict, depth_recipe, grad_accum_steps, greedy_samples, lr_multiplier,
                                       model_config_for_depth, muon_momentum, split_components, train_step)
 from nanochat.training.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 from nanochat.training.time_budget import (COMPILE_SECONDS, MIN_BUDGET_SECONDS, BudgetClock, RunShape, describe_plan,
-                                           duration_label, law_for, make_plan, parse_duration, plan_dict,
-                                           plan_from_dict, stage_start_time)
+                                           duration_label, law_for, make_plan, memory_line, parse_duration, plan_dict,
+                                           plan_from_dict, refuse_impossible_memory, stage_start_time, step_spec)
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
@@ -135,13 +141,15 @@ def recipe_from_flags(args, vocab_size):
                         short_run_lrs=bool(args.short_run_lrs), components=split_components(args.components)[0])
 
 
-def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast):
+def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast, memory=(None, "")):
     """
     A time-budgeted run's plan, its flags filled from it, and the BudgetClock that keeps it on time: read back from the
     checkpoint on a resume (it follows the plan as saved, and does not calibrate again), else made here (the probe, a
     few seconds to a minute). Returns a clock whose due() is always False for a run without a budget.
     """
     saved = (meta or {}).get("time_plan")
+    if saved:
+        args.checkpoint_activations = meta["user_config"].get("checkpoint_activations", "0")
     if meta is not None and args.time_budget and not saved:
         raise UserError(f"{ckpt_dir} was not trained to a time budget: drop --time-budget to resume it")
     if saved:
@@ -159,21 +167,92 @@ def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast):
     law = law_for(args.scaling_law, device.type, args.data_source)
     args.aspect_ratio = law.aspect_ratio if args.aspect_ratio is None else args.aspect_ratio
     args.head_dim = law.head_dim if args.head_dim is None else args.head_dim
-    model_components, optimizer_components = split_components(args.components)
-    compiling = args.compile == "1" or (args.compile == "auto" and device.type == "cuda")
-    shape = RunShape(vocab_size, args.max_seq_len, args.total_batch_size, world_size, args.aspect_ratio, args.head_dim,
-                     args.num_kv_heads or None, model_components, optimizer_components, bool(args.fp8),
-                     args.device_batch_size, args.eval_tokens, args.eval_every, args.sample_every > 0,
-                     COMPILE_SECONDS.get(device.type, 30.0) if compiling else 0.0, args.save_every)
+    shape = run_shape(args, vocab_size, device, world_size, memory)
+    shape.compile_seconds = COMPILE_SECONDS.get(device.type, 30.0) if shape.compiled else 0.0
     t0 = time.time()
     plan = make_plan(law, shape, args.time_budget, started_at, device, autocast, depth=args.depth,
                      warmdown_ratio=args.warmdown_ratio)
     same_plan_everywhere(plan)
     dtype = str(get_compute_dtype(device)).replace("torch.", "")
     print0(describe_plan(plan, law, time.time() - t0, f"{device.type} x{world_size} {dtype}"))
+    if plan.memory_limit:
+        print0(memory_line(plan, memory[1]))
     args.depth, args.device_batch_size, args.num_iterations = plan.depth, plan.device_batch_size, plan.num_iterations
+    args.checkpoint_activations = "1" if plan.checkpoint_activations else "0"
     args.eval_every = plan.eval_every
     return BudgetClock(plan, active=True, warmdown_ratio=args.warmdown_ratio)
+
+
+def run_shape(args, vocab_size, device, world_size, memory):
+    """What the time budget's plan and the memory model need of the flags. With a memory to fit in and no
+    --device-batch-size, the device batch may be as large as each rank's rows per step."""
+    model_components, optimizer_components = split_components(args.components)
+    rows_per_step = args.total_batch_size // (args.max_seq_len * world_size)
+    largest = args.device_batch_size if args.device_batch_given or memory[0] is None else rows_per_step
+    checkpoint = {"auto": None if memory[0] else False, "0": False, "1": True}[args.checkpoint_activations]
+    return RunShape(vocab_size, args.max_seq_len, args.total_batch_size, world_size, args.aspect_ratio, args.head_dim,
+                    args.num_kv_heads or None, model_components, optimizer_components, bool(args.fp8), largest,
+                    args.eval_tokens, args.eval_every, args.sample_every > 0, 0.0, args.save_every,
+                    memory_limit=memory[0], checkpoint_activations=checkpoint, device_type=device.type,
+                    compiled=compile_choice(args.compile, device), memory_label=memory[1])
+
+
+def run_memory(args, device):
+    """(bytes, words) of the memory a step must fit in (memory_model.device_memory_limit), the least of every rank's;
+    (None, "") on a CPU without --gpu-memory / NANOCHAT_GPU_MEMORY."""
+    from nanochat.common import all_reduce_max
+
+    limit, label = device_memory_limit(device, args.gpu_memory, args.gpu_memory_label)
+    if limit is None:
+        return None, ""
+    if device.type != "cuda":
+        print0(f"memory | {label}: planned for on the {device.type}, not enforced there")
+    least = -all_reduce_max([-float(limit)], device)[0]  # every rank plans alike: for the rank with the least
+    return int(least), label
+
+
+def plan_memory_without_budget(args, meta, vocab_size, device, world_size, memory):
+    """
+    A run without a time budget, with a memory to fit in (a GPU, or --gpu-memory): the device batch left unset becomes
+    the largest the memory model predicts to fit, with activation checkpointing where one row does not fit without
+    (--checkpoint-activations=auto); a device batch given is kept, with a line when it is predicted not to fit. The
+    predicted peak is printed beside the memory. A resume keeps its checkpoint's device batch and checkpointing.
+    """
+    if meta is not None:
+        saved = meta["user_config"]
+        args.checkpoint_activations = saved.get("checkpoint_activations", "0") if args.checkpoint_activations == "auto" \
+            else args.checkpoint_activations
+        if not args.device_batch_given:
+            args.device_batch_size = saved.get("device_batch_size", args.device_batch_size)
+    if memory[0] is None:
+        args.checkpoint_activations = "1" if args.checkpoint_activations == "1" else "0"
+        return
+    shape = run_shape(args, vocab_size, device, world_size, memory)
+    if meta is None:
+        refuse_impossible_memory(shape, args.depth)
+    if meta is None and not args.device_batch_given:
+        rows_per_step = args.total_batch_size // (args.max_seq_len * world_size)
+        fit = fit_step(step_spec(args.depth, shape), memory[0], rows_per_step, largest=shape.max_device_batch,
+                       checkpoint=shape.checkpoint_activations)
+        args.device_batch_size = fit.device_batch
+        args.checkpoint_activations = "1" if fit.checkpoint_activations else "0"
+    else:
+        args.checkpoint_activations = "1" if args.checkpoint_activations == "1" else "0"
+    step = predict(step_spec(args.depth, shape, args.checkpoint_activations == "1"), args.device_batch_size)
+    print0(describe_fit(step, args.checkpoint_activations == "1", memory[0], memory[1]))
+    if not fits(step, memory[0]):
+        print0(f"memory | --device-batch-size={args.device_batch_size} is predicted to need more than the "
+               f"{MEMORY_SHARE * 100:.0f} % of {format_bytes(memory[0])} planned for: an out-of-memory in the first steps "
+               f"halves it")
+
+
+def peak_predictor(args, shape):
+    """device batch -> the memory model's peak of this run's step, for FittingBatches to say how far off it was when
+    memory runs out anyway; None where no memory was planned for."""
+    if shape.memory_limit is None:
+        return None
+    spec = step_spec(args.depth, shape, args.checkpoint_activations == "1")
+    return lambda device_batch: predict(spec, device_batch).peak
 
 
 def same_plan_everywhere(plan):
@@ -231,6 +310,7 @@ def describe_run(args, recipe, device, world_size, batches, use_compile, num_ite
     dtype = str(get_compute_dtype(device)).replace("torch.", "")
     backend = compile_backend()
     compiled = f" compiled{'' if backend == 'inductor' else f' ({backend})'}" if use_compile else ""
+    compiled += " activation checkpointing" if args.checkpoint_activations == "1" else ""
     return (f"base_train | {model_tag(args)} | params {recipe.num_params:,} | layers {c.n_layer} "
             f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} + {args.components or 'none (plain recipe)'} | "
             f"T {args.max_seq_len} | device {device.type} x{world_size} {dtype}{compiled} | "
@@ -261,6 +341,13 @@ def parse_args(argv=None):
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
                    "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
                    f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); docs/pretraining.md 'Recipe components'")
+    p.add_argument("--checkpoint-activations", default="auto", choices=["auto", "0", "1"],
+                   help="1: each block's activations are recomputed in its backward instead of kept (torch.utils."
+                   "checkpoint: less memory, a third more compute); auto: off, unless the memory to fit in (a GPU's, "
+                   "--gpu-memory) cannot hold one row without it")
+    p.add_argument("--gpu-memory", default=None, help="the memory a step must fit in, e.g. 24GiB or 80GB (default: "
+                   "$NANOCHAT_GPU_MEMORY, else a GPU's free memory): plans the device batch for it and caps a bigger "
+                   "card to it; on a CPU planned for, not enforced")
     p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
                    "(torch._scaled_mm on H100/Ada GPUs; emulated in fp32 elsewhere, CPU included: for the numerics, not for "
                    "speed); docs/pretraining.md 'FP8 matmuls'")
@@ -301,6 +388,12 @@ def parse_args(argv=None):
     p.add_argument("--compile", default="auto", choices=["auto", "0", "1"], help="torch.compile (auto: on for CUDA)")
     p.add_argument("--dry-run", action="store_true", help="with --time-budget: measure, print the plan, train nothing")
     args = p.parse_args(argv)
+    # the memory to plan for, checked before any work; a device batch given is kept, an unset one is the memory's
+    source = "--gpu-memory" if args.gpu_memory is not None else "NANOCHAT_GPU_MEMORY"
+    memory_text = args.gpu_memory if args.gpu_memory is not None else os.environ.get("NANOCHAT_GPU_MEMORY") or None
+    args.gpu_memory = None if memory_text is None else parse_memory(memory_text, source)
+    args.gpu_memory_label = f"{source}={memory_text}"
+    args.device_batch_given = args.device_batch_size is not None
     if args.time_budget is not None:
         check_budget_flags(args)  # the depth (unless given), the steps and the eval cadence come from the plan
     elif args.dry_run:
@@ -328,16 +421,22 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     autocast = autocast_for(device)
-    grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, world_size)  # an exact split
+    memory = run_memory(args, device)
+    # an exact split; a device batch left to the memory plan will divide the rows each rank takes per step
+    planned_batch = memory[0] is not None and not args.device_batch_given
+    grad_accum_steps(args.total_batch_size, 1 if planned_batch else args.device_batch_size, args.max_seq_len, world_size)
     check_shape(args, tokenizer.get_vocab_size())  # heads and head dim, where the flags fix them
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
     resume_step = meta["step"] if meta is not None else refuse_to_overwrite(ckpt_dir)  # None: a new run
     if meta is not None:
         refuse_later_checkpoints(ckpt_dir, resume_step)
-    budget = plan_budget(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast)
+    budget = plan_budget(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast, memory)
     if args.dry_run:
         return compute_cleanup()
+    if not budget.plan:
+        plan_memory_without_budget(args, meta, tokenizer.get_vocab_size(), device, world_size, memory)
+    predicted_peak = peak_predictor(args, run_shape(args, tokenizer.get_vocab_size(), device, world_size, memory))
     user_config = vars(args).copy()
     recipe = recipe_from_flags(args, tokenizer.get_vocab_size())
     recipe.budget = "--time-budget" if budget.plan else recipe.budget
@@ -346,6 +445,7 @@ def main(argv=None):
     seed_everything(args.seed)
 
     model = build_model(recipe.model_config, device)
+    model.checkpoint_activations = args.checkpoint_activations == "1"
     if args.fp8:  # before compile, and before the optimizers (the same Parameters either way)
         use_fp8(model, device)
     model_config, lrs = config_dict(recipe.model_config), recipe.lrs()
@@ -368,7 +468,7 @@ def main(argv=None):
                                                          rank=rank, world_size=world_size, source=args.data_source,
                                                          resume_state=state),
                              device_batch, args.total_batch_size, args.max_seq_len, world_size, args.depth, device,
-                             resume_state=start.loader_state)
+                             resume_state=start.loader_state, predicted_peak=predicted_peak)
     val_bpb = val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size)
 
     settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
@@ -405,6 +505,11 @@ def main(argv=None):
 
     batches.close()
     budget.finish(loop)
+    if predicted_peak is not None and device.type == "cuda":  # the memory model against what the steps allocated
+        peak, predicted = peak_memory_mib(device) * 2**20, predicted_peak(batches.device_batch_size)
+        print0(f"memory | the run's peak: {format_bytes(peak)} allocated (torch.cuda.max_memory_allocated), "
+               f"predicted {format_bytes(predicted)} at device batch {batches.device_batch_size} "
+               f"({predicted / peak - 1:+.1%})")
     loop.finish("Base model training", [
         {"Number of parameters": recipe.num_params, "FLOPs per token": f"{recipe.flops_per_token:e}",
          "Calculated number of iterations": loop.num_iterations,

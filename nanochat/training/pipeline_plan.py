@@ -10,6 +10,9 @@ scaled by how much slower or faster this one is. Then it decides, for the best c
   3. how the training time is shared: chat_sft first gets the steps it needs (what the user talks to), mid_train a
      few, and base_train the rest, each at least its minimum; a budget whose training time cannot hold the minimums
      is refused in one line, with this machine's minimum and the preset's time here.
+With NANOCHAT_GPU_MEMORY (e.g. 24GiB) the memory is checked here, before any work, and the plan says what it does:
+base_train, which inherits it, fits its depth, device batch and activation checkpointing to it (time_budget, its plan
+line gives the predicted peak) and caps a bigger card to it.
 While the speedrun runs, each stage asks for its flags as it starts (the `flags` command below): a stage that starts
 late or early shares what is left with the stages after it in the planned proportions, never below its minimum, and an
 optional evaluation is dropped when the run is late. Every training stage takes its seconds as `--time-budget` (its own
@@ -315,6 +318,8 @@ def describe(plan):
     from nanochat.common import format_duration
     from nanochat.training.time_budget import clock
 
+    memory = os.environ.get("NANOCHAT_GPU_MEMORY")
+
     lines = [f"plan | speedrun in {format_duration(plan.budget_seconds)} from {clock(plan.started_at)}, ending by "
              f"{clock(plan.deadline)} | {plan.machine}: a step of the {plan.preset} preset's base model takes "
              f"{plan.speed:.2f}x the reference's | least budget here {format_duration(plan.minimum_seconds)}, the "
@@ -328,6 +333,10 @@ def describe(plan):
         else:
             what = f"{s.seconds:.0f} s"
         lines.append(f"plan | {s.name:<14} {what}")
+    if memory:
+        lines.append(f"plan | memory         NANOCHAT_GPU_MEMORY={memory}: base_train fits its depth, device batch and "
+                     f"activation checkpointing to it (its plan gives the predicted peak), the process capped to it on "
+                     f"a bigger GPU")
     return "\n".join(lines)
 
 
@@ -425,6 +434,10 @@ def cmd_plan(args):
     from nanochat.training.time_budget import clock, duration_label, parse_duration
 
     budget = parse_duration(args.budget, flag="NANOCHAT_TIME_BUDGET")
+    if os.environ.get("NANOCHAT_GPU_MEMORY"):  # a bad value is refused now, not when base_train starts
+        from nanochat.training.memory_model import parse_memory
+
+        parse_memory(os.environ["NANOCHAT_GPU_MEMORY"])
     path = args.plan_file
     if os.path.exists(path) and not args.fresh and not args.dry_run:  # a resumed speedrun follows the plan it made
         plan = load(path)

@@ -403,13 +403,16 @@ class FittingBatches:
     """
 
     def __init__(self, make_loader, device_batch_size, total_batch_size, seq_len, world_size, depth, device,
-                 resume_state=None):
+                 resume_state=None, predicted_peak=None):
         self.make_loader, self.depth, self.seq_len, self.device = make_loader, depth, seq_len, device
+        self.predicted_peak = predicted_peak  # device batch -> the memory model's peak in bytes, or None
         self.rows_per_step = total_batch_size // (seq_len * world_size)
         self.device_batch_size = device_batch_size
         self.shrunk_from = None  # the device batch the run asked for, once it has had to shrink
         self.loader = make_loader(device_batch_size, resume_state)
         self.steps_taken = 0
+        if device.type == "cuda":  # the training's own peak from here on (not the time budget's probe's), for the
+            torch.cuda.reset_peak_memory_stats(device)  # prediction to be checked against
 
     @property
     def grad_accum(self):
@@ -446,12 +449,27 @@ class FittingBatches:
             raise UserError(f"d{self.depth} does not fit in {memory} even at --device-batch-size=1 (rows of "
                             f"{self.seq_len} tokens): train a smaller --depth or a shorter --max-seq-len, or use a "
                             f"device with more memory")
-        print0(f"out of memory at --device-batch-size={self.device_batch_size} on {memory}: going on at {smaller} "
-               f"with {self.rows_per_step // smaller} micro-steps per optimizer step; the global batch, and so the run, "
-               f"are unchanged")
+        print0(f"out of memory at --device-batch-size={self.device_batch_size} on {memory}{self.against_prediction()}: "
+               f"going on at {smaller} with {self.rows_per_step // smaller} micro-steps per optimizer step; the global "
+               f"batch, and so the run, are unchanged")
         self.loader.close()
         self.loader = self.make_loader(smaller, state)
         self.shrunk_from = self.shrunk_from or self.device_batch_size
         self.device_batch_size = smaller
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def against_prediction(self):
+        """How far off the memory model was: its peak for this device batch, beside what the device held when it ran
+        out (on CUDA: the most allocated at once, which the failed step's peak exceeds)."""
+        if self.predicted_peak is None:
+            return ""
+        from nanochat.training.memory_model import format_bytes
+
+        predicted = self.predicted_peak(self.device_batch_size)
+        if self.device.type != "cuda" or SIMULATED_LIMIT is not None:
+            return f" (the memory model predicted a peak of {format_bytes(predicted)})"
+        held = torch.cuda.max_memory_allocated(self.device)
+        return (f" (the memory model predicted a peak of {format_bytes(predicted)}; {format_bytes(held)} were "
+                f"allocated when it ran out, {held / predicted - 1:+.0%} against the prediction, and the step needed more)")

@@ -9,12 +9,15 @@ How a plan is made:
    that cost FLOPs), trained to the end of its lr schedule. The project ships fits (LAWS): at CPU scale the
    miniseries' isoflop runs on the built-in corpus and on Brown, at GPU scale the reference project's published
    compute-optimal runs; --scaling-law=FILE takes a user's own miniseries fit (its scaling_law.json).
-2. The probe. A few optimizer steps of a candidate depth on random tokens, at the run's batch geometry (on a GPU at the
-   largest device batch that fits, halving from the preset's), give its seconds per step. Depths are tried outward
-   from the law's guess for this device until the predicted val bpb stops improving, within PROBE_SECONDS.
-3. The choice. For each measured depth: the time left for steps (the budget, less what has run, the evaluations, the
+2. The memory. With a memory to fit in (a GPU's, or NANOCHAT_GPU_MEMORY), the memory model
+   (nanochat.training.memory_model) predicts each candidate depth's peak before anything runs: the largest device
+   batch that fits, else activation checkpointing, else the depth is passed over.
+3. The probe. A few optimizer steps of a candidate depth on random tokens, at the run's batch geometry and device batch
+   (halving on running out of memory, for the probe's own eager steps), give its seconds per step. Depths are tried
+   outward from the law's guess for this device until the predicted val bpb stops improving, within PROBE_SECONDS.
+4. The choice. For each measured depth: the time left for steps (the budget, less what has run, the evaluations, the
    final checkpoint and the end of the process), so many steps, so many tokens, the law's val bpb; the lowest wins.
-4. Calibration. A tenth and half of the way in, before the lr warmdown begins, the measured seconds per step and per
+5. Calibration. A tenth and half of the way in, before the lr warmdown begins, the measured seconds per step and per
    evaluation replace the estimates and the number of steps is set for the rest of the budget, so the warmdown still
    ends on the last step. The plan is saved in every checkpoint, and a resume follows it as it stands.
 """
@@ -189,6 +192,9 @@ class Plan:
     calibrate_at: int | None  # the next step the step count is set again at (None: no more, or too short a run)
     calibrated: bool = False  # at least once
     probe: list = field(default_factory=list)  # what the probe measured: [{depth, device_batch_size, step_seconds}]
+    checkpoint_activations: bool = False
+    memory_limit: int | None = None  # bytes the step was fitted into (None: no memory to fit)
+    predicted_peak: int | None = None  # the memory model's peak of the planned step, bytes
 
     @property
     def deadline(self):
@@ -214,6 +220,46 @@ class RunShape:
     sample_at_end: bool
     compile_seconds: float  # the guess for torch.compile's first steps (0 when not compiling)
     save_every: int = -1  # periodic checkpoints (--save-every): their time counts too
+    memory_limit: int | None = None  # bytes a step must fit in (a GPU's, or NANOCHAT_GPU_MEMORY); None: not planned
+    checkpoint_activations: bool | None = False  # None: the plan's choice, only where one row does not fit without
+    device_type: str = "cpu"  # what the memory model predicts the step of
+    compiled: bool = False
+    memory_label: str = ""  # the memory limit in words, for the plan's line
+
+
+def step_spec(depth, shape, checkpoint_activations=False):
+    """The memory model's spec of base_train's step at this depth, on shape's device."""
+    from nanochat.training.memory_model import spec_for_device
+
+    return spec_for_device(shape.device_type, depth, shape.seq_len, shape.vocab_size, shape.aspect_ratio,
+                           shape.head_dim, shape.num_kv_heads, shape.model_components, shape.optimizer_components,
+                           shape.fp8, checkpoint_activations, compiled=shape.compiled)
+
+
+def plan_memory(depth, shape):
+    """The device batch and checkpointing of this depth's step within shape.memory_limit (memory_model.fit_step): the
+    largest device batch that divides each rank's rows per step, up to shape.max_device_batch; None if one row does not
+    fit even with activation checkpointing (where the shape leaves that to the plan)."""
+    from nanochat.training.memory_model import fit_step
+
+    rows_per_step = shape.total_batch_size // (shape.seq_len * shape.world_size)
+    return fit_step(step_spec(depth, shape), shape.memory_limit, rows_per_step, largest=shape.max_device_batch,
+                    checkpoint=shape.checkpoint_activations)
+
+
+def refuse_impossible_memory(shape, depth=None):
+    """Before any work: a memory limit in which not even one row of `depth` fits (of d1, the smallest model, when the
+    plan chooses the depth) is refused in one line naming the least memory that would do."""
+    from nanochat.training.memory_model import MEMORY_SHARE, format_bytes, least_memory
+
+    least = least_memory(step_spec(depth or 1, shape), shape.checkpoint_activations)
+    if least > shape.memory_limit:
+        model = f"--depth={depth}" if depth else "d1, the smallest model,"
+        checkpointing = "" if shape.checkpoint_activations is False else " with activation checkpointing"
+        raise UserError(f"{shape.memory_label or format_bytes(shape.memory_limit)} is too little for {model} at one row "
+                        f"of {shape.seq_len:,} tokens{checkpointing}: give at least {format_bytes(least, up=True)} (its "
+                        f"predicted peak is kept within {MEMORY_SHARE * 100:.0f} % of the memory)"
+                        + (", or a smaller --depth" if depth else ""))
 
 
 def meta_recipe(depth, shape):
@@ -281,6 +327,8 @@ class Candidate:
     save_seconds: float = 0.0
     end_seconds: float = 0.0
     reused: bool = False  # measured by an earlier probe on this machine (PROBE_FILE), not now
+    checkpoint_activations: bool = False
+    predicted_peak: int | None = None  # the memory model's, at this device batch
 
 
 def forecast(candidate, law, shape, deadline, now, device):
@@ -303,7 +351,7 @@ class ProbeOutOfMemory(Exception):
     """Some rank ran out of memory in a probe step; every rank raises it at the same point."""
 
 
-def time_steps(depth, device_batch, shape, device, autocast, seconds):
+def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint_activations=False):
     """
     Seconds per optimizer step of base_train at this depth and device batch, on random tokens: a warm-up step, then as
     many timed steps as fit in about `seconds` (2 to 6, one count for every rank, taken from the warm-up), each
@@ -333,6 +381,7 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds):
         model = build_model(recipe.model_config, device)
         if shape.fp8:
             convert_to_fp8(model.transformer.h)
+        model.checkpoint_activations = checkpoint_activations
         return model, build_optimizers(model, **recipe.lrs(), optimizer_components=shape.optimizer_components)
 
     def forward_backward():
@@ -363,15 +412,15 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds):
     return accum * statistics.median(micro[1:]) + statistics.median(update[1:])  # the first step warms up
 
 
-def probe_depth(depth, shape, device, autocast, seconds):
+def probe_depth(depth, shape, device, autocast, seconds, device_batch=None, checkpoint_activations=False):
     """(device batch, seconds per step) of base_train at this depth, at the largest device batch that fits (from
-    shape.max_device_batch, halving on running out of memory), agreed by every rank; (None, None) when one row does
-    not fit."""
-    device_batch = shape.max_device_batch
+    device_batch, default shape.max_device_batch, halving on running out of memory), agreed by every rank; (None, None)
+    when one row does not fit."""
+    device_batch = device_batch or shape.max_device_batch
     rows_per_step = shape.total_batch_size // (shape.seq_len * shape.world_size)
     while True:
         try:
-            step_seconds = time_steps(depth, device_batch, shape, device, autocast, seconds)
+            step_seconds = time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint_activations)
             return device_batch, all_reduce_max([step_seconds], device)[0]
         except ProbeOutOfMemory:
             if device.type == "cuda":
@@ -393,7 +442,8 @@ def machine_signature(shape, device):
         where, f"torch {torch.__version__}", get_compute_dtype(device), f"x{shape.world_size}", f"T {shape.seq_len}",
         f"batch {shape.total_batch_size}", f"up to {shape.max_device_batch} rows", f"aspect {shape.aspect_ratio}",
         f"head {shape.head_dim}", f"kv {shape.num_kv_heads}", ",".join(shape.model_components + shape.optimizer_components),
-        f"fp8 {shape.fp8}"))
+        f"fp8 {shape.fp8}")) + (f" | memory {shape.memory_limit} checkpointing {shape.checkpoint_activations}"
+                                if shape.memory_limit else "")
 
 
 def read_measurements(signature, device):
@@ -462,16 +512,30 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
     earlier, measured, fresh = read_measurements(signature, device), {}, {}
 
     def measure(d):
+        fit = plan_memory(d, shape) if shape.memory_limit else None  # before anything runs: does it fit at all?
+        if shape.memory_limit and fit is None:
+            measured[d] = None
+            return None
+        checkpointed = fit.checkpoint_activations if fit else bool(shape.checkpoint_activations)
         if d in earlier:
             device_batch, step_seconds = earlier[d]
         else:
             share = max(0.2, min(allowance, probe_end - now()) / 4)  # each depth's timed steps: a share of the time left
-            device_batch, step_seconds = probe_depth(d, shape, device, autocast, share)
+            device_batch, step_seconds = probe_depth(d, shape, device, autocast, share,
+                                                     fit.device_batch if fit else None, checkpointed)
             if device_batch is not None:
                 fresh[d] = (device_batch, step_seconds)
-        measured[d] = None if device_batch is None else \
-            forecast(Candidate(d, device_batch, step_seconds, reused=d in earlier), law, shape, deadline, now(), device)
+        if device_batch is not None and fit is not None:
+            # the run's device batch is the memory model's (compiled, as the run trains); the probe's eager steps may
+            # have needed a smaller one, and a step's time hardly depends on it at the same global batch
+            device_batch = fit.device_batch
+        measured[d] = None if device_batch is None else forecast(
+            Candidate(d, device_batch, step_seconds, reused=d in earlier, checkpoint_activations=checkpointed,
+                      predicted_peak=fit.memory.peak if fit else None), law, shape, deadline, now(), device)
         return measured[d]
+
+    if shape.memory_limit:
+        refuse_impossible_memory(shape, depth)
 
     if depth is not None:
         measure(depth)
@@ -513,7 +577,9 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
                 save_seconds=chosen.save_seconds, predicted_bpb=chosen.predicted_bpb,
                 calibrate_at=calibrate_at if calibrate_at < (1 - warmdown_ratio) * n else None,
                 probe=[{"depth": c.depth, "device_batch_size": c.device_batch_size, "step_seconds": c.step_seconds,
-                        "predicted_bpb": c.predicted_bpb, "reused": c.reused} for c in sorted(fitting, key=lambda c: c.depth)])
+                        "predicted_bpb": c.predicted_bpb, "reused": c.reused} for c in sorted(fitting, key=lambda c: c.depth)],
+                checkpoint_activations=chosen.checkpoint_activations, memory_limit=shape.memory_limit,
+                predicted_peak=chosen.predicted_peak)
 
 
 def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eval_every, warmdown_ratio, depth,
@@ -552,6 +618,15 @@ def describe_plan(plan, law, probe_seconds, device_label):
         f"device batch {plan.device_batch_size} x {plan.grad_accum} accum | predicted val bpb {plan.predicted_bpb:.4f} | "
         f"ends by {clock(plan.deadline)}" + (f" (steps set again at step {plan.calibrate_at})" if plan.calibrate_at else ""),
     ])
+
+
+def memory_line(plan, label=""):
+    """The plan's memory: the predicted peak beside the memory it had to fit in."""
+    from nanochat.training.memory_model import MEMORY_SHARE, format_bytes
+
+    return (f"plan | memory: d{plan.depth} at device batch {plan.device_batch_size}, activation checkpointing "
+            f"{'on' if plan.checkpoint_activations else 'off'}: predicted peak {format_bytes(plan.predicted_peak)} of "
+            f"{label or format_bytes(plan.memory_limit)} (planned within {MEMORY_SHARE * 100:.0f} %)")
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,690 @@
+"""
+The memory of one training step of base_train, predicted before it runs and without the device it will run on, so
+that a plan can choose a model, a device batch and activation checkpointing that fit a card (base_train, and through
+it nanochat.training.time_budget; docs/time_budget.md "Your card's memory").
+
+What is predicted: the peak of the bytes of every tensor alive during one optimizer step (what a GPU's
+torch.cuda.max_memory_allocated counts), and what makes it up: the parameters, the optimizer state, the gradients, the
+activations the forward keeps for the backward, and what comes on top of those at the peak.
+
+How: the real step runs on fake tensors (torch's FakeTensorMode: shapes and dtypes, no data, no device), on the CPU
+standing in for a GPU (bf16 autocast and the plain torch path a GPU takes, NANOCHAT_CPU_OPS=0), or as this CPU runs it:
+  - the parameters, the optimizer state and the gradients exactly: the whole model is built and takes two optimizer
+    steps on gradients of the parameters' own dtypes; the bytes alive op by op through the second step (LiveBytes) give
+    the optimizer step's own peak, with its temporaries (Muon's stacked matrices and its Newton-Schulz products).
+  - the activations of a compiled step (what a GPU trains: torch.compile's inductor) from the graphs inductor gets:
+    the step goes through Dynamo and AOT autograd with inductor's own decompositions and partitioner, which decide what
+    the forward keeps for the backward and what the backward recomputes; the forward graph's outputs are those
+    tensors. On an H200 the compiled step's peak fell at the end of the forward, with nothing the backward allocated
+    alive yet (dev/gpu_results/2026-11-28_h200_profiles_2fc4048: the blocks alive at the peak were all allocated by
+    the forward; the backward's first gradients are written over buffers it frees), so that is the peak taken:
+    the memory before the step plus what is kept. Inductor's CPU code adds the logits' gradient in fp32 there
+    (measured: bench.memory_model predict --compile=1). With activation checkpointing one block's activations may
+    come on top instead, alive again while its backward recomputes them.
+  - the activations of an eager step (a CPU's default, a GPU's --compile=0, the time budget's probe) op by op: the bytes
+    alive as each op allocates and as each tensor dies; the peak of the forward and backward, and what the end of the
+    forward holds, are read off.
+Only a few layers are traced, at the real width, sequence length and vocabulary: the first layer, then one layer of
+each kind the others are (with or without a value embedding, with or without a sliding window). What each layer keeps is
+attributed to it (the forward graph's module paths; hooks on the blocks in an eager step), and the model's other layers
+are counted as copies of the one of their kind. How the activations grow with the device batch comes from the
+graph (what depends on the tokens, compiled) or from two batch sizes (eager).
+
+What it leaves out (the plan keeps MEMORY_SHARE of the memory for it): the caching allocator's fragmentation (free
+blocks it holds but cannot hand out), the CUDA context and the kernels' workspaces (cuBLAS, cuDNN), NCCL's buffers, the
+temporaries inside one op (an eager op's own scratch, the emulated fp8 matmul's fp32 copies), a compiled backward's
+temporaries beyond the forward's (inductor writes most gradients over buffers it frees), and for a rank of several the
+optimizer state each shards (the prediction is for one process holding all of it: an overestimate). Measured against
+the real step: `python -m bench.memory_model predict` (the CPU) and the H200's peaks (BENCHMARKS.md).
+"""
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import time
+import weakref
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from nanochat.common import UserError
+
+GIB, MIB = 2**30, 2**20
+# The plan fits the predicted peak into this share of the memory it has: the rest is for what the prediction leaves out
+# (the module docstring): on a GPU the caching allocator reserves ~5-10 % more than it hands out in a training loop, the
+# CUDA context and cuBLAS/cuDNN workspaces take a few hundred MB outside it.
+MEMORY_SHARE = 0.9
+CACHE_FILE = "memory_model.json"  # in the base dir: profiles traced before, keyed by everything they depend on
+# The sources whose code decides a step's memory: a profile traced under other sources is traced again
+TRACED_SOURCES = ("nanochat/gpt.py", "nanochat/model/fp8.py", "nanochat/model/cpu_ops.py", "nanochat/training/optim.py",
+                  "nanochat/training/memory_model.py")
+
+
+# -----------------------------------------------------------------------------
+# Sizes, as users write them
+
+
+def parse_memory(text, name="NANOCHAT_GPU_MEMORY"):
+    """'24GiB', '24G', '80 GB', '512MiB', '1.5TiB' or plain bytes -> bytes > 0. Binary units (GiB, MiB, and G, M
+    alone, as nvidia-smi means them); GB and MB are decimal (10^9, 10^6)."""
+    units = {"": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MIB, "mib": MIB, "mb": 10**6, "g": GIB, "gib": GIB,
+             "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", str(text).strip().lower())
+    if not match or match.group(2) not in units:
+        raise UserError(f"{name}={text} is not an amount of memory: give one such as 24GiB, 80GB or 12G")
+    value = float(match.group(1)) * units[match.group(2)]
+    if not math.isfinite(value) or value < MIB:
+        raise UserError(f"{name}={text} is less than a MiB: give the card's memory, such as 24GiB")
+    return int(value)
+
+
+def format_bytes(n, up=False):
+    """'15.4 GiB', '312 MiB'; up=True rounds up (a least amount stated is then enough)."""
+    rounding = math.ceil if up else round
+    return f"{rounding(n / GIB * 10) / 10:,.1f} GiB" if n >= GIB else f"{rounding(n / MIB):,.0f} MiB"
+
+
+# -----------------------------------------------------------------------------
+# What a step's memory depends on
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything one base_train step's memory depends on but the device batch."""
+    depth: int
+    seq_len: int
+    vocab_size: int
+    aspect_ratio: int = 64
+    head_dim: int = 128
+    num_kv_heads: int | None = None
+    model_components: tuple = ()
+    optimizer_components: tuple = ()
+    dtype: str = "bfloat16"  # the compute dtype: bf16 autocast, or float32
+    fp8: bool = False
+    checkpoint_activations: bool = False
+    compiled: bool = True  # torch.compile'd with inductor (a GPU's step), else eager
+    cpu_ops: bool = False  # the CPU's own fused Functions (nanochat.model.cpu_ops): an eager step on a CPU
+    device_type: str = "cuda"  # what inductor generates code for: it decides one transient of a compiled step
+
+    def model_config(self):
+        from nanochat.training.recipe import model_config_for_depth
+
+        return model_config_for_depth(self.depth, self.vocab_size, self.seq_len, self.aspect_ratio, self.head_dim,
+                                      self.num_kv_heads, self.model_components)
+
+
+def spec_for_device(device_type, depth, seq_len, vocab_size, aspect_ratio=64, head_dim=128, num_kv_heads=None,
+                    model_components=(), optimizer_components=(), fp8=False, checkpoint_activations=False,
+                    compiled=None, dtype=None):
+    """The spec of base_train's step on a device of this type: on CUDA compiled (compile_choice's default), on a CPU
+    eager with its fused Functions; in the device's compute dtype (get_compute_dtype), or bf16 for a GPU not here."""
+    from nanochat.common import get_compute_dtype
+    from nanochat.model import cpu_ops
+
+    if dtype is None:
+        here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
+        dtype = str(get_compute_dtype(torch.device(device_type))).split(".")[-1] if here else "bfloat16"
+    compiled = device_type == "cuda" if compiled is None else compiled
+    return StepSpec(depth, seq_len, vocab_size, aspect_ratio, head_dim, num_kv_heads, tuple(model_components),
+                    tuple(optimizer_components), dtype, bool(fp8), bool(checkpoint_activations), bool(compiled),
+                    cpu_ops=device_type == "cpu" and not compiled and cpu_ops.enabled(), device_type=device_type)
+
+
+# -----------------------------------------------------------------------------
+# Counting the bytes alive
+
+
+class LiveBytes(TorchDispatchMode):
+    """
+    The bytes of every tensor storage alive, counted as each op's outputs appear and as their storages die (a weak
+    reference to each), with the peak since reset_peak(). A storage is counted once however many views share it; each
+    carries the `owner` set when it was allocated (which part of the model made it). Works on fake and real tensors.
+    A read of a value on the host (.item(), bool(t)) answers 1: on fake tensors there is no value, and the step's only
+    such read (the CPU loss's "are all targets valid") is true in pretraining.
+    """
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.alive = {}  # id(storage) -> (bytes, owner)
+        self.refs = {}  # id(storage) -> weak reference, whose callback uncounts it
+        self.total = self.peak = 0
+        self.owner = ("static",)
+
+    def reset_peak(self):
+        self.peak = self.total
+
+    def count(self, tensor):
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.alive:
+            return
+        nbytes = storage.nbytes()
+        self.alive[key] = (nbytes, self.owner)
+        self.total += nbytes
+        self.peak = max(self.peak, self.total)
+
+        def died(_, key=key):
+            self.total -= self.alive.pop(key, (0, None))[0]
+            self.refs.pop(key, None)
+
+        self.refs[key] = weakref.ref(storage, died)
+
+    def by_owner(self):
+        totals = {}
+        for nbytes, owner in self.alive.values():
+            totals[owner] = totals.get(owner, 0) + nbytes
+        return totals
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            return True if func == torch.ops.aten.is_nonzero.default else 1
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.count(t)
+        return out
+
+
+def storage_bytes(tensors):
+    """The bytes of these tensors' storages, each storage once."""
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@contextlib.contextmanager
+def traced_as(spec):
+    """The process set up to run spec's step on fake CPU tensors the way its device runs it: the compute dtype and the
+    CPU's Functions by their environment switches, and the optimizers as one process's (a rank of several would wait
+    in a collective that fake tensors never reach). Everything is put back after."""
+    import nanochat.training.optim as optim
+
+    saved = {name: os.environ.get(name) for name in ("NANOCHAT_DTYPE", "NANOCHAT_CPU_OPS")}
+    rank_world = optim.dist_rank_world
+    os.environ["NANOCHAT_DTYPE"] = spec.dtype
+    os.environ["NANOCHAT_CPU_OPS"] = "1" if spec.cpu_ops else "0"
+    optim.dist_rank_world = lambda: (0, 1)
+    try:
+        yield
+    finally:
+        optim.dist_rank_world = rank_world
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def fake_model(config, spec):
+    """spec's model on fake CPU tensors, initialised as base_train initialises it (inside a FakeTensorMode)."""
+    from nanochat.gpt import GPT
+    from nanochat.model.fp8 import convert_to_fp8
+
+    model = GPT(config)
+    model.init_weights()  # also stores the embedding tables in the compute dtype
+    if spec.fp8:
+        convert_to_fp8(model.transformer.h)
+    model.checkpoint_activations = spec.checkpoint_activations
+    return model
+
+
+def autocast_of(spec):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if spec.dtype == "bfloat16" else contextlib.nullcontext()
+
+
+# -----------------------------------------------------------------------------
+# The parameters, the optimizer state, the gradients: the whole model, exactly
+
+
+@dataclass
+class StaticMemory:
+    parameters: int
+    optimizer_state: int
+    gradients: int
+    optimizer_peak: int  # alive at the optimizer step's peak: all of the above and its temporaries
+
+
+def trace_static(spec):
+    """The whole model's parameters, optimizer state and gradients, and the peak of its optimizer step (the second of
+    two, with the state there), on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nanochat.training.recipe import apply_schedules, build_optimizers, depth_recipe, muon_momentum
+
+    recipe = depth_recipe(spec.depth, spec.vocab_size, spec.seq_len, spec.seq_len, spec.aspect_ratio, spec.head_dim,
+                          spec.num_kv_heads, num_iterations=1, components=spec.model_components)
+    with traced_as(spec), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live:
+        model = fake_model(recipe.model_config, spec)
+        optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=spec.optimizer_components)
+        params = list(model.parameters())
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.zeros_like(p)  # a gradient has its parameter's dtype
+            gradients = storage_bytes(p.grad for p in params)
+            live.reset_peak()
+            apply_schedules(optimizers, 1.0, momentum=muon_momentum(0))
+            for opt in optimizers:
+                opt.step()
+            optimizer_peak = live.peak
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+        state = [t for opt in optimizers for s in opt.state.values() for t in tree_leaves(s) if isinstance(t, torch.Tensor)]
+        parameters = storage_bytes(params) + storage_bytes(model.buffers())  # the rotary tables are buffers
+        # step counts on the device and anything else the optimizers keep besides the per-parameter state
+        kept = live.total - parameters
+        return StaticMemory(parameters, max(storage_bytes(state), kept), gradients, optimizer_peak)
+
+
+# -----------------------------------------------------------------------------
+# The activations: a few layers traced, the others counted as copies
+
+
+def layer_kinds(config):
+    """What makes one layer's activations differ from another's: its value embedding, its attention window."""
+    from nanochat.gpt import attention_window, has_value_embed
+
+    return [(has_value_embed(config, i), attention_window(config, i)) for i in range(config.n_layer)]
+
+
+def reduced_layers(kinds):
+    """The layers traced for a model of these layer kinds: the first layer (what comes before it is not a layer's),
+    then one layer of each kind the others are; None when that is no fewer than the model has."""
+    traced = [kinds[0]] + list(dict.fromkeys(kinds[1:]))
+    if len(traced) == 1 and len(kinds) > 1:
+        traced = traced * 2  # a second layer of the first's kind: what a layer after the first keeps
+    return traced if len(traced) < len(kinds) else None
+
+
+def reduced_config(config, traced):
+    """config with only the traced layers (kinds as reduced_layers lists them), each placed as the original's."""
+    ve_layers = [i for i, (has_ve, _) in enumerate(traced) if has_ve]
+    fields = asdict(config)
+    fields.update(n_layer=len(traced), value_embeds=bool(ve_layers),
+                  value_embed_layers=",".join(map(str, ve_layers)) if ve_layers else "lower_half",
+                  attention_windows=[window or 0 for _, window in traced])
+    if config.backout_layer is not None:
+        fields["backout_layer"] = min(config.backout_layer, len(traced) - 1)
+    return type(config)(**fields)
+
+
+@dataclass
+class Activations:
+    """A traced model's activations as a function of the device batch b: each quantity is fixed + per_row * b."""
+    layers: list  # [(fixed, per_row)] kept at the end of the forward by each traced layer
+    rest: tuple  # (fixed, per_row) kept by everything else (the embeddings, the head, the loss, the batch)
+    extra: tuple  # the forward and backward's peak beyond the state before the step and what the forward keeps
+    tail: tuple  # eager only: the backward's end (every gradient made) beyond the state and the gradients
+
+
+def layer_of(owner, n_layer):
+    """The layer an eager allocation belongs to (LiveBytes' owner): inside block i, block i; between two blocks, the
+    block after them (its residual mix, its value embedding's lookup); before the first block and after the last,
+    none: the rest (the embedding, the head, the loss)."""
+    kind, *index = owner
+    if kind == "layer":
+        return index[0]
+    if kind == "after" and index[0] + 1 < n_layer:
+        return index[0] + 1
+    return None
+
+
+def trace_eager(config, spec, batch):
+    """One eager forward and backward of `config`'s model at this device batch, on fake tensors: the bytes each layer
+    (and the rest) keeps at the end of the forward, the state before the step, the peak of the forward and backward,
+    the peak after every block's gradients are made, and the gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with traced_as(spec), FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as live:
+        model = fake_model(config, spec)
+        idx = torch.zeros((batch, spec.seq_len), dtype=torch.long)
+        targets = torch.zeros((batch, spec.seq_len), dtype=torch.long)
+        before = live.total
+        blocks = list(model.transformer.h)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, args, i=i: setattr(live, "owner", ("layer", i)))
+            block.register_forward_hook(lambda m, args, out, i=i: setattr(live, "owner", ("after", i)))
+        block_params = [p for block in blocks for p in block.parameters()]
+        marks = {"waiting": len(block_params)}
+
+        def gradient_made(_):
+            marks["waiting"] -= 1
+            if marks["waiting"] == 0:  # every block's gradient is made: the backward's tail begins
+                marks["peak_before_tail"] = live.peak
+                live.reset_peak()
+
+        for p in block_params:
+            p.register_post_accumulate_grad_hook(gradient_made)
+        live.owner = ("rest",)
+        live.reset_peak()
+        with autocast_of(spec):
+            loss = model(idx, targets)
+        at_forward_end = live.by_owner()
+        loss.backward()
+        tail_peak = live.peak if "peak_before_tail" in marks else live.total
+        fb_peak = max(marks.get("peak_before_tail", 0), live.peak)
+        gradients = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        layers, rest = [0] * config.n_layer, 0
+        for owner, nbytes in at_forward_end.items():
+            if owner == ("static",):  # the parameters and the batch, there before the step
+                continue
+            index = layer_of(owner, config.n_layer)
+            if index is None:
+                rest += nbytes
+            else:
+                layers[index] += nbytes
+        kept = sum(layers) + rest
+        return {"before": before, "layers": layers, "rest": rest, "tail": tail_peak, "gradients": gradients,
+                "extra": fb_peak - before - kept}
+
+
+def trace_eager_activations(config, spec):
+    """Activations of the eager step, from two device batches (each quantity is a line in the batch). The batches make
+    at least LOSS_CHUNK_ROWS rows, so that the CPU loss's chunk buffers are full-sized in both."""
+    from nanochat.model.cpu_ops import LOSS_CHUNK_ROWS
+
+    small = max(1, math.ceil(LOSS_CHUNK_ROWS / spec.seq_len)) if spec.cpu_ops else 1
+    a, b = trace_eager(config, spec, small), trace_eager(config, spec, 2 * small)
+
+    def line(x, y):  # fixed + per_row * batch through (small, x) and (2 small, y)
+        per_row = max(0, (y - x)) / small
+        return (x - per_row * small, per_row)
+
+    layers = [line(x, y) for x, y in zip(a["layers"], b["layers"])]
+    rest = line(a["rest"], b["rest"])
+    rest = (rest[0], rest[1] + 2 * spec.seq_len * 8)  # the batch, two (b, T) int64 tensors alive before the step
+    extra = line(a["extra"], b["extra"])
+    tail = line(a["tail"] - a["before"] - a["gradients"], b["tail"] - b["before"] - b["gradients"])
+    return Activations(layers, rest, extra, tail)
+
+
+def trace_compiled_activations(config, spec):
+    """
+    Activations of the compiled step: the model goes through Dynamo and AOT autograd with inductor's decompositions and
+    partitioner on fake tensors, and what the forward graph hands to the backward is counted, each tensor once, by the
+    layer its op belongs to (the graph's module paths; an op between two blocks belongs to the block after it) and as
+    per row of the batch when it depends on the tokens. Nothing is compiled into kernels.
+    """
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    batch = 2  # not 1: a dimension of size 1 takes other paths through the decompositions
+    graphs = {}
+
+    def keep_forward(graph_module, inputs):
+        graphs["forward"] = graph_module
+        return make_boxed_func(graph_module.forward)
+
+    def backend(graph_module, inputs):
+        return aot_module_simplified(graph_module, inputs, fw_compiler=keep_forward,
+                                     bw_compiler=lambda g, _: make_boxed_func(g.forward), partition_fn=partition_fn,
+                                     decompositions=select_decomp_table())
+
+    torch._dynamo.reset()  # a fresh trace: earlier models' graphs count against Dynamo's recompile limit
+    with traced_as(spec):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = fake_model(config, spec)
+            idx = torch.zeros((batch, spec.seq_len), dtype=torch.long)
+            targets = torch.zeros((batch, spec.seq_len), dtype=torch.long)
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        with autocast_of(spec):
+            compiled(idx, targets)
+    torch._dynamo.reset()
+    forward = graphs["forward"]
+    nodes = list(forward.graph.nodes)
+    # what depends on the tokens grows with the batch; the rest (weights cast to bf16, rotary tables) does not
+    per_row_nodes = set()
+    for node in nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dtype == torch.long \
+                and tuple(value.shape) == (batch, spec.seq_len):
+            per_row_nodes.add(node)
+        elif any(arg in per_row_nodes for arg in node.all_input_nodes):
+            per_row_nodes.add(node)
+    layer_at = [module_layer(node) for node in nodes]
+    spans = {}
+    for position, layer in enumerate(layer_at):
+        if layer is not None:
+            first, last = spans.get(layer, (position, position))
+            spans[layer] = (min(first, position), max(last, position))
+    n_layer = config.n_layer
+
+    def owner(position):
+        if layer_at[position] is not None:
+            return layer_at[position]
+        for layer in range(1, n_layer):  # between the end of block layer - 1 and the start of block layer
+            if layer in spans and layer - 1 in spans and spans[layer - 1][1] < position < spans[layer][0]:
+                return layer
+        return None
+
+    position_of = {node: i for i, node in enumerate(nodes)}
+    output = next(node for node in nodes if node.op == "output")
+    # a parameter (or a view of one) handed to the backward is counted with the parameters already
+    seen = {id(node.meta["val"].untyped_storage()) for node in nodes
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)}
+    layers, rest = [[0, 0] for _ in range(n_layer)], [0, 0]
+    for node in output.args[0]:
+        value = node.meta.get("val") if hasattr(node, "meta") else None
+        if not isinstance(value, torch.Tensor) or id(value.untyped_storage()) in seen:
+            continue
+        seen.add(id(value.untyped_storage()))
+        nbytes = value.untyped_storage().nbytes()
+        layer = owner(position_of[node])
+        bucket = rest if layer is None else layers[layer]
+        if node in per_row_nodes:
+            bucket[1] += nbytes / batch
+        else:
+            bucket[0] += nbytes
+    rest[1] += 2 * spec.seq_len * 8  # the batch itself: two (b, T) int64 tensors
+    return Activations([tuple(x) for x in layers], tuple(rest), (0, 0), (0, 0))
+
+
+def module_layer(node):
+    """The block index of a graph node from its module path (transformer.h.3..., value_embeds.3), else None."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        found = re.search(r"transformer\.h\W+(\d+)|value_embeds\W+(\d+)", str(path))
+        if found:
+            return int(found.group(1) or found.group(2))
+    return None
+
+
+# -----------------------------------------------------------------------------
+# A profile per spec, and the prediction at any device batch
+
+
+@dataclass
+class StepMemory:
+    """One step's predicted memory at one device batch, in bytes."""
+    device_batch: int
+    parameters: int
+    optimizer_state: int
+    gradients: int
+    activations: int  # kept by the forward for the backward (and the batch)
+    extra: int  # on top of those at the forward and backward's peak
+    peak: int
+    phase: str  # where the peak falls: "forward and backward" or "optimizer step"
+
+
+@dataclass
+class StepProfile:
+    """What a spec's step needs, as numbers: static bytes, and per-layer activation lines in the device batch."""
+    spec: StepSpec
+    parameters: int
+    optimizer_state: int
+    gradients: int
+    optimizer_peak: int
+    kept_fixed: float  # what the whole model's forward keeps, fixed + per_row * b
+    kept_per_row: float
+    extra_fixed: float
+    extra_per_row: float
+    tail_fixed: float  # eager: the backward's end beyond the state and the gradients
+    tail_per_row: float
+    traced_seconds: float
+
+    def at(self, device_batch):
+        b = device_batch
+        before = self.parameters + self.optimizer_state
+        kept = int(self.kept_fixed + self.kept_per_row * b)
+        extra = int(max(0.0, self.extra_fixed + self.extra_per_row * b))
+        forward_backward = before + kept + extra
+        tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * b))
+        candidates = [(forward_backward, "forward and backward"), (tail, "end of the backward"),
+                      (self.optimizer_peak, "optimizer step")]
+        peak, phase = max(candidates, key=lambda c: c[0])
+        return StepMemory(b, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
+
+
+def trace_profile(spec, whole=False):
+    """Trace spec's step (module docstring): a few seconds, most of it in Dynamo and AOT autograd for a compiled step.
+    whole=True traces every layer (what the few traced layers stand for, to check them against)."""
+    started = time.time()
+    config = spec.model_config()
+    static = trace_static(spec)
+    kinds = layer_kinds(config)
+    traced = None if whole else reduced_layers(kinds)
+    small = config if traced is None else reduced_config(config, traced)
+    if spec.compiled:
+        acts = trace_compiled_activations(small, spec)
+        # What comes on top of the kept tensors, measured rather than traced (inductor decides it in code generation):
+        # on a CPU the generated backward first writes the logits' gradient in fp32, one (b T, vocab) buffer beside
+        # everything kept (bench.memory_model predict --compile=1: the peak exactly that much above the kept set);
+        # CUDA's does not (the H200's peak fell at the end of the forward, nothing of the backward's alive)
+        on_top = [(0, 4 * spec.seq_len * spec.vocab_size)] if spec.device_type == "cpu" else []
+        if spec.checkpoint_activations:
+            # a checkpointed block's activations are alive again while its backward recomputes them: the largest
+            # layer's, as the same step without checkpointing keeps them
+            plain = trace_compiled_activations(small, replace(spec, checkpoint_activations=False))
+            on_top += plain.layers
+        acts.extra = max(on_top, key=lambda line: (line[1], line[0]), default=(0, 0))
+    else:
+        acts = trace_eager_activations(small, spec)
+    # the whole model's layers: its first is the traced first; every other counts as the traced layer of its kind
+    if traced is None:
+        layer_lines = acts.layers
+    else:
+        first_of_kind = {kind: 1 + i for i, kind in enumerate(dict.fromkeys(kinds[1:]))}
+        layer_lines = [acts.layers[0]] + [acts.layers[first_of_kind[kind]] for kind in kinds[1:]]
+    kept_fixed = acts.rest[0] + sum(f for f, _ in layer_lines)
+    kept_per_row = acts.rest[1] + sum(p for _, p in layer_lines)
+    return StepProfile(spec, static.parameters, static.optimizer_state, static.gradients, static.optimizer_peak,
+                       kept_fixed, kept_per_row, acts.extra[0], acts.extra[1], acts.tail[0], acts.tail[1],
+                       time.time() - started)
+
+
+def cache_key(spec):
+    """Everything a profile depends on: the spec, torch's version, and the sources that decide the step's memory."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    digest = hashlib.sha256()
+    for path in TRACED_SOURCES:
+        with open(os.path.join(root, path), "rb") as f:
+            digest.update(f.read())
+    return json.dumps({**asdict(spec), "torch": torch.__version__, "sources": digest.hexdigest()[:16]}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def step_profile(spec):
+    """spec's profile: from the base dir's record of earlier traces when it holds one under the same code, else
+    traced now and added to it."""
+    from nanochat.common import atomic_write_text, get_base_dir, read_json_object
+
+    key = cache_key(spec)
+    path = os.path.join(get_base_dir(), CACHE_FILE)
+    record = read_json_object(path) or {}
+    if key in record:
+        try:
+            return StepProfile(spec=spec, **{k: v for k, v in record[key].items() if k != "spec"})
+        except TypeError:
+            pass  # written by another version of this file: trace again
+    profile = trace_profile(spec)
+    record = read_json_object(path) or {}
+    record[key] = {k: v for k, v in asdict(profile).items() if k != "spec"}
+    try:
+        atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only base dir: the profile is traced again next time
+    return profile
+
+
+def predict(spec, device_batch):
+    """spec's step at this device batch: a StepMemory."""
+    return step_profile(spec).at(device_batch)
+
+
+# -----------------------------------------------------------------------------
+# Fitting a step into the memory there is
+
+
+@dataclass
+class Fit:
+    device_batch: int
+    checkpoint_activations: bool
+    memory: StepMemory
+
+
+def fits(memory, limit):
+    return memory.peak <= MEMORY_SHARE * limit
+
+
+def fit_step(spec, limit, rows_per_step, largest=None, checkpoint=None):
+    """
+    The largest device batch that divides the rows a step takes (at most `largest`) and whose predicted peak is within
+    MEMORY_SHARE of `limit` bytes: without activation checkpointing where one row fits so, else with it (checkpoint
+    None: that choice; True / False: only that way). None when not even one row fits.
+    """
+    choices = [False, True] if checkpoint is None else [bool(checkpoint)]
+    batches = [b for b in range(min(largest or rows_per_step, rows_per_step), 0, -1) if rows_per_step % b == 0]
+    for checkpointed in choices:
+        this = replace(spec, checkpoint_activations=checkpointed)
+        if not fits(predict(this, 1), limit):
+            continue
+        for b in batches:  # the peak grows with the batch: the first that fits is the largest
+            memory = predict(this, b)
+            if fits(memory, limit):
+                return Fit(b, checkpointed, memory)
+    return None
+
+
+def least_memory(spec, checkpoint=None):
+    """The least memory (bytes) in which spec's step fits at one row: its predicted peak over MEMORY_SHARE."""
+    choices = [False, True] if checkpoint is None else [bool(checkpoint)]
+    peak = min(predict(replace(spec, checkpoint_activations=c), 1).peak for c in choices)
+    return math.ceil(peak / MEMORY_SHARE)
+
+
+def describe_fit(memory, checkpointed, limit, label=""):
+    """One line: a step's predicted peak (a StepMemory) beside the memory it must fit in."""
+    return (f"memory | device batch {memory.device_batch}, activation checkpointing {'on' if checkpointed else 'off'}: "
+            f"predicted peak {format_bytes(memory.peak)} ({memory.phase}: parameters {format_bytes(memory.parameters)}, "
+            f"optimizer state {format_bytes(memory.optimizer_state)}, gradients {format_bytes(memory.gradients)}, "
+            f"activations {format_bytes(memory.activations + memory.extra)}) of {label or format_bytes(limit)} "
+            f"(planned within {MEMORY_SHARE * 100:.0f} %)")
+
+
+# -----------------------------------------------------------------------------
+# The memory a run has
+
+
+def device_memory_limit(device, given=None, given_label=""):
+    """
+    (bytes, the same in words) a training step on `device` must fit in, or (None, "") where nothing says: on CUDA the
+    card's free memory, or `given` bytes (named `given_label`, e.g. "NANOCHAT_GPU_MEMORY=24GiB") where that is less,
+    and then the process is capped to it (torch.cuda.set_per_process_memory_fraction), so that a bigger card runs as
+    the one planned for; elsewhere (a CPU) `given`, planned for but not enforced.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        name = torch.cuda.get_device_name(device)
+        if given is None or given >= free:
+            return free, f"the {format_bytes(free)} free of {name} ({format_bytes(total)})"
+        torch.cuda.set_per_process_memory_fraction(given / total, device)
+        return given, f"{given_label} on {name} ({format_bytes(total)}, the process capped to it)"
+    return (None, "") if given is None else (given, given_label)

@@ -1,0 +1,287 @@
+"""
+The memory model of a training step (nanochat/training/memory_model.py), activation checkpointing (gpt.py), and the
+plans that fit a memory limit (time_budget, base_train, FittingBatches' message). No test asserts how many bytes a
+step needs: BENCHMARKS.md holds the prediction against the measured peak (`python -m bench.memory_model predict`).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nanochat.common import UserError
+from nanochat.training import memory_model as mm
+from nanochat.training.recipe import DEFAULT_COMPONENTS, split_components
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_COMPONENTS, OPTIMIZER_COMPONENTS = (tuple(c) for c in split_components(DEFAULT_COMPONENTS))
+
+
+def tiny_spec(**changes):
+    """A small step of the default recipe: 4 layers of width 64 (heads of 32), 64-token rows, a 512-token vocabulary."""
+    fields = dict(depth=4, seq_len=64, vocab_size=512, aspect_ratio=16, head_dim=32,
+                  model_components=MODEL_COMPONENTS, optimizer_components=OPTIMIZER_COMPONENTS, dtype="float32",
+                  compiled=False, cpu_ops=True, device_type="cpu")
+    fields.update(changes)
+    return mm.StepSpec(**fields)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """A base dir of its own, so no profile traced before (by another test, or by hand) is read back."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    mm.step_profile.cache_clear()
+    yield tmp_path
+    mm.step_profile.cache_clear()
+
+
+@pytest.mark.quick
+def test_memory_is_read_as_users_write_it_and_nonsense_is_refused():
+    assert mm.parse_memory("24GiB") == 24 * 2**30 == mm.parse_memory("24G") == mm.parse_memory(" 24 gib ")
+    assert mm.parse_memory("80GB") == 80 * 10**9 and mm.parse_memory("512MiB") == 2**29
+    assert mm.parse_memory("1.5TiB") == int(1.5 * 2**40) and mm.parse_memory(str(2**30)) == 2**30
+    for bad in ("abc", "24 apples", "-1GiB", "0", "1KiB", "", "nan"):
+        with pytest.raises(UserError, match="NANOCHAT_GPU_MEMORY="):
+            mm.parse_memory(bad)
+
+
+def loss_and_grads(model, idx):
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, idx)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smaller_peak(single_torch_thread, monkeypatch):
+    """Each block's forward run again in its backward, by the same kernels on the same inputs: the loss and every
+    gradient are equal to the last bit (tolerance 0, fp32 on the CPU, its fused Functions and the plain path alike);
+    the step's peak (torch.profiler's allocation events, bench memory's measurement) is at least a fifth lower."""
+    from bench.memory import measure_second_step
+    from nanochat.gpt import build_model
+    from nanochat.training.recipe import build_optimizers, depth_recipe, muon_momentum, train_step
+
+    recipe = depth_recipe(4, 512, 128, 8 * 128, 32, 32, num_iterations=1, components=MODEL_COMPONENTS)
+    idx = torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    for cpu_ops in ("1", "0"):
+        monkeypatch.setenv("NANOCHAT_CPU_OPS", cpu_ops)
+        torch.manual_seed(0)
+        model = build_model(recipe.model_config, torch.device("cpu"))
+        plain = loss_and_grads(model, idx)
+        model.checkpoint_activations = True
+        checkpointed = loss_and_grads(model, idx)
+        assert torch.equal(plain[0], checkpointed[0]), cpu_ops
+        for name, grad in plain[1].items():
+            assert torch.equal(grad, checkpointed[1][name]), (cpu_ops, name)
+
+    def build(checkpoint):
+        def make():
+            torch.manual_seed(0)
+            model = build_model(recipe.model_config, torch.device("cpu"))
+            model.checkpoint_activations = checkpoint
+            optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=OPTIMIZER_COMPONENTS)
+
+            def step():
+                train_step(model, optimizers, [(idx, idx)], lambda m, xy: m(*xy), 1.0, muon_momentum(0),
+                           torch.autocast("cpu", enabled=False))
+
+            return model, optimizers, step
+        return make
+
+    peaks = {checkpoint: measure_second_step(build(checkpoint))["peak_bytes"] for checkpoint in (False, True)}
+    assert peaks[True] < 0.8 * peaks[False], peaks
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_few_layers_traced_stand_for_the_whole_model(compiled, fresh_cache, single_torch_thread):
+    """The model's first layer and one of each other kind (value embedding or not) are traced, and the other layers
+    counted as copies: the same peak, parameters and gradients as tracing all eight layers, at any device batch."""
+    spec = tiny_spec(depth=8, compiled=compiled, dtype="bfloat16" if compiled else "float32", cpu_ops=not compiled)
+    assert mm.reduced_layers(mm.layer_kinds(spec.model_config())) == [(True, None), (True, None), (False, None)]
+    few, whole = mm.trace_profile(spec), mm.trace_profile(spec, whole=True)
+    for batch in (1, 3, 8):
+        a, b = few.at(batch), whole.at(batch)
+        assert (a.parameters, a.optimizer_state, a.gradients) == (b.parameters, b.optimizer_state, b.gradients)
+        assert a.activations == pytest.approx(b.activations, rel=0.005), batch
+        assert a.peak == pytest.approx(b.peak, rel=0.01), batch
+
+
+def test_the_prediction_follows_the_measured_step(fresh_cache, single_torch_thread, monkeypatch):
+    """The eager CPU step as base_train takes it (fp32, the fused CPU Functions), with and without activation
+    checkpointing: the predicted peak within 15 % of the measured one (torch.profiler's allocation events)."""
+    from bench.memory import measure_second_step
+    from nanochat.gpt import build_model
+    from nanochat.training.recipe import build_optimizers, depth_recipe, muon_momentum, train_step
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    spec = tiny_spec(seq_len=128)
+    recipe = depth_recipe(spec.depth, spec.vocab_size, spec.seq_len, 4 * spec.seq_len, spec.aspect_ratio,
+                          spec.head_dim, num_iterations=1, components=MODEL_COMPONENTS)
+    idx = torch.randint(0, spec.vocab_size, (4, spec.seq_len), generator=torch.Generator().manual_seed(0))
+    for checkpoint in (False, True):
+        def build():
+            model = build_model(recipe.model_config, torch.device("cpu"))
+            model.checkpoint_activations = checkpoint
+            optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=OPTIMIZER_COMPONENTS)
+            batch = (idx, idx.roll(-1, dims=1))
+
+            def step():
+                train_step(model, optimizers, [batch], lambda m, xy: m(*xy), 1.0, muon_momentum(0),
+                           torch.autocast("cpu", enabled=False))
+
+            return model, optimizers, step
+
+        measured = measure_second_step(build)["peak_bytes"]
+        predicted = mm.predict(tiny_spec(seq_len=128, checkpoint_activations=checkpoint), 4).peak
+        assert predicted == pytest.approx(measured, rel=0.15), (checkpoint, predicted, measured)
+
+
+def test_a_smaller_memory_gets_a_smaller_device_batch_checkpointing_or_nothing(fresh_cache):
+    """fit_step: the largest device batch (a divisor of the rows per step) whose predicted peak is within MEMORY_SHARE
+    of the memory; with less memory a smaller one, then activation checkpointing, then nothing; the least memory
+    least_memory names for one row is enough, and a little less is not."""
+    spec = tiny_spec()
+    rows = 32
+    one_row, all_rows = mm.predict(spec, 1).peak, mm.predict(spec, rows).peak
+    fits = {}
+    for limit in (2 * all_rows, all_rows, (one_row + all_rows) // 2, one_row):
+        fit = mm.fit_step(spec, limit, rows)
+        fits[limit] = fit
+        if fit is not None:
+            assert fit.memory.peak <= mm.MEMORY_SHARE * limit and rows % fit.device_batch == 0
+    batches = [f.device_batch if f and not f.checkpoint_activations else 0 for f in fits.values()]
+    assert batches == sorted(batches, reverse=True) and batches[0] == rows and batches[-1] < batches[0]
+    least = mm.least_memory(spec)
+    assert least < one_row / mm.MEMORY_SHARE  # less than one row needs without checkpointing
+    fit = mm.fit_step(spec, least, rows)
+    assert fit is not None and fit.checkpoint_activations and fit.memory.peak <= mm.MEMORY_SHARE * least
+    assert mm.fit_step(spec, least, rows, checkpoint=False) is None  # without checkpointing it needs more
+    assert mm.fit_step(spec, int(least * 0.97), rows) is None
+
+
+def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
+    """make_plan with a memory limit (NANOCHAT_GPU_MEMORY's path), from step times measured before: less memory gives
+    a smaller device batch or a smaller model, and no plan's predicted peak exceeds its share of its memory; the plan
+    prints the predicted peak beside the memory. A memory no model fits is refused before anything is measured,
+    naming the least memory that would do."""
+    from nanochat.training import time_budget as tb
+
+    device = torch.device("cpu")
+
+    def shape(limit):
+        return tb.RunShape(512, 64, 2048, 1, 16, 32, None, list(MODEL_COMPONENTS), list(OPTIMIZER_COMPONENTS), False,
+                           32, 1024, None, False, 0.0, memory_limit=limit, checkpoint_activations=None,
+                           device_type="cpu", memory_label=f"NANOCHAT_GPU_MEMORY={limit}")
+
+    small, large = 30 * mm.MIB, 400 * mm.MIB
+    for limit in (small, large):  # the probe's seconds per step, as an earlier probe on this machine measured them
+        tb.write_measurements(tb.machine_signature(shape(limit), device), {d: (32, 0.002 * d * d) for d in range(1, 13)})
+    law = tb.LAWS["cpu-builtin"]
+    plans = {limit: tb.make_plan(law, shape(limit), 600, time.time(), device, torch.autocast("cpu", enabled=False))
+             for limit in (small, large)}
+    for limit, plan in plans.items():
+        assert plan.memory_limit == limit and plan.predicted_peak <= mm.MEMORY_SHARE * limit
+        assert "plan | memory: d" in tb.memory_line(plan) and f"predicted peak {mm.format_bytes(plan.predicted_peak)}" \
+            in tb.memory_line(plan)
+    assert (plans[small].device_batch_size, plans[small].depth) < (plans[large].device_batch_size, plans[large].depth)
+    started = time.time()
+    with pytest.raises(UserError, match=r"NANOCHAT_GPU_MEMORY=1048576 is too little for d1, the smallest model, .* give "
+                                        r"at least [\d.]+ MiB"):
+        tb.make_plan(law, shape(mm.MIB), 600, time.time(), device, torch.autocast("cpu", enabled=False))
+    assert time.time() - started < 30
+
+
+def test_an_impossible_memory_is_refused_in_one_line_before_any_work(tiny_base_dir, tmp_path):
+    """base_train with NANOCHAT_GPU_MEMORY too small for one row of its model: one line naming the least memory, exit
+    1, no step taken; at that least memory the run plans a device batch and takes its steps."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    command = [sys.executable, "-m", "scripts.base_train", "--depth=2", "--aspect-ratio=32", "--head-dim=32",
+               "--max-seq-len=64", "--total-batch-size=256", "--num-iterations=2", "--eval-every=-1",
+               "--core-metric-every=-1", "--sample-every=-1", "--model-tag=m"]
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1",
+               NANOCHAT_GPU_MEMORY="1MiB")
+    p = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "step 0000" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: NANOCHAT_GPU_MEMORY=1MiB is too little for --depth=2"), errors
+    least = re.search(r"give at least (\d+) MiB", errors[0]).group(1)
+    p = subprocess.run(command, cwd=REPO, env={**env, "NANOCHAT_GPU_MEMORY": f"{least}MiB"}, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert re.search(rf"memory \| device batch \d+, activation checkpointing (on|off): predicted peak .* of "
+                     rf"NANOCHAT_GPU_MEMORY={least}MiB", p.stdout) and "2/2 steps" in p.stdout
+
+
+@pytest.mark.quick
+def test_an_out_of_memory_says_how_far_off_the_prediction_was(capsys):
+    """FittingBatches still halves the device batch on an out-of-memory in the first steps, and its line gives the
+    memory model's peak for the device batch that did not fit."""
+    from nanochat.training import recipe
+
+    class Loader:
+        def __init__(self, device_batch):
+            self.device_batch = device_batch
+
+        def state_dict(self):
+            return {}
+
+        def __next__(self):
+            return torch.zeros(self.device_batch, 4), torch.zeros(self.device_batch, 4)
+
+        def close(self):
+            pass
+
+    def update(micro_batches, guard):
+        if micro_batches[0][0].size(0) > 2:
+            raise recipe.DeviceBatchTooLarge()
+        return 0.0
+
+    batches = recipe.FittingBatches(lambda b, state: Loader(b), 8, 8 * 4, 4, 1, 2, torch.device("cpu"),
+                                    predicted_peak=lambda b: b * 3 * mm.GIB)
+    batches.step(update)
+    out = capsys.readouterr().out
+    assert "out of memory at --device-batch-size=8 on the cpu's memory (the memory model predicted a peak of 24.0 GiB)" \
+        in out and "going on at 4" in out and "out of memory at --device-batch-size=4" in out
+    assert batches.device_batch_size == 2
+
+
+@pytest.mark.slow  # ~1-2 minutes: the compiled steps of several GPU-sized depths traced
+def test_a_12_gib_card_gets_a_smaller_plan_than_an_80_gib_one(fresh_cache):
+    """The GPU's plan at GPU sizes (T 2048, vocabulary 32,768, the compiled bf16 step), with NANOCHAT_GPU_MEMORY at 12
+    and 80 GiB: the depth the plan's walk reaches fits a smaller device batch (or needs checkpointing) in 12 GiB, and
+    no predicted peak exceeds the share of its memory."""
+    from nanochat.training import time_budget as tb
+
+    def shape(limit):
+        return tb.RunShape(32768, 2048, 2**19, 1, 64, 128, None, list(MODEL_COMPONENTS), list(OPTIMIZER_COMPONENTS),
+                           False, 256, 0, None, False, 60.0, memory_limit=limit, checkpoint_activations=None,
+                           device_type="cuda", compiled=True)
+
+    fits = {gib: tb.plan_memory(20, shape(gib * mm.GIB)) for gib in (12, 80)}
+    assert fits[80] is not None and fits[80].device_batch >= 16 and not fits[80].checkpoint_activations
+    small = fits[12]
+    assert small is None or small.device_batch < fits[80].device_batch or small.checkpoint_activations
+    for gib, fit in fits.items():
+        assert fit is None or fit.memory.peak <= mm.MEMORY_SHARE * gib * mm.GIB
+
+
+@pytest.mark.quick
+def test_the_speedrun_checks_the_memory_before_any_work_and_says_what_it_does(tmp_path, monkeypatch, capsys):
+    """NANOCHAT_GPU_MEMORY under a budgeted speedrun: a value that is no amount of memory is refused as the plan is made
+    (before any stage), and the plan says that base_train fits itself to a good one."""
+    from nanochat.training import pipeline_plan as pp
+
+    command = ["plan", "5m", "--dry-run", "--plan-file", str(tmp_path / "plan.json")]
+    monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "lots")
+    with pytest.raises(UserError, match="NANOCHAT_GPU_MEMORY=lots is not an amount of memory"):
+        pp.main(command)
+    monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "24GiB")
+    pp.main(command)
+    assert "plan | memory         NANOCHAT_GPU_MEMORY=24GiB: base_train fits its depth, device batch" in \
+        capsys.readouterr().out
