@@ -4,11 +4,17 @@ of the CPU preset's shape), then drives it over loopback with the real `openai` 
 that many clients at once, each streaming greedy replies of --max-tokens tokens, until --requests have been asked
 (or --seconds have passed). Per level: aggregate completion tok/s, first-token and total latency (p50, p99), errors;
 and the server's memory at rest (PSS of the server and its worker processes) before and after. Every --max-batch given is a server of its own: `--max-batch 1 64` sets
-one-at-a-time decoding beside continuous batching.
+one-at-a-time decoding beside continuous batching. `--hostile` instead runs one client's attacks on the server (docs/serving.md
+"Under hostile load"), each beside a neighbour streaming from its own address: /health's worst latency, and the
+neighbour's tokens/s beside the attack against alone.
 """
 
 import asyncio
+import json
 import os
+import random
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,13 +29,16 @@ from nanochat.common import child_pythonpath
 from nanochat.serving.workers import IDLE_TRIM_SECONDS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The throughput modes drive the server from one address, standing for as many users as there are connections: no
+# share of the server for one client (--client-share), or 64 clients would be served as one holding a quarter of it
+ONE_CLIENT_STANDS_FOR_MANY = ["--client-share", "1"]
 TOPICS = ["the river country", "the capital of Zorland", "what 12 * 3 is", "who you are", "a long story about a fox",
           "the lazy dog", "numbers like 1024", "spelling the word strawberry"]
 
 
-def fresh_checkpoint(base_dir, context=256):
-    """A random d4 of the CPU preset's shape (its context `context` tokens), saved as an sft checkpoint with the
-    built-in workspace's tokenizer."""
+def fresh_checkpoint(base_dir, context=256, depth=4):
+    """A random model of the CPU preset's shape (a d4; `depth` layers, its context `context` tokens), saved as an sft
+    checkpoint with the built-in workspace's tokenizer."""
     import torch
 
     from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
@@ -41,7 +50,7 @@ def fresh_checkpoint(base_dir, context=256):
     workspace = ensure_builtin_workspace(os.path.join(tempfile.gettempdir(), "nanochat_bench"), 4096, log=log)
     tokenizer = RustBPETokenizer.from_directory(os.path.join(workspace["base_dir"], "tokenizer"))
     tokenizer.save(os.path.join(base_dir, "tokenizer"))
-    recipe = depth_recipe(4, tokenizer.get_vocab_size(), context, 2048, components=split_components(
+    recipe = depth_recipe(depth, tokenizer.get_vocab_size(), context, 2048, components=split_components(
         "value_embeds,residual_scalars,smear")[0])
     torch.manual_seed(0)
     model = build_model(recipe.model_config, "cpu")
@@ -212,7 +221,8 @@ def scoring_against_generation(url, prompt_tokens, repeats=5):
 
 
 def cmd_lm_eval(args, base_dir, source, tag, work):
-    flags = ["-i", source, "--max-tokens", str(args.max_tokens), "--queue-timeout", "600"] + (["-g", tag] if tag else [])
+    flags = ["-i", source, "--max-tokens", str(args.max_tokens), "--queue-timeout", "600"] + ONE_CLIENT_STANDS_FOR_MANY + \
+        (["-g", tag] if tag else [])
     server = ChatWeb(base_dir, flags, args.threads)
     try:
         import httpx
@@ -247,9 +257,6 @@ def cmd_scoring(args, base_dir, source, tag):
     and the largest gap between its tokens while the scoring runs; then the same request from a client that leaves
     after half a second: how long until its worker stops scoring it.
     """
-    import json
-    import random
-
     import httpx
 
     flags = ["-i", source, "--queue-timeout", "600"] + (["-g", tag] if tag else [])
@@ -316,23 +323,296 @@ def cmd_scoring(args, base_dir, source, tag):
     emit_json({"bench": "serve-scoring", "machine": machine_info(), "source": source, "tag": tag, "run": run})
 
 
+# -----------------------------------------------------------------------------
+# bench serve --hostile: one client's attacks (Hardening V), each beside a neighbour
+
+HOSTILE_ATTACKS = ("tokenize", "chat", "streams", "rows", "stops", "scoring", "sigterm")
+ATTACKERS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")  # loopback addresses: each is a client of its own
+NEIGHBOUR = "127.0.0.9"
+MEGABYTE_PROMPT = "".join(chr(0x4E00 + i * 7919 % 20000) for i in range(330_000))  # 990 KB of JSON, ~990,000 ids
+ASK = [{"role": "user", "content": "Tell me about the river country."}]
+NEIGHBOUR_TOKENS = 300  # a neighbour's reply, as the issue measured it
+
+
+class Prober:
+    """A thread doing `probe()` over and over until the `with` block ends (or, given `seconds`, at least that long)."""
+
+    def __init__(self, seconds=0.0):
+        self.seconds, self.done = seconds, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        started = time.monotonic()
+        while not self.done.is_set() or time.monotonic() - started < self.seconds:
+            self.probe()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+
+class HealthProbe(Prober):
+    """/health asked every 50 ms; `worst` is its slowest answer (a reset counts with the time it took)."""
+
+    def __init__(self, url):
+        super().__init__()
+        self.url, self.times = url, []
+
+    def probe(self):
+        import httpx
+
+        started = time.monotonic()
+        try:
+            httpx.get(f"{self.url}/health", timeout=60)
+        except httpx.HTTPError:
+            pass
+        self.times.append(time.monotonic() - started)
+        time.sleep(0.05)
+
+    @property
+    def worst(self):
+        return max(self.times, default=0.0)
+
+
+class Neighbour(Prober):
+    """Another client, from an address of its own, streaming replies of NEIGHBOUR_TOKENS tokens one after another:
+    per reply the seconds to its first token, its tokens per second after that, and the gaps between its chunks (the
+    worker sends a few steps' tokens at a time, every 15 ms)."""
+
+    def __init__(self, url, seconds=0.0):
+        super().__init__(seconds)
+        self.url, self.replies = url, []
+
+    def probe(self):
+        import httpx
+
+        body = {"messages": ASK, "max_tokens": NEIGHBOUR_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+        asked, arrivals, tokens = time.monotonic(), [], 0
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=NEIGHBOUR), timeout=600) as client:
+            with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as stream:
+                for line in stream.iter_lines():
+                    event = json.loads(line[len("data: "):]) if line.startswith("data: {") else {}
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                        arrivals.append(time.monotonic())
+        if len(arrivals) > 1:
+            self.replies.append({"first_token_s": arrivals[0] - asked,
+                                 "tok_s": (tokens - 1) / (arrivals[-1] - arrivals[0]),
+                                 "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]})
+
+    def summary(self):
+        """Over its replies: the median tokens/s, the worst first token, the median and largest gap."""
+        gaps = [gap for reply in self.replies for gap in reply["gaps"]] or [0.0]
+        return {"replies": len(self.replies), "tok_s": statistics.median(r["tok_s"] for r in self.replies),
+                "first_token_max_s": max(r["first_token_s"] for r in self.replies),
+                "gap_p50_s": statistics.median(gaps), "gap_max_s": max(gaps)}
+
+
+def never_read(url, path, body, address=ATTACKERS[0]):
+    """A POST on a socket of its own from `address`, whose reply nobody reads."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.bind((address, 0))
+    sock.connect((host, int(port)))
+    raw = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return sock
+
+
+def in_threads(count, work, seconds):
+    """`count` threads from the attacker's address, each calling work(httpx client) over and over for `seconds`;
+    returns what the calls returned."""
+    import httpx
+
+    deadline, results = time.monotonic() + seconds, []
+
+    def run():
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=ATTACKERS[0]), timeout=600) as client:
+            while time.monotonic() < deadline:
+                results.append(work(client))
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def attack_tokenize(url):
+    """Four connections looping /tokenize of a 990 KB prompt for 10 s: each reply holds ~990,000 ids."""
+    body = json.dumps({"prompt": MEGABYTE_PROMPT}, ensure_ascii=False).encode()
+    statuses = in_threads(4, lambda client: client.post(f"{url}/tokenize", content=body, headers={
+        "Content-Type": "application/json"}).status_code, 10)
+    return f"{statuses.count(200)} replies of ~990,000 ids"
+
+
+def attack_chat(url):
+    """One whole chat reply with n 8, 2,000 tokens and 20 alternatives a token (~20 MiB), written once all 8 are done
+    (logit_bias keeps the tokens that end a turn out, so each runs to max_tokens)."""
+    import httpx
+
+    enders = httpx.post(f"{url}/tokenize", json={"prompt": "<|assistant_end|><|bos|><|user_start|>",
+                                                 "add_special_tokens": False}).json()["tokens"]
+    started = time.monotonic()
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=ATTACKERS[0]), timeout=1200) as client:
+        response = client.post(f"{url}/v1/chat/completions", json={
+            "messages": ASK, "n": 8, "max_tokens": 2000, "logprobs": True, "top_logprobs": 20,
+            "logit_bias": {str(token): -100 for token in enders}})
+    return f"{response.status_code}, {len(response.content) / 2**20:.1f} MiB in {time.monotonic() - started:.0f} s"
+
+
+def attack_streams(url):
+    """560 streams (max_tokens 2,000) whose replies nobody reads: each under the kernel's send buffer, so asyncio never
+    pauses writing them. What they hold after 2 s, then 8 s of it."""
+    import httpx
+
+    streams = [never_read(url, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2000, "stream": True})
+               for _ in range(560)]
+    time.sleep(2)
+    stats = httpx.get(f"{url}/stats", timeout=60).json()
+    clients = stats.get("clients", {"most_rows": stats["batch"]["active"], "held_back": stats["queue_depth"]})
+    time.sleep(8)
+    for stream in streams:
+        stream.close()
+    return f"{clients['most_rows']} rows, {clients['held_back']} waiting, {stats['requests_rejected']} refused (503)"
+
+
+def attack_rows(url, stops=()):
+    """Two streams of n 8 writing "aaaa..." (logit_bias), nobody reading them, for 8 s; with `stops`, 16 stop strings
+    of 99 a's and a letter, which the text keeps almost matching (every one held back at every token)."""
+    import httpx
+
+    a = httpx.post(f"{url}/tokenize", json={"prompt": "a", "add_special_tokens": False}).json()["tokens"][0]
+    body = {"messages": ASK, "n": 8, "max_tokens": 2000, "temperature": 0, "logit_bias": {str(a): 100},
+            "stream": True, **({"stop": list(stops)} if stops else {})}
+    streams = [never_read(url, "/v1/chat/completions", body) for _ in range(2)]
+    time.sleep(1)
+    stats = httpx.get(f"{url}/stats", timeout=60).json()
+    rows = stats["clients"]["most_rows"] if "clients" in stats else stats["batch"]["active"]
+    time.sleep(7)
+    for stream in streams:
+        stream.close()
+    return f"{rows} rows of 'a'" + (", 16 stop strings of 100 characters" if stops else "")
+
+
+def attack_stops(url):
+    return attack_rows(url, ["a" * 99 + letter for letter in "BCDEFGHIJKLMNOPQ"])
+
+
+def attack_scoring(url):
+    """Eight maximal scoring requests at once (64 prompts of 2,046 ids, echo, logprobs 5), two from each of four
+    addresses (a client's share is two), until the last reply is in."""
+    import httpx
+
+    rng, results = random.Random(0), []
+    prompts = [[rng.randrange(256) for _ in range(2046)] for _ in range(64)]
+
+    def score(address):
+        started = time.monotonic()
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=3600) as client:
+            response = client.post(f"{url}/v1/completions", json={"prompt": prompts, "max_tokens": 0, "echo": True,
+                                                                    "logprobs": 5})
+        results.append((response.status_code, time.monotonic() - started))
+
+    threads = [threading.Thread(target=score, args=(address,)) for address in ATTACKERS for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return f"{[status for status, _ in results].count(200)} of 8 answered, the last after {max(s for _, s in results):.0f} s"
+
+
+def attack_sigterm(server):
+    """SIGTERM with eight 990 KB /tokenize requests in flight: seconds until the server has exited."""
+    import httpx
+
+    body = json.dumps({"prompt": MEGABYTE_PROMPT}, ensure_ascii=False).encode()
+    threads = [threading.Thread(target=lambda: httpx.post(f"{server.url}/tokenize", content=body, timeout=120, headers={
+        "Content-Type": "application/json"}), daemon=True) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(120)
+    return time.monotonic() - started
+
+
+def cmd_hostile(args, base_dir, source, tag):
+    """
+    One client's attacks on chat_web (docs/serving.md "Under hostile load"), each beside a neighbour streaming
+    300-token replies one after another from an address of its own, while /health is asked every 50 ms: the
+    neighbour's pace alone (8 s before each attack) and beside it, /health's worst answer; then SIGTERM's exit with
+    eight /tokenize in flight. The attackers are threads of this process: on a small machine their own work takes
+    cores from the server too.
+    """
+    attacks = {"tokenize": attack_tokenize, "chat": attack_chat, "streams": attack_streams, "rows": attack_rows,
+               "stops": attack_stops, "scoring": attack_scoring}
+    chosen = args.hostile or list(HOSTILE_ATTACKS)
+    flags = ["-i", source, "--queue-timeout", "30"] + (["-g", tag] if tag else []) + \
+        (["--client-share", str(args.client_share)] if args.client_share else [])
+    log(f"bench serve --hostile | {source}/{tag or 'latest'} | {', '.join(chosen)} | client share "
+        f"{args.client_share or 'the default'} | load {os.getloadavg()[0]:.2f}")
+    server = ChatWeb(base_dir, flags, args.threads)
+    runs = []
+    try:
+        with Neighbour(server.url):  # warm-up
+            pass
+        for name in [a for a in chosen if a in attacks]:
+            with Neighbour(server.url, seconds=8) as alone:
+                pass
+            with HealthProbe(server.url) as health, Neighbour(server.url) as beside:
+                attacker_got = attacks[name](server.url)
+            alone, beside = alone.summary(), beside.summary()
+            runs.append({"attack": name, "attacker_got": attacker_got, "health_max_s": health.worst,
+                         "alone_tok_s": alone["tok_s"], **beside, "ratio": beside["tok_s"] / alone["tok_s"],
+                         "load": os.getloadavg()[0]})
+            log(f"  {name}: {attacker_got}; /health at most {health.worst:.2f} s; the neighbour {beside['tok_s']:.0f} "
+                f"tok/s beside ({beside['replies']} replies), {alone['tok_s']:.0f} alone")
+        exit_s = attack_sigterm(server) if "sigterm" in chosen else None
+    finally:
+        server.stop()
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print_table(f"one client's attacks on chat_web ({source}/{tag or 'latest'}), each beside a neighbour's "
+                f"{NEIGHBOUR_TOKENS}-token streams", ["attack", "the attacker got", "/health max s",
+                                                       "neighbour tok/s alone", "beside", "ratio", "first token max s",
+                                                       "gap p50 s", "gap max s", "load"],
+                [[r["attack"], r["attacker_got"], fmt(r["health_max_s"]), f"{r['alone_tok_s']:.0f}", f"{r['tok_s']:.0f}",
+                  fmt(r["ratio"]), fmt(r["first_token_max_s"]), fmt(r["gap_p50_s"]), fmt(r["gap_max_s"]),
+                  fmt(r["load"])] for r in runs])
+    if exit_s is not None:
+        print(f"SIGTERM with eight 990 KB /tokenize requests in flight: exited after {exit_s:.1f} s")
+    emit_json({"bench": "serve-hostile", "machine": machine_info(), "source": source, "tag": tag, "runs": runs,
+               "sigterm_exit_s": exit_s})
+
+
 def cmd_serve(args):
     work = tempfile.mkdtemp(prefix="nanochat_bench_serve_")
     base_dir = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
     source, tag = args.source, args.model_tag
     if args.fresh:
         base_dir = work
-        source, tag = fresh_checkpoint(work, 2048 if args.scoring else 256)
+        hostile = args.hostile is not None
+        source, tag = fresh_checkpoint(work, 2048 if args.scoring or hostile else 256, depth=2 if hostile else 4)
     if args.lm_eval:
         return cmd_lm_eval(args, base_dir, source, tag, work)
     if args.scoring:
         return cmd_scoring(args, base_dir, source, tag)
+    if args.hostile is not None:
+        return cmd_hostile(args, base_dir, source, tag)
     log(f"bench serve | {source}/{tag or 'latest'} in {base_dir} | concurrency {args.concurrency} | max-batch "
         f"{args.max_batch} | {args.max_tokens} tokens per reply")
     rows, runs = [], []
     for max_batch in args.max_batch:
         flags = ["-i", source, "--max-tokens", str(args.max_tokens), "--max-batch", str(max_batch), "--queue-timeout",
-                 "600", "--decode", args.decode] + (["-g", tag] if tag else [])
+                 "600", "--decode", args.decode] + ONE_CLIENT_STANDS_FOR_MANY + (["-g", tag] if tag else [])
         server = ChatWeb(base_dir, flags, args.threads)
         try:
             asyncio.run(drive(server.url, 1, 2, 60, 4))  # warm-up: first allocations, code paths

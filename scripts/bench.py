@@ -172,6 +172,12 @@ def add_inference_benchmarks(sub):
     v.add_argument("--lm-eval-items", type=int, default=100, help="multiple-choice items (x 4 requests each)")
     v.add_argument("--scoring", action="store_true", help="instead: the largest scoring request beside a streaming "
                    "client (its time and memory, /health's latency, the stream's gaps; --fresh: a 2,048-token d4)")
+    v.add_argument("--hostile", nargs="*", choices=serve.HOSTILE_ATTACKS, default=None, metavar="ATTACK",
+                   help="instead: one client's attacks (all, or those named: " + ", ".join(serve.HOSTILE_ATTACKS) +
+                   "), each beside a neighbour's stream: /health's worst latency, the neighbour's tok/s beside against "
+                   "alone (--fresh: a 2,048-token d2)")
+    v.add_argument("--client-share", type=float, default=0.0, help="with --hostile: chat_web's --client-share (0: its "
+                   "default)")
 
 
 def add_quality_benchmark(sub):

@@ -23,7 +23,9 @@ import codecs
 import dataclasses
 import ipaddress
 import json
+import os
 import secrets
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -636,7 +638,7 @@ class OpenAIRoutes:
                 return bos + self.tokenizer.enc.encode(body["prompt"], allowed_special=specials)
         else:
             raise RequestError("prompt", "must be a string (or give messages)")
-        ids = await asyncio.to_thread(tokens)  # a 1 MB prompt is ~990,000 ids: encoded, then written, off the loop
+        ids = await in_reply_thread(tokens)  # a 1 MB prompt is ~990,000 ids: encoded, then written, off the loop
         return await json_reply({"count": len(ids), "max_model_len": self.context, "tokens": ids})
 
     async def detokenize(self, request: Request):
@@ -652,7 +654,7 @@ class OpenAIRoutes:
                 raise RequestError("tokens", f"must be a list of token ids, 0 to {vocab - 1}")
             return self.tokenizer.decode(ids)
 
-        return await json_reply({"prompt": await asyncio.to_thread(decode)})
+        return await json_reply({"prompt": await in_reply_thread(decode)})
 
     async def tokenizer_info(self):
         """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
@@ -711,7 +713,18 @@ async def stream_events(generations, take, render, end, start):
 # hands Python's lock back between pieces. One thread, not a pool: writing JSON is the interpreter's work, so more
 # threads would only take more turns from the event loop (the server's Python runs on one core however many there are).
 
-REPLY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanochat-replies")
+
+
+def lower_priority():
+    """The reply thread yields the CPU to the workers' decode steps (Linux's nice is per thread): a client's megabyte
+    replies then take the time that decoding leaves, not a share of the cores taken from everyone's streams."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # a system without per-thread priorities: the same thread, at the same priority
+        pass
+
+
+REPLY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanochat-replies", initializer=lower_priority)
 INLINE_SECONDS = 0.002
 # what one json.dumps writes of a long list or string: ~100 KB at most (a chat token with 20 alternatives is ~1.3 KB)
 SLICE_OF_OBJECTS = 64  # items of a list of objects or lists

@@ -282,8 +282,8 @@ def unsent_bytes(transport):
 
 
 class CountingTransport:
-    """A connection's transport that counts what the server wrote to it: with what still waits in asyncio's buffer and
-    the kernel's, what the client has taken (taken())."""
+    """A connection's transport that counts what the server wrote to it: less what still waits for the client
+    (waiting()), what the client has taken."""
 
     def __init__(self, transport):
         self.transport, self.written = transport, 0
@@ -292,8 +292,9 @@ class CountingTransport:
         self.written += len(data)
         self.transport.write(data)
 
-    def taken(self):
-        return self.written - self.transport.get_write_buffer_size() - unsent_bytes(self.transport)
+    def waiting(self):
+        """Bytes written that the client has not taken: in asyncio's buffer, or unacknowledged in the kernel's."""
+        return self.transport.get_write_buffer_size() + unsent_bytes(self.transport)
 
     def __getattr__(self, name):  # everything else is the transport's own
         return getattr(self.transport, name)
@@ -305,11 +306,11 @@ class ConnectionGuard:
 
     A connection has header_timeout seconds to send a whole request, headers and body (one that sends nothing, or its
     headers or body a byte at a time, is closed); one that waits for its next request is closed by uvicorn's
-    keep-alive timeout, or by this one if it starts a request and does not finish it. A reply whose bytes wait for its
-    client (asyncio paused its writing, or the app has written all of it and the rest waits in asyncio's buffer) is
-    judged by what the client takes, counted once a second: one whose client took fewer than STALL_BYTES in
-    write_timeout seconds is closed, which cancels the reply and frees its row and memory; one whose last bytes have
-    gone waits for the next request.
+    keep-alive timeout, or by this one if it starts a request and does not finish it. From a whole request until the
+    last of its reply has left asyncio's buffer, the connection is judged by what its client takes, counted once a
+    second (tick): a client that has bytes waiting (in asyncio's buffer or the kernel's) and took fewer than STALL_BYTES
+    of them in write_timeout seconds is closed, which cancels the reply and frees its row and memory. That includes a
+    stream small enough for the buffers, whose client never reads it (asyncio never pauses such a writer).
 
     When max_connections are open, a new connection closes the one that has waited longest for a request, else the
     reply whose client has taken fewer than STALL_BYTES for the longest (at least EVICT_WINDOW seconds): a reply that
@@ -324,7 +325,7 @@ class ConnectionGuard:
         self.evict_window = min(EVICT_WINDOW, write_timeout)
         self.idle = OrderedDict()  # protocol -> since when it has waited for a complete request, oldest first
         self.busy = set()  # a request in, or its reply still going out
-        self.waiting_on_client = {}  # protocol -> (since, bytes taken then): its client took < STALL_BYTES since
+        self.moved = {}  # busy protocol -> (when its client last took STALL_BYTES or had nothing waiting, bytes taken)
         self.over_bound = set()  # let in past max_connections, to be answered once
         self.closed_idle = self.closed_stalled = self.let_in_over_bound = 0
         self.ticking = False
@@ -348,14 +349,6 @@ class ConnectionGuard:
             def on_response_complete(self):
                 super().on_response_complete()
                 guard.response_complete(self)
-
-            def pause_writing(self):
-                super().pause_writing()
-                guard.watch(self)
-
-            def resume_writing(self):
-                super().resume_writing()
-                guard.write_resumed(self)
 
             def connection_lost(self, exc):
                 guard.lost(self)
@@ -395,9 +388,11 @@ class ConnectionGuard:
         self.wait_for_request(protocol)
 
     def stats(self):
-        """For /stats: connections open, and how many were closed for sending no request or reading no reply, or let
-        in past the bound to be answered once."""
-        return {"open": len(self.idle) + len(self.busy), "busy": len(self.busy), "stalled": len(self.waiting_on_client),
+        """For /stats: connections open, those whose client has taken nothing for the eviction window, and how many
+        were closed for sending no request or taking no reply, or let in past the bound to be answered once."""
+        now = self.progress()
+        stalled = sum(now - since >= self.evict_window for since, _ in self.moved.values())
+        return {"open": len(self.idle) + len(self.busy), "busy": len(self.busy), "stalled": stalled,
                 "closed_idle": self.closed_idle, "closed_stalled": self.closed_stalled,
                 "let_in_over_bound": self.let_in_over_bound}
 
@@ -420,79 +415,68 @@ class ConnectionGuard:
             self.closed_idle += 1
 
     def started(self, protocol):
+        """A whole request is in: the connection is busy, and its client's progress is watched."""
         self.idle.pop(protocol, None)
         self.busy.add(protocol)
-
-    def response_complete(self, protocol):
-        """The app has written its whole response: the connection waits for its next request once the last bytes have
-        gone, and until then its client's progress is watched."""
-        if protocol.transport.is_closing() or self.serving(protocol):  # closing, or a pipelined request began
-            return
-        if self.delivered(protocol):
-            self.busy.discard(protocol)
-            self.wait_for_request(protocol)
-        else:
-            self.watch(protocol)
-
-    def lost(self, protocol):
-        self.idle.pop(protocol, None)
-        self.busy.discard(protocol)
-        self.waiting_on_client.pop(protocol, None)
-        self.over_bound.discard(protocol)
-
-    # -- replies whose bytes wait for their client --------------------------------------------------
-
-    def watch(self, protocol):
-        """From now on judged by what its client takes (asyncio paused its writing, or a complete reply's last bytes
-        wait in its buffer)."""
-        if protocol not in self.waiting_on_client and protocol in self.busy:
-            self.waiting_on_client[protocol] = (time.monotonic(), protocol.transport.taken())
+        transport = protocol.transport
+        self.moved.setdefault(protocol, (time.monotonic(), transport.written - transport.waiting()))
         if not self.ticking:
             self.ticking = True
             protocol.loop.call_later(self.tick_seconds(), self.tick, protocol.loop)
 
-    def write_resumed(self, protocol):
+    def response_complete(self, protocol):
+        """The app has written its whole response: the connection waits for its next request once the last bytes have
+        left asyncio's buffer (until then it stays busy, and the tick looks again)."""
+        if protocol.transport.is_closing() or self.serving(protocol):  # closing, or a pipelined request began
+            return
         if self.delivered(protocol):
-            self.waiting_on_client.pop(protocol, None)
-            self.response_complete(protocol)
-        elif not (protocol.cycle and protocol.cycle.response_complete):  # the app writes on: watched when it pauses
-            self.waiting_on_client.pop(protocol, None)
+            self.busy.discard(protocol)
+            self.moved.pop(protocol, None)
+            self.wait_for_request(protocol)
+
+    def lost(self, protocol):
+        self.idle.pop(protocol, None)
+        self.busy.discard(protocol)
+        self.moved.pop(protocol, None)
+        self.over_bound.discard(protocol)
+
+    # -- what clients take of their replies -------------------------------------------------------
 
     def tick_seconds(self):
         return min(1.0, self.write_timeout / 2)
 
     def progress(self):
-        """Moves the mark of every watched reply whose client took STALL_BYTES since its mark; returns now."""
+        """Moves the mark of every busy connection whose client has nothing waiting or took STALL_BYTES since its
+        mark; returns now."""
         now = time.monotonic()
-        for protocol, (since, taken) in list(self.waiting_on_client.items()):
-            taken_now = protocol.transport.taken()
-            if taken_now - taken >= STALL_BYTES:
-                self.waiting_on_client[protocol] = (now, taken_now)
+        for protocol, (since, taken) in list(self.moved.items()):
+            waiting = protocol.transport.waiting()
+            taken_now = protocol.transport.written - waiting
+            if not waiting or taken_now - taken >= STALL_BYTES:
+                self.moved[protocol] = (now, taken_now)
         return now
 
     def tick(self, loop):
-        """Every second while replies wait for their clients: a reply whose last bytes have gone waits for the next
-        request; one whose client took fewer than STALL_BYTES in write_timeout seconds is closed (its generation is
-        cancelled when the app sees the disconnect)."""
+        """Every second while connections are busy: one whose reply's last bytes have left asyncio's buffer waits for
+        the next request; one whose client took fewer than STALL_BYTES of what waits for it in write_timeout seconds is
+        closed (its generation is cancelled when the app sees the disconnect)."""
         now = self.progress()
-        for protocol, (since, _) in list(self.waiting_on_client.items()):
+        for protocol, (since, _) in list(self.moved.items()):
             if self.delivered(protocol):
-                self.waiting_on_client.pop(protocol)
                 self.response_complete(protocol)
             elif now - since >= self.write_timeout:
                 self.close(protocol)
                 self.closed_stalled += 1
                 print0(f"closed a connection whose client took less than {STALL_BYTES // 1024} KiB of its reply in "
                        f"{self.write_timeout:g} s (--write-timeout)")
-        self.ticking = bool(self.waiting_on_client)
+        self.ticking = bool(self.moved)
         if self.ticking:
             loop.call_later(self.tick_seconds(), self.tick, loop)
 
     def longest_stalled(self):
         """The reply whose client has gone longest without taking STALL_BYTES, if at least evict_window; else None."""
         now = self.progress()
-        stalled = [(since, id(p), p) for p, (since, _) in self.waiting_on_client.items()
-                   if now - since >= self.evict_window]
+        stalled = [(since, id(p), p) for p, (since, _) in self.moved.items() if now - since >= self.evict_window]
         return min(stalled)[2] if stalled else None
 
 

@@ -156,10 +156,11 @@ class Token:
 
 @dataclass
 class Scored:
-    """A prompt's tokens' log probabilities: [(log p or None, [(id, log p)])] per token, for /v1/completions' echo."""
+    """A prompt's tokens' log probabilities: ((log p or None, ((id, log p), ...)), ...) a token, for /v1/completions'
+    echo."""
 
     index: int
-    tokens: list
+    tokens: tuple
 
 
 # -----------------------------------------------------------------------------
@@ -516,6 +517,7 @@ class WorkerPool:
             "requests_withdrawn": self.requests_withdrawn,
             "scoring": {"requests": len(self.scorings), "prompt_tokens": self.scoring_tokens},
             "clients": {"holding": len(self.clients), "held_back": self.held_back,
+                        "most_rows": max((share.rows for share in self.clients.values()), default=0),
                         "share": {"rows": self.client_rows, "queue": self.client_queue,
                                   "scoring_tokens": self.client_scoring_tokens}},
             "tokens_generated": self.tokens_generated,
@@ -895,7 +897,9 @@ class EngineLoop:
         try:
             scored = self.engine.score([job.prompts[i] for i in indices], job.top)
             for i, (tokens, last) in zip(indices, scored):
-                events.append(Scored(i, tokens))
+                # tuples, not lists: on the server, eight maximal requests' scores are ~1,000,000 of them, which the
+                # garbage collector stops tracking once it sees they hold plain numbers (lists it walks every time)
+                events.append(Scored(i, tuple((logprob, tuple(top)) for logprob, top in tokens)))
                 for j, s in enumerate(job.samplings):
                     generator = torch.Generator(device=last.device)
                     generator.manual_seed(s.seed)
