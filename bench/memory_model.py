@@ -5,13 +5,17 @@ really holds, and the plans it makes for cards of several sizes.
     python -m bench.memory_model predict                  # the CPU: predicted against measured, d2-d8, one row a shape
     python -m bench.memory_model predict --shapes d4:256:8:ckpt d6:512:8:fp8    # DEPTH:SEQ_LEN:BATCH[:ckpt][:fp8]
     python -m bench.memory_model cards                    # plans for 12-80 GiB cards at 1 h and 4 h (docs/time_budget.md)
+    python -m bench.memory_model predict --device cuda --compile 1 --vocab-size 32768 \
+        --shapes d12:2048:16 d24:2048:16 d24:2048:16:fp8       # a GPU: against torch.cuda.max_memory_allocated
 
 predict: each shape's step runs for real in a fresh process of its own, as base_train runs it on this CPU (its compute
 dtype, its fused CPU Functions unless --cpu-ops=0, eager unless --compile=1), and its peak is measured as bench memory
 measures it: torch.profiler's allocation events, every tensor alive from the model's construction on, at the highest
 point of the second of two steps (bench/memory.py). That is the allocator's peak, not the process's: the process's
 peak RSS (Python, torch's libraries, oneDNN's kernel caches) is printed beside it. The prediction is made here, on
-fake tensors, before the child runs.
+fake tensors, before the child runs. With --device=cuda the child trains on this machine's GPU and the measured peak
+is torch.cuda.max_memory_allocated over the second step (CUDA's reserved memory beside it), against the prediction
+base_train's plan makes for that GPU.
 
 cards: for each card size and budget, the plan a budgeted base_train on one GPU would make with
 NANOCHAT_GPU_MEMORY set to that size, at an assumed speed (--peak-tflops, --mfu: by default an H100's 989 TFLOP/s
@@ -62,12 +66,17 @@ def child_main(argv=None):
                  "fp8", "compile"):
         p.add_argument(f"--{flag}", type=int, required=True)
     p.add_argument("--components", default="")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        from nanochat.common import use_cuda_device
+
+        use_cuda_device(device)  # the current GPU, TF32 matmuls allowed: as base_train's compute_init
 
     def build():
         keep_freed_memory_in_process()  # as base_train does
         torch.manual_seed(42)
-        device = torch.device("cpu")
         model_components, optimizer_components = split_components(args.components)
         recipe = depth_recipe(args.depth, args.vocab_size, args.seq_len, args.device_batch_size * args.seq_len,
                               args.aspect_ratio, args.head_dim, num_iterations=1, components=model_components)
@@ -78,13 +87,23 @@ def child_main(argv=None):
         train_model = compile_model(model) if args.compile else model
         optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
         autocast = autocast_for(device)
-        x, y = random_batch(args)
+        x, y = (t.to(device) for t in random_batch(args))
 
         def step():
             train_step(train_model, optimizers, [(x, y)], lambda m, xy: m(*xy), 1.0, muon_momentum(0), autocast)
 
         return model, optimizers, step
 
+    if args.device == "cuda":  # what the plan predicts there: torch.cuda.max_memory_allocated of the second step
+        model, optimizers, step = build()
+        step()  # the first: the optimizer state made, and (compiled) the graphs
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize()
+        print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated(device), "at_peak": {},
+                          "peak_rss_bytes": torch.cuda.max_memory_reserved(device)}), flush=True)
+        return
     result = measure_second_step(build)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     print(json.dumps({k: v for k, v in result.items() if k in ("peak_bytes", "at_peak", "peak_rss_bytes")}), flush=True)
@@ -99,9 +118,10 @@ def measure(shape, args):
     command = [sys.executable, "-m", "bench.memory_model", "child", f"--depth={depth}", f"--seq-len={seq_len}",
                f"--device-batch-size={batch}", f"--vocab-size={args.vocab_size}", f"--aspect-ratio={args.aspect_ratio}",
                f"--head-dim={args.head_dim}", f"--checkpoint={int(checkpoint)}", f"--fp8={int(fp8)}",
-               f"--compile={args.compile}", f"--components={args.components}"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": child_pythonpath(REPO_ROOT),
-           "NANOCHAT_CPU_OPS": str(args.cpu_ops)}
+               f"--compile={args.compile}", f"--components={args.components}", f"--device={args.device}"]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO_ROOT), "NANOCHAT_CPU_OPS": str(args.cpu_ops)}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU here stays out of the CPU's measurement
     proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -119,19 +139,21 @@ def cmd_predict(args):
     components = canonical_components(DEFAULT_COMPONENTS if args.components == "default" else args.components)
     args.components = components
     model_components, optimizer_components = split_components(components)
-    dtype = str(get_compute_dtype(torch.device("cpu"))).split(".")[-1]
+    dtype = str(get_compute_dtype(torch.device(args.device))).split(".")[-1]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    print(f"bench.memory_model predict | {dtype} on the CPU, {'compiled' if args.compile else 'eager'}, "
+    print(f"bench.memory_model predict | {dtype} on the {args.device}, {'compiled' if args.compile else 'eager'}, "
           f"NANOCHAT_CPU_OPS={args.cpu_ops}, vocab {args.vocab_size}, aspect {args.aspect_ratio}, head {args.head_dim}, "
-          f"components {components or 'none'} | measured: the allocator's peak of the second step (torch.profiler's "
-          f"allocation events) | at {commit}", flush=True)
+          f"components {components or 'none'} | measured: the allocator's peak of the second step ("
+          f"{'torch.cuda.max_memory_allocated' if args.device == 'cuda' else 'torch.profiler allocation events'}) | "
+          f"at {commit}", flush=True)
     rows, results = [], []
     for text in args.shapes:
         depth, seq_len, batch, checkpoint, fp8 = shape = parse_shape(text)
         spec = StepSpec(depth, seq_len, args.vocab_size, args.aspect_ratio, args.head_dim, None, tuple(model_components),
                         tuple(optimizer_components), dtype, fp8, checkpoint, bool(args.compile),
-                        cpu_ops=bool(args.cpu_ops) and not args.compile, device_type="cpu")
+                        cpu_ops=args.device == "cpu" and bool(args.cpu_ops) and not args.compile,
+                        device_type=args.device)
         predicted = predict(spec, batch)
         traced = step_profile(spec).traced_seconds
         log(f"bench.memory_model: {text} predicted {format_bytes(predicted.peak)} ({traced:.1f} s); measuring ...")
@@ -148,11 +170,12 @@ def cmd_predict(args):
                         "measured_at_peak": measured["at_peak"], "peak_rss": measured["peak_rss_bytes"]})
     print_table("one training step's peak, MiB: the memory model's prediction against the measured (the allocator's "
                 "peak of the step)", ["shape (depth:T:batch)", "predicted", "measured", "error", "predicted peak in",
-                                      "traced s", "process peak RSS"], rows)
+                                      "traced s", "CUDA reserved" if args.device == "cuda" else "process peak RSS"], rows)
     for result in results:
         if "failed" in result:
             print(f"{result['shape']}: failed: {result['failed']}")
-    emit_json({"bench": "memory_model", "dtype": dtype, "compile": bool(args.compile), "cpu_ops": args.cpu_ops,
+    emit_json({"bench": "memory_model", "device": args.device, "dtype": dtype, "compile": bool(args.compile),
+               "cpu_ops": args.cpu_ops,
                "vocab_size": args.vocab_size, "aspect_ratio": args.aspect_ratio, "head_dim": args.head_dim,
                "components": components or "none", "commit": commit, "rows": results, "machine": machine_info()})
 
@@ -238,7 +261,9 @@ def main(argv=None):
     pr.add_argument("--head-dim", type=int, default=128)
     pr.add_argument("--components", default="default", help="'default' (base_train's), 'none' or a list")
     pr.add_argument("--cpu-ops", type=int, default=1, choices=[0, 1], help="0: the plain torch path a GPU takes")
-    pr.add_argument("--compile", type=int, default=0, choices=[0, 1], help="1: torch.compile'd (inductor on the CPU)")
+    pr.add_argument("--compile", type=int, default=0, choices=[0, 1], help="1: torch.compile'd (inductor)")
+    pr.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the step measured on this machine's "
+                    "GPU (torch.cuda.max_memory_allocated), predicted as base_train plans it there")
     cards = sub.add_parser("cards", help="the plans for cards of several sizes at several budgets")
     cards.add_argument("--cards", nargs="+", default=["12GiB", "16GiB", "24GiB", "40GiB", "80GiB"])
     cards.add_argument("--budgets", nargs="+", default=["1h", "4h"])
