@@ -197,12 +197,15 @@ def run_shape(args, vocab_size, device, world_size, memory):
                     compiled=compile_choice(args.compile, device), memory_label=memory[1])
 
 
-def run_memory(args, device):
+def run_memory(args, device, world_size):
     """(bytes, words) of the memory a step must fit in (memory_model.device_memory_limit), the least of every rank's;
-    (None, "") on a CPU without --gpu-memory / NANOCHAT_GPU_MEMORY."""
+    (None, "") on a CPU without --gpu-memory / NANOCHAT_GPU_MEMORY. Also checks the exact split of the global batch:
+    a device batch left to the memory plan will divide the rows each rank takes per step."""
     from nanochat.common import all_reduce_max
 
     limit, label = device_memory_limit(device, args.gpu_memory, args.gpu_memory_label)
+    planned_batch = limit is not None and not args.device_batch_given
+    grad_accum_steps(args.total_batch_size, 1 if planned_batch else args.device_batch_size, args.max_seq_len, world_size)
     if limit is None:
         return None, ""
     if device.type != "cuda":
@@ -211,13 +214,20 @@ def run_memory(args, device):
     return int(least), label
 
 
-def plan_memory_without_budget(args, meta, vocab_size, device, world_size, memory):
+def fit_memory(args, meta, plan, vocab_size, device, world_size, memory):
     """
-    A run without a time budget, with a memory to fit in (a GPU, or --gpu-memory): the device batch left unset becomes
-    the largest the memory model predicts to fit, with activation checkpointing where one row does not fit without
-    (--checkpoint-activations=auto); a device batch given is kept, with a line when it is predicted not to fit. The
-    predicted peak is printed beside the memory. A resume keeps its checkpoint's device batch and checkpointing.
+    A run without a time budget (`plan` None), with a memory to fit in (a GPU, or --gpu-memory): the device batch left
+    unset becomes the largest the memory model predicts to fit, with activation checkpointing where one row does not
+    fit without (--checkpoint-activations=auto); a device batch given is kept, with a line when it is predicted not to
+    fit. The predicted peak is printed beside the memory. A resume keeps its checkpoint's device batch and
+    checkpointing. Returns peak_predictor's function (a budgeted run's plan made its own choice already).
     """
+    if plan is None:
+        fit_without_budget(args, meta, vocab_size, device, world_size, memory)
+    return peak_predictor(args, run_shape(args, vocab_size, device, world_size, memory))
+
+
+def fit_without_budget(args, meta, vocab_size, device, world_size, memory):
     if meta is not None:
         saved = meta["user_config"]
         args.checkpoint_activations = saved.get("checkpoint_activations", "0") if args.checkpoint_activations == "auto" \
@@ -244,6 +254,15 @@ def plan_memory_without_budget(args, meta, vocab_size, device, world_size, memor
         print0(f"memory | --device-batch-size={args.device_batch_size} is predicted to need more than the "
                f"{MEMORY_SHARE * 100:.0f} % of {format_bytes(memory[0])} planned for: an out-of-memory in the first steps "
                f"halves it")
+
+
+def report_memory(predicted_peak, device_batch, device):
+    """After the run, on a GPU: the memory model's peak against what the steps allocated."""
+    if predicted_peak is None or device.type != "cuda":
+        return
+    peak, predicted = peak_memory_mib(device) * 2**20, predicted_peak(device_batch)
+    print0(f"memory | the run's peak: {format_bytes(peak)} allocated (torch.cuda.max_memory_allocated), predicted "
+           f"{format_bytes(predicted)} at device batch {device_batch} ({predicted / peak - 1:+.1%})")
 
 
 def peak_predictor(args, shape):
@@ -421,10 +440,7 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     autocast = autocast_for(device)
-    memory = run_memory(args, device)
-    # an exact split; a device batch left to the memory plan will divide the rows each rank takes per step
-    planned_batch = memory[0] is not None and not args.device_batch_given
-    grad_accum_steps(args.total_batch_size, 1 if planned_batch else args.device_batch_size, args.max_seq_len, world_size)
+    memory = run_memory(args, device, world_size)
     check_shape(args, tokenizer.get_vocab_size())  # heads and head dim, where the flags fix them
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
@@ -434,9 +450,7 @@ def main(argv=None):
     budget = plan_budget(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast, memory)
     if args.dry_run:
         return compute_cleanup()
-    if not budget.plan:
-        plan_memory_without_budget(args, meta, tokenizer.get_vocab_size(), device, world_size, memory)
-    predicted_peak = peak_predictor(args, run_shape(args, tokenizer.get_vocab_size(), device, world_size, memory))
+    predicted_peak = fit_memory(args, meta, budget.plan, tokenizer.get_vocab_size(), device, world_size, memory)
     user_config = vars(args).copy()
     recipe = recipe_from_flags(args, tokenizer.get_vocab_size())
     recipe.budget = "--time-budget" if budget.plan else recipe.budget
@@ -505,11 +519,7 @@ def main(argv=None):
 
     batches.close()
     budget.finish(loop)
-    if predicted_peak is not None and device.type == "cuda":  # the memory model against what the steps allocated
-        peak, predicted = peak_memory_mib(device) * 2**20, predicted_peak(batches.device_batch_size)
-        print0(f"memory | the run's peak: {format_bytes(peak)} allocated (torch.cuda.max_memory_allocated), "
-               f"predicted {format_bytes(predicted)} at device batch {batches.device_batch_size} "
-               f"({predicted / peak - 1:+.1%})")
+    report_memory(predicted_peak, batches.device_batch_size, device)
     loop.finish("Base model training", [
         {"Number of parameters": recipe.num_params, "FLOPs per token": f"{recipe.flops_per_token:e}",
          "Calculated number of iterations": loop.num_iterations,
