@@ -385,7 +385,7 @@ class Neighbour(Prober):
 
     def __init__(self, url, seconds=0.0):
         super().__init__(seconds)
-        self.url, self.replies = url, []
+        self.url, self.replies, self.refused = url, [], 0
 
     def probe(self):
         import httpx
@@ -394,6 +394,10 @@ class Neighbour(Prober):
         asked, arrivals, tokens = time.monotonic(), [], 0
         with httpx.Client(transport=httpx.HTTPTransport(local_address=NEIGHBOUR), timeout=600) as client:
             with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as stream:
+                if stream.status_code != 200:  # a 503: the server had no room for it
+                    self.refused += 1
+                    time.sleep(0.2)
+                    return
                 for line in stream.iter_lines():
                     event = json.loads(line[len("data: "):]) if line.startswith("data: {") else {}
                     if event.get("usage"):
@@ -406,10 +410,12 @@ class Neighbour(Prober):
                                  "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]})
 
     def summary(self):
-        """Over its replies: the median tokens/s, the worst first token, the median and largest gap."""
+        """Over its replies: the median tokens/s, the worst first token, the median and largest gap; and how many of
+        its requests were refused."""
         gaps = [gap for reply in self.replies for gap in reply["gaps"]] or [0.0]
-        return {"replies": len(self.replies), "tok_s": statistics.median(r["tok_s"] for r in self.replies),
-                "first_token_max_s": max(r["first_token_s"] for r in self.replies),
+        return {"replies": len(self.replies), "refused": self.refused,
+                "tok_s": statistics.median([r["tok_s"] for r in self.replies] or [0.0]),
+                "first_token_max_s": max((r["first_token_s"] for r in self.replies), default=None),
                 "gap_p50_s": statistics.median(gaps), "gap_max_s": max(gaps)}
 
 
@@ -575,18 +581,18 @@ def cmd_hostile(args, base_dir, source, tag):
                          "alone_tok_s": alone["tok_s"], **beside, "ratio": beside["tok_s"] / alone["tok_s"],
                          "load": os.getloadavg()[0]})
             log(f"  {name}: {attacker_got}; /health at most {health.worst:.2f} s; the neighbour {beside['tok_s']:.0f} "
-                f"tok/s beside ({beside['replies']} replies), {alone['tok_s']:.0f} alone")
+                f"tok/s beside ({beside['replies']} replies, {beside['refused']} refused), {alone['tok_s']:.0f} alone")
         exit_s = attack_sigterm(server) if "sigterm" in chosen else None
     finally:
         server.stop()
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     print_table(f"one client's attacks on chat_web ({source}/{tag or 'latest'}), each beside a neighbour's "
                 f"{NEIGHBOUR_TOKENS}-token streams", ["attack", "the attacker got", "/health max s",
-                                                       "neighbour tok/s alone", "beside", "ratio", "first token max s",
-                                                       "gap p50 s", "gap max s", "load"],
+                                                       "neighbour tok/s alone", "beside", "ratio", "replies / refused",
+                                                       "first token max s", "gap p50 s", "gap max s", "load"],
                 [[r["attack"], r["attacker_got"], fmt(r["health_max_s"]), f"{r['alone_tok_s']:.0f}", f"{r['tok_s']:.0f}",
-                  fmt(r["ratio"]), fmt(r["first_token_max_s"]), fmt(r["gap_p50_s"]), fmt(r["gap_max_s"]),
-                  fmt(r["load"])] for r in runs])
+                  fmt(r["ratio"]), f"{r['replies']} / {r['refused']}", fmt(r["first_token_max_s"]), fmt(r["gap_p50_s"]),
+                  fmt(r["gap_max_s"]), fmt(r["load"])] for r in runs])
     if exit_s is not None:
         print(f"SIGTERM with eight 990 KB /tokenize requests in flight: exited after {exit_s:.1f} s")
     emit_json({"bench": "serve-hostile", "machine": machine_info(), "source": source, "tag": tag, "runs": runs,
