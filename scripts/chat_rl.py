@@ -22,7 +22,8 @@ from nanochat.engine import Engine
 from tasks import TaskMixture, get_task
 from nanochat.training.chat_data import ProblemSchedule
 from nanochat.training.presets import preset_help
-from nanochat.training.recipe import lr_multiplier, muon_momentum, train_step
+from nanochat.training.optim import lr_multiplier, muon_momentum
+from nanochat.training.recipe import train_step
 from nanochat.training.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
                                      start_stage, validate_stage_flags)
 
@@ -155,7 +156,7 @@ def main(argv=None):
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _, _ in micro_batches) * world_size, reward=all_reduce_mean(sum(rewards) / len(rewards), device),
                       **{f"pass@{args.num_samples}": all_reduce_mean(solved / len(schedule.problems(step)), device),
                          "length": all_reduce_mean(sum(lengths) / len(lengths), device)})
-        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
             budget.calibrate(loop)
 
     budget.finish(loop)

@@ -19,7 +19,8 @@ from nanochat.common import autocast_for, compute_cleanup, compute_init, run_mai
 from nanochat.loss_eval import evaluate_loss
 from tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training.chat_data import ConversationBatches
-from nanochat.training.recipe import lr_multiplier, muon_momentum, train_step
+from nanochat.training.optim import lr_multiplier, muon_momentum
+from nanochat.training.recipe import train_step
 from nanochat.training.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
                                      stage_loop, stage_steps, start_stage, validate_stage_flags)
 
@@ -95,7 +96,7 @@ def main(argv=None):
         loss = train_step(model, optimizers, micro_batches, lambda m, xy: m(*xy, loss_reduction="sum"), lrm,
                           muon_momentum(step), autocast, divisor=divisor)
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _ in micro_batches) * world_size)
-        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
             budget.calibrate(loop)
 
     budget.finish(loop)

@@ -16,7 +16,8 @@ from nanochat.common import autocast_for, compute_cleanup, compute_init, run_mai
 from nanochat.loss_eval import evaluate_loss
 from tasks import CustomJSON, TaskMixture, get_task
 from nanochat.training.chat_data import PackedConversations
-from nanochat.training.recipe import lr_multiplier, muon_momentum, train_step
+from nanochat.training.optim import lr_multiplier, muon_momentum
+from nanochat.training.recipe import train_step
 from nanochat.training.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
                                      stage_loop, stage_steps, start_stage, validate_stage_flags)
 
@@ -80,7 +81,7 @@ def main(argv=None):
         lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         loss = train_step(model, optimizers, next(loader), lambda m, xy: m(*xy), lrm, muon_momentum(step), autocast)
         loop.end_step(loss, t0, lrm=lrm)
-        if budget.due(loop.step):  # once, a tenth of the way in: the steps that fit in the rest of the time budget
+        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
             budget.calibrate(loop)
 
     budget.finish(loop)

@@ -4,7 +4,7 @@ Run scripts.base_train (under torchrun) with a failure injected on rank 1 only, 
     torchrun --nproc-per-node=2 tests/rank_fault.py <fault>@<step>[+linger] [base_train flags...]
 
 fault: checkpoint (rank 1 cannot write its optimizer shard of that step's checkpoint: a full disk) or raise (rank 1
-raises a RuntimeError in that step's training). With +linger, rank 1 then takes 5 s to end its process, as a rank whose
+raises a RuntimeError in that step's optimizer update). With +linger, rank 1 then takes 5 s to end its process, as a rank whose
 teardown hangs (NCCL's can) would: while it lives, its peers get no error from the process group.
 """
 
@@ -21,7 +21,7 @@ from scripts import base_train
 fault, step = sys.argv[1].removesuffix("+linger").split("@")
 step = int(step)
 rank1 = os.environ.get("RANK") == "1"
-real_save_file, real_train_step = checkpoint_manager.save_file, base_train.train_step
+real_save_file, real_step_optimizers = checkpoint_manager.save_file, base_train.step_optimizers
 steps_taken = 0
 
 
@@ -32,12 +32,12 @@ def save_file(tensors, path, *args, **kwargs):
     real_save_file(tensors, path, *args, **kwargs)
 
 
-def train_step(*args, **kwargs):
+def step_optimizers(*args, **kwargs):
     global steps_taken
     steps_taken += 1
     if rank1 and fault == "raise" and steps_taken == step:
         raise RuntimeError(f"injected failure in step {step}")
-    return real_train_step(*args, **kwargs)
+    return real_step_optimizers(*args, **kwargs)
 
 
 def linger():
@@ -48,5 +48,5 @@ def linger():
 if rank1 and sys.argv[1].endswith("+linger"):
     atexit.register(linger)
 checkpoint_manager.save_file = save_file
-base_train.train_step = train_step
+base_train.step_optimizers = step_optimizers
 run_main(lambda: base_train.main(sys.argv[2:]))

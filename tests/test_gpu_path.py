@@ -263,7 +263,8 @@ def test_an_optimizer_step_on_cuda_never_waits_for_the_device(monkeypatch):
     dispatches: a host-device copy is an op whose tensors sit on both devices; a read is _local_scalar_dense."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from nanochat.training.recipe import apply_schedules, build_optimizers, depth_recipe, muon_momentum
+    from nanochat.training.optim import apply_schedules, muon_momentum
+    from nanochat.training.recipe import build_optimizers, depth_recipe
 
     class HostWaits(TorchDispatchMode):
         def __init__(self):

@@ -184,7 +184,7 @@ def test_out_of_memory_names_the_stage_and_the_batch_to_try(tiny_base_dir, tmp_p
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", fresh_base(tiny_base_dir, tmp_path, "oom"))
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
-    # after the first steps (which halve the device batch instead: recipe.FittingBatches), the stage and what to try
+    # after the first steps (which halve the device batch instead: loop.FittingBatches), the stage and what to try
     for batch, expected in ((6, "try --device-batch-size=3; gradient accumulation keeps the global batch "
                                 "(--total-batch-size=768) with 2x the micro-steps per optimizer step"),
                             (1, "--device-batch-size is 1 already; try a shorter --max-seq-len, a smaller --depth, or "

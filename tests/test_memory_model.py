@@ -63,7 +63,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smalle
     the step's peak (torch.profiler's allocation events, bench memory's measurement) is at least a fifth lower."""
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
-    from nanochat.training.recipe import build_optimizers, depth_recipe, muon_momentum, train_step
+    from nanochat.training.optim import muon_momentum
+    from nanochat.training.recipe import build_optimizers, depth_recipe, train_step
 
     recipe = depth_recipe(4, 512, 128, 8 * 128, 32, 32, num_iterations=1, components=MODEL_COMPONENTS)
     idx = torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(0))
@@ -116,7 +117,8 @@ def test_the_prediction_follows_the_measured_step(fresh_cache, single_torch_thre
     checkpointing: the predicted peak within 15 % of the measured one (torch.profiler's allocation events)."""
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
-    from nanochat.training.recipe import build_optimizers, depth_recipe, muon_momentum, train_step
+    from nanochat.training.optim import muon_momentum
+    from nanochat.training.recipe import build_optimizers, depth_recipe, train_step
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
     spec = tiny_spec(seq_len=128)
@@ -165,7 +167,7 @@ def test_a_smaller_memory_gets_a_smaller_device_batch_checkpointing_or_nothing(f
 
 
 def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
-    """make_plan with a memory limit (NANOCHAT_GPU_MEMORY's path), from step times measured before: less memory gives
+    """plan_pretraining with a memory limit (NANOCHAT_GPU_MEMORY's path), from step times measured before: less memory gives
     a smaller device batch or a smaller model, and no plan's predicted peak exceeds its share of its memory; the plan
     prints the predicted peak beside the memory. A memory no model fits is refused before anything is measured,
     naming the least memory that would do."""
@@ -182,7 +184,7 @@ def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
     for limit in (small, large):  # the probe's seconds per step, as an earlier probe on this machine measured them
         tb.write_measurements(tb.machine_signature(shape(limit), device), {d: (32, 0.002 * d * d) for d in range(1, 13)})
     law = tb.LAWS["cpu-builtin"]
-    plans = {limit: tb.make_plan(law, shape(limit), 600, time.time(), device, torch.autocast("cpu", enabled=False))
+    plans = {limit: tb.plan_pretraining(law, shape(limit), 600, time.time(), device, torch.autocast("cpu", enabled=False))
              for limit in (small, large)}
     for limit, plan in plans.items():
         assert plan.memory_limit == limit and plan.predicted_peak <= mm.MEMORY_SHARE * limit
@@ -192,7 +194,7 @@ def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
     started = time.time()
     with pytest.raises(UserError, match=r"NANOCHAT_GPU_MEMORY=1048576 is too little for d1, the smallest model, .* give "
                                         r"at least [\d.]+ MiB"):
-        tb.make_plan(law, shape(mm.MIB), 600, time.time(), device, torch.autocast("cpu", enabled=False))
+        tb.plan_pretraining(law, shape(mm.MIB), 600, time.time(), device, torch.autocast("cpu", enabled=False))
     assert time.time() - started < 30
 
 
@@ -222,7 +224,7 @@ def test_an_impossible_memory_is_refused_in_one_line_before_any_work(tiny_base_d
 def test_an_out_of_memory_says_how_far_off_the_prediction_was(capsys):
     """FittingBatches still halves the device batch on an out-of-memory in the first steps, and its line gives the
     memory model's peak for the device batch that did not fit."""
-    from nanochat.training import recipe
+    from nanochat.training.loop import FittingBatches
 
     class Loader:
         def __init__(self, device_batch):
@@ -237,18 +239,24 @@ def test_an_out_of_memory_says_how_far_off_the_prediction_was(capsys):
         def close(self):
             pass
 
-    def update(micro_batches, guard):
-        if micro_batches[0][0].size(0) > 2:
-            raise recipe.DeviceBatchTooLarge()
-        return 0.0
-
-    batches = recipe.FittingBatches(lambda b, state: Loader(b), 8, 8 * 4, 4, 1, 2, torch.device("cpu"),
-                                    predicted_peak=lambda b: b * 3 * mm.GIB)
-    batches.step(update)
+    batches = FittingBatches(lambda b, state: Loader(b), 8, 8 * 4, 4, 1, 2, torch.device("cpu"),
+                             predicted_peak=lambda b: b * 3 * mm.GIB)
+    while True:  # base_train's step, with more than 2 rows not fitting
+        try:
+            if batches.next_step()[0][0].size(0) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            ran_out = False
+        except Exception as error:
+            if not batches.recovers_from(error):
+                raise
+            ran_out = True
+        if batches.every_rank_fitted(ran_out):
+            break
+        batches.shrink()
     out = capsys.readouterr().out
     assert "out of memory at --device-batch-size=8 on the cpu's memory (the memory model predicted a peak of 24.0 GiB)" \
         in out and "going on at 4" in out and "out of memory at --device-batch-size=4" in out
-    assert batches.device_batch_size == 2
+    assert batches.device_batch_size == 2 and batches.grad_accum == 4 and batches.steps_taken == 1
 
 
 @pytest.mark.slow  # ~1-2 minutes: the compiled steps of several GPU-sized depths traced

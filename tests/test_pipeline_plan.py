@@ -74,7 +74,7 @@ def test_no_stage_is_planned_below_its_floor_and_the_plan_fits_the_budget(speed)
     least = None
     for budget in range(30, 3_600, 7):
         try:
-            plan = pp.make_plan(budget, started, started + 5, "cpu", speed, "test")
+            plan = pp.plan_speedrun(budget, started, started + 5, "cpu", speed, "test")
         except pp.BudgetTooShort as e:
             assert least is None, f"{budget} s refused after {least} s was accepted: {e}"
             continue
@@ -102,7 +102,7 @@ def test_no_stage_is_planned_below_its_floor_and_the_plan_fits_the_budget(speed)
 def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
     path = str(tmp_path / "plan.json")
     started = time.time()
-    plan = pp.make_plan(600, started, started + 5, "cpu", 1.0, "test")
+    plan = pp.plan_speedrun(600, started, started + 5, "cpu", 1.0, "test")
     pp.save(plan, path)
     assert plan.stage("mid_train").run and plan.stage("base_eval").run
     # the first run: the stages up to chat_sft are given their flags as they start (chat_sft late), then it is killed
@@ -128,7 +128,7 @@ def test_a_chat_stage_takes_the_time_left_early_and_gives_it_back_late():
     """chat_sft's seconds (its --time-budget) scale with the time left against the time the plan gave it and the stages
     after it: more when base_train ended early, less when late (down to its floor's seconds), the planned ones on time."""
     started = 1_000.0
-    plan = pp.make_plan(160, started, started + 5, "cpu", 1.0, "test")
+    plan = pp.plan_speedrun(160, started, started + 5, "cpu", 1.0, "test")
     sft = plan.stage("chat_sft")
     after = sum(s.seconds for s in plan.stages[plan.stages.index(sft):] if s.run)
     on_time = plan.deadline - pp.MARGIN * plan.budget_seconds * (1 - plan.stages.index(sft) / len(plan.stages)) - after
@@ -152,7 +152,7 @@ def test_base_train_gets_what_the_other_stages_will_not_take_as_measured_before_
     started = 1_000.0
 
     def base_budget(took, tmp_path):
-        plan = pp.make_plan(400, started, started + 5, "cpu", 2.0, "test")
+        plan = pp.plan_speedrun(400, started, started + 5, "cpu", 2.0, "test")
         at = [s.name for s in plan.stages].index("base_train")
         later = sum(s.seconds for s in plan.stages[at + 1:] if s.run and s.kind != "train")
         # speedrun.sh's times file, whole seconds: the data and the tokenizer took `took` times their plan
@@ -178,7 +178,7 @@ def test_a_budget_at_the_minimum_is_not_refused_for_one_slow_probe(tmp_path, mon
     reference_probe = pp.REFERENCE["cpu"]["probe_seconds"]
     started = time.time()
     try:
-        pp.make_plan(1, started, started, "cpu", 1.0, "test")
+        pp.plan_speedrun(1, started, started, "cpu", 1.0, "test")
     except pp.BudgetTooShort as e:
         minimum = e.minimum  # what a machine as fast as the reference is told
     probes = []

@@ -1,5 +1,5 @@
 """
---time-budget (nanochat/training/time_budget.py) and the out-of-memory fallback (nanochat/training/recipe.py), for real: a
+--time-budget (nanochat/training/time_budget.py) and the out-of-memory fallback (nanochat/training/loop.py), for real: a
 budgeted base_train that prints its plan, ends on time and resumes exactly; 1 and 2 ranks making the same plan; a
 device batch that does not fit halved without changing the run; bad budgets refused before any compute; the laws.
 """
@@ -216,7 +216,7 @@ def test_the_plan_grows_with_the_budget_and_the_loss_surface_fit_recovers_a_law(
     measured = {d: (2, 0.0005 * d * d) for d in range(1, 41)}
     tb.write_measurements(tb.machine_signature(shape, device), measured)
     law = tb.LAWS["cpu-builtin"]
-    plans = [tb.make_plan(law, shape, budget, time.time(), device, torch.autocast("cpu", enabled=False))
+    plans = [tb.plan_pretraining(law, shape, budget, time.time(), device, torch.autocast("cpu", enabled=False))
              for budget in (60, 600, 6000)]
     assert [p.depth for p in plans] == sorted(p.depth for p in plans) and plans[0].depth < plans[-1].depth
     assert plans[0].num_iterations < plans[1].num_iterations < plans[2].num_iterations

@@ -1,10 +1,11 @@
 """
 The plumbing around a training stage's gradient step, written once for every stage: resume from a
 checkpoint, periodic / final / on-signal saves, eval cadence with timing, the progress line with
-tok/s, MFU and ETA, peak memory, wandb and the report. The step itself stays in the stage script,
-where a reader sees the micro-batches, the schedules and the optimizer update:
+tok/s, MFU and ETA, peak memory, wandb and the report; and base_train's batches, whose device batch is
+halved when a step does not fit (FittingBatches, at the end). The step itself stays in the stage script,
+where a reader sees the micro-batches, the forward and backward passes and the optimizer update:
 
-    start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else start_fresh()
+    start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else StartPoint()
     loader = DataLoader(..., resume_state=start.loader_state)
     loop = TrainingLoop(RunSettings(name, ckpt_dir, num_iterations, ...), model, optimizers, loader, start, device, autocast)
     for step in loop.steps():           # a checkpoint is written here when due, before any eval of that step
@@ -16,10 +17,14 @@ where a reader sees the micro-batches, the schedules and the optimizer update:
         loss = train_step(model, optimizers, [next(loader) for _ in range(grad_accum)], loss_fn, lrm, momentum, ...)
         loop.end_step(loss, t0, lrm=lrm)  # progress line and logs; after a stop signal steps() saves and ends
     loop.finish("Base model training", [...])
+
+The report's curve is kept here and written with each checkpoint (and at the end): a step writes no file, and the
+curve never runs ahead of the checkpoint a resume would start from.
 """
 
 import json
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,9 +34,9 @@ import torch.distributed as dist
 
 from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
 from nanochat.common import (UserError, all_reduce_max, dist_rank_world, format_duration, get_peak_flops,
-                             peak_memory_mib, print0, set_memory_advice)
+                             is_out_of_memory, peak_memory_mib, print0, set_memory_advice)
 from nanochat.loss_eval import describe_eval
-from nanochat.report import DummyReport, get_report
+from nanochat.report import get_report
 
 # -----------------------------------------------------------------------------
 # Where a run starts
@@ -96,9 +101,9 @@ class StopSignal:
 
 
 def init_wandb(run, config, project="nanochat"):
-    """Log to wandb when --run names a run (WANDB_MODE=offline works without network); rank 0 only."""
+    """The wandb run when --run names one (WANDB_MODE=offline works without network), on rank 0; else None."""
     if run == "dummy" or dist_rank_world()[0] != 0:
-        return DummyReport()  # a logger whose every call does nothing, as on the report's other ranks
+        return None
     import wandb
 
     return wandb.init(project=project, name=run, config=config)
@@ -195,6 +200,7 @@ class TrainingLoop:
         self.stopper = StopSignal()
         self.timer = StepTimer()
         self.report = get_report()
+        self.curve = []  # records for the report's curve since the last checkpoint (write_curve)
         self.wandb = init_wandb(s.run, s.user_config)
         batch = s.user_config["device_batch_size"]
         set_memory_advice(f"{s.name} (depth {model.config.n_layer}, --device-batch-size={batch})",
@@ -263,8 +269,9 @@ class TrainingLoop:
         self.last[name] = value
         self.best[name] = min(value, self.best.get(name, math.inf))
         print0(f"step {self.step:05d} | {name} {fmt.format(value)}{reach} | ({time.time() - t0:.1f}s)")
-        self.wandb.log({"step": self.step, name: value})
-        self.report.log_curve(self.name, {"step": self.step, name: value})
+        if self.wandb:
+            self.wandb.log({"step": self.step, name: value})
+        self.curve.append({"step": self.step, name: value})
         return value
 
     def end_step(self, loss, t0, lrm=None, tokens=None, **extra):
@@ -300,8 +307,9 @@ class TrainingLoop:
             parts.append(f"MFU {record['mfu']:.1f}%")
         parts.append(f"ETA {format_duration(self.timer.eta(self.num_iterations - self.step))}")
         print0(" | ".join(parts))
-        self.wandb.log({"step": self.step, **{"train/" + k.removeprefix("train_"): v for k, v in record.items() if k != "step"}})
-        self.report.log_curve(self.name, record)
+        if self.wandb:
+            self.wandb.log({"step": self.step, **{"train/" + k.removeprefix("train_"): v for k, v in record.items() if k != "step"}})
+        self.curve.append(record)
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -316,6 +324,7 @@ class TrainingLoop:
                 "finished": self.step >= self.num_iterations,
                 "tokenizer_hash": self.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
                 "loop_state": self.loop_state(), **self.meta}
+        self.write_curve()  # first: a checkpoint always has its steps in the curve
         self.stopper.saving = True
         t0 = time.time()
         try:
@@ -323,6 +332,12 @@ class TrainingLoop:
         finally:
             self.stopper.saving = False
         self.save_seconds = time.time() - t0
+
+    def write_curve(self):
+        """Append the records kept since the last write to the report's curve (rank 0's report; others have none)."""
+        for record in self.curve:
+            self.report.log_curve(self.name, record)
+        self.curve = []
 
     # -- the end -------------------------------------------------------------------------
 
@@ -335,8 +350,144 @@ class TrainingLoop:
         for name, value in self.last.items():
             summary[f"Final {name}"] = value
             summary[f"Minimum {name}"] = self.best[name]
+        self.write_curve()
         self.report.log(section=section, data=[self.user_config, *data, summary])
         evals = " | ".join(f"{name} {value:.4f}" for name, value in self.last.items())
         print0(f"done: {self.step}/{self.num_iterations} steps in {format_duration(self.total_train_time)}"
                + (f" | {evals}" if evals else "") + f" | checkpoint {self.ckpt_dir}")
-        self.wandb.finish()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# -----------------------------------------------------------------------------
+# base_train's batches: a device batch that does not fit, halved with the global batch kept
+
+GUARDED_STEPS = 3  # the first optimizer steps of a process allocate everything it will need (activations, states)
+# NANOCHAT_SIMULATE_OOM_ROWS=N or N@S: more than N rows do not fit, from the S-th step of the process (default 0) on
+_simulated = os.environ.get("NANOCHAT_SIMULATE_OOM_ROWS", "")
+SIMULATED_LIMIT = int(_simulated.split("@")[0]) if _simulated else None
+SIMULATED_FROM_STEP = int(_simulated.split("@")[1]) if "@" in _simulated else 0
+
+
+def simulate_out_of_memory(rows, step=0):
+    """Raise CUDA's out-of-memory error for a micro-batch of more rows than NANOCHAT_SIMULATE_OOM_ROWS allows."""
+    if SIMULATED_LIMIT is not None and rows > SIMULATED_LIMIT and step >= SIMULATED_FROM_STEP:
+        raise torch.OutOfMemoryError(f"simulated: {rows} rows > NANOCHAT_SIMULATE_OOM_ROWS={_simulated}")
+
+
+def any_rank_out_of_memory(failed, device):
+    """True on every rank when any rank ran out of memory (every rank must call it, at the same point)."""
+    return all_reduce_max([1.0 if failed else 0.0], device)[0] > 0
+
+
+def smaller_device_batch(device_batch_size, rows_per_step):
+    """The device batch to try next: the largest at or below half of this one that divides the rows each rank takes
+    per optimizer step (so gradient accumulation stays exact); None when this one is 1."""
+    return next((b for b in range(device_batch_size // 2, 0, -1) if rows_per_step % b == 0), None)
+
+
+def device_memory(device):
+    """The memory a device batch must fit in, in words."""
+    if SIMULATED_LIMIT is not None:
+        return f"a simulated device (NANOCHAT_SIMULATE_OOM_ROWS={_simulated})"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} ({props.total_memory / 2**30:.1f} GiB)"
+    return f"the {device.type}'s memory"
+
+
+class FittingBatches:
+    """
+    base_train's training batches, one optimizer step's micro-batches at a time (next_step), from a data stream built
+    by make_loader(device_batch_size, resume_state). A smaller card does not stop the run: when some rank runs out of
+    memory in the first steps of a process, every rank learns it before the optimizers move (every_rank_fitted), and
+    shrink() halves the device batch and rewinds the stream to where the step began, so the step is taken again with
+    twice the micro-steps: the same rows in the same optimizer steps, the run a run started at the smaller device batch
+    would be. Only when one row does not fit does the run stop, with one line naming the depth and the memory.
+    NANOCHAT_SIMULATE_OOM_ROWS=N makes the device "run out of memory" on any micro-batch of more than N rows (0: on
+    every one): a rehearsal of a smaller card (the tests' stand-in for one, on the CPU).
+    """
+
+    def __init__(self, make_loader, device_batch_size, total_batch_size, seq_len, world_size, depth, device,
+                 resume_state=None, predicted_peak=None):
+        self.make_loader, self.depth, self.seq_len, self.device = make_loader, depth, seq_len, device
+        self.predicted_peak = predicted_peak  # device batch -> the memory model's peak in bytes, or None
+        self.rows_per_step = total_batch_size // (seq_len * world_size)
+        self.device_batch_size = device_batch_size
+        self.shrunk_from = None  # the device batch the run asked for, once it has had to shrink
+        self.loader = make_loader(device_batch_size, resume_state)
+        self.steps_taken = 0
+        self.step_start = None  # in a guarded step, the stream's state where it began: a retry starts there again
+        if device.type == "cuda":  # the training's own peak from here on (not the time budget's probe's), for the
+            torch.cuda.reset_peak_memory_stats(device)  # prediction to be checked against
+
+    @property
+    def grad_accum(self):
+        return self.rows_per_step // self.device_batch_size
+
+    @property
+    def guarded(self):
+        return self.steps_taken < GUARDED_STEPS
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def crop_fraction(self):
+        return self.loader.crop_fraction()
+
+    def close(self):
+        self.loader.close()
+
+    def next_step(self):
+        """This rank's micro-batches for one optimizer step: grad_accum (inputs, targets) pairs."""
+        self.step_start = self.loader.state_dict() if self.guarded else None
+        micro_batches = [next(self.loader) for _ in range(self.grad_accum)]
+        if self.guarded:
+            simulate_out_of_memory(self.device_batch_size, self.steps_taken)
+        return micro_batches
+
+    def recovers_from(self, error):
+        """Whether a step that raised `error` on this rank is taken again at a smaller device batch: running out of
+        memory in the first steps. Any other error, or one later in the run, stops the run."""
+        return self.guarded and is_out_of_memory(error)
+
+    def every_rank_fitted(self, ran_out):
+        """After a step's backward passes (ran_out: whether this rank ran out of memory in them), before the optimizers
+        move: whether every rank's passes fitted. Every rank calls it in the first steps, where it is one all-reduce."""
+        if self.guarded and any_rank_out_of_memory(ran_out, self.device):
+            return False
+        self.steps_taken += 1
+        return True
+
+    def shrink(self):
+        """Go on at the next smaller device batch, from the data stream's state at the start of the failed step."""
+        smaller = smaller_device_batch(self.device_batch_size, self.rows_per_step)
+        memory = device_memory(self.device)
+        if smaller is None:
+            raise UserError(f"d{self.depth} does not fit in {memory} even at --device-batch-size=1 (rows of "
+                            f"{self.seq_len} tokens): train a smaller --depth or a shorter --max-seq-len, or use a "
+                            f"device with more memory")
+        print0(f"out of memory at --device-batch-size={self.device_batch_size} on {memory}{self.against_prediction()}: "
+               f"going on at {smaller} with {self.rows_per_step // smaller} micro-steps per optimizer step; the global "
+               f"batch, and so the run, are unchanged")
+        self.loader.close()
+        self.loader = self.make_loader(smaller, self.step_start)
+        self.shrunk_from = self.shrunk_from or self.device_batch_size
+        self.device_batch_size = smaller
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def against_prediction(self):
+        """How far off the memory model was: its peak for this device batch, beside what the device held when it ran
+        out (on CUDA: the most allocated at once, which the failed step's peak exceeds)."""
+        if self.predicted_peak is None:
+            return ""
+        from nanochat.training.memory_model import format_bytes
+
+        predicted = self.predicted_peak(self.device_batch_size)
+        if self.device.type != "cuda" or SIMULATED_LIMIT is not None:
+            return f" (the memory model predicted a peak of {format_bytes(predicted)})"
+        held = torch.cuda.max_memory_allocated(self.device)
+        return (f" (the memory model predicted a peak of {format_bytes(predicted)}; {format_bytes(held)} were "
+                f"allocated when it ran out, {held / predicted - 1:+.0%} against the prediction, and the step needed more)")

@@ -255,7 +255,8 @@ def trace_static(spec):
     two, with the state there), on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from nanochat.training.recipe import apply_schedules, build_optimizers, depth_recipe, muon_momentum
+    from nanochat.training.optim import apply_schedules, muon_momentum
+    from nanochat.training.recipe import build_optimizers, depth_recipe
 
     recipe = depth_recipe(spec.depth, spec.vocab_size, spec.seq_len, spec.seq_len, spec.aspect_ratio, spec.head_dim,
                           spec.num_kv_heads, num_iterations=1, components=spec.model_components)

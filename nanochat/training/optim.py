@@ -39,6 +39,9 @@ Param groups: {"params": [...], "lr", "betas", "eps", "weight_decay", optional "
 A parameter may carry attributes `lr_mul` / `wd_mul` (default 1.0) that scale its lr / decay.
 State per parameter: {"step": int, "exp_avg": tensor, "exp_avg_sq": tensor}, where the tensors
 are this rank's slice; a checkpoint holds one optimizer file per rank.
+
+At the end, what a training step does with both: the schedules (lr_multiplier, muon_momentum) set on their groups, and
+one update of every optimizer (step_optimizers).
 """
 
 import functools
@@ -481,3 +484,50 @@ class DistAdamW(torch.optim.Optimizer):
 def build_adamw(adamw_groups):
     """AdamW for the model's embedding / lm_head / scalar groups; correct with or without torchrun."""
     return DistAdamW(adamw_groups)
+
+
+# -----------------------------------------------------------------------------
+# Schedules and one update of both optimizers
+
+
+def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.4, final_lr_frac=0.0):
+    """Linear warmup, constant, then linear warmdown to final_lr_frac over the last warmdown_ratio of steps."""
+    warmup = round(warmup_ratio * num_iterations)
+    warmdown = round(warmdown_ratio * num_iterations)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step <= num_iterations - warmdown:
+        return 1.0
+    progress = (num_iterations - step) / max(1, warmdown)
+    return progress * 1.0 + (1 - progress) * final_lr_frac
+
+
+def muon_momentum(step, start=0.85, end=0.95, warmup_steps=300):
+    frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
+    return (1 - frac) * start + frac * end
+
+
+def apply_schedules(optimizers, lrm, momentum=None):
+    """
+    Scale every group's lr from its initial_lr and set Muon's momentum. Weight decay is not scheduled here:
+    the optimizers apply it as p *= 1 - lr * weight_decay with the scheduled lr, so decay already follows the
+    lr schedule once (scaling weight_decay by the multiplier too would make it follow the square of it).
+    """
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if "momentum" in group and momentum is not None:
+                group["momentum"] = momentum
+
+
+def step_optimizers(optimizers, lrm, momentum, grad_clip=0.0):
+    """One update of every optimizer at the scheduled lr and Muon momentum, the gradients clipped to grad_clip's norm
+    first (0: not clipped), then the gradients dropped for the next step's backward passes."""
+    if grad_clip > 0:
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    apply_schedules(optimizers, lrm, momentum=momentum)
+    for opt in optimizers:
+        opt.step()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)

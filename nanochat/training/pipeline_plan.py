@@ -113,7 +113,9 @@ class Stage:
 
 
 @dataclass
-class PipelinePlan:
+class SpeedrunPlan:
+    """The whole speedrun's plan: every stage's seconds, steps and whether it runs (saved as PLAN_FILE). Each training
+    stage then plans its own run to the seconds it is given (time_budget.RunPlan)."""
     budget_seconds: float
     started_at: float
     preset: str
@@ -184,7 +186,7 @@ def steps_in(reference, name, seconds, speed):
     return max(0, int((seconds / speed - fixed) / step))
 
 
-def make_plan(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True):
+def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True):
     """
     The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
     times as slow as the reference. BudgetTooShort when the budget cannot hold the minimum, naming this machine's
@@ -273,7 +275,7 @@ def make_plan(budget_seconds, started_at, now, preset, speed, machine, rl=False,
     for name, k in steps.items():
         seconds = rest if name == "base_train" else train_seconds(reference, name, k, speed)
         stages[name] = Stage(name, "train", seconds, steps=k)
-    return PipelinePlan(budget_seconds, started_at, preset, machine, speed, minimum, preset_time,
+    return SpeedrunPlan(budget_seconds, started_at, preset, machine, speed, minimum, preset_time,
                         [stages[name] for name in ORDER if name in stages])
 
 
@@ -420,7 +422,7 @@ def load(path):
     except (OSError, ValueError) as e:
         sys.exit(f"error: no speedrun plan to follow in {path} ({e}); run speedrun.sh with NANOCHAT_TIME_BUDGET again")
     fields["stages"] = [Stage(**s) for s in fields["stages"]]
-    return PipelinePlan(**fields)
+    return SpeedrunPlan(**fields)
 
 
 def log_to_report(plan):
@@ -461,7 +463,7 @@ def cmd_plan(args):
 
     for attempt in (1, 2):
         try:
-            plan = make_plan(budget, args.started_at, time.time(), args.preset, speed, machine, rl=args.rl,
+            plan = plan_speedrun(budget, args.started_at, time.time(), args.preset, speed, machine, rl=args.rl,
                              base_chat_eval=args.base_chat_eval)
             break
         except BudgetTooShort as short:

@@ -1,27 +1,22 @@
 """
 The math every training stage shares: the depth dial (model shape, learning rates, weight decay and
-token budget from one number), the lr / momentum schedules, the optimizers, gradient-accumulation
-arithmetic and one optimizer step. The plumbing around the step (resume, checkpoints, evals,
-progress, logs) is nanochat.training.loop; a stage script holds only its recipe.
-
-A smaller card does not stop a run (FittingBatches, at the end): when a micro-batch does not fit in the first steps
-of base_train, the device batch is halved and the step taken again with twice the gradient accumulation, so the
-global batch, and with it the run, stay the same (the same rows in the same optimizer steps: the losses are those of
-a run started at the smaller device batch). Only when one row does not fit does the run stop, with one line naming
-the depth and the memory. Every rank agrees before the optimizer update, so a rank that ran out never leaves the
-others waiting in a collective, and the data stream is rewound to where the step began.
-NANOCHAT_SIMULATE_OOM_ROWS=N makes the device "run out of memory" on any micro-batch of more than N rows (0: on every
-one): a rehearsal of a smaller card (the tests' stand-in for one, on the CPU).
+token budget from one number), the optimizers, gradient-accumulation arithmetic, and one optimizer step for the
+stages whose step has nothing else in it (train_step: mid_train, chat_sft, chat_rl and the tools; base_train spells
+its step out in its loop, with the retry of a device batch that does not fit). The schedules and the update of both
+optimizers are nanochat.training.optim's; the plumbing around the step (resume, checkpoints, evals, progress, logs,
+the batches of a step that may not fit) is nanochat.training.loop; a stage script holds only its recipe.
 """
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 
-from nanochat.common import UserError, all_reduce_max, all_reduce_mean, is_out_of_memory, print0
+from nanochat.common import UserError, all_reduce_mean
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
+from nanochat.training.optim import build_adamw, build_muon, step_optimizers
+# the schedules are the optimizers' (training.optim); imported from here too by code written before they moved there
+from nanochat.training.optim import apply_schedules, lr_multiplier, muon_momentum  # noqa: F401
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -183,40 +178,6 @@ def grad_accum_steps(total_batch_size, device_batch_size, seq_len, world_size):
 
 
 # -----------------------------------------------------------------------------
-# Schedules
-
-
-def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.4, final_lr_frac=0.0):
-    """Linear warmup, constant, then linear warmdown to final_lr_frac over the last warmdown_ratio of steps."""
-    warmup = round(warmup_ratio * num_iterations)
-    warmdown = round(warmdown_ratio * num_iterations)
-    if step < warmup:
-        return (step + 1) / warmup
-    if step <= num_iterations - warmdown:
-        return 1.0
-    progress = (num_iterations - step) / max(1, warmdown)
-    return progress * 1.0 + (1 - progress) * final_lr_frac
-
-
-def muon_momentum(step, start=0.85, end=0.95, warmup_steps=300):
-    frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
-    return (1 - frac) * start + frac * end
-
-
-def apply_schedules(optimizers, lrm, momentum=None):
-    """
-    Scale every group's lr from its initial_lr and set Muon's momentum. Weight decay is not scheduled here:
-    the optimizers apply it as p *= 1 - lr * weight_decay with the scheduled lr, so decay already follows the
-    lr schedule once (scaling weight_decay by the multiplier too would make it follow the square of it).
-    """
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-            if "momentum" in group and momentum is not None:
-                group["momentum"] = momentum
-
-
-# -----------------------------------------------------------------------------
 # Optimizers and one step
 
 
@@ -249,8 +210,6 @@ def build_optimizers(model, unembedding_lr, embedding_lr, matrix_lr, weight_deca
     Muon for the blocks' matrices, AdamW for the embeddings, lm_head and the components' scalars; sharded across
     ranks when distributed. `optimizer_components` names Muon options (OPTIMIZER_COMPONENTS) to switch on.
     """
-    from nanochat.training.optim import build_adamw, build_muon
-
     unknown = sorted(set(optimizer_components) - set(OPTIMIZER_COMPONENTS))
     if unknown:
         raise UserError(f"unknown optimizer component(s) {', '.join(unknown)}; known: {', '.join(OPTIMIZER_COMPONENTS)}")
@@ -268,47 +227,26 @@ def optimizer_components_of(optimizers):
             if any(group.get(name) for opt in optimizers for group in opt.param_groups)]
 
 
-def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None,
-               oom_guard=None):
+def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None):
     """
     One optimizer step: forward + backward of loss_fn(model, batch) / divisor for each micro-batch, then the
     scheduled optimizer update. The default divisor, the number of micro-batches, makes the step's objective
     the mean of their mean losses (base training); a stage that weighs tokens differently passes a loss sum
     and its own divisor (SFT: supervised tokens of the whole step, per rank). The gradients summed here are
     this rank's; the sharded optimizers average them across ranks. Returns the objective averaged over ranks.
-    oom_guard(failed) -> whether any rank ran out of memory in its passes (StepGuard below): if so,
-    the gradients are dropped and DeviceBatchTooLarge raised on every rank before any weight moves.
     """
     divisor = len(micro_batches) if divisor is None else divisor
     device = next(model.parameters()).device
     # The losses are summed on the device and read once, after the optimizer's work is queued: reading one after its
     # backward would make the host wait for the device there, with nothing queued behind it, and the device would then
     # wait for the host to launch the optimizer's kernels one by one.
-    total, out_of_memory = torch.zeros((), dtype=torch.float32, device=device), False
-    try:
-        for batch in micro_batches:
-            if oom_guard is not None:
-                oom_guard.simulate(batch[0].size(0))  # NANOCHAT_SIMULATE_OOM_ROWS's rehearsal of a smaller device
-            with autocast:
-                loss = loss_fn(model, batch)
-            (loss / divisor).backward()
-            total += loss.detach().float()
-    except Exception as e:
-        if oom_guard is None or not is_out_of_memory(e):
-            raise
-        out_of_memory = True
-    if oom_guard is not None and oom_guard(out_of_memory):
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        raise DeviceBatchTooLarge()
-    if grad_clip > 0:
-        params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    apply_schedules(optimizers, lrm, momentum=momentum)
-    for opt in optimizers:
-        opt.step()
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for batch in micro_batches:
+        with autocast:
+            loss = loss_fn(model, batch)
+        (loss / divisor).backward()
+        total += loss.detach()
+    step_optimizers(optimizers, lrm, momentum, grad_clip)
     return all_reduce_mean(total / divisor, device)  # the step's one read of the device
 
 
@@ -337,139 +275,3 @@ def config_dict(config):
     return {name: value for name, value in asdict(config).items() if not (name in COMPONENTS and value is False)
             and not (name == "value_embed_layers" and not config.value_embeds)
             and not (name in VARIANT_DEFAULTS and value == VARIANT_DEFAULTS[name])}
-
-
-# -----------------------------------------------------------------------------
-# A device batch that does not fit: halved, the global batch kept
-
-GUARDED_STEPS = 3  # the first optimizer steps of a process allocate everything it will need (activations, states)
-# NANOCHAT_SIMULATE_OOM_ROWS=N or N@S: more than N rows do not fit, from the S-th step of the process (default 0) on
-_simulated = os.environ.get("NANOCHAT_SIMULATE_OOM_ROWS", "")
-SIMULATED_LIMIT = int(_simulated.split("@")[0]) if _simulated else None
-SIMULATED_FROM_STEP = int(_simulated.split("@")[1]) if "@" in _simulated else 0
-
-
-class DeviceBatchTooLarge(Exception):
-    """Some rank ran out of memory in this step's forward/backward passes; every rank raises it, nothing was updated."""
-
-
-def simulate_out_of_memory(rows, step=0):
-    """Raise CUDA's out-of-memory error for a micro-batch of more rows than NANOCHAT_SIMULATE_OOM_ROWS allows."""
-    if SIMULATED_LIMIT is not None and rows > SIMULATED_LIMIT and step >= SIMULATED_FROM_STEP:
-        raise torch.OutOfMemoryError(f"simulated: {rows} rows > NANOCHAT_SIMULATE_OOM_ROWS={_simulated}")
-
-
-def any_rank_out_of_memory(failed, device):
-    """True on every rank when any rank ran out of memory (every rank must call it, at the same point)."""
-    return all_reduce_max([1.0 if failed else 0.0], device)[0] > 0
-
-
-class StepGuard:
-    """What training.train_step gets as oom_guard in a guarded step: called after the backward passes with whether
-    this rank ran out of memory, it says whether any rank did; simulate(rows) is the rehearsal's stand-in."""
-
-    def __init__(self, step, device):
-        self.step, self.device = step, device
-
-    def simulate(self, rows):
-        simulate_out_of_memory(rows, self.step)
-
-    def __call__(self, failed):
-        return any_rank_out_of_memory(failed, self.device)
-
-
-def smaller_device_batch(device_batch_size, rows_per_step):
-    """The device batch to try next: the largest at or below half of this one that divides the rows each rank takes
-    per optimizer step (so gradient accumulation stays exact); None when this one is 1."""
-    return next((b for b in range(device_batch_size // 2, 0, -1) if rows_per_step % b == 0), None)
-
-
-def device_memory(device):
-    """The memory a device batch must fit in, in words."""
-    if SIMULATED_LIMIT is not None:
-        return f"a simulated device (NANOCHAT_SIMULATE_OOM_ROWS={_simulated})"
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return f"{props.name} ({props.total_memory / 2**30:.1f} GiB)"
-    return f"the {device.type}'s memory"
-
-
-class FittingBatches:
-    """
-    base_train's training batches, with the device batch halved on an out-of-memory error in the first steps.
-    make_loader(device_batch_size, resume_state) builds the data stream; step(update) fetches one optimizer step's
-    micro-batches and returns update(micro_batches, guard), where update passes guard to training.train_step as
-    oom_guard (it reports whether any rank ran out, after the backward passes and before the optimizers move).
-    """
-
-    def __init__(self, make_loader, device_batch_size, total_batch_size, seq_len, world_size, depth, device,
-                 resume_state=None, predicted_peak=None):
-        self.make_loader, self.depth, self.seq_len, self.device = make_loader, depth, seq_len, device
-        self.predicted_peak = predicted_peak  # device batch -> the memory model's peak in bytes, or None
-        self.rows_per_step = total_batch_size // (seq_len * world_size)
-        self.device_batch_size = device_batch_size
-        self.shrunk_from = None  # the device batch the run asked for, once it has had to shrink
-        self.loader = make_loader(device_batch_size, resume_state)
-        self.steps_taken = 0
-        if device.type == "cuda":  # the training's own peak from here on (not the time budget's probe's), for the
-            torch.cuda.reset_peak_memory_stats(device)  # prediction to be checked against
-
-    @property
-    def grad_accum(self):
-        return self.rows_per_step // self.device_batch_size
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def crop_fraction(self):
-        return self.loader.crop_fraction()
-
-    def close(self):
-        self.loader.close()
-
-    def step(self, update):
-        while True:
-            guarded = self.steps_taken < GUARDED_STEPS
-            state = self.loader.state_dict() if guarded else None
-            micro_batches = [next(self.loader) for _ in range(self.grad_accum)]
-            try:
-                result = update(micro_batches, StepGuard(self.steps_taken, self.device) if guarded else None)
-            except DeviceBatchTooLarge:
-                del micro_batches
-                self.shrink(state)
-                continue
-            self.steps_taken += 1
-            return result
-
-    def shrink(self, state):
-        """Go on at the next smaller device batch, from the data stream's state at the start of the failed step."""
-        smaller = smaller_device_batch(self.device_batch_size, self.rows_per_step)
-        memory = device_memory(self.device)
-        if smaller is None:
-            raise UserError(f"d{self.depth} does not fit in {memory} even at --device-batch-size=1 (rows of "
-                            f"{self.seq_len} tokens): train a smaller --depth or a shorter --max-seq-len, or use a "
-                            f"device with more memory")
-        print0(f"out of memory at --device-batch-size={self.device_batch_size} on {memory}{self.against_prediction()}: "
-               f"going on at {smaller} with {self.rows_per_step // smaller} micro-steps per optimizer step; the global "
-               f"batch, and so the run, are unchanged")
-        self.loader.close()
-        self.loader = self.make_loader(smaller, state)
-        self.shrunk_from = self.shrunk_from or self.device_batch_size
-        self.device_batch_size = smaller
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def against_prediction(self):
-        """How far off the memory model was: its peak for this device batch, beside what the device held when it ran
-        out (on CUDA: the most allocated at once, which the failed step's peak exceeds)."""
-        if self.predicted_peak is None:
-            return ""
-        from nanochat.training.memory_model import format_bytes
-
-        predicted = self.predicted_peak(self.device_batch_size)
-        if self.device.type != "cuda" or SIMULATED_LIMIT is not None:
-            return f" (the memory model predicted a peak of {format_bytes(predicted)})"
-        held = torch.cuda.max_memory_allocated(self.device)
-        return (f" (the memory model predicted a peak of {format_bytes(predicted)}; {format_bytes(held)} were "
-                f"allocated when it ran out, {held / predicted - 1:+.0%} against the prediction, and the step needed more)")

@@ -255,7 +255,7 @@ def start_stage(args, tag, ckpt_dir, device):
 
 def stage_budget(args, start, model, device, world_size, step_tokens, eval_tokens, eval_name):
     """
-    A chat stage's --time-budget (the BudgetClock, whose due() is always False without one): a resume follows the plan
+    A chat stage's --time-budget (the BudgetClock, whose calibrate_at is None without one): a resume follows the plan
     its checkpoint saved; a new run plans the steps that fit, from a guess at seconds per step (step_tokens, the
     tokens a step's forward and backward passes see on all ranks, at GUESS_MFU of the device's peak FLOP/s; eval_tokens
     likewise, forward only), set again from measured steps a tenth of the way in. Sets args.num_iterations.

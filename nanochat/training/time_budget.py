@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from nanochat.common import UserError, all_reduce_max, format_duration, get_peak_flops, is_out_of_memory, print0
-from nanochat.training.recipe import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
+from nanochat.training.loop import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
 PROBE_SECONDS, PROBE_FRACTION = 60.0, 0.1  # the probe takes at most min(60 s, a tenth of the budget)
@@ -168,8 +168,10 @@ def law_for(spec, device_type, data_source):
 
 
 @dataclass
-class Plan:
-    """What a budgeted run decided before its first step (saved in every checkpoint's meta.json as 'time_plan')."""
+class RunPlan:
+    """What one budgeted training run decided before its first step: base_train's depth, device batch and steps
+    (plan_pretraining), or a chat stage's steps (plan_stage_steps). Saved in every checkpoint's meta.json as
+    'time_plan'; the whole speedrun's plan is pipeline_plan.SpeedrunPlan."""
     budget_seconds: float
     started_at: float  # epoch seconds the stage began: the budget ends at started_at + budget_seconds
     law: str
@@ -501,8 +503,9 @@ def guess_depth(law, shape, device, budget_seconds):
     return best[1]
 
 
-def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=None, warmdown_ratio=0.4):
-    """Probe and choose (module docstring); every rank returns the same plan. `depth`: only the tokens are planned."""
+def plan_pretraining(law, shape, budget_seconds, started_at, device, autocast, depth=None, warmdown_ratio=0.4):
+    """base_train's plan: probe and choose the depth and the tokens (module docstring); every rank returns the same
+    plan. `depth`: only the tokens are planned."""
     now = lambda: all_reduce_max([time.time()], device)[0]  # noqa: E731 -- every rank decides on the same clock
     started_at = -all_reduce_max([-started_at], device)[0]  # the earliest rank's start
     deadline = started_at + budget_seconds
@@ -567,7 +570,7 @@ def make_plan(law, shape, budget_seconds, started_at, device, autocast, depth=No
     recipe = meta_recipe(chosen.depth, shape)
     n = chosen.num_iterations
     calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
-    return Plan(budget_seconds=budget_seconds, started_at=started_at, law=law.name, depth=chosen.depth,
+    return RunPlan(budget_seconds=budget_seconds, started_at=started_at, law=law.name, depth=chosen.depth,
                 aspect_ratio=shape.aspect_ratio, head_dim=shape.head_dim, device_batch_size=chosen.device_batch_size,
                 grad_accum=shape.total_batch_size // (chosen.device_batch_size * shape.seq_len * shape.world_size),
                 total_batch_size=shape.total_batch_size, num_iterations=n, params=recipe.num_params,
@@ -596,7 +599,7 @@ def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eva
     n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every,
                               save_seconds=1.0))
     calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
-    return Plan(budget_seconds=budget_seconds, started_at=started_at, law="", depth=depth, aspect_ratio=0, head_dim=0,
+    return RunPlan(budget_seconds=budget_seconds, started_at=started_at, law="", depth=depth, aspect_ratio=0, head_dim=0,
                 device_batch_size=device_batch_size, grad_accum=grad_accum, total_batch_size=total_batch_size,
                 num_iterations=n, params=0, scaling_params=0, step_seconds=step_seconds, eval_seconds=eval_seconds,
                 end_seconds=end_seconds, eval_every=eval_every, save_every=save_every, save_seconds=1.0, predicted_bpb=None,
@@ -645,9 +648,9 @@ class BudgetClock:
     def __init__(self, plan, active, warmdown_ratio, eval_name="val_bpb"):
         self.plan, self.active, self.warmdown_ratio, self.eval_name = plan, active, warmdown_ratio, eval_name
         self.timed = (0.0, 0)  # the loop timer's (total seconds, steps) at the last calibration
-
-    def due(self, step):
-        return self.active and self.plan.calibrate_at is not None and step == self.plan.calibrate_at
+        # The step the loop calls calibrate() after (None: never), a plain number so that a step that does not
+        # calibrate runs none of this module's code
+        self.calibrate_at = plan.calibrate_at if active else None
 
     def calibrate(self, loop):
         """Set loop.num_iterations for the rest of the budget from what the loop measured (agreed by every rank), and
@@ -671,6 +674,7 @@ class BudgetClock:
                f"{n:,} steps, ending by {clock(end)}")
         second = round(min(SECOND_CALIBRATION, 0.9 * (1 - self.warmdown_ratio)) * n)  # before the warmdown
         plan.calibrate_at = second if not plan.calibrated and step < second < (1 - self.warmdown_ratio) * n else None
+        self.calibrate_at = plan.calibrate_at
         plan.num_iterations, plan.step_seconds, plan.eval_seconds, plan.calibrated = n, step_seconds, eval_seconds, True
         self.timed = (timer.total, timer.count)
         loop.num_iterations = n
@@ -701,7 +705,7 @@ def plan_dict(plan):
 
 
 def plan_from_dict(fields):
-    return Plan(**{k: v for k, v in fields.items() if k in Plan.__dataclass_fields__})
+    return RunPlan(**{k: v for k, v in fields.items() if k in RunPlan.__dataclass_fields__})
 
 
 if __name__ == "__main__":  # speedrun.sh's check of NANOCHAT_TIME_BUDGET: "SECONDS LABEL", or one line and exit 1
