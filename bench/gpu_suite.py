@@ -233,7 +233,8 @@ def section_decode(scale, deadline, out, paths):
 
     controls = result.get("controls") or {"pairs": {}}
     for name, pair in controls["pairs"].items():
-        rows.append((f"{label}: {controls['rows']} rows, control", describe(name, pair)))
+        rows.append((f"{label}: {controls['rows']} rows, control {name.replace('_vs_', ' vs ').replace('_', ' ')}",
+                     describe(name, pair)))
     return rows
 
 
