@@ -178,7 +178,9 @@ def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=Non
     """
     One token id per row of (B, V) logits: argmax at temperature 0 (below GREEDY_BELOW), else a draw from the
     softmax of logits / temperature, restricted to the top_k most likely tokens and then to the smallest
-    set whose probability reaches top_p (nucleus). Returns a (B,) long tensor.
+    set whose probability reaches top_p (nucleus). Returns a (B,) long tensor. `generator` is one torch.Generator
+    for all the rows, or a list of one per row (the batching engine's sequences, each seeded of its own): then each
+    row draws exactly the token it would draw alone, in one pass for all of them.
     """
     if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
@@ -195,7 +197,11 @@ def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=Non
     # Inverse-CDF draw, one uniform number per row: torch.multinomial draws one random number per vocabulary
     # entry, which was 2 ms of a batch-16 decode step at d4 on a CPU (this takes 0.16 ms).
     cdf = probs.cumsum(dim=-1)
-    targets = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if isinstance(generator, torch.Generator):
+        uniforms = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    else:
+        uniforms = torch.cat([torch.rand(1, 1, generator=g, device=probs.device, dtype=cdf.dtype) for g in generator])
+    targets = uniforms * cdf[:, -1:]
     return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=probs.size(-1) - 1)
 
 
@@ -368,7 +374,10 @@ class RowView:
             if window is not None:
                 allowed = allowed & (key_pos > query_pos - window)
             self.masks[window] = allowed[:, None]
-        keys, values = k_cache[self.select, :end], v_cache[self.select, :end]
+        if isinstance(self.select, slice):
+            keys, values = k_cache[self.select, :end], v_cache[self.select, :end]
+        else:  # index_select of the positions read: 2-4x faster on a CPU than indexing rows and positions at once
+            keys, values = k_cache[:, :end].index_select(0, self.select), v_cache[:, :end].index_select(0, self.select)
         return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
 
     def _plan(self, B, T, device):
@@ -570,12 +579,126 @@ class Sequence:
     next_input: int | None = None  # the token to feed at the next decode step
     counts: dict = field(default_factory=dict)  # token -> times the reply wrote it (for the penalties)
     logprob: tuple | None = None  # the last token's (log p, [(id, log p)] alternatives), when sampling.logprobs asks
+    owner: object = None  # whose it is (a server's client): with a DecodeCost, decode steps are shared between owners
+    awaiting_feed: bool = False  # it has its next token and waits for a decode step to feed it (one may pass it by)
+    last_fed: int = 0  # the decode step that last fed it: the longest-waiting rows of an owner are fed first
 
 
 DECODE_MODES = ("eager", "captured", "static")
 
+# When several owners have rows to decode, a step may cost at most this many times the step of the light owners' rows
+# alone (BatchEngine._share_step): beside one heavy owner a light one keeps about two thirds of its pace or more. At 2
+# (the heavy owner's rows taking as much time as the light ones') it would keep half, the least the issue allowed
+FAIR_STRETCH = 1.5
+
+
+def rounded_batch(count, max_batch):
+    """The rows a bf16 CPU's decode step computes for `count` fed ones: the next of 1, 2, 4, 8, then a multiple of 8."""
+    return min(max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
+
+
+class DecodeCost:
+    """
+    What one decode step costs on this engine's device, in seconds:
+
+        fixed + rows * (per_row + (per_row_key + gather_per_row_key if gathered) * extent)
+
+    `fixed` whatever its rows (on a GPU the launch of a forward pass's few hundred kernels, most of a small model's
+    step); `per_row` for each row it computes (its share of the matmuls, drawing its token); `per_row_key` for each row
+    and each key position attention reads (a step's rows all read up to its longest row's length, and on a CPU reading
+    them is most of a long row's cost); `gather_per_row_key` more when the rows are not one run, whose keys the cache
+    then copies out (RowView). A d2 on the 2-vCPU EPYC, idle: ~0.85 ms fixed, ~0.03 ms a row, ~0.17 ms a row per 1,000
+    positions, ~0.03 ms more gathered.
+
+    BatchEngine.measure_decode_cost times it at start. Given the shapes it timed (`measured`), it then follows the
+    steps as they run (observe): the four numbers are a least-squares fit of the steps' own seconds, recent steps
+    weighing most (FOLLOW_DECAY), the measured shapes kept in it as PRIOR_STEPS steps that never fade. A CPU's step
+    costs what else the machine does let it (under another program's memory traffic a 5-row step of a shared batch took
+    2.4x its measured time, a one-row step 1.8x) and what its rows ask (penalties, log probabilities, keys beyond the
+    CPU's caches), which a measurement at start cannot know.
+    """
+
+    FOLLOW_DECAY = 0.998  # a step's weight in the fit falls by this at each step after it: the last ~500 steps count
+    PRIOR_STEPS = 20  # what the shapes measured at start weigh, in steps
+    REFIT_EVERY = 32  # steps between two fits (each solves 4 equations)
+    OUTLIER = 3.0  # a step timed at more than this many times its prediction counts as that much (the OS paused it)
+
+    def __init__(self, fixed, per_row, per_row_key, gather_per_row_key=0.0, measured=()):
+        """measured: [(rows, extent, gathered)] the shapes these numbers were timed on (measure_decode_cost); none: the
+        numbers stay as given."""
+        self.fixed, self.per_row, self.per_row_key, self.gather_per_row_key = \
+            fixed, per_row, per_row_key, gather_per_row_key
+        self.follows = bool(measured)
+        self.steps_seen = 0
+        # normal equations of the fit: the steps seen (fading) and the measured shapes at their measured seconds
+        self.xx, self.xy = [[0.0] * 4 for _ in range(4)], [0.0] * 4
+        self.prior_xx, self.prior_xy = [[0.0] * 4 for _ in range(4)], [0.0] * 4
+        for rows, extent, gathered in measured:
+            x, y = self._features(rows, extent, gathered), self.seconds(rows, extent, gathered)
+            self._accumulate(self.prior_xx, self.prior_xy, x, y, self.PRIOR_STEPS / len(measured))
+
+    def seconds(self, rows, extent, gathered=False):
+        """A decode step of `rows` rows whose longest reads `extent` key positions (`gathered`: not one run)."""
+        per_key = self.per_row_key + (self.gather_per_row_key if gathered else 0.0)
+        return self.fixed + rows * (self.per_row + per_key * extent)
+
+    def observe(self, rows, extent, gathered, seconds):
+        """A step of that shape took `seconds`: fold it into the fit (refitted every REFIT_EVERY steps)."""
+        if not self.follows:
+            return
+        seconds = min(seconds, self.OUTLIER * self.seconds(rows, extent, gathered))
+        for i in range(4):
+            self.xy[i] *= self.FOLLOW_DECAY
+            for j in range(4):
+                self.xx[i][j] *= self.FOLLOW_DECAY
+        self._accumulate(self.xx, self.xy, self._features(rows, extent, gathered), seconds, 1.0)
+        self.steps_seen += 1
+        if self.steps_seen % self.REFIT_EVERY == 0:
+            self._refit()
+
+    def summary(self):
+        return (f"a decode step {1e3 * self.fixed:.2f} ms + {1e3 * self.per_row:.3f} ms a row + "
+                f"{1e6 * self.per_row_key:.3f} ms a row per 1,000 positions (+{1e6 * self.gather_per_row_key:.3f} "
+                f"gathered)")
+
+    @staticmethod
+    def _features(rows, extent, gathered):
+        keys = rows * extent / 1000  # in thousands: the four columns of the fit of comparable sizes
+        return [1.0, float(rows), keys, keys if gathered else 0.0]
+
+    @staticmethod
+    def _accumulate(xx, xy, x, y, weight):
+        for i in range(4):
+            xy[i] += weight * x[i] * y
+            for j in range(4):
+                xx[i][j] += weight * x[i] * x[j]
+
+    def _refit(self):
+        a = torch.tensor([[p + q for p, q in zip(*rows)] for rows in zip(self.prior_xx, self.xx)], dtype=torch.float64)
+        b = torch.tensor([p + q for p, q in zip(self.prior_xy, self.xy)], dtype=torch.float64)
+        try:
+            fit = torch.linalg.solve(a, b).clamp_(min=0.0).tolist()
+        except RuntimeError:  # singular: the numbers stay as they were
+            return
+        self.fixed, self.per_row, self.per_row_key, self.gather_per_row_key = \
+            fit[0], fit[1], fit[2] / 1000, fit[3] / 1000
+
 
 class BatchEngine:
+    """
+    Continuous batching of independent sequences (the module's docstring). Each sequence may carry an owner (add_group's
+    `owner`: for chat_web, the client that asked). Without a decode_cost every step feeds every sequence that has its
+    next token, as it always did. With one (measure_decode_cost: what a step costs here, by rows and positions), steps
+    are shared between owners when more than one has rows to decode (_share_step): the owners whose rows cost least are
+    fed whole, and the step may cost at most FAIR_STRETCH times what their rows alone would, or as much as gives each
+    heavier owner the time the heaviest light one takes, whichever is more; the heavier owners' rows fill that budget a
+    row each in turn, the longest-waiting first, and the rest wait for a later step (their cache stays: a row that
+    waits resumes exactly where it was, with the same tokens). Budget a step leaves unused while rows wait is carried
+    to the next, so every row advances. On a CPU a step's cost grows with its rows, and one owner holding 16 rows made
+    another's single row advance a token per 16-row step (14 % of its pace alone); on a GPU a step costs about the same
+    for 1 row or 64, the budget holds every row, and nothing waits. One owner alone is always fed whole.
+    """
+
     def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, decode="eager", max_len=None):
         """max_len: the most positions a sequence may reach, prompt and reply (default and at most the model's
         sequence_len): the cache holds that many per row."""
@@ -598,6 +721,10 @@ class BatchEngine:
         self.num_waiting = 0  # sequences in self.waiting that are not cancelled
         self.running = []  # sequences holding a row, in admission order
         self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
+        self.decode_steps = 0  # decode forwards so far (a sequence's last_fed is one of them)
+        self.rows_passed_by = 0  # row-steps a sequence with its next token waited because owners shared the step
+        self.decode_cost = None  # a DecodeCost: share steps between owners (_share_step); None: feed every row
+        self.carried_budget = 0.0  # seconds of step budget left unused while rows waited (_share_step)
         # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
         self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
         # decode="captured": the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere);
@@ -607,17 +734,18 @@ class BatchEngine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def add(self, prompt, sampling):
-        return self.add_group(prompt, [sampling])[0]
+    def add(self, prompt, sampling, owner=None):
+        return self.add_group(prompt, [sampling], owner)[0]
 
-    def add_group(self, prompt, samplings):
-        """n sequences of one prompt (one per Sampling): they get rows together, and the prompt is prefilled once."""
+    def add_group(self, prompt, samplings, owner=None):
+        """n sequences of one prompt (one per Sampling): they get rows together, and the prompt is prefilled once.
+        owner: whose they are (any hashable; chat_web's client), for sharing decode steps (decode_cost)."""
         prompt = [int(t) for t in prompt]
         if not prompt or len(prompt) >= self.context:
             raise ValueError(f"a prompt needs 1 to {self.context - 1} tokens (got {len(prompt)}): the reply needs room")
         if len(samplings) > self.max_batch:
             raise ValueError(f"{len(samplings)} samples of one prompt need more than the {self.max_batch} rows")
-        group = [Sequence(prompt, s) for s in samplings]
+        group = [Sequence(prompt, s, owner=owner) for s in samplings]
         for seq in group:
             seq.leader = group[0]
             seq.generator = torch.Generator(device=self.device)
@@ -686,34 +814,170 @@ class BatchEngine:
     def step(self):
         """
         Admit what fits, prefill up to prefill_chunk prompt tokens, give every sequence whose next-token logits are
-        ready its token, and run one decode forward for all the sequences that go on. Returns [(seq, token, mask)].
+        ready its token, and run one decode forward for the sequences that go on (all of them, unless owners share the
+        step: _share_step). Returns [(seq, token, mask)].
         """
+        started = time.perf_counter()
         self._admit()
         with torch.inference_mode():
-            self._prefill()
-            emitted, to_feed = self._sample()
-            to_feed.sort(key=lambda seq: seq.row)  # rows in order: often one run, which the cache reads without a copy
-            if to_feed and self.captured is not None:
+            prefilled = self._prefill()
+            emitted = self._sample()
+            ready = [seq for seq in self.running if seq.awaiting_feed]
+            to_feed = self._share_step(ready)
+            self.rows_passed_by += len(ready) - len(to_feed)
+            if to_feed:
+                self.decode_steps += 1
                 self.shared_steps += len(to_feed) > 1
-                logits = self.captured.step({seq.row: seq.next_input for seq in to_feed})
-                for seq in to_feed:  # copies: the next replay writes the same output tensor
-                    seq.logits = logits[seq.row:seq.row + 1].clone()
-                    self.cache.lengths[seq.row] += 1
-            elif to_feed:
-                self.shared_steps += len(to_feed) > 1
-                fed = [seq.row for seq in to_feed]
-                padding = self._padding_rows(fed) if self.round_batches else []
-                rows = sorted(fed + padding)
-                inputs = {seq.row: seq.next_input for seq in to_feed}
-                ids = torch.tensor([[inputs.get(row, 0)] for row in rows], dtype=torch.long, device=self.device)
-                with autocast_for(self.device):
-                    logits = self.model.forward(ids, kv_cache=self.cache.rows(rows))[:, -1, :]
-                for row in padding:  # a free row wrote one position that nothing reads: it stays empty
-                    self.cache.reset(row)
-                where = {row: i for i, row in enumerate(rows)}
+                rows = sorted(seq.row for seq in to_feed)
+                extent = max(self.cache.lengths[row] for row in rows) + 1
                 for seq in to_feed:
-                    seq.logits = logits[where[seq.row]:where[seq.row] + 1]
+                    seq.awaiting_feed, seq.last_fed = False, self.decode_steps
+                # rows in order: often one run, which the cache reads without a copy
+                self._decode(sorted(to_feed, key=lambda seq: seq.row))
+                if self.decode_cost is not None and not prefilled:  # a prompt's chunk is no decode step's cost
+                    self.decode_cost.observe(self._batch_rows(len(rows)), extent, rows[-1] - rows[0] >= len(rows),
+                                             time.perf_counter() - started)
         return emitted
+
+    def _decode(self, to_feed):
+        """One forward pass feeding each sequence of `to_feed` (sorted by row) its next_input: their next logits."""
+        if self.captured is not None:
+            logits = self.captured.step({seq.row: seq.next_input for seq in to_feed})
+            for seq in to_feed:  # copies: the next replay writes the same output tensor
+                seq.logits = logits[seq.row:seq.row + 1].clone()
+                self.cache.lengths[seq.row] += 1
+            return
+        fed = [seq.row for seq in to_feed]
+        padding = self._padding_rows(fed) if self.round_batches else []
+        rows = sorted(fed + padding)
+        inputs = {seq.row: seq.next_input for seq in to_feed}
+        ids = torch.tensor([[inputs.get(row, 0)] for row in rows], dtype=torch.long, device=self.device)
+        with autocast_for(self.device):
+            logits = self.model.forward(ids, kv_cache=self.cache.rows(rows))[:, -1, :]
+        for row in padding:  # a free row wrote one position that nothing reads: it stays empty
+            self.cache.reset(row)
+        where = {row: i for i, row in enumerate(rows)}
+        for seq in to_feed:
+            seq.logits = logits[where[seq.row]:where[seq.row] + 1]
+
+    # -- sharing a step between owners -----------------------------------------------------
+
+    def _batch_rows(self, count):
+        """The rows a decode step feeding `count` sequences computes (what its cost goes by)."""
+        if self.captured is not None:  # the static step's bucket: rows 1, 2, 4, ... (by row index; about the count)
+            return next(b for b in self.captured.rows if b >= count)
+        return rounded_batch(count, self.max_batch) if self.round_batches else count
+
+    def _step_seconds(self, seqs):
+        """What a decode step feeding just `seqs` would cost (decode_cost)."""
+        extent = max(self.cache.lengths[seq.row] for seq in seqs) + 1  # each writes its key at its length, then reads
+        rows = sorted(seq.row for seq in seqs)
+        return self.decode_cost.seconds(self._batch_rows(len(seqs)), extent, rows[-1] - rows[0] >= len(rows))
+
+    def _share_step(self, ready):
+        """
+        The sequences of `ready` (each has its next token) that this decode step feeds; the others wait for a later one.
+        Every one, unless there is a decode_cost and more than one owner has rows ready. Then the light owners, whose
+        rows alone cost at most FAIR_STRETCH times the cheapest owner's, are fed whole, and the step's budget is
+        FAIR_STRETCH times their step (their pace: at least about two thirds of it beside one heavy owner), or, if more,
+        their step plus, for each heavier owner, what the heaviest light owner's rows cost beyond the fixed part (no
+        owner gets less of a step than a light one: 15 rows beside 16 are both fed whole). The heavier owners' rows join
+        a row each in turn, the owner and the row that have waited longest first, while the step stays within budget;
+        an owner whose next row does not fit waits whole (its rows keep their order). What the budget leaves unused
+        while rows wait is carried to the next step, so the longest-waiting row always gets in within a few steps.
+        """
+        if self.decode_cost is None:
+            return ready
+        owners = {}
+        for seq in ready:
+            owners.setdefault(seq.owner, []).append(seq)
+        alone = {owner: self._step_seconds(seqs) for owner, seqs in owners.items()}
+        cheapest = min(alone.values(), default=0.0)
+        light = [owner for owner in owners if alone[owner] <= FAIR_STRETCH * cheapest]
+        if len(light) == len(owners):  # one owner, or owners alike: every row, as without sharing
+            self.carried_budget = 0.0
+            return ready
+        fed = [seq for owner in light for seq in owners[owner]]
+        base = self._step_seconds(fed)
+        heavy = [sorted(seqs, key=lambda seq: seq.last_fed) for owner, seqs in owners.items() if owner not in light]
+        heavy.sort(key=lambda seqs: seqs[0].last_fed)
+        heaviest_light = max(alone[owner] for owner in light) - self.decode_cost.fixed
+        budget = max(FAIR_STRETCH * base, base + len(heavy) * heaviest_light) + self.carried_budget
+        count, extent = len(fed), max(self.cache.lengths[seq.row] for seq in fed) + 1
+        waits = set()  # owners whose next row did not fit
+        for turn in range(max(len(seqs) for seqs in heavy)):
+            for i, seqs in enumerate(heavy):
+                if turn >= len(seqs) or i in waits:
+                    continue
+                wider = max(extent, self.cache.lengths[seqs[turn].row] + 1)
+                if self.decode_cost.seconds(self._batch_rows(count + 1), wider, gathered=True) > budget:
+                    waits.add(i)
+                    continue
+                fed.append(seqs[turn])
+                count, extent = count + 1, wider
+        spent = self.decode_cost.seconds(self._batch_rows(count), extent, gathered=True)
+        self.carried_budget = budget - spent if waits else 0.0
+        return fed
+
+    def measure_decode_cost(self, repeats=3):
+        """
+        A DecodeCost for this engine, from steps timed now (before any sequence is added) on stand-in sequences: one
+        row at a short length; several rows at that length (what a row adds); the same rows at half the context (what
+        the keys they read add); and those rows scattered (every other row: what gathering their keys adds). A timed
+        step is a whole one (sampling, the forward pass, the bookkeeping), the fastest of a few in a row (as in
+        serving, where a step follows one of its kind, its weights and keys still in the CPU's caches: a one-row step
+        right after an 8-row one took ~1.3x as long); each shape is timed `repeats` times in turn after a round that
+        warms up, so that a burst of another program's work on the machine slows them alike or not at all. ~80 steps
+        in all (~0.2 s for a d2 on a CPU).
+        """
+        if self.running or self.num_waiting:
+            raise RuntimeError("measure_decode_cost times empty rows: call it before adding sequences")
+        many = 1 << (min(8, self.max_batch).bit_length() - 1)  # a power of two: a bf16 CPU pads no row to it
+        short = min(32, self.context // 2)
+        long = max(short, self.context // 2)
+        if many == 1 or long == short:
+            return DecodeCost(fixed=min(self._time_steps([0], short) for _ in range(repeats)), per_row=0.0,
+                              per_row_key=0.0)
+        run, scattered = list(range(many)), list(range(0, 2 * many, 2)) if 2 * many <= self.max_batch else None
+        shapes = [([0], short), (run, short), (run, long)] + ([(scattered, long)] if scattered else [])
+        best = {i: float("inf") for i in range(len(shapes))}
+        counters = self.decode_steps, self.shared_steps
+        for attempt in range(repeats + 1):  # the first round warms up: a fresh process's first steps are slower
+            for i, shape in enumerate(shapes):
+                seconds = self._time_steps(*shape)
+                best[i] = min(best[i], seconds) if attempt else best[i]
+        self.decode_steps, self.shared_steps = counters  # stand-ins are no one's steps
+        one, run_short, run_long = best[0], best[1], best[2]
+        per_row_key = max(0.0, (run_long - run_short) / (many * (long - short)))
+        row_at_short = max(0.0, (run_short - one) / (many - 1))  # per_row + per_row_key * short
+        gather = max(0.0, (best[3] - run_long) / (many * long)) if scattered else 0.0
+        timed = [(1, short + 1, False), (many, short + 1, False), (many, long + 1, False), (many, long + 1, True)]
+        return DecodeCost(fixed=max(0.0, one - row_at_short), per_row=max(0.0, row_at_short - per_row_key * short),
+                          per_row_key=per_row_key, gather_per_row_key=gather, measured=timed)
+
+    def _time_steps(self, rows, length, steps=4):
+        """The fastest of `steps` steps in a row (after one that warms up and gives them their logits) of stand-in
+        sequences on `rows` whose rows hold about `length` positions (whatever is in them: the time is the same),
+        decoding with chat_web's default sampling."""
+        self.free_rows = [row for row in self.free_rows if row not in rows]
+        seqs = []
+        for row in rows:
+            seq = Sequence([0], Sampling(temperature=0.6, top_k=50), prefilled=1, next_input=0, awaiting_feed=True)
+            seq.leader, seq.row = seq, row
+            seq.generator = torch.Generator(device=self.device).manual_seed(0)
+            self.cache.lengths[row] = length - 1
+            self.running.append(seq)
+            seqs.append(seq)
+        self.step()  # fed: their logits are ready
+        fastest = float("inf")
+        for _ in range(steps):  # each samples them (reading the tokens back: the device has finished) and feeds them
+            started = time.perf_counter()
+            self.step()
+            fastest = min(fastest, time.perf_counter() - started)
+        for seq in seqs:
+            self.cancel(seq)  # its row is free and empty again (one that drew a stop token has left already)
+        heapq.heapify(self.free_rows)
+        return fastest
 
     def _padding_rows(self, fed):
         """
@@ -725,7 +989,7 @@ class BatchEngine:
         costs a little compute; it writes one position of a free row, which is reset after.
         """
         count = len(fed)
-        target = min(self.max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
+        target = rounded_batch(count, self.max_batch)
         if target <= count:
             return []
         free = sorted(self.free_rows)
@@ -751,7 +1015,7 @@ class BatchEngine:
 
     def _prefill(self):
         """Up to prefill_chunk prompt tokens, from the oldest sequences first, in one forward pass: each row its own
-        chunk, padded to the longest (the padding is neither written nor used)."""
+        chunk, padded to the longest (the padding is neither written nor used). Returns whether there were any."""
         budget, chunks = self.prefill_chunk, []
         for seq in self.running:
             if budget <= 0:
@@ -761,7 +1025,7 @@ class BatchEngine:
                 chunks.append((seq, chunk))
                 budget -= len(chunk)
         if not chunks:
-            return
+            return False
         width = max(len(chunk) for _, chunk in chunks)
         ids = torch.tensor([chunk + [0] * (width - len(chunk)) for _, chunk in chunks], dtype=torch.long,
                            device=self.device)
@@ -779,21 +1043,14 @@ class BatchEngine:
                     if follower.leader is seq and follower is not seq and follower.finished is None:
                         self.cache.copy_row(seq.row, follower.row)
                         follower.prefilled, follower.logits = seq.prefilled, seq.logits
+        return True
 
     def _sample(self):
-        emitted, to_feed = [], []
+        """Give every sequence whose logits are ready its token; those that go on then await a decode step."""
+        emitted = []
         ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
         steered = {id(seq): steer(seq.logits, seq.sampling, seq.counts) for seq in ready if seq.sampling.steers()}
-        greedy = [seq for seq in ready if seq.sampling.temperature < GREEDY_BELOW]
-        sampled = {}
-        if greedy:  # one argmax for every greedy row
-            tokens = torch.cat([steered.get(id(seq), seq.logits) for seq in greedy]).argmax(dim=-1).tolist()
-            sampled = dict(zip(map(id, greedy), tokens))
-        for seq in ready:
-            if id(seq) not in sampled:
-                s = seq.sampling
-                sampled[id(seq)] = int(sample_next_tokens(steered.get(id(seq), seq.logits), seq.generator,
-                                                          s.temperature, s.top_k, s.top_p))
+        sampled = self._draw(ready, steered)
         for seq in ready:
             token, mask = seq.tool.take(sampled[id(seq)], self.ids, self.tokenizer)
             if seq.sampling.logprobs is not None:  # of the token the sequence gets (a forced one's too)
@@ -807,12 +1064,29 @@ class BatchEngine:
                 seq.finished = "length"
             emitted.append((seq, token, mask))
             if seq.finished is None:
-                seq.next_input = token
-                to_feed.append(seq)
+                seq.next_input, seq.awaiting_feed = token, True
         for seq, _, _ in emitted:
             if seq.finished is not None:
                 self._release(seq)
-        return emitted, to_feed
+        return emitted
+
+    def _draw(self, ready, steered):
+        """{id(seq): the token it samples} for `ready` (their logits, or those `steered` holds by id): one argmax for
+        every greedy row, one draw for the rows of each temperature, top-k and top-p, each row from its own generator
+        (row by row, the Python between a draw's dozen small ops cost ~30 us a row: 0.5 ms of a 16-row step)."""
+        sampled, groups = {}, {}
+        for seq in ready:
+            s = seq.sampling
+            key = None if s.temperature < GREEDY_BELOW else (s.temperature, s.top_k, s.top_p)
+            groups.setdefault(key, []).append(seq)
+        for key, seqs in groups.items():
+            logits = torch.cat([steered.get(id(seq), seq.logits) for seq in seqs])
+            if key is None:
+                tokens = logits.argmax(dim=-1).tolist()
+            else:
+                tokens = sample_next_tokens(logits, [seq.generator for seq in seqs], *key).tolist()
+            sampled.update(zip(map(id, seqs), tokens))
+        return sampled
 
     def _release(self, seq):
         if seq in self.running:

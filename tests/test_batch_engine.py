@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from test_engine import tool_script, tokenizer  # noqa: F401 (a fixture)
 
-from nanochat.engine import BatchEngine, Engine, Sampling
+from nanochat.engine import BatchEngine, DecodeCost, Engine, Sampling
 from nanochat.gpt import GPTConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -464,3 +464,118 @@ def test_decode_controls_run_every_pair_on_the_cpu(model, tokenizer):  # noqa: F
     assert pairs["eager_vs_captured_fp32"]["same_rows"] == 3
     assert pairs["eager_3_vs_eager_1"]["rows"] == 1
     assert describe("eager_vs_captured", pairs["eager_vs_captured"]).startswith("eager vs captured: ")
+
+
+# -----------------------------------------------------------------------------
+# Owners share decode steps (issue 66: one client's 16 rows made another's row advance a token per 16-row step)
+
+
+def decode_alone(model, tokenizer, prompt, sampling):  # noqa: F811
+    return alone(model, tokenizer, prompt, sampling.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                 seed=sampling.seed)
+
+
+@pytest.mark.quick
+def test_owners_share_decode_steps_and_a_row_that_waits_resumes_exactly(model, tokenizer):  # noqa: F811
+    """A step that costs a unit and a unit a row (a CPU's kind of cost): beside one owner's single row, another owner's
+    6 rows get one row a step (a step of 2 rows costs 1.5 times the single row's, FAIR_STRETCH), each in turn, so the
+    single row is fed at every step and each of the 6 every 6th while it runs; then the 6 are fed whole. Every row
+    writes exactly the tokens it writes alone, greedy and sampled: a row that waited resumes where it was."""
+    ps = prompts(tokenizer, [5, 9, 12, 7, 14, 3, 10])
+    samplings = [Sampling(temperature=0.0 if i % 2 else 1.0, top_k=20, max_tokens=20 if i else 12, seed=i)
+                 for i in range(7)]
+    engine = BatchEngine(model, tokenizer, max_batch=8)
+    engine.decode_cost = DecodeCost(fixed=1.0, per_row=1.0, per_row_key=0.0)
+    light = engine.add(ps[0], samplings[0], owner="light")
+    heavy = [engine.add(prompt, sampling, owner="heavy") for prompt, sampling in zip(ps[1:], samplings[1:])]
+    tokens, fed_while_light_ran = {id(seq): [] for seq in [light, *heavy]}, []
+    while engine.busy():
+        steps = engine.decode_steps
+        emitted = engine.step()
+        for seq, token, _ in emitted:
+            tokens[id(seq)].append(token)
+        if light.finished is None and light.generated:  # prefilled, and decoding
+            assert light.last_fed == engine.decode_steps > steps  # fed at every step
+            fed_while_light_ran.append([i for i, seq in enumerate(heavy) if seq.last_fed == engine.decode_steps])
+    for prompt, sampling, seq in zip(ps, samplings, [light, *heavy]):
+        assert tokens[id(seq)] == decode_alone(model, tokenizer, prompt, sampling), (prompt, sampling)
+    assert len(fed_while_light_ran) >= 10 and all(len(fed) == 1 for fed in fed_while_light_ran), fed_while_light_ran
+    turns = [fed[0] for fed in fed_while_light_ran]
+    assert all(sorted(turns[i:i + 6]) == list(range(6)) for i in range(len(turns) - 5)), turns  # a strict rotation
+    assert engine.rows_passed_by >= 5 * len(fed_while_light_ran)
+    assert sorted(engine.free_rows) == list(range(8)) and engine.carried_budget == 0.0
+
+
+@pytest.mark.quick
+def test_what_does_not_fit_a_step_waits_its_turn_and_owners_alike_are_fed_whole(model, tokenizer):  # noqa: F811
+    """Rows of 40 positions whose keys are dear (a long row makes every row of its step read 40 keys) do not fit a
+    short row's budget at all: the budget left unused is carried until the longest-waiting one gets in, so they still
+    advance while the short row writes its 12 tokens (once or a few times: each costs ~6 of its steps), and write
+    their own tokens. One owner, or two whose rows cost
+    alike, are fed whole at every step, and with no decode cost every row is fed."""
+    ps = prompts(tokenizer, [3, 40, 40, 40])
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    engine = BatchEngine(model, tokenizer, max_batch=4)
+    engine.decode_cost = DecodeCost(fixed=1.0, per_row=0.0, per_row_key=0.1)
+    light = engine.add(ps[0], greedy, owner=1)
+    heavy = [engine.add(prompt, greedy, owner=2) for prompt in ps[1:]]
+    tokens = {id(seq): [] for seq in [light, *heavy]}
+    while light.finished is None:
+        for seq, token, _ in engine.step():
+            tokens[id(seq)].append(token)
+    fed_heavy = sum(seq.generated for seq in heavy) - len(heavy)  # their first tokens came from the prefill
+    assert light.generated == 12 and 1 <= fed_heavy <= 3, [s.generated for s in heavy]
+    while engine.busy():
+        for seq, token, _ in engine.step():
+            tokens[id(seq)].append(token)
+    for prompt, seq in zip(ps, [light, *heavy]):
+        assert tokens[id(seq)] == alone(model, tokenizer, prompt, 12, temperature=0.0)
+    for owners in ([5, 5, 5], [5, 6, 7], None):
+        engine = BatchEngine(model, tokenizer, max_batch=3)
+        engine.decode_cost = DecodeCost(fixed=1.0, per_row=1.0, per_row_key=0.01) if owners else None
+        seqs = [engine.add(prompt, greedy, owner=owner) for prompt, owner in zip(ps[1:], owners or [1, 2, 3])]
+        while engine.busy():
+            engine.step()
+        assert engine.rows_passed_by == 0 and all(seq.generated == 12 for seq in seqs)
+
+
+@pytest.mark.quick
+def test_one_draw_for_many_rows_gives_each_row_its_own_draw():
+    """Rows sampled in one pass, each from its own generator, draw the tokens they draw one by one (ties included),
+    under every kind of truncation."""
+    from nanochat.engine import sample_next_tokens
+
+    for trial in range(40):
+        torch.manual_seed(trial)
+        rows = 1 + trial % 13
+        logits = torch.randn(rows, 97) * (1 + trial % 4)
+        if trial % 3 == 0:
+            logits = logits.round()  # ties at the top-k boundary
+        settings = [(0.6, 50, None), (1.0, None, 0.9), (0.8, 20, 0.5), (1.3, None, None)][trial % 4]
+        one_by_one = [int(sample_next_tokens(logits[i:i + 1], torch.Generator().manual_seed(i), *settings))
+                      for i in range(rows)]
+        generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+        assert sample_next_tokens(logits, generators, *settings).tolist() == one_by_one
+
+
+@pytest.mark.quick
+def test_a_decode_step_is_measured_and_leaves_the_engine_as_it_was(tokenizer):  # noqa: F811
+    """measure_decode_cost times stand-in steps (a row, several rows, several at half the context) and leaves no trace:
+    every row free and empty, no step counted, and what is decoded after is what a fresh engine decodes."""
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=256, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
+                       n_embd=32)
+    small = build_model(config, "cpu").eval()
+    engine = BatchEngine(small, tokenizer, max_batch=8)
+    cost = engine.measure_decode_cost(repeats=2)
+    assert cost.fixed > 0 and cost.per_row >= 0 and cost.per_row_key >= 0, cost
+    assert cost.seconds(8, 129) >= cost.seconds(1, 33) and "a decode step" in cost.summary()
+    assert not engine.busy() and sorted(engine.free_rows) == list(range(8)) and engine.cache.lengths == [0] * 8
+    assert engine.decode_steps == engine.shared_steps == engine.rows_passed_by == 0
+    prompt, greedy = prompts(tokenizer, [9])[0], Sampling(temperature=0.0, max_tokens=10)
+    after, _, _ = run(engine, {0: [(prompt, greedy)]})
+    fresh, _, _ = run(BatchEngine(small, tokenizer, max_batch=8), {0: [(prompt, greedy)]})
+    assert list(after.values()) == list(fresh.values())
+    engine.add(prompt, greedy)
+    with pytest.raises(RuntimeError, match="before adding sequences"):
+        engine.measure_decode_cost()

@@ -462,6 +462,37 @@ def test_one_client_holds_its_share_and_another_keeps_its_pace(web_base_dir):  #
         server.stop()
 
 
+def test_a_client_decoding_its_whole_share_leaves_another_its_pace(web_base_dir):  # noqa: F811
+    """Alice holds her whole share of rows decoding (16 of 64: two streams of n 8 she never reads, each under the
+    kernel's buffers); Bob's stream keeps at least a third of its pace alone, and her rows still advance. On a CPU a
+    decode step's cost grows with its rows, and every step fed her 16 rows beside his one: he kept ~15 %. Now her rows
+    take turns within a budget set by the cost of his own step (BatchEngine's decode_cost, measured at start)."""
+    server = Server(web_base_dir, "--api-key", "alice", "--api-key", "bob", "--queue-timeout", "60")
+    alices = []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        bob = {"Authorization": "Bearer bob"}
+        stats = lambda: httpx.get(f"{url}/stats", headers=bob, timeout=10).json()  # noqa: E731
+        assert "measured a decode step" in "".join(server.lines)
+        stream_pace(url, headers=bob, max_tokens=50)  # warm-up
+        _, alone = stream_pace(url, headers=bob, max_tokens=300)
+        body = {"messages": HELLO, "n": 8, "max_tokens": LONG_REPLY, "stream": True}
+        alices = [send_request(host, port, "/v1/chat/completions", body, "alice") for _ in range(2)]
+        wait_until(lambda: stats()["batch"]["active"] == 16 and stats()["clients"]["most_rows"] == 16, 20,
+                   "Alice's 16 rows to decode")
+        _, beside = stream_pace(url, headers=bob, max_tokens=300)
+        assert beside > alone / 3, (beside, alone)
+        assert stats()["batch"]["rows_passed_by"] > 0  # her rows took turns
+        alices[0].settimeout(10)
+        received = b""
+        while received.count(b"data: {") < 100:  # her replies went on meanwhile (the kernel kept them for her)
+            received += alices[0].recv(1 << 16)
+    finally:
+        for s in alices:
+            s.close()
+        server.stop()
+
+
 def test_stop_strings_and_scoring_leave_a_neighbour_its_pace(web_base_dir):  # noqa: F811
     """Work per token a request can cause. 16 stop strings of 100 characters that the text keeps almost matching
     (a reply of "aaaa..." and stops of 99 a's and a letter) cost no more than none: they are read on the new text once

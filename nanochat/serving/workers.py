@@ -66,12 +66,14 @@ SCORING_SHARE = 1 / 3
 
 @dataclass
 class Add:
-    """Decode a request's replies: one Sampling a reply (Sampling.per_sample), chat markup or plain completion text."""
+    """Decode a request's replies: one Sampling a reply (Sampling.per_sample), chat markup or plain completion text.
+    owner: the number of the client that asked (ClientShare.number): its rows share decode steps with other clients'."""
 
     key: int
     prompt_ids: list
     samplings: list
     chat: bool
+    owner: int = 0
 
 
 @dataclass
@@ -103,11 +105,13 @@ class Stop:
 
 @dataclass
 class Ready:
-    """The model is loaded: what it is (chat.model_info), the rows its engine batches, its KV cache's bytes."""
+    """The model is loaded: what it is (chat.model_info), the rows its engine batches, its KV cache's bytes, and what
+    its decode step was measured to cost (DecodeCost.summary; "" with one row, which nobody shares)."""
 
     info: dict
     rows: int
     cache_bytes: int
+    decode_cost: str = ""
 
 
 @dataclass
@@ -188,7 +192,7 @@ class Worker:
     def __init__(self, index, process, conn, rows):
         self.index, self.process, self.conn, self.rows = index, process, conn, rows
         self.generations = {}  # key -> Generation, not yet ended
-        self.occupancy = {"rows": rows, "active": 0, "waiting": 0, "shared_steps": 0}
+        self.occupancy = {"rows": rows, "active": 0, "waiting": 0, "shared_steps": 0, "rows_passed_by": 0}
         self.alive = True
         self.loop = None
         self.outgoing = queue.Queue()  # messages for the worker; None ends the sender
@@ -201,7 +205,7 @@ class Worker:
 
     def submit(self, generation):
         self.generations[generation.key] = generation
-        self.send(Add(generation.key, generation.prompt_ids, generation.samplings, generation.chat))
+        self.send(Add(generation.key, generation.prompt_ids, generation.samplings, generation.chat, generation.owner))
 
     def send(self, message):
         # pickled here, so a message that cannot be fails its request, not the sender thread
@@ -275,9 +279,11 @@ CLIENT_SHARE = 0.25
 
 class ClientShare:
     """What one client holds: rows its requests were given or sent for, its requests held back until its own rows
-    leave room, its prompt tokens waiting to be scored. `freed` is set (and replaced) whenever its rows go down."""
+    leave room, its prompt tokens waiting to be scored. `freed` is set (and replaced) whenever its rows go down.
+    `number` names the client to the workers (not its key), whose engines share decode steps between clients."""
 
-    def __init__(self):
+    def __init__(self, number):
+        self.number = number
         self.rows, self.held_back, self.scoring_tokens = 0, 0, 0
         self.freed = asyncio.Event()
 
@@ -305,6 +311,7 @@ class WorkerPool:
         self.client_queue = max(1, int(client_share * max_queue))
         self.client_scoring_tokens = max(1, int(client_share * MAX_SCORING_TOKENS))
         self.clients = {}  # client -> ClientShare, while it holds anything
+        self.client_numbers = itertools.count(1)
         self.held_back = 0  # requests waiting for their client's share of rows, not sent to a worker yet
         self.active = set()  # generations in flight, cancelled when the server stops
         self.keys = itertools.count()
@@ -358,7 +365,7 @@ class WorkerPool:
 
     def share_of(self, client):
         if client not in self.clients:
-            self.clients[client] = ClientShare()
+            self.clients[client] = ClientShare(next(self.client_numbers))
         return self.clients[client]
 
     def forget_if_idle(self, client):
@@ -395,6 +402,7 @@ class WorkerPool:
             worker = min(roomy, key=lambda w: w.load())
             generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
             generation.client, share.rows = client, share.rows + sampling.num_samples  # given back in finished()
+            generation.owner = share.number
             worker.submit(generation)
             try:
                 await asyncio.wait_for(generation.admitted.wait(), max(0.0, deadline - time.monotonic()))
@@ -510,7 +518,8 @@ class WorkerPool:
             "queue_depth": sum(o["waiting"] for o in occupancy) + self.held_back,
             "workers": {"total": len(self.workers), "busy": busy, "free": len(self.workers) - busy},
             "batch": {"rows": rows, "active": active, "occupancy": round(active / rows, 3),
-                      "shared_steps": sum(o["shared_steps"] for o in occupancy)},
+                      "shared_steps": sum(o["shared_steps"] for o in occupancy),
+                      "rows_passed_by": sum(o["rows_passed_by"] for o in occupancy)},
             "requests_served": self.requests_served,
             "requests_cancelled": self.requests_cancelled,
             "requests_rejected": self.requests_rejected,
@@ -545,6 +554,7 @@ class Generation:
         self.tokens, self.replies_finished, self.seconds = 0, 0, 0.0
         self.cancelled = self.ended = self.rejected = False
         self.client = None  # whose share of rows it holds, until it ends (WorkerPool.submit)
+        self.owner = 0  # that client's number, for its worker's engine
         pool.active.add(self)
 
     def receive(self, events):
@@ -706,6 +716,8 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
            f"batching up to {rows} sequences (KV cache {cache_bytes / 2**20:,.0f} MiB"
            f"{'' if rows == max_batch else f', fewer than --max-batch {max_batch}: the memory budget'}"
            f"; prompts prefilled {prefill_chunk} tokens a step; {threads} torch thread{'s' if threads > 1 else ''})")
+    if replies[0].decode_cost:
+        print0(f"measured {replies[0].decode_cost} (worker 0): clients share the steps by it")
     return workers, tokenizer, info
 
 
@@ -833,8 +845,12 @@ class EngineLoop:
             case Cancel(key=key) if key in self.scorings:  # its client left: the slices not yet run never run
                 job = self.scorings.pop(key)
                 self.conn.send(Events([(job.key, [Ended(0, time.perf_counter() - job.started, 0)])],
-                                      self.engine.occupancy()))
+                                      self._occupancy()))
         return True
+
+    def _occupancy(self):
+        """The engine's rows for /stats, and how often a client's row waited a step because clients shared it."""
+        return {**self.engine.occupancy(), "rows_passed_by": self.engine.rows_passed_by}
 
     def _step(self):
         self.trimmed = False
@@ -870,12 +886,12 @@ class EngineLoop:
         ready = [(job.key, job.take_outbox()) for job in list(self.jobs.values()) + self.ended if job.outbox]
         self.ended = []
         if ready or force:
-            self.conn.send(Events(ready, self.engine.occupancy()))
+            self.conn.send(Events(ready, self._occupancy()))
 
     def _add(self, add):
         job = Job(add.key, add.samplings, add.samplings[0].stop, add.chat, self.engine.tokenizer)
         try:
-            job.seqs = self.engine.add_group(add.prompt_ids, add.samplings)
+            job.seqs = self.engine.add_group(add.prompt_ids, add.samplings, owner=add.owner)
         except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
             job.emit(f"generation failed: {e}")
             job.end()
@@ -918,7 +934,7 @@ class EngineLoop:
             events.append(Ended(len(job.prompts) * len(job.samplings), time.perf_counter() - job.started,
                                 len(job.prompts)))
         self.trimmed = False
-        self.conn.send(Events([(key, events)], self.engine.occupancy()))
+        self.conn.send(Events([(key, events)], self._occupancy()))
 
     def _drop(self, job):
         for seq in job.seqs:
@@ -958,8 +974,11 @@ def worker_main(conn, inherited, device, settings, preloaded):
             raise UserError(f"one sequence's KV cache needs {row_bytes / 2**20:.0f} MiB, more than the "
                             f"{budget / 2**20:.0f} MiB budget; give --kv-memory-gib more")
         engine = BatchEngine(model, tokenizer, rows, settings["prefill_chunk"], decode=settings.get("decode", "eager"))
+        if rows > 1:  # clients share its decode steps by what they cost here (BatchEngine's docstring)
+            engine.decode_cost = engine.measure_decode_cost()
     except Exception as e:  # reported by the server, which stops before serving anything
         conn.send(Failed(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(Ready(model_info(meta, model, str(device), settings["source"]), rows, engine.cache.nbytes()))
+    conn.send(Ready(model_info(meta, model, str(device), settings["source"]), rows, engine.cache.nbytes(),
+                    engine.decode_cost.summary() if engine.decode_cost else ""))
     EngineLoop(conn, engine).run()
