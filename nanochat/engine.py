@@ -587,9 +587,10 @@ class Sequence:
 DECODE_MODES = ("eager", "captured", "static")
 
 # When several owners have rows to decode, a step may cost at most this many times the step of the light owners' rows
-# alone (BatchEngine._share_step): beside one heavy owner a light one keeps about two thirds of its pace or more. At 2
-# (the heavy owner's rows taking as much time as the light ones') it would keep half, the least the issue allowed
-FAIR_STRETCH = 1.5
+# alone (BatchEngine._share_step): beside one heavy owner a light one keeps about four fifths of its step rate. Its
+# pace end to end keeps less (on a CPU the worker's and the server's per-token work for the heavy rows is outside the
+# step's cost, and shares the cores): about two thirds
+FAIR_STRETCH = 1.25
 
 
 def rounded_batch(count, max_batch):
@@ -879,7 +880,7 @@ class BatchEngine:
         The sequences of `ready` (each has its next token) that this decode step feeds; the others wait for a later one.
         Every one, unless there is a decode_cost and more than one owner has rows ready. Then the light owners, whose
         rows alone cost at most FAIR_STRETCH times the cheapest owner's, are fed whole, and the step's budget is
-        FAIR_STRETCH times their step (their pace: at least about two thirds of it beside one heavy owner), or, if more,
+        FAIR_STRETCH times their step (their step rate: at least about four fifths of it beside one heavy owner), or, if more,
         their step plus, for each heavier owner, what the heaviest light owner's rows cost beyond the fixed part (no
         owner gets less of a step than a light one: 15 rows beside 16 are both fed whole). The heavier owners' rows join
         a row each in turn, the owner and the row that have waited longest first, while the step stays within budget;

@@ -477,15 +477,15 @@ def decode_alone(model, tokenizer, prompt, sampling):  # noqa: F811
 
 @pytest.mark.quick
 def test_owners_share_decode_steps_and_a_row_that_waits_resumes_exactly(model, tokenizer):  # noqa: F811
-    """A step that costs a unit and a unit a row (a CPU's kind of cost): beside one owner's single row, another owner's
-    6 rows get one row a step (a step of 2 rows costs 1.5 times the single row's, FAIR_STRETCH), each in turn, so the
+    """A step that costs three units and a unit a row (a CPU's kind of cost): beside one owner's single row, another owner's
+    6 rows get one row a step (a step of 2 rows costs 1.25 times the single row's, FAIR_STRETCH), each in turn, so the
     single row is fed at every step and each of the 6 every 6th while it runs; then the 6 are fed whole. Every row
     writes exactly the tokens it writes alone, greedy and sampled: a row that waited resumes where it was."""
     ps = prompts(tokenizer, [5, 9, 12, 7, 14, 3, 10])
     samplings = [Sampling(temperature=0.0 if i % 2 else 1.0, top_k=20, max_tokens=20 if i else 12, seed=i)
                  for i in range(7)]
     engine = BatchEngine(model, tokenizer, max_batch=8)
-    engine.decode_cost = DecodeCost(fixed=1.0, per_row=1.0, per_row_key=0.0)
+    engine.decode_cost = DecodeCost(fixed=3.0, per_row=1.0, per_row_key=0.0)
     light = engine.add(ps[0], samplings[0], owner="light")
     heavy = [engine.add(prompt, sampling, owner="heavy") for prompt, sampling in zip(ps[1:], samplings[1:])]
     tokens, fed_while_light_ran = {id(seq): [] for seq in [light, *heavy]}, []
