@@ -39,8 +39,7 @@ import torch
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
                              use_cuda_device)
-from nanochat.engine import (GREEDY_BELOW, BatchEngine, kv_budget_bytes, kv_row_bytes, sample_next_tokens, steer,
-                             token_logprobs)
+from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
 from nanochat.serving.chat import Finish, Piece, ReplyStream, RequestError, StopStrings, model_info, summary_line
 from nanochat.tokenizer import get_tokenizer
 
@@ -912,17 +911,17 @@ class EngineLoop:
         events, indices = [], job.next_slice()
         try:
             scored = self.engine.score([job.prompts[i] for i in indices], job.top)
-            for i, (tokens, last) in zip(indices, scored):
+            for i, (tokens, _) in zip(indices, scored):
                 # tuples, not lists: on the server, eight maximal requests' scores are ~1,000,000 of them, which the
                 # garbage collector stops tracking once it sees they hold plain numbers (lists it walks every time)
                 events.append(Scored(i, tuple((logprob, tuple(top)) for logprob, top in tokens)))
-                for j, s in enumerate(job.samplings):
-                    generator = torch.Generator(device=last.device)
-                    generator.manual_seed(s.seed)
-                    logits = steer(last, s, {}) if s.steers() else last
-                    token = int(logits.argmax()) if s.temperature < GREEDY_BELOW else \
-                        int(sample_next_tokens(logits, generator, s.temperature, s.top_k, s.top_p))
-                    events.append(Token(i * len(job.samplings) + j, token, *token_logprobs(last, token, job.top)))
+            # after each prompt, each Sampling's token (choice i * n + j: sample j of prompt i), chosen as the engine
+            # chooses a sequence's first token
+            rows = [(last, s, torch.Generator(device=last.device).manual_seed(s.seed), {}) for _, last in scored
+                    for s in job.samplings]
+            first = indices[0] * len(job.samplings)
+            for choice, ((last, *_), token) in enumerate(zip(rows, choose_tokens(rows)), first):
+                events.append(Token(choice, token, *token_logprobs(last, token, job.top)))
             job.next = indices[-1] + 1
         except Exception as e:  # a bug, or the device failing: this request gets a 500
             traceback.print_exc()
