@@ -19,9 +19,10 @@ import torch
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine
-from nanochat.serving.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, Finish, MarkupWriter,
-                                   Piece, RequestError, check_number, fit_conversation, fit_text, generate_replies,
+from nanochat.serving.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, MarkupWriter,
+                                   RequestError, check_number, fit_conversation, fit_text, generate_replies,
                                    model_summary, prompt_budget)
+from nanochat.serving.events import Finish, Piece
 
 
 def parse_args(argv=None):

@@ -6,7 +6,8 @@ Talking to a trained model: what chat_cli and chat_web share.
     for event in generate_replies(engine, prompt.ids, max_tokens=64, temperature=0.6, top_k=50):
         ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
 
-The OpenAI API's requests and responses are nanochat/serving/openai_api.py.
+The OpenAI API's requests and responses are nanochat/serving/openai_api.py; Piece, Finish and the other events of a
+reply are nanochat/serving/events.py.
 A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
 wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
 so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
@@ -21,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanochat.engine import StreamDecoder
+from nanochat.serving.events import Finish, Piece
 
 # -----------------------------------------------------------------------------
 # Limits on what a client may ask for. They keep one request from holding a worker for long or filling memory;
@@ -325,21 +327,6 @@ def fit_text(tokenizer, text, max_prompt_tokens):
 
 # -----------------------------------------------------------------------------
 # Replies, token by token
-
-
-@dataclass
-class Piece:
-    index: int  # which sample
-    kind: str  # "text", "python" or "python_output"
-    text: str  # may be "" when a tool part begins
-
-
-@dataclass
-class Finish:
-    index: int
-    reason: str  # "stop" (end of turn, stop string) or "length" (max_tokens or the context ran out)
-    completion_tokens: int  # tokens generated for this reply, the one that ended it included
-    parts: list  # the whole reply as parts
 
 
 class StopStrings:
