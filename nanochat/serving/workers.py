@@ -12,6 +12,9 @@ disconnects is cancelled and frees its rows at the worker's next step (while it 
 prefilled). A scoring request (the log probabilities of prompts, for /v1/completions' echo) needs no rows: the worker
 scores it a slice at a time between two decode steps. On a stop every request ends at once, with its reason.
 
+Each request has a name on either side of the pipe: a GenerationRequest or ScoringRequest in the server (what its
+endpoint awaits), a GenerationJob or ScoringJob in the worker (what its loop runs).
+
 A worker is a process, not a thread: a small model's decode step is hundreds of small ops, each of which takes
 Python's lock back from the event loop, whose own Python (every client's stream) it then waits for (dev/LOG.md and
 docs/serving.md have the measurements). On a CPU a worker shares the server's copy of the weights (forked); on a GPU
@@ -84,7 +87,7 @@ class Worker:
 
     def __init__(self, index, process, conn, rows):
         self.index, self.process, self.conn, self.rows = index, process, conn, rows
-        self.generations = {}  # key -> Generation, not yet ended
+        self.requests = {}  # key -> GenerationRequest or ScoringRequest, not yet ended
         self.occupancy = Occupancy(rows)
         self.alive = True
         self.loop = None
@@ -97,7 +100,7 @@ class Worker:
         self.sender.start()
 
     def submit(self, generation):
-        self.generations[generation.key] = generation
+        self.requests[generation.key] = generation
         self.send(Add(generation.key, generation.prompt_ids, generation.samplings, generation.chat, generation.owner))
 
     def send(self, message):
@@ -113,7 +116,7 @@ class Worker:
 
     def load(self):
         """Rows this worker has been asked for: where the next request goes is the least loaded worker."""
-        return sum(g.num_samples for g in self.generations.values())
+        return sum(r.num_samples for r in self.requests.values())
 
     def _read(self):
         """In the event loop, when the worker process has sent something."""
@@ -122,8 +125,8 @@ class Worker:
                 message = self.conn.recv()
                 self.occupancy = message.occupancy
                 for key, events in message.ready:
-                    if key in self.generations:
-                        self.generations[key].receive(events)
+                    if key in self.requests:
+                        self.requests[key].receive(events)
         except (EOFError, OSError):
             self._lost()
 
@@ -135,8 +138,8 @@ class Worker:
         reason = (f"generation failed: worker {self.index} exited (exit code {self.process.exitcode}); "
                   "restart the server")
         print0(reason)
-        for generation in list(self.generations.values()):
-            generation.receive([Failure(reason), Ended(0, 0.0, 0)])
+        for request in list(self.requests.values()):
+            request.receive([Failure(reason), Ended(0, 0.0, 0)])
 
     def stop(self):
         """Tell the worker to stop; its end is expected, not a failure to report."""
@@ -238,9 +241,9 @@ class WorkerPool:
         Returns how many were ended."""
         self.stopping = reason
         ended = list(self.active) + list(self.scorings)
-        for generation in ended:
-            generation.cancel()
-            generation.receive([Failure(reason), Ended(getattr(generation, "tokens", 0), 0.0, 0)])
+        for request in ended:
+            request.cancel()
+            request.receive([Failure(reason), Ended(getattr(request, "tokens", 0), 0.0, 0)])
         held_back = self.held_back
         for share in self.clients.values():  # requests waiting for their client's share wake up to a 503
             share.freed.set()
@@ -267,11 +270,11 @@ class WorkerPool:
 
     async def submit(self, prompt_ids, sampling, chat=True, client=""):
         """
-        A Generation on the least loaded worker, once the engine has given its samples rows. `client` (a key, or a peer
-        address) may hold client_rows rows: a request beyond them waits here for the client's own requests to end (at
-        most client_queue of them wait so; one more gets a 503 at once), and what the client holds never keeps another
-        client's request from a row. A request that waits longer than the queue timeout in all is withdrawn and gets a
-        503.
+        A GenerationRequest on the least loaded worker, once the engine has given its samples rows. `client` (a key,
+        or a peer address) may hold client_rows rows: a request beyond them waits here for the client's own requests to
+        end (at most client_queue of them wait so; one more gets a 503 at once), and what the client holds never keeps
+        another client's request from a row. A request that waits longer than the queue timeout in all is withdrawn and
+        gets a 503.
         """
         if self.stopping:
             raise ServerStopping(self.stopping)
@@ -293,7 +296,7 @@ class WorkerPool:
         try:
             await self.wait_for_share(share, sampling.num_samples, deadline)
             worker = min(roomy, key=lambda w: w.load())
-            generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
+            generation = GenerationRequest(self, worker, next(self.keys), prompt_ids, sampling, chat)
             generation.client, share.rows = client, share.rows + sampling.num_samples  # given back in finished()
             generation.owner = share.number
             worker.submit(generation)
@@ -367,7 +370,7 @@ class WorkerPool:
             raise QueueFull(f"this client has {held:,} prompt tokens waiting to be scored already (its share: "
                             f"{self.client_scoring_tokens:,}, --client-share); try again shortly")
         worker = min(alive, key=lambda w: w.load())
-        scoring = Scoring(self, worker, next(self.keys), tokens, client)
+        scoring = ScoringRequest(self, worker, next(self.keys), tokens, client)
         worker.send(Score(scoring.key, prompts, top, list(samplings)))
         try:
             events = await scoring.done
@@ -428,7 +431,7 @@ class WorkerPool:
         }
 
 
-class Generation:
+class GenerationRequest:
     """
     One request's replies, on the server's side: its worker process sends its events (Token, Piece, Finish, Failure),
     which come out of `event_batches()` in the event loop. cancel() withdraws it before the worker's next step.
@@ -462,7 +465,7 @@ class Generation:
             self.queue.put_nowait(out)
         if self.ended:
             self.admitted.set()
-            self.worker.generations.pop(self.key, None)
+            self.worker.requests.pop(self.key, None)
             self.pool.finished(self)
 
     def cancel(self):
@@ -485,7 +488,7 @@ class Generation:
             return
 
 
-class Scoring:
+class ScoringRequest:
     """A scoring request on the server's side: its worker's events, a slice at a time, until its Ended (Worker._read
     hands them over); `done` then holds them all."""
 
@@ -495,7 +498,7 @@ class Scoring:
         self.pool, self.worker, self.key, self.tokens, self.client = pool, worker, key, tokens, client
         self.events, self.ended = [], False
         self.done = asyncio.get_running_loop().create_future()
-        worker.generations[key] = self
+        worker.requests[key] = self
         pool.scorings.add(self)
         pool.scoring_tokens += tokens
         pool.share_of(client).scoring_tokens += tokens
@@ -507,7 +510,7 @@ class Scoring:
         self.ended = True
         if not self.done.done():
             self.done.set_result(self.events)
-        self.worker.generations.pop(self.key, None)
+        self.worker.requests.pop(self.key, None)
         self.pool.scorings.discard(self)
         self.pool.scoring_tokens -= self.tokens
         self.pool.share_of(self.client).scoring_tokens -= self.tokens
@@ -630,7 +633,7 @@ class ScoringJob:
         return range(self.next, end)
 
 
-class Job:
+class GenerationJob:
     """A request as its worker process sees it: its sequences in the engine and its replies' text so far."""
 
     def __init__(self, key, samplings, stop, chat, tokenizer):
@@ -684,10 +687,10 @@ class EngineLoop:
 
     def __init__(self, conn, engine):
         self.conn, self.engine = conn, engine
-        self.jobs = {}  # key -> Job, given to the engine (waiting for rows, or running)
-        self.scorings = OrderedDict()  # key -> ScoringJob, served a slice each in turn
+        self.jobs = {}  # key -> GenerationJob, given to the engine (waiting for rows, or running)
+        self.scoring_jobs = OrderedDict()  # key -> ScoringJob, served a slice each in turn
         self.ended = []  # ended since the last flush: their last events are still to be sent
-        self.owner = {}  # id(Sequence) -> (Job, sample index)
+        self.owner = {}  # id(Sequence) -> (GenerationJob, sample index)
         self.flushed = 0.0  # when events were last sent
         self.trimmed = True  # nothing allocated since the last malloc_trim
         self.decode_owed = 0.0  # seconds of decoding due before the next scoring slice (SCORING_SHARE)
@@ -695,8 +698,8 @@ class EngineLoop:
     def run(self):
         try:
             while True:
-                self._flush(force=not self.jobs and not self.scorings)
-                if not self.jobs and not self.scorings:  # idle: wait for the next message
+                self._flush(force=not self.jobs and not self.scoring_jobs)
+                if not self.jobs and not self.scoring_jobs:  # idle: wait for the next message
                     if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
                         return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
                         self.trimmed = True
@@ -713,7 +716,7 @@ class EngineLoop:
                     self.decode_owed = max(0.0, self.decode_owed - (time.perf_counter() - started))
                 else:
                     self.decode_owed = 0.0  # nothing decodes: scoring may take the whole worker
-                if self.scorings and self.decode_owed == 0:
+                if self.scoring_jobs and self.decode_owed == 0:
                     started = time.perf_counter()
                     self._score_slice()
                     if self.engine.busy():  # rows decode beside it: they get their share before the next slice
@@ -728,11 +731,11 @@ class EngineLoop:
             case Add():
                 self._add(message)
             case Score():
-                self.scorings[message.key] = ScoringJob(message.key, message.prompts, message.top, message.samplings)
+                self.scoring_jobs[message.key] = ScoringJob(message.key, message.prompts, message.top, message.samplings)
             case Cancel(key=key) if key in self.jobs:
                 self._drop(self.jobs[key])
-            case Cancel(key=key) if key in self.scorings:  # its client left: the slices not yet run never run
-                job = self.scorings.pop(key)
+            case Cancel(key=key) if key in self.scoring_jobs:  # its client left: the slices not yet run never run
+                job = self.scoring_jobs.pop(key)
                 self.conn.send(Events([(job.key, [Ended(0, time.perf_counter() - job.started, 0)])],
                                       self._occupancy()))
         return True
@@ -777,7 +780,7 @@ class EngineLoop:
             self.conn.send(Events(ready, self._occupancy()))
 
     def _add(self, add):
-        job = Job(add.key, add.samplings, add.samplings[0].stop, add.chat, self.engine.tokenizer)
+        job = GenerationJob(add.key, add.samplings, add.samplings[0].stop, add.chat, self.engine.tokenizer)
         try:
             job.seqs = self.engine.add_group(add.prompt_ids, add.samplings, owner=add.owner)
         except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
@@ -796,7 +799,7 @@ class EngineLoop:
         max_tokens 1 request needs no decode step); then that request goes to the back of the line. Each slice's
         events go out at once; the last one ends the request.
         """
-        key, job = next(iter(self.scorings.items()))
+        key, job = next(iter(self.scoring_jobs.items()))
         events, indices = [], job.next_slice()
         try:
             scored = self.engine.score([job.prompts[i] for i in indices], job.top)
@@ -816,9 +819,9 @@ class EngineLoop:
             traceback.print_exc()
             events.append(Failure(f"scoring failed: {type(e).__name__}: {e}"))
             job.next = len(job.prompts)
-        self.scorings.move_to_end(key)
+        self.scoring_jobs.move_to_end(key)
         if job.next == len(job.prompts):
-            del self.scorings[key]
+            del self.scoring_jobs[key]
             events.append(Ended(len(job.prompts) * len(job.samplings), time.perf_counter() - job.started,
                                 len(job.prompts)))
         self.trimmed = False
