@@ -3,7 +3,7 @@ Talking to a trained model: what chat_cli and chat_web share.
 
     messages = validate_messages(request["messages"])          # RequestError names the field and the reason
     prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
-    for event in generate_replies(engine, prompt.ids, max_tokens=64, temperature=0.6, top_k=50):
+    for event in generate_replies(engine, prompt.ids, Sampling(temperature=0.6, top_k=50, max_tokens=64)):
         ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
 
 The OpenAI API's requests and responses are nanochat/serving/openai_api.py; Piece, Finish and the other events of a
@@ -17,7 +17,6 @@ and the UI's endpoint; the OpenAI API takes it whole or refuses it (whole_conver
 
 import math
 import re
-import secrets
 from collections import deque
 from dataclasses import dataclass
 
@@ -464,17 +463,18 @@ class ReplyStream:
         return kind, text
 
 
-def generate_replies(engine, prompt_ids, num_samples=1, max_tokens=256, temperature=0.6, top_k=50, top_p=None,
-                     seed=None, stop=(), chat=True):
+def generate_replies(engine, prompt_ids, sampling, chat=True):
     """
-    Sample num_samples replies to a prompt together, yielding Piece(index, kind, text) as each grows and
-    Finish(index, reason, completion_tokens, parts) once per reply.
+    Sample sampling.num_samples replies to a prompt together on an Engine, yielding Piece(index, kind, text) as each
+    grows and Finish(index, reason, completion_tokens, parts) once per reply. Engine samples by temperature, top-k,
+    top-p and seed; the penalties, bias and logprobs are the server's (its workers' BatchEngine).
     """
-    tokenizer = engine.tokenizer
-    streams = [ReplyStream(tokenizer, stop, chat) for _ in range(num_samples)]
-    seed = secrets.randbelow(SEED_MODULUS) if seed is None else seed
-    steps = engine.generate(prompt_ids, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, seed=seed)
+    s = sampling
+    if s.steers() or s.logprobs is not None:
+        raise ValueError("generate_replies samples without penalties, logit_bias or logprobs: serve those (workers.py)")
+    streams = [ReplyStream(engine.tokenizer, s.stop, chat) for _ in range(s.num_samples)]
+    steps = engine.generate(prompt_ids, num_samples=s.num_samples, max_tokens=s.max_tokens, temperature=s.temperature,
+                            top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     try:
         for column, _ in steps:
             for index, (stream, token) in enumerate(zip(streams, column)):
