@@ -432,6 +432,16 @@ class ReplyStream:
         self.finish_reason = reason
         return pieces
 
+    def events(self, index, token=None, length=False):
+        """What one more token (or none) makes of sample `index`'s reply: a Piece for each piece of text, then a Finish
+        if the reply ends; length: the engine ended it there (max_tokens, or the context ran out)."""
+        was_open = self.finish_reason is None
+        pieces = (self.push(token) if token is not None else []) + (self.finish("length") if length else [])
+        events = [Piece(index, kind, text) for kind, text in pieces]
+        if was_open and self.finish_reason is not None:
+            events.append(Finish(index, self.finish_reason, self.num_tokens, self.parts))
+        return events
+
     def _text(self, text):
         self.pending += text
         self.stop_state, found = self.stops.read(self.stop_state, text)
@@ -478,21 +488,14 @@ def generate_replies(engine, prompt_ids, sampling, chat=True):
     try:
         for column, _ in steps:
             for index, (stream, token) in enumerate(zip(streams, column)):
-                was_open = stream.finish_reason is None
-                for kind, text in stream.push(token):
-                    yield Piece(index, kind, text)
-                if was_open and stream.finish_reason is not None:
-                    yield Finish(index, stream.finish_reason, stream.num_tokens, stream.parts)
+                yield from stream.events(index, token)
             if all(stream.finish_reason is not None for stream in streams):
                 return
     finally:
         steps.close()  # frees the KV cache now, not when the generator is garbage collected
     # The engine stopped with replies still open: max_tokens, or prompt plus reply filled the context.
     for index, stream in enumerate(streams):
-        if stream.finish_reason is None:
-            for kind, text in stream.finish("length"):
-                yield Piece(index, kind, text)
-            yield Finish(index, "length", stream.num_tokens, stream.parts)
+        yield from stream.events(index, length=True)
 
 
 # -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ request's replies, which the endpoints (serve.py, openai_api.py) and chat_cli (c
 dataclass, pickled down the pipe and matched by its type at the other end.
 
     server -> worker   Add (decode a request's replies), Score (score its prompts), Cancel, Stop
-    worker -> server   Ready or LoadFailed once, at start; then Events: requests' new events, and the Occupancy
+    worker -> server   Ready or Failure once, at start; then Events: requests' new events, and the Occupancy
     a request's events Admitted, Token, Piece, Finish, Scored, Failure; Ended last
 """
 
@@ -62,13 +62,6 @@ class Ready:
     rows: int
     cache_bytes: int
     decode_cost: str = ""
-
-
-@dataclass
-class LoadFailed:
-    """The model could not be loaded (the server stops before serving anything)."""
-
-    reason: str
 
 
 @dataclass
@@ -141,8 +134,8 @@ class Scored:
 
 @dataclass
 class Failure:
-    """The request cannot complete: its worker failed or exited, or the server is stopping (an error event, a 500 or a
-    503). Ended follows."""
+    """What could not be done, and why: a request (its worker failed or exited, or the server is stopping: an error
+    event, a 500 or a 503; Ended follows), or at a worker's start its model's loading (the server stops)."""
 
     reason: str
 

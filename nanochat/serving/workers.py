@@ -43,8 +43,8 @@ from nanochat.common import (UserError, inference_threads, print0, resolve_devic
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
 from nanochat.serving.chat import ReplyStream, RequestError, StopStrings, model_info, summary_line
-from nanochat.serving.events import (Add, Admitted, Cancel, Ended, Events, Failure, Finish, LoadFailed, Occupancy, Piece,
-                                     Ready, Score, Scored, Stop, Token)
+from nanochat.serving.events import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, Score, Scored,
+                                     Stop, Token)
 from nanochat.tokenizer import get_tokenizer
 
 # Prompt tokens that may wait to be scored at once, over all workers (a request past it gets a 503, unless nothing
@@ -590,7 +590,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
             except EOFError:
                 process.join(5)
                 raise UserError(f"worker {index} exited while loading the model (exit code {process.exitcode})") from None
-            if isinstance(reply, LoadFailed):
+            if isinstance(reply, Failure):
                 raise UserError(reply.reason)
             replies.append(reply)
     except BaseException:  # one worker failed (or Ctrl-C): the others must not outlive the server
@@ -660,15 +660,10 @@ class GenerationJob:
         stream = self.streams[index]
         if seq.logprob is not None:  # the token that ends the reply too: the endpoints decide what to show
             self.emit(Token(index, token, *seq.logprob))
-        for kind, text in stream.push(token):
-            self.emit(Piece(index, kind, text))
-        if stream.finish_reason is None and seq.finished == "length":
-            for kind, text in stream.finish("length"):
-                self.emit(Piece(index, kind, text))
+        self.outbox += stream.events(index, token, length=seq.finished == "length")
         if stream.finish_reason is not None:
             self.tokens += stream.num_tokens
             self.replies_finished += 1
-            self.emit(Finish(index, stream.finish_reason, stream.num_tokens, stream.parts))
 
     def done(self):
         return self.replies_finished == len(self.samplings)
@@ -855,7 +850,7 @@ class WorkerSettings:
 def worker_main(conn, inherited, device, settings, preloaded):
     """
     A worker process: load the model (or take the one the server forked with), make its engine, report Ready
-    (model info, rows, KV cache bytes) or LoadFailed, then run the EngineLoop until the server stops it or
+    (model info, rows, KV cache bytes) or a Failure, then run the EngineLoop until the server stops it or
     goes away. settings: a WorkerSettings. inherited: what a fork copied from the server that this process
     must not hold: the server's ends of the pipes (a server that dies must read as end-of-file to every worker).
     It starts with SIGINT and SIGTERM ignored (load_workers): Ctrl-C or a service manager's SIGTERM reach every
@@ -884,7 +879,7 @@ def worker_main(conn, inherited, device, settings, preloaded):
         if rows > 1:  # clients share its decode steps by what they cost here (BatchEngine's docstring)
             engine.decode_cost = engine.measure_decode_cost()
     except Exception as e:  # reported by the server, which stops before serving anything
-        conn.send(LoadFailed(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
+        conn.send(Failure(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
         return
     conn.send(Ready(model_info(meta, model, str(device), settings.source), rows, engine.cache.nbytes(),
                     engine.decode_cost.summary() if engine.decode_cost else ""))

@@ -252,8 +252,8 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
 
 
 def greedy_samples(model, tokenizer, prompts, max_tokens=16):
-    """Greedy continuations of short prompts by the engine (each prompt and what follows it, up to a <|bos|>), for a
-    quick look at what the model has learned."""
+    """Greedy continuations of short prompts by the engine, for a quick look at what the model has learned: each
+    prompt and what follows it, up to <|bos|> (or <|assistant_end|>, which pretraining text never holds)."""
     engine, bos = Engine(model, tokenizer), tokenizer.get_bos_token_id()
     out = []
     for prompt in prompts:
