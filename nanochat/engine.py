@@ -261,6 +261,26 @@ class Sampling:
         return [replace(self, seed=self.seed + i, num_samples=1) for i in range(self.num_samples)]
 
 
+def choose_tokens(rows):
+    """
+    The token each of `rows` [(logits (1, V), Sampling, torch.Generator, counts {token: times written})] gets: its
+    logits steered (logit_bias, penalties), then one draw for the rows of each temperature, top-k and top-p (one argmax
+    for every greedy row), each row from its own generator (row by row, the Python between a draw's dozen small ops
+    cost ~30 us a row: 0.5 ms of a 16-row step). Every token the engine samples is chosen here, and so is the one a
+    worker draws after a scored prompt.
+    """
+    groups = {}  # (temperature, top_k, top_p) -> [(row index, logits, generator)]
+    for i, (logits, s, generator, counts) in enumerate(rows):
+        key = (0.0, None, None) if s.temperature < GREEDY_BELOW else (s.temperature, s.top_k, s.top_p)
+        groups.setdefault(key, []).append((i, steer(logits, s, counts) if s.steers() else logits, generator))
+    tokens = [0] * len(rows)
+    for key, members in groups.items():
+        drawn = sample_next_tokens(torch.cat([logits for _, logits, _ in members]), [g for _, _, g in members], *key)
+        for (i, _, _), token in zip(members, drawn.tolist()):
+            tokens[i] = token
+    return tokens
+
+
 # -----------------------------------------------------------------------------
 # The KV cache: a row per sequence, each at its own length
 
@@ -1050,10 +1070,9 @@ class BatchEngine:
         """Give every sequence whose logits are ready its token; those that go on then await a decode step."""
         emitted = []
         ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
-        steered = {id(seq): steer(seq.logits, seq.sampling, seq.counts) for seq in ready if seq.sampling.steers()}
-        sampled = self._draw(ready, steered)
-        for seq in ready:
-            token, mask = seq.tool.take(sampled[id(seq)], self.ids, self.tokenizer)
+        sampled = choose_tokens([(seq.logits, seq.sampling, seq.generator, seq.counts) for seq in ready])
+        for seq, choice in zip(ready, sampled):
+            token, mask = seq.tool.take(choice, self.ids, self.tokenizer)
             if seq.sampling.logprobs is not None:  # of the token the sequence gets (a forced one's too)
                 seq.logprob = token_logprobs(seq.logits, token, seq.sampling.logprobs)
             seq.counts[token] = seq.counts.get(token, 0) + 1
@@ -1070,24 +1089,6 @@ class BatchEngine:
             if seq.finished is not None:
                 self._release(seq)
         return emitted
-
-    def _draw(self, ready, steered):
-        """{id(seq): the token it samples} for `ready` (their logits, or those `steered` holds by id): one argmax for
-        every greedy row, one draw for the rows of each temperature, top-k and top-p, each row from its own generator
-        (row by row, the Python between a draw's dozen small ops cost ~30 us a row: 0.5 ms of a 16-row step)."""
-        sampled, groups = {}, {}
-        for seq in ready:
-            s = seq.sampling
-            key = None if s.temperature < GREEDY_BELOW else (s.temperature, s.top_k, s.top_p)
-            groups.setdefault(key, []).append(seq)
-        for key, seqs in groups.items():
-            logits = torch.cat([steered.get(id(seq), seq.logits) for seq in seqs])
-            if key is None:
-                tokens = logits.argmax(dim=-1).tolist()
-            else:
-                tokens = sample_next_tokens(logits, [seq.generator for seq in seqs], *key).tolist()
-            sampled.update(zip(map(id, seqs), tokens))
-        return sampled
 
     def _release(self, seq):
         if seq in self.running:
@@ -1180,6 +1181,7 @@ class Engine:
         one position). Each row draws from its own generator, seeded as the batching engine seeds it.
         """
         device, ids = self.model.get_device(), ChatTokens(self.tokenizer)
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
         generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(num_samples)]
         with torch.inference_mode():
             prompt_cache = self._new_kv_cache(1, len(tokens), device)
@@ -1197,7 +1199,7 @@ class Engine:
                     token, mask = row.finished_with, 0
                 else:
                     with torch.inference_mode():
-                        sampled = int(sample_next_tokens(logits[i:i + 1], generators[i], temperature, top_k, top_p))
+                        (sampled,) = choose_tokens([(logits[i:i + 1], sampling, generators[i], {})])
                     token, mask = row.take(sampled, ids, self.tokenizer)
                 column.append(token)
                 masks.append(mask)

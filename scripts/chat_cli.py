@@ -12,16 +12,18 @@ Status lines go to stderr, replies to stdout, so `-p` output can be piped.
 """
 
 import argparse
+import secrets
 import sys
 
 import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, compute_init, inference_threads, run_main
-from nanochat.engine import Engine
-from nanochat.serving.chat import (MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE, Finish, MarkupWriter,
-                                   Piece, RequestError, check_number, fit_conversation, fit_text, generate_replies,
+from nanochat.engine import Engine, Sampling
+from nanochat.serving.chat import (MAX_TOKENS_RANGE, SEED_MODULUS, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE,
+                                   MarkupWriter, RequestError, check_number, fit_conversation, fit_text, generate_replies,
                                    model_summary, prompt_budget)
+from nanochat.serving.events import Finish, Piece
 
 
 def parse_args(argv=None):
@@ -56,8 +58,9 @@ def stream_reply(engine, prompt_ids, args, chat):
     """Print one reply as it is written; returns its parts (for the conversation) once it is finished."""
     writer = MarkupWriter(TERMINAL_MARKUP)
     parts, reason = [], None
-    for event in generate_replies(engine, prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, chat=chat):
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, max_tokens=args.max_tokens,
+                        seed=secrets.randbelow(SEED_MODULUS))  # a fresh draw each reply: asked again, it may differ
+    for event in generate_replies(engine, prompt_ids, sampling, chat=chat):
         if isinstance(event, Piece):
             print(writer.write(event.kind, event.text), end="", flush=True)
         elif isinstance(event, Finish):

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
-from nanochat.engine import Engine
+from nanochat.engine import Engine, Sampling
 from nanochat.gpt import GPTConfig, build_model
-from nanochat.serving.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, Finish, MarkupWriter,
-                                   Piece, RequestError, ReplyStream, fit_conversation, generate_replies, parse_markup,
+from nanochat.serving.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, MarkupWriter,
+                                   RequestError, ReplyStream, fit_conversation, generate_replies, parse_markup,
                                    parts_as_markup, validate_messages)
+from nanochat.serving.events import Finish, Piece
 from nanochat.serving.openai_api import read_sampling
 from nanochat.tokenizer import RustBPETokenizer
 
@@ -191,7 +192,7 @@ def test_tool_calls_come_out_as_parts_and_read_back(tokenizer):
     pieces = ["Let me compute. ", special("<|python_start|>"), "12*3", special("<|python_end|>"), *([0] * len(forced)),
               " So it is 36.", special("<|assistant_end|>")]
     engine = scripted_engine(tokenizer, prompt, pieces)
-    events = list(generate_replies(engine, prompt, max_tokens=100, temperature=0.0))
+    events = list(generate_replies(engine, prompt, Sampling(temperature=0.0, max_tokens=100)))
     finish = events[-1]
     assert isinstance(finish, Finish) and finish.reason == "stop"
     expected = [{"type": "text", "text": "Let me compute. "}, {"type": "python", "text": "12*3"},
@@ -218,12 +219,12 @@ def test_tool_calls_come_out_as_parts_and_read_back(tokenizer):
 def test_stop_strings_cut_the_reply_even_across_tokens(tokenizer):
     prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "count"}]})
     engine = scripted_engine(tokenizer, prompt, ["one two three four five six"])
-    events = list(generate_replies(engine, prompt, max_tokens=40, temperature=0.0, stop=["thr", "xyz"]))
+    events = list(generate_replies(engine, prompt, Sampling(temperature=0.0, max_tokens=40, stop=["thr", "xyz"])))
     text = "".join(e.text for e in events if isinstance(e, Piece))
     assert text == "one two " and events[-1].reason == "stop"
     assert events[-1].parts == [{"type": "text", "text": "one two "}]
     # no stop string: the script runs to max_tokens
-    events = list(generate_replies(engine, prompt, max_tokens=3, temperature=0.0))
+    events = list(generate_replies(engine, prompt, Sampling(temperature=0.0, max_tokens=3)))
     assert events[-1].reason == "length" and events[-1].completion_tokens == 3
 
 

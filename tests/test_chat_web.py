@@ -484,8 +484,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
     """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
     model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
     from nanochat.engine import Sampling
-    from nanochat.serving.chat import Finish
-    from nanochat.serving.workers import Add, Admitted, Ended, Stop
+    from nanochat.serving.events import Add, Admitted, Ended, Finish, Stop
     from nanochat.serving.workers import load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
@@ -501,7 +500,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
             message = worker.conn.recv()
             occupancy = message.occupancy
             events += [e for key, batch in message.ready if key == 7 for e in batch]
-        assert isinstance(events[0], Admitted) and occupancy["rows"] == 3
+        assert isinstance(events[0], Admitted) and occupancy.rows == 3
         finish = next(e for e in events if isinstance(e, Finish))
         assert finish.completion_tokens == 5 and events[-1].tokens == 5
         worker.conn.send(Stop())

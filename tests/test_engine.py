@@ -93,6 +93,29 @@ def test_greedy_equals_full_recompute_and_stops_at_the_context(model, tokenizer)
         next(engine.generate(list(range(1, CONTEXT + 2))))
 
 
+@pytest.mark.quick
+def test_greedy_samples_write_what_the_loop_they_replaced_wrote(model, tokenizer):
+    """training.recipe.greedy_samples (base_train's and base_loss's look at a model) decodes on the engine: the same
+    text as the loop it replaced, which fed the whole sequence for every token and stopped at <|bos|>."""
+    from nanochat.training.recipe import greedy_samples
+
+    bos = tokenizer.get_bos_token_id()
+
+    def replaced_loop(prompt, max_tokens):
+        ids = tokenizer.encode(prompt, prepend=bos)
+        for _ in range(max_tokens):
+            with torch.no_grad():
+                next_id = int(model(torch.tensor([ids[-CONTEXT:]]))[0, -1].argmax())
+            if next_id == bos:
+                break
+            ids.append(next_id)
+        return tokenizer.decode(ids[1:])
+
+    prompts = ["The quick brown", "How many r letters are", "Numbers like 1024", "What is 12*3?"]
+    expected = [replaced_loop(prompt, 12) for prompt in prompts]
+    assert greedy_samples(model, tokenizer, prompts, max_tokens=12) == expected
+
+
 # -----------------------------------------------------------------------------
 # Sampling
 

@@ -3,10 +3,11 @@ Talking to a trained model: what chat_cli and chat_web share.
 
     messages = validate_messages(request["messages"])          # RequestError names the field and the reason
     prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
-    for event in generate_replies(engine, prompt.ids, max_tokens=64, temperature=0.6, top_k=50):
+    for event in generate_replies(engine, prompt.ids, Sampling(temperature=0.6, top_k=50, max_tokens=64)):
         ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
 
-The OpenAI API's requests and responses are nanochat/serving/openai_api.py.
+The OpenAI API's requests and responses are nanochat/serving/openai_api.py; Piece, Finish and the other events of a
+reply are nanochat/serving/events.py.
 A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
 wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
 so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
@@ -16,11 +17,11 @@ and the UI's endpoint; the OpenAI API takes it whole or refuses it (whole_conver
 
 import math
 import re
-import secrets
 from collections import deque
 from dataclasses import dataclass
 
 from nanochat.engine import StreamDecoder
+from nanochat.serving.events import Finish, Piece
 
 # -----------------------------------------------------------------------------
 # Limits on what a client may ask for. They keep one request from holding a worker for long or filling memory;
@@ -327,21 +328,6 @@ def fit_text(tokenizer, text, max_prompt_tokens):
 # Replies, token by token
 
 
-@dataclass
-class Piece:
-    index: int  # which sample
-    kind: str  # "text", "python" or "python_output"
-    text: str  # may be "" when a tool part begins
-
-
-@dataclass
-class Finish:
-    index: int
-    reason: str  # "stop" (end of turn, stop string) or "length" (max_tokens or the context ran out)
-    completion_tokens: int  # tokens generated for this reply, the one that ended it included
-    parts: list  # the whole reply as parts
-
-
 class StopStrings:
     """
     A request's stop strings as one automaton (Aho-Corasick) that reads a reply's text once, a character at a time:
@@ -446,6 +432,16 @@ class ReplyStream:
         self.finish_reason = reason
         return pieces
 
+    def events(self, index, token=None, length=False):
+        """What one more token (or none) makes of sample `index`'s reply: a Piece for each piece of text, then a Finish
+        if the reply ends; length: the engine ended it there (max_tokens, or the context ran out)."""
+        was_open = self.finish_reason is None
+        pieces = (self.push(token) if token is not None else []) + (self.finish("length") if length else [])
+        events = [Piece(index, kind, text) for kind, text in pieces]
+        if was_open and self.finish_reason is not None:
+            events.append(Finish(index, self.finish_reason, self.num_tokens, self.parts))
+        return events
+
     def _text(self, text):
         self.pending += text
         self.stop_state, found = self.stops.read(self.stop_state, text)
@@ -477,35 +473,29 @@ class ReplyStream:
         return kind, text
 
 
-def generate_replies(engine, prompt_ids, num_samples=1, max_tokens=256, temperature=0.6, top_k=50, top_p=None,
-                     seed=None, stop=(), chat=True):
+def generate_replies(engine, prompt_ids, sampling, chat=True):
     """
-    Sample num_samples replies to a prompt together, yielding Piece(index, kind, text) as each grows and
-    Finish(index, reason, completion_tokens, parts) once per reply.
+    Sample sampling.num_samples replies to a prompt together on an Engine, yielding Piece(index, kind, text) as each
+    grows and Finish(index, reason, completion_tokens, parts) once per reply. Engine samples by temperature, top-k,
+    top-p and seed; the penalties, bias and logprobs are the server's (its workers' BatchEngine).
     """
-    tokenizer = engine.tokenizer
-    streams = [ReplyStream(tokenizer, stop, chat) for _ in range(num_samples)]
-    seed = secrets.randbelow(SEED_MODULUS) if seed is None else seed
-    steps = engine.generate(prompt_ids, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, seed=seed)
+    s = sampling
+    if s.steers() or s.logprobs is not None:
+        raise ValueError("generate_replies samples without penalties, logit_bias or logprobs: serve those (workers.py)")
+    streams = [ReplyStream(engine.tokenizer, s.stop, chat) for _ in range(s.num_samples)]
+    steps = engine.generate(prompt_ids, num_samples=s.num_samples, max_tokens=s.max_tokens, temperature=s.temperature,
+                            top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     try:
         for column, _ in steps:
             for index, (stream, token) in enumerate(zip(streams, column)):
-                was_open = stream.finish_reason is None
-                for kind, text in stream.push(token):
-                    yield Piece(index, kind, text)
-                if was_open and stream.finish_reason is not None:
-                    yield Finish(index, stream.finish_reason, stream.num_tokens, stream.parts)
+                yield from stream.events(index, token)
             if all(stream.finish_reason is not None for stream in streams):
                 return
     finally:
         steps.close()  # frees the KV cache now, not when the generator is garbage collected
     # The engine stopped with replies still open: max_tokens, or prompt plus reply filled the context.
     for index, stream in enumerate(streams):
-        if stream.finish_reason is None:
-            for kind, text in stream.finish("length"):
-                yield Piece(index, kind, text)
-            yield Finish(index, "length", stream.num_tokens, stream.parts)
+        yield from stream.events(index, length=True)
 
 
 # -----------------------------------------------------------------------------

@@ -37,10 +37,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nanochat.engine import Sampling
 from nanochat.common import print0
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, MAX_TOTAL_CHARS, MODEL_MARKUP, NUM_SAMPLES_RANGE, READABLE_MARKUP,
-                                   SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, TURN_TOKENS, Finish,
-                                   MarkupWriter, Piece, RequestError, check_number, validate_messages,
-                                   whole_conversation)
-from nanochat.serving.workers import Token
+                                   SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, TURN_TOKENS,
+                                   MarkupWriter, RequestError, check_number, validate_messages, whole_conversation)
+from nanochat.serving.events import Failure, Finish, Piece, Token
 
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 100  # OpenAI allows 4 and vLLM any number; harnesses add their own end string
@@ -872,8 +871,8 @@ class ChatReplies:
                 new = self._new(event.index)
                 new[0], new[1] = new[0] + text, event.reason
                 self.finished[event.index] = event
-            else:
-                failure = event
+            elif isinstance(event, Failure):
+                failure = event.reason
         return failure
 
     def _new(self, index):
@@ -948,8 +947,8 @@ class Completions:
                 self.reason[choice] = event.reason
                 self.completion_tokens += event.completion_tokens
                 self.new.setdefault(choice, "")
-            elif isinstance(event, str):
-                failure = event
+            elif isinstance(event, Failure):
+                failure = event.reason
         return failure
 
     def deltas(self):

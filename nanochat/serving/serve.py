@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanochat.common import UserError, print0
-from nanochat.serving.chat import Finish, Piece, RequestError, fit_conversation, prompt_budget, validate_messages
+from nanochat.serving.chat import RequestError, fit_conversation, prompt_budget, validate_messages
+from nanochat.serving.events import Failure, Finish, Piece
 from nanochat.serving.openai_api import (CLIENT_SCOPE_KEY, SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes,
                                          check_bool, check_model, client_of, openai_error, openai_usage, read_json_body,
                                          read_sampling, sse, until_disconnect)
@@ -80,8 +81,8 @@ class UIRoutes:
                 elif isinstance(event, Finish):
                     usage = openai_usage(len(prompt.ids), event.completion_tokens)
                     out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
-                elif event is not None:
-                    out.append(sse({"error": event}))
+                elif isinstance(event, Failure):
+                    out.append(sse({"error": event.reason}))
             return "".join(out)  # the None at the end flushed the last run of pieces
 
         async def stream():

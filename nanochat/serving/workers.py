@@ -1,8 +1,8 @@
 """
-The worker processes behind chat_web, both sides of their pipe: what the server and a worker say to each other
-(typed messages), the server's side (a handle on each worker, the pool that sends each request to the least loaded
-one, starting them), and the worker's side (the loop that runs continuous batching over its requests with
-nanochat/engine.py's BatchEngine). The HTTP side is nanochat/serving/serve.py, the OpenAI protocol
+The worker processes behind chat_web, both sides of their pipe: the server's side (a handle on each worker, the pool
+that sends each request to the least loaded one, starting them) and the worker's side (the loop that runs continuous
+batching over its requests with nanochat/engine.py's BatchEngine). What they say to each other is
+nanochat/serving/events.py; the HTTP side is nanochat/serving/serve.py, the OpenAI protocol
 nanochat/serving/openai_api.py.
 
 A request goes to the least loaded worker and waits for rows of its batch; one that waits longer than the pool's
@@ -12,11 +12,13 @@ disconnects is cancelled and frees its rows at the worker's next step (while it 
 prefilled). A scoring request (the log probabilities of prompts, for /v1/completions' echo) needs no rows: the worker
 scores it a slice at a time between two decode steps. On a stop every request ends at once, with its reason.
 
+Each request has a name on either side of the pipe: a GenerationRequest or ScoringRequest in the server (what its
+endpoint awaits), a GenerationJob or ScoringJob in the worker (what its loop runs).
+
 A worker is a process, not a thread: a small model's decode step is hundreds of small ops, each of which takes
-Python's lock back from the event loop, whose own Python (every client's stream) it then waits for. Measured at 16
-clients on a 2-core CPU: 6.9 ms a step in a thread beside the server, 4.7 ms for the same load with nothing beside
-it; served tok/s went from ~2,000 to ~2,800 (dev/LOG.md, the old BENCHMARKS.md's "Serving"). On a CPU a worker
-shares the server's copy of the weights (forked); on a GPU each loads its replica.
+Python's lock back from the event loop, whose own Python (every client's stream) it then waits for (dev/LOG.md and
+docs/serving.md have the measurements). On a CPU a worker shares the server's copy of the weights (forked); on a GPU
+each loads its replica.
 """
 
 import asyncio
@@ -31,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -39,9 +41,10 @@ import torch
 from nanochat.checkpoint_manager import load_model
 from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
                              use_cuda_device)
-from nanochat.engine import (GREEDY_BELOW, BatchEngine, kv_budget_bytes, kv_row_bytes, sample_next_tokens, steer,
-                             token_logprobs)
-from nanochat.serving.chat import Finish, Piece, ReplyStream, RequestError, StopStrings, model_info, summary_line
+from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
+from nanochat.serving.chat import ReplyStream, RequestError, StopStrings, model_info, summary_line
+from nanochat.serving.events import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, Score, Scored,
+                                     Stop, Token)
 from nanochat.tokenizer import get_tokenizer
 
 # Prompt tokens that may wait to be scored at once, over all workers (a request past it gets a 503, unless nothing
@@ -54,117 +57,10 @@ IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (
 # 2,048-token context runs as 64 slices, and a stream decoding beside it waits at most one slice for its next token
 SCORE_SLICE_TOKENS = 2048
 # While rows are decoding, scoring gets at most this share of the worker's time: after a slice that took s seconds the
-# worker decodes for 2s before the next one. A slice between every two decode steps, as before, let eight maximal
+# worker decodes for 2s before the next one. A slice between every two decode steps let eight maximal
 # scoring requests slow a stream beside them ~25x (a slice of 2,048 tokens is ~100 decode steps of a small model);
 # with a third, a stream keeps two thirds of its worker's steps (docs/serving.md has what was measured)
 SCORING_SHARE = 1 / 3
-
-
-# -----------------------------------------------------------------------------
-# The server to a worker
-
-
-@dataclass
-class Add:
-    """Decode a request's replies: one Sampling a reply (Sampling.per_sample), chat markup or plain completion text.
-    owner: the number of the client that asked (ClientShare.number): its rows share decode steps with other clients'."""
-
-    key: int
-    prompt_ids: list
-    samplings: list
-    chat: bool
-    owner: int = 0
-
-
-@dataclass
-class Score:
-    """Score prompts (their tokens' log probabilities, `top` alternatives each), a slice between two decode steps; for
-    each Sampling, also the one token that follows each prompt (a max_tokens 1 request needs no decode step)."""
-
-    key: int
-    prompts: list
-    top: int
-    samplings: list = field(default_factory=list)
-
-
-@dataclass
-class Cancel:
-    """Withdraw a request (its client left): its rows are freed, its unscored slices never run."""
-
-    key: int
-
-
-@dataclass
-class Stop:
-    """End the worker process."""
-
-
-# -----------------------------------------------------------------------------
-# A worker to the server
-
-
-@dataclass
-class Ready:
-    """The model is loaded: what it is (chat.model_info), the rows its engine batches, its KV cache's bytes, and what
-    its decode step was measured to cost (DecodeCost.summary; "" with one row, which nobody shares)."""
-
-    info: dict
-    rows: int
-    cache_bytes: int
-    decode_cost: str = ""
-
-
-@dataclass
-class Failed:
-    """The model could not be loaded (the server stops before serving anything)."""
-
-    reason: str
-
-
-@dataclass
-class Events:
-    """The new events of some requests [(key, [event, ...])], and the engine's occupancy (for /stats)."""
-
-    ready: list
-    occupancy: dict
-
-
-# -----------------------------------------------------------------------------
-# The events of one request
-
-
-@dataclass
-class Admitted:
-    """A request's samples have rows of the batch: it no longer counts against the queue timeout."""
-
-
-@dataclass
-class Ended:
-    """A request's last event, with what it cost (for the server's log and /stats)."""
-
-    tokens: int
-    seconds: float
-    replies_finished: int
-
-
-@dataclass
-class Token:
-    """A reply's token with its log probability and the most likely alternatives [(id, log p)], for a request that
-    asked for logprobs (sent before the text it adds)."""
-
-    index: int
-    token: int
-    logprob: float
-    top: list
-
-
-@dataclass
-class Scored:
-    """A prompt's tokens' log probabilities: ((log p or None, ((id, log p), ...)), ...) a token, for /v1/completions'
-    echo."""
-
-    index: int
-    tokens: tuple
 
 
 # -----------------------------------------------------------------------------
@@ -191,8 +87,8 @@ class Worker:
 
     def __init__(self, index, process, conn, rows):
         self.index, self.process, self.conn, self.rows = index, process, conn, rows
-        self.generations = {}  # key -> Generation, not yet ended
-        self.occupancy = {"rows": rows, "active": 0, "waiting": 0, "shared_steps": 0, "rows_passed_by": 0}
+        self.requests = {}  # key -> GenerationRequest or ScoringRequest, not yet ended
+        self.occupancy = Occupancy(rows)
         self.alive = True
         self.loop = None
         self.outgoing = queue.Queue()  # messages for the worker; None ends the sender
@@ -204,7 +100,7 @@ class Worker:
         self.sender.start()
 
     def submit(self, generation):
-        self.generations[generation.key] = generation
+        self.requests[generation.key] = generation
         self.send(Add(generation.key, generation.prompt_ids, generation.samplings, generation.chat, generation.owner))
 
     def send(self, message):
@@ -220,7 +116,7 @@ class Worker:
 
     def load(self):
         """Rows this worker has been asked for: where the next request goes is the least loaded worker."""
-        return sum(g.num_samples for g in self.generations.values())
+        return sum(r.num_samples for r in self.requests.values())
 
     def _read(self):
         """In the event loop, when the worker process has sent something."""
@@ -229,21 +125,21 @@ class Worker:
                 message = self.conn.recv()
                 self.occupancy = message.occupancy
                 for key, events in message.ready:
-                    if key in self.generations:
-                        self.generations[key].receive(events)
+                    if key in self.requests:
+                        self.requests[key].receive(events)
         except (EOFError, OSError):
             self._lost()
 
     def _lost(self):
         self.loop.remove_reader(self.conn.fileno())
         self.alive = False
-        self.occupancy = {**self.occupancy, "active": 0, "waiting": 0}
+        self.occupancy = replace(self.occupancy, active=0, waiting=0)
         self.process.join(1)
         reason = (f"generation failed: worker {self.index} exited (exit code {self.process.exitcode}); "
                   "restart the server")
         print0(reason)
-        for generation in list(self.generations.values()):
-            generation.receive([reason, Ended(0, 0.0, 0)])
+        for request in list(self.requests.values()):
+            request.receive([Failure(reason), Ended(0, 0.0, 0)])
 
     def stop(self):
         """Tell the worker to stop; its end is expected, not a failure to report."""
@@ -345,9 +241,9 @@ class WorkerPool:
         Returns how many were ended."""
         self.stopping = reason
         ended = list(self.active) + list(self.scorings)
-        for generation in ended:
-            generation.cancel()
-            generation.receive([reason, Ended(getattr(generation, "tokens", 0), 0.0, 0)])
+        for request in ended:
+            request.cancel()
+            request.receive([Failure(reason), Ended(getattr(request, "tokens", 0), 0.0, 0)])
         held_back = self.held_back
         for share in self.clients.values():  # requests waiting for their client's share wake up to a 503
             share.freed.set()
@@ -374,11 +270,11 @@ class WorkerPool:
 
     async def submit(self, prompt_ids, sampling, chat=True, client=""):
         """
-        A Generation on the least loaded worker, once the engine has given its samples rows. `client` (a key, or a peer
-        address) may hold client_rows rows: a request beyond them waits here for the client's own requests to end (at
-        most client_queue of them wait so; one more gets a 503 at once), and what the client holds never keeps another
-        client's request from a row. A request that waits longer than the queue timeout in all is withdrawn and gets a
-        503.
+        A GenerationRequest on the least loaded worker, once the engine has given its samples rows. `client` (a key,
+        or a peer address) may hold client_rows rows: a request beyond them waits here for the client's own requests to
+        end (at most client_queue of them wait so; one more gets a 503 at once), and what the client holds never keeps
+        another client's request from a row. A request that waits longer than the queue timeout in all is withdrawn and
+        gets a 503.
         """
         if self.stopping:
             raise ServerStopping(self.stopping)
@@ -400,7 +296,7 @@ class WorkerPool:
         try:
             await self.wait_for_share(share, sampling.num_samples, deadline)
             worker = min(roomy, key=lambda w: w.load())
-            generation = Generation(self, worker, next(self.keys), prompt_ids, sampling, chat)
+            generation = GenerationRequest(self, worker, next(self.keys), prompt_ids, sampling, chat)
             generation.client, share.rows = client, share.rows + sampling.num_samples  # given back in finished()
             generation.owner = share.number
             worker.submit(generation)
@@ -474,14 +370,14 @@ class WorkerPool:
             raise QueueFull(f"this client has {held:,} prompt tokens waiting to be scored already (its share: "
                             f"{self.client_scoring_tokens:,}, --client-share); try again shortly")
         worker = min(alive, key=lambda w: w.load())
-        scoring = Scoring(self, worker, next(self.keys), tokens, client)
+        scoring = ScoringRequest(self, worker, next(self.keys), tokens, client)
         worker.send(Score(scoring.key, prompts, top, list(samplings)))
         try:
             events = await scoring.done
         except BaseException:  # cancelled: the client left, or the server is stopping
             scoring.cancel()
             raise
-        failure = next((e for e in events if isinstance(e, str)), None)
+        failure = next((e.reason for e in events if isinstance(e, Failure)), None)
         if failure:
             raise ServerStopping(failure) if self.stopping else RuntimeError(failure)
         scored = [e.tokens for e in sorted((e for e in events if isinstance(e, Scored)), key=lambda e: e.index)]
@@ -512,14 +408,14 @@ class WorkerPool:
 
     def stats(self):
         occupancy = [w.occupancy for w in self.workers]
-        busy = sum(1 for o in occupancy if o["active"])
-        rows, active = sum(o["rows"] for o in occupancy), sum(o["active"] for o in occupancy)
+        busy = sum(1 for o in occupancy if o.active)
+        rows, active = sum(o.rows for o in occupancy), sum(o.active for o in occupancy)
         return {
-            "queue_depth": sum(o["waiting"] for o in occupancy) + self.held_back,
+            "queue_depth": sum(o.waiting for o in occupancy) + self.held_back,
             "workers": {"total": len(self.workers), "busy": busy, "free": len(self.workers) - busy},
             "batch": {"rows": rows, "active": active, "occupancy": round(active / rows, 3),
-                      "shared_steps": sum(o["shared_steps"] for o in occupancy),
-                      "rows_passed_by": sum(o["rows_passed_by"] for o in occupancy)},
+                      "shared_steps": sum(o.shared_steps for o in occupancy),
+                      "rows_passed_by": sum(o.rows_passed_by for o in occupancy)},
             "requests_served": self.requests_served,
             "requests_cancelled": self.requests_cancelled,
             "requests_rejected": self.requests_rejected,
@@ -535,13 +431,10 @@ class WorkerPool:
         }
 
 
-_END = object()  # the end of a generation's events, in its queue
-
-
-class Generation:
+class GenerationRequest:
     """
-    One request's replies, on the server's side: its worker process sends its events (Piece, Finish, or an error
-    string), which come out of `event_batches()` in the event loop. cancel() withdraws it before the worker's next step.
+    One request's replies, on the server's side: its worker process sends its events (Token, Piece, Finish, Failure),
+    which come out of `event_batches()` in the event loop. cancel() withdraws it before the worker's next step.
     """
 
     def __init__(self, pool, worker, key, prompt_ids, sampling, chat):
@@ -563,17 +456,16 @@ class Generation:
             if isinstance(event, Admitted):
                 self.was_admitted = True
                 self.admitted.set()
-            elif isinstance(event, Ended):
+                continue
+            if isinstance(event, Ended):
                 self.tokens, self.seconds, self.replies_finished = event.tokens, event.seconds, event.replies_finished
                 self.ended = True
-                out.append(_END)
-            else:
-                out.append(event)
+            out.append(event)
         if out:
             self.queue.put_nowait(out)
         if self.ended:
             self.admitted.set()
-            self.worker.generations.pop(self.key, None)
+            self.worker.requests.pop(self.key, None)
             self.pool.finished(self)
 
     def cancel(self):
@@ -585,17 +477,18 @@ class Generation:
             self.admitted.set()
 
     async def event_batches(self):
-        """Lists of events as the worker sends them (a stream writes each list in one piece)."""
+        """Lists of events as the worker sends them (a stream writes each list in one piece), until Ended."""
         while True:
             events = await self.queue.get()
-            if events[-1] is _END:
-                if len(events) > 1:
-                    yield events[:-1]
-                return
-            yield events
+            if not isinstance(events[-1], Ended):
+                yield events
+                continue
+            if len(events) > 1:
+                yield events[:-1]
+            return
 
 
-class Scoring:
+class ScoringRequest:
     """A scoring request on the server's side: its worker's events, a slice at a time, until its Ended (Worker._read
     hands them over); `done` then holds them all."""
 
@@ -605,7 +498,7 @@ class Scoring:
         self.pool, self.worker, self.key, self.tokens, self.client = pool, worker, key, tokens, client
         self.events, self.ended = [], False
         self.done = asyncio.get_running_loop().create_future()
-        worker.generations[key] = self
+        worker.requests[key] = self
         pool.scorings.add(self)
         pool.scoring_tokens += tokens
         pool.share_of(client).scoring_tokens += tokens
@@ -617,7 +510,7 @@ class Scoring:
         self.ended = True
         if not self.done.done():
             self.done.set_result(self.events)
-        self.worker.generations.pop(self.key, None)
+        self.worker.requests.pop(self.key, None)
         self.pool.scorings.discard(self)
         self.pool.scoring_tokens -= self.tokens
         self.pool.share_of(self.client).scoring_tokens -= self.tokens
@@ -656,8 +549,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
             raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
         devices = [device] * count
     threads = inference_threads(device, threads, count)
-    settings = {"source": source, "model_tag": model_tag, "step": step, "threads": threads, "max_batch": max_batch,
-                "kv_memory_gib": kv_memory_gib, "num_workers": count, "prefill_chunk": prefill_chunk, "decode": decode}
+    settings = WorkerSettings(source, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode)
     preloaded = None
     if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
         # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
@@ -698,7 +590,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
             except EOFError:
                 process.join(5)
                 raise UserError(f"worker {index} exited while loading the model (exit code {process.exitcode})") from None
-            if isinstance(reply, Failed):
+            if isinstance(reply, Failure):
                 raise UserError(reply.reason)
             replies.append(reply)
     except BaseException:  # one worker failed (or Ctrl-C): the others must not outlive the server
@@ -741,7 +633,7 @@ class ScoringJob:
         return range(self.next, end)
 
 
-class Job:
+class GenerationJob:
     """A request as its worker process sees it: its sequences in the engine and its replies' text so far."""
 
     def __init__(self, key, samplings, stop, chat, tokenizer):
@@ -768,15 +660,10 @@ class Job:
         stream = self.streams[index]
         if seq.logprob is not None:  # the token that ends the reply too: the endpoints decide what to show
             self.emit(Token(index, token, *seq.logprob))
-        for kind, text in stream.push(token):
-            self.emit(Piece(index, kind, text))
-        if stream.finish_reason is None and seq.finished == "length":
-            for kind, text in stream.finish("length"):
-                self.emit(Piece(index, kind, text))
+        self.outbox += stream.events(index, token, length=seq.finished == "length")
         if stream.finish_reason is not None:
             self.tokens += stream.num_tokens
             self.replies_finished += 1
-            self.emit(Finish(index, stream.finish_reason, stream.num_tokens, stream.parts))
 
     def done(self):
         return self.replies_finished == len(self.samplings)
@@ -795,10 +682,10 @@ class EngineLoop:
 
     def __init__(self, conn, engine):
         self.conn, self.engine = conn, engine
-        self.jobs = {}  # key -> Job, given to the engine (waiting for rows, or running)
-        self.scorings = OrderedDict()  # key -> ScoringJob, served a slice each in turn
+        self.jobs = {}  # key -> GenerationJob, given to the engine (waiting for rows, or running)
+        self.scoring_jobs = OrderedDict()  # key -> ScoringJob, served a slice each in turn
         self.ended = []  # ended since the last flush: their last events are still to be sent
-        self.owner = {}  # id(Sequence) -> (Job, sample index)
+        self.owner = {}  # id(Sequence) -> (GenerationJob, sample index)
         self.flushed = 0.0  # when events were last sent
         self.trimmed = True  # nothing allocated since the last malloc_trim
         self.decode_owed = 0.0  # seconds of decoding due before the next scoring slice (SCORING_SHARE)
@@ -806,8 +693,8 @@ class EngineLoop:
     def run(self):
         try:
             while True:
-                self._flush(force=not self.jobs and not self.scorings)
-                if not self.jobs and not self.scorings:  # idle: wait for the next message
+                self._flush(force=not self.jobs and not self.scoring_jobs)
+                if not self.jobs and not self.scoring_jobs:  # idle: wait for the next message
                     if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
                         return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
                         self.trimmed = True
@@ -824,7 +711,7 @@ class EngineLoop:
                     self.decode_owed = max(0.0, self.decode_owed - (time.perf_counter() - started))
                 else:
                     self.decode_owed = 0.0  # nothing decodes: scoring may take the whole worker
-                if self.scorings and self.decode_owed == 0:
+                if self.scoring_jobs and self.decode_owed == 0:
                     started = time.perf_counter()
                     self._score_slice()
                     if self.engine.busy():  # rows decode beside it: they get their share before the next slice
@@ -839,18 +726,17 @@ class EngineLoop:
             case Add():
                 self._add(message)
             case Score():
-                self.scorings[message.key] = ScoringJob(message.key, message.prompts, message.top, message.samplings)
+                self.scoring_jobs[message.key] = ScoringJob(message.key, message.prompts, message.top, message.samplings)
             case Cancel(key=key) if key in self.jobs:
                 self._drop(self.jobs[key])
-            case Cancel(key=key) if key in self.scorings:  # its client left: the slices not yet run never run
-                job = self.scorings.pop(key)
+            case Cancel(key=key) if key in self.scoring_jobs:  # its client left: the slices not yet run never run
+                job = self.scoring_jobs.pop(key)
                 self.conn.send(Events([(job.key, [Ended(0, time.perf_counter() - job.started, 0)])],
                                       self._occupancy()))
         return True
 
     def _occupancy(self):
-        """The engine's rows for /stats, and how often a client's row waited a step because clients shared it."""
-        return {**self.engine.occupancy(), "rows_passed_by": self.engine.rows_passed_by}
+        return Occupancy(**self.engine.occupancy(), rows_passed_by=self.engine.rows_passed_by)
 
     def _step(self):
         self.trimmed = False
@@ -859,7 +745,7 @@ class EngineLoop:
         except Exception as e:  # a bug, or the device failing: every request in flight gets a 500
             traceback.print_exc()
             for job in list(self.jobs.values()):
-                job.emit(f"generation failed: {type(e).__name__}: {e}")
+                job.emit(Failure(f"generation failed: {type(e).__name__}: {e}"))
                 self._drop(job)
             return
         for job in self.jobs.values():
@@ -889,11 +775,11 @@ class EngineLoop:
             self.conn.send(Events(ready, self._occupancy()))
 
     def _add(self, add):
-        job = Job(add.key, add.samplings, add.samplings[0].stop, add.chat, self.engine.tokenizer)
+        job = GenerationJob(add.key, add.samplings, add.samplings[0].stop, add.chat, self.engine.tokenizer)
         try:
             job.seqs = self.engine.add_group(add.prompt_ids, add.samplings, owner=add.owner)
         except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
-            job.emit(f"generation failed: {e}")
+            job.emit(Failure(f"generation failed: {e}"))
             job.end()
             self.ended.append(job)
             return
@@ -908,29 +794,29 @@ class EngineLoop:
         max_tokens 1 request needs no decode step); then that request goes to the back of the line. Each slice's
         events go out at once; the last one ends the request.
         """
-        key, job = next(iter(self.scorings.items()))
+        key, job = next(iter(self.scoring_jobs.items()))
         events, indices = [], job.next_slice()
         try:
             scored = self.engine.score([job.prompts[i] for i in indices], job.top)
-            for i, (tokens, last) in zip(indices, scored):
+            for i, (tokens, _) in zip(indices, scored):
                 # tuples, not lists: on the server, eight maximal requests' scores are ~1,000,000 of them, which the
                 # garbage collector stops tracking once it sees they hold plain numbers (lists it walks every time)
                 events.append(Scored(i, tuple((logprob, tuple(top)) for logprob, top in tokens)))
-                for j, s in enumerate(job.samplings):
-                    generator = torch.Generator(device=last.device)
-                    generator.manual_seed(s.seed)
-                    logits = steer(last, s, {}) if s.steers() else last
-                    token = int(logits.argmax()) if s.temperature < GREEDY_BELOW else \
-                        int(sample_next_tokens(logits, generator, s.temperature, s.top_k, s.top_p))
-                    events.append(Token(i * len(job.samplings) + j, token, *token_logprobs(last, token, job.top)))
+            # after each prompt, each Sampling's token (choice i * n + j: sample j of prompt i), chosen as the engine
+            # chooses a sequence's first token
+            rows = [(last, s, torch.Generator(device=last.device).manual_seed(s.seed), {}) for _, last in scored
+                    for s in job.samplings]
+            first = indices[0] * len(job.samplings)
+            for choice, ((last, *_), token) in enumerate(zip(rows, choose_tokens(rows)), first):
+                events.append(Token(choice, token, *token_logprobs(last, token, job.top)))
             job.next = indices[-1] + 1
         except Exception as e:  # a bug, or the device failing: this request gets a 500
             traceback.print_exc()
-            events.append(f"scoring failed: {type(e).__name__}: {e}")
+            events.append(Failure(f"scoring failed: {type(e).__name__}: {e}"))
             job.next = len(job.prompts)
-        self.scorings.move_to_end(key)
+        self.scoring_jobs.move_to_end(key)
         if job.next == len(job.prompts):
-            del self.scorings[key]
+            del self.scoring_jobs[key]
             events.append(Ended(len(job.prompts) * len(job.samplings), time.perf_counter() - job.started,
                                 len(job.prompts)))
         self.trimmed = False
@@ -945,11 +831,27 @@ class EngineLoop:
         self.ended.append(job)
 
 
+@dataclass
+class WorkerSettings:
+    """What a worker process is started with: load_workers' arguments, its threads, and how many workers share the
+    machine (on a CPU they share its memory)."""
+
+    source: str
+    model_tag: str | None
+    step: int | None
+    threads: int
+    max_batch: int
+    kv_memory_gib: float | None
+    num_workers: int
+    prefill_chunk: int
+    decode: str
+
+
 def worker_main(conn, inherited, device, settings, preloaded):
     """
     A worker process: load the model (or take the one the server forked with), make its engine, report Ready
-    (model info, rows, KV cache bytes) or Failed, then run the EngineLoop until the server stops it or
-    goes away. settings: load_workers' arguments. inherited: what a fork copied from the server that this process
+    (model info, rows, KV cache bytes) or a Failure, then run the EngineLoop until the server stops it or
+    goes away. settings: a WorkerSettings. inherited: what a fork copied from the server that this process
     must not hold: the server's ends of the pipes (a server that dies must read as end-of-file to every worker).
     It starts with SIGINT and SIGTERM ignored (load_workers): Ctrl-C or a service manager's SIGTERM reach every
     process of the group, and the server, which stops its workers itself, must outlive them to end its requests.
@@ -957,28 +859,28 @@ def worker_main(conn, inherited, device, settings, preloaded):
     for connection in inherited:
         connection.close()
     try:
-        torch.set_num_threads(settings["threads"])
+        torch.set_num_threads(settings.threads)
         if device.type == "cuda":
             use_cuda_device(device)  # CUDA ops go to the process's current GPU: this replica's
         if preloaded is None:
-            model, tokenizer, meta = load_model(settings["source"], device, model_tag=settings["model_tag"],
-                                                step=settings["step"])
+            model, tokenizer, meta = load_model(settings.source, device, model_tag=settings.model_tag,
+                                                step=settings.step)
             model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
         else:
             model, tokenizer, meta = preloaded
         row_bytes = kv_row_bytes(model.config, device)
-        budget = kv_budget_bytes(device, settings["kv_memory_gib"])
-        budget //= settings["num_workers"] if device.type != "cuda" else 1  # CPU workers share the memory
-        rows = min(settings["max_batch"], budget // row_bytes)
+        budget = kv_budget_bytes(device, settings.kv_memory_gib)
+        budget //= settings.num_workers if device.type != "cuda" else 1  # CPU workers share the memory
+        rows = min(settings.max_batch, budget // row_bytes)
         if rows < 1:
             raise UserError(f"one sequence's KV cache needs {row_bytes / 2**20:.0f} MiB, more than the "
                             f"{budget / 2**20:.0f} MiB budget; give --kv-memory-gib more")
-        engine = BatchEngine(model, tokenizer, rows, settings["prefill_chunk"], decode=settings.get("decode", "eager"))
+        engine = BatchEngine(model, tokenizer, rows, settings.prefill_chunk, decode=settings.decode)
         if rows > 1:  # clients share its decode steps by what they cost here (BatchEngine's docstring)
             engine.decode_cost = engine.measure_decode_cost()
     except Exception as e:  # reported by the server, which stops before serving anything
-        conn.send(Failed(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
+        conn.send(Failure(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(Ready(model_info(meta, model, str(device), settings["source"]), rows, engine.cache.nbytes(),
+    conn.send(Ready(model_info(meta, model, str(device), settings.source), rows, engine.cache.nbytes(),
                     engine.decode_cost.summary() if engine.decode_cost else ""))
     EngineLoop(conn, engine).run()

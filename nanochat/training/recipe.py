@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nanochat.common import UserError, all_reduce_mean
+from nanochat.engine import Engine
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
 from nanochat.training.optim import build_adamw, build_muon, step_optimizers
 # the schedules are the optimizers' (training.optim); imported from here too by code written before they moved there
@@ -250,20 +251,13 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
     return all_reduce_mean(total / divisor, device)  # the step's one read of the device
 
 
-@torch.no_grad()
 def greedy_samples(model, tokenizer, prompts, max_tokens=16):
-    """Greedy continuations of short prompts, for a quick look at what the model has learned."""
+    """Greedy continuations of short prompts by the engine, for a quick look at what the model has learned: each
+    prompt and what follows it, up to <|bos|> (or <|assistant_end|>, which pretraining text never holds)."""
+    engine, bos = Engine(model, tokenizer), tokenizer.get_bos_token_id()
     out = []
-    device = model.get_device()
-    bos = tokenizer.get_bos_token_id()
     for prompt in prompts:
-        ids = tokenizer.encode(prompt, prepend=bos)
-        for _ in range(max_tokens):
-            x = torch.tensor([ids[-model.config.sequence_len:]], device=device)
-            next_id = int(model(x)[0, -1].argmax())
-            if next_id == bos:
-                break
-            ids.append(next_id)
+        (ids,), _ = engine.generate_batch(tokenizer.encode(prompt, prepend=bos), max_tokens=max_tokens, temperature=0.0)
         out.append(tokenizer.decode(ids[1:]))
     return out
 
