@@ -210,9 +210,9 @@ def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer,
         return engines[-1]
     monkeypatch.setattr(chat_eval, "BatchEngine", recording_engine)
     conversations = [{"messages": [{"role": "user", "content": f"tell me {word}"}]} for word in ("one", "two", "three")]
-    wide = chat_eval.generate_replies(model, tokenizer, conversations, max_tokens=6)
+    wide = chat_eval.sample_task_replies(model, tokenizer, conversations, max_tokens=6)
     monkeypatch.setattr(chat_eval, "kv_budget_bytes", lambda device: 2 * kv_row_bytes(model.config, device) + 1)
-    narrow = chat_eval.generate_replies(model, tokenizer, conversations, max_tokens=6)
+    narrow = chat_eval.sample_task_replies(model, tokenizer, conversations, max_tokens=6)
     assert [engine.max_batch for engine in engines] == [32, 2] and narrow == wide
 
 @pytest.mark.quick

@@ -267,7 +267,7 @@ def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypa
         return [task.world.facts_by_subject[c["subject"]][0].object if c["relation"] == "capital" else "I do not know."
                 for c in conversations]
 
-    monkeypatch.setattr(nanochat.chat_eval, "generate_replies", replies)
+    monkeypatch.setattr(nanochat.chat_eval, "sample_task_replies", replies)
     bench.main(["wordings"])
     result = last_json_line(capsys.readouterr().out)
     capitals = sum(c["relation"] == "capital" for c in task.conversations)

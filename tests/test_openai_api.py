@@ -435,7 +435,7 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
         hits += text == it["answer"]
     assert out["results"]["nano_gen"]["exact_match,none"] == pytest.approx(hits / len(items))
     # the chat task: chat_eval's replies, written as the API writes them (a calculator call as "3*4 = 12")
-    replies = chat_eval.generate_replies(model, tokenizer, [{"messages": [{"role": "user", "content": it["query"]}]}
+    replies = chat_eval.sample_task_replies(model, tokenizer, [{"messages": [{"role": "user", "content": it["query"]}]}
                                                             for it in items], max_tokens=6)
     readable = [parts_as_markup(parse_markup(reply), READABLE_MARKUP).split("\n\n")[0] for reply in replies]
     assert [s["resps"][0][0] for s in samples["nano_chat"]] == readable and all(readable), readable
