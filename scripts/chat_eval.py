@@ -11,11 +11,11 @@ ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee).
 
 import argparse
 
-from nanochat.chat_eval import chatcore, evaluate_chat_tasks
 from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
 from tasks import canonical_name, get_task
+from nanochat.training.chat_eval import chatcore, evaluate_chat_tasks
 from nanochat.training.presets import fill_from_preset, preset_help
 from nanochat.training.stage import mixture_kind
 

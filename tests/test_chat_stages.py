@@ -418,7 +418,7 @@ class ScriptedModel(torch.nn.Module):
 
 @pytest.mark.quick
 def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
-    from nanochat.chat_eval import chatcore, evaluate_chat_task
+    from nanochat.training.chat_eval import chatcore, evaluate_chat_task
     from tasks.base import CategoricalTask, Task, multiple_choice_conversation
 
     tokenizer = tokenizer_of(tiny_base_dir)
@@ -478,7 +478,7 @@ def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(tr
     output included, is the one Engine gives that problem alone, and a prompt with no room gets None."""
     import torch
 
-    from nanochat.chat_eval import completion_prompt, sample_task_replies
+    from nanochat.training.chat_eval import completion_prompt, sample_task_replies
     from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
     from tasks import get_task

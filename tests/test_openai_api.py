@@ -390,9 +390,10 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
     lm_eval = pytest.importorskip("lm_eval")  # a dev dependency: in CI it is there
     from lm_eval.tasks import TaskManager
 
-    from nanochat import chat_eval, core_eval
+    from nanochat import core_eval
     from nanochat.engine import Engine
     from nanochat.serving.chat import READABLE_MARKUP, parse_markup, parts_as_markup
+    from nanochat.training import chat_eval
 
     model, tokenizer = model_and_tokenizer
     words = ["city", "language", "people", "name"]
