@@ -269,7 +269,7 @@ if [ "$SOURCE_KIND" = hub ]; then
 elif [ "$SOURCE_KIND" = builtin ]; then
     stage "data: built-in corpus" "[ -f '$BASE_DIR/base_data/builtin/corpus.json' ]" $PY -m nanochat.corpus
 elif [ "$SOURCE_KIND" = brown ]; then
-    stage "data: the Brown corpus" "[ -f '$BASE_DIR/base_data/brown/import.json' ]" $PY -m nanochat.brown
+    stage "data: the Brown corpus" "[ -f '$BASE_DIR/base_data/brown/import.json' ]" $PY -m scripts.brown
 else
     say "data: your source $SOURCE, imported into $BASE_DIR/base_data/$SOURCE"
 fi

@@ -56,7 +56,7 @@ SOURCES = {
     "climbmix": DataSource("climbmix", "karpathy/climbmix-400b-shuffle", 6543, 6542,
                            "python -m nanochat.dataset -n 8 --source climbmix"),
     "builtin": DataSource("builtin", None, None, 0, "python -m nanochat.corpus"),
-    "brown": DataSource("brown", None, None, 0, "python -m nanochat.brown"),  # real English offline, a yardstick
+    "brown": DataSource("brown", None, None, 0, "python -m scripts.brown"),  # real English offline, a yardstick
 }
 
 SHARD_RE = re.compile(r"^shard_(\d{5,})\.parquet$")
