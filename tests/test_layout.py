@@ -1,8 +1,13 @@
-"""The repository's shape: one name for one thing across the library, tasks/ and scripts/."""
+"""The repository's shape: one name for one thing across the library, tasks/ and scripts/; every `python -m` command
+the README and docs/ name answers --help."""
 
 import ast
 import os
+import re
+import subprocess
+import sys
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,3 +51,31 @@ def test_no_public_name_is_defined_twice_for_different_things():
     assert all(len(names.get(name, [])) > 1 for name in SHARED_NAMES), \
         [name for name in SHARED_NAMES if len(names.get(name, [])) < 2]
 
+
+def documented_commands():
+    """The modules that README.md and docs/*.md tell users to run with `python -m` (or torchrun's -m)."""
+    pages = [os.path.join(REPO_ROOT, "README.md")] + sorted(
+        os.path.join(REPO_ROOT, "docs", name) for name in os.listdir(os.path.join(REPO_ROOT, "docs"))
+        if name.endswith(".md"))
+    modules = set()
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            modules.update(re.findall(r"-m ((?:nanochat|scripts|bench|tasks)(?:\.\w+)*)\b", f.read()))
+    return sorted(m for m in modules if not m.endswith((".NAME", ".STAGE")))  # placeholders in prose
+
+
+def test_every_documented_command_answers_help():
+    commands = documented_commands()
+    assert {"nanochat.dataset", "nanochat.corpus", "nanochat.report", "scripts.base_train"} <= set(commands), commands
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def help_of(module):
+        p = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        return module, p
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(help_of, commands))
+    failed = [f"{module}: exit {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}" for module, p in results
+              if p.returncode != 0 or "usage" not in p.stdout.lower()]
+    assert not failed, "\n".join(failed)
