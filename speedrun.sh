@@ -40,7 +40,7 @@ PY="uv run --no-sync python"
 BUDGET="${NANOCHAT_TIME_BUDGET:-}"  # empty: the presets' fixed sizes
 if [ -n "$BUDGET" ]; then
     if [ "$DRY_RUN" = 1 ] && ! command -v uv >/dev/null 2>&1; then BUDGET_SECONDS=1800; BUDGET_LABEL=$BUDGET
-    else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m nanochat.training.time_budget "$BUDGET" || echo "0 -")
+    else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m scripts.speedrun_plan budget "$BUDGET" || echo "0 -")
     fi
     [ "$BUDGET_SECONDS" -gt 0 ] || exit 1
     DEADLINE=$((START_TIME + BUDGET_SECONDS))
@@ -164,7 +164,7 @@ fi
 
 plan_flags() {  # plan_flags STAGE: its flags from the budget's plan as it starts (nothing without a budget)
     [ -z "$BUDGET" ] && return
-    $PY -m nanochat.training.pipeline_plan flags "$1" --plan-file "$PLAN_FILE"
+    $PY -m scripts.speedrun_plan flags "$1" --plan-file "$PLAN_FILE"
 }
 
 plan_runs() {  # plan_runs STAGE: does the budget's plan run this evaluation? (always, without a budget)
@@ -249,7 +249,7 @@ fi
 if [ -n "$BUDGET" ]; then
     # the plan, before any stage: a budget too short for a chat model that answers is refused here, in one line
     PLAN_FILE=$([ "$DRY_RUN" = 1 ] && mktemp -u /tmp/nanochat_plan_XXXXXX.json || echo "$BASE_DIR/speedrun_plan.json")
-    $PY -m nanochat.training.pipeline_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --rl "$RUN_RL" \
+    $PY -m scripts.speedrun_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --rl "$RUN_RL" \
         --base-chat-eval "$([ -n "$BASE_CHAT_EVAL" ] && echo 1 || echo 0)" --plan-file "$PLAN_FILE" \
         $([ "$DRY_RUN" = 1 ] && echo --dry-run) $([ "$FORCE" = 1 ] && echo --fresh) || exit 1
 fi
@@ -269,7 +269,7 @@ if [ "$SOURCE_KIND" = hub ]; then
 elif [ "$SOURCE_KIND" = builtin ]; then
     stage "data: built-in corpus" "[ -f '$BASE_DIR/base_data/builtin/corpus.json' ]" $PY -m nanochat.corpus
 elif [ "$SOURCE_KIND" = brown ]; then
-    stage "data: the Brown corpus" "[ -f '$BASE_DIR/base_data/brown/import.json' ]" $PY -m nanochat.brown
+    stage "data: the Brown corpus" "[ -f '$BASE_DIR/base_data/brown/import.json' ]" $PY -m scripts.brown
 else
     say "data: your source $SOURCE, imported into $BASE_DIR/base_data/$SOURCE"
 fi

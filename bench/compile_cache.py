@@ -124,8 +124,12 @@ def unpack(archive, folder):
 def main(argv):
     """python -m bench.compile_cache FILE -m MODULE ARGS...: MODULE run as `python -m` would, with FILE loaded before
     and this process's compile artifacts saved to it when the module ends (a clean exit or sys.exit)."""
+    usage = "usage: python -m bench.compile_cache FILE -m MODULE [ARGS...]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{main.__doc__.split(':', 1)[1].strip()}")
+        return
     if len(argv) < 3 or argv[1] != "-m":
-        sys.exit("usage: python -m bench.compile_cache FILE -m MODULE [ARGS...]")
+        sys.exit(usage)
     path, module = argv[0], argv[2]
     loaded = load(path)
     print(f"compile cache: {loaded['compile_cache']} ({path})", file=sys.stderr)

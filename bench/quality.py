@@ -28,7 +28,7 @@ def quality_data(source, vocab_size):
     current = os.environ.get("NANOCHAT_BASE_DIR")
     if current and holds_training_data(current, vocab_size):  # a base dir that already holds this source and a tokenizer
         return current
-    from nanochat.brown import LAYOUT  # one directory per Brown layout: a changed layout never reuses old shards
+    from nanochat.data.brown import LAYOUT  # one directory per Brown layout: a changed layout never reuses old shards
     name = f"brown-{LAYOUT}" if source == "brown" else source
     imported_dir = None
     if source not in ("builtin", "brown"):  # your own data: its shards, linked, with a tokenizer of the bench's size
@@ -42,11 +42,11 @@ def quality_data(source, vocab_size):
         return base
     log(f"building the {source} source and a {vocab_size}-token tokenizer in {base}")
     if source == "builtin":
-        from nanochat.corpus import write_corpus
+        from nanochat.data.corpus import write_corpus
 
         write_corpus(get_data_dir("builtin"), seed=42, size_mb=6.0, verbose=False)
     elif source == "brown":
-        from nanochat.brown import write_brown
+        from nanochat.data.brown import write_brown
 
         write_brown()
     else:

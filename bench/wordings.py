@@ -11,7 +11,7 @@ from bench.common import emit_json, log, machine_info, print_table
 
 
 def cmd_wordings(args):
-    from nanochat.chat_eval import generate_replies
+    from nanochat.training.chat_eval import sample_task_replies
     from nanochat.checkpoint_manager import find_latest_tag, load_model
     from nanochat.common import UserError, autocast_for, compute_init
     from tasks.builtin import WorldQA
@@ -26,7 +26,8 @@ def cmd_wordings(args):
     conversations = [task.get_example(i) for i in range(len(task))]
     log(f"wordings | {args.source} {tag} step {meta['step']} | WorldQA {args.split}: {len(conversations)} questions, greedy")
     with autocast_for(device):
-        replies = generate_replies(model, tokenizer, conversations, args.max_new_tokens, seeds=[0] * len(conversations))
+        replies = sample_task_replies(model, tokenizer, conversations, args.max_new_tokens,
+                                      seeds=[0] * len(conversations))
     right = collections.defaultdict(lambda: [0, 0])  # (relation, wording) -> [right, asked]
     wrong_example = {}
     for conversation, reply in zip(conversations, replies):

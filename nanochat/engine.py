@@ -23,7 +23,7 @@ max_batch rows of the model's context (or max_len), and reused; on a GPU the dec
 graphs (decode="captured"). StreamDecoder turns one row's tokens into text without splitting a UTF-8 character.
 
 A model written against karpathy/nanochat's engine (its forward(idx, kv_cache=cache) without our logits_at, reading
-and advancing one position for the whole batch) decodes in Engine on that project's KVCache (nanochat/kv_cache.py,
+and advancing one position for the whole batch) decodes in Engine on that project's KVCache (nanochat/model/kv_cache.py,
 re-exported here).
 """
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
-from nanochat.kv_cache import KVCache  # nanochat.engine.KVCache is also the reference project's name for it
+from nanochat.model.kv_cache import KVCache  # nanochat.engine.KVCache is also the reference project's name for it
 
 # -----------------------------------------------------------------------------
 # The calculator tool: what the model may run between <|python_start|> and <|python_end|>.

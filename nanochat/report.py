@@ -9,11 +9,10 @@ recorded by `reset`, how much code the repo holds, each stage's section in pipel
 order, a summary table of the eval metrics, wall-clock time, a cost estimate and PNG
 plots of the curves. Only rank 0 writes; other ranks get a DummyReport that does nothing.
 
-    python -m nanochat.report reset      # at the start of a run
+    python -m nanochat.report reset      # at the start of a run (the command line: scripts/report.py)
     python -m nanochat.report generate   # at the end
 """
 
-import argparse
 import datetime
 import io
 import json
@@ -578,24 +577,8 @@ def get_report():
     return Report(os.path.join(get_base_dir(), "report"))
 
 
-def main():
-    parser = argparse.ArgumentParser(description="Start (reset) or assemble (generate) the training report.")
-    parser.add_argument("command", choices=["reset", "generate"])
-    parser.add_argument("--hourly-price", type=float, default=None,
-                        help="USD per hour for this node, for the cost estimate (default: guessed from the GPUs)")
-    args = parser.parse_args()
-    if args.hourly_price is not None and not (args.hourly_price >= 0 and math.isfinite(args.hourly_price)):
-        raise UserError(f"--hourly-price must be a non-negative number of USD per hour (got {args.hourly_price})")
-    report = get_report()
-    if args.command == "reset":
-        report.reset()
-        if isinstance(report, Report):
-            print(f"report reset: {report.report_dir}")
-    else:
-        path = report.generate(hourly_price_usd=args.hourly_price)
-        if path:
-            print(f"report written: {path} (copy: {os.path.join(os.getcwd(), REPORT_NAME)})")
 
+if __name__ == "__main__":  # python -m nanochat.report: the command line is scripts/report.py
+    from scripts.report import main
 
-if __name__ == "__main__":
     run_main(main)

@@ -11,11 +11,11 @@ ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee).
 
 import argparse
 
-from nanochat.chat_eval import chatcore, evaluate_tasks
 from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
 from tasks import canonical_name, get_task
+from nanochat.training.chat_eval import chatcore, evaluate_chat_tasks
 from nanochat.training.presets import fill_from_preset, preset_help
 from nanochat.training.stage import mixture_kind
 
@@ -69,9 +69,10 @@ def main(argv=None):
            f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}"
            + (f" | {args.preset}" if args.preset else ""))
     with autocast_for(device):
-        accuracies, baselines, tool_rates = evaluate_tasks(model, tokenizer, tasks, None if args.max_problems < 0 else args.max_problems,
-                                               batch_size=args.batch_size, max_tokens=args.max_new_tokens,
-                                               temperature=args.temperature, top_k=args.top_k)
+        max_problems = None if args.max_problems < 0 else args.max_problems
+        accuracies, baselines, tool_rates = evaluate_chat_tasks(
+            model, tokenizer, tasks, max_problems, batch_size=args.batch_size, max_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k)
     score = chatcore(accuracies, baselines)
     print0(f"ChatCORE {score:.4f} over {len(accuracies)} task(s)")
     table = ["| Task | Accuracy | Baseline | Replies calling the calculator |", "|---|---:|---:|---:|"]

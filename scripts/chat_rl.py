@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from nanochat.chat_eval import evaluate_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
 from tasks import TaskMixture, get_task
 from nanochat.training.chat_data import ProblemSchedule
+from nanochat.training.chat_eval import evaluate_chat_task
 from nanochat.training.presets import preset_help
 from nanochat.training.optim import lr_multiplier, muon_momentum
 from nanochat.training.recipe import train_step
@@ -120,7 +120,8 @@ def main(argv=None):
     bos = tokenizer.get_bos_token_id()
 
     def pass_at_1():
-        accuracy, _ = evaluate_task(model, tokenizer, test_task, args.eval_problems, max_tokens=args.max_new_tokens)
+        accuracy, _ = evaluate_chat_task(model, tokenizer, test_task, args.eval_problems,
+                                         max_tokens=args.max_new_tokens)
         return accuracy
 
     loop = stage_loop("chat_rl", args, ckpt_dir, model, tokenizer, optimizers, lrs, schedule, num_iterations, start, device,

@@ -24,7 +24,7 @@ DEFAULT_WORLD_SEED = 42
 
 def world_seed():
     """The seed the built-in corpus was built with (its corpus.json), else the corpus's default seed."""
-    from nanochat.corpus import read_corpus_info  # lazy: it pulls in the dataset and eval modules
+    from nanochat.data.corpus import read_corpus_info  # lazy: it pulls in the dataset and eval modules
 
     info = read_corpus_info()
     return int(info["seed"]) if info else DEFAULT_WORLD_SEED

@@ -251,7 +251,7 @@ def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, c
 def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypatch, capsys):
     # The model stands in as a reply function that knows only capitals: every capital wording is all right, every other
     # all wrong, and the total is the capitals' share; no dev question is an eval one.
-    import nanochat.chat_eval
+    import nanochat.training.chat_eval
     import nanochat.checkpoint_manager
     from tasks.builtin import DEV_QUESTIONS, WorldQA
 
@@ -267,7 +267,7 @@ def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypa
         return [task.world.facts_by_subject[c["subject"]][0].object if c["relation"] == "capital" else "I do not know."
                 for c in conversations]
 
-    monkeypatch.setattr(nanochat.chat_eval, "generate_replies", replies)
+    monkeypatch.setattr(nanochat.training.chat_eval, "sample_task_replies", replies)
     bench.main(["wordings"])
     result = last_json_line(capsys.readouterr().out)
     capitals = sum(c["relation"] == "capital" for c in task.conversations)

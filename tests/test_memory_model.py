@@ -283,13 +283,13 @@ def test_a_12_gib_card_gets_a_smaller_plan_than_an_80_gib_one(fresh_cache):
 def test_the_speedrun_checks_the_memory_before_any_work_and_says_what_it_does(tmp_path, monkeypatch, capsys):
     """NANOCHAT_GPU_MEMORY under a budgeted speedrun: a value that is no amount of memory is refused as the plan is made
     (before any stage), and the plan says that base_train fits itself to a good one."""
-    from nanochat.training import pipeline_plan as pp
+    from scripts.speedrun_plan import main as speedrun_plan
 
     command = ["plan", "5m", "--dry-run", "--plan-file", str(tmp_path / "plan.json")]
     monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "lots")
     with pytest.raises(UserError, match="NANOCHAT_GPU_MEMORY=lots is not an amount of memory"):
-        pp.main(command)
+        speedrun_plan(command)
     monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "24GiB")
-    pp.main(command)
+    speedrun_plan(command)
     assert "plan | memory         NANOCHAT_GPU_MEMORY=24GiB: base_train fits its depth, device batch" in \
         capsys.readouterr().out

@@ -390,9 +390,10 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
     lm_eval = pytest.importorskip("lm_eval")  # a dev dependency: in CI it is there
     from lm_eval.tasks import TaskManager
 
-    from nanochat import chat_eval, core_eval
+    from nanochat import core_eval
     from nanochat.engine import Engine
     from nanochat.serving.chat import READABLE_MARKUP, parse_markup, parts_as_markup
+    from nanochat.training import chat_eval
 
     model, tokenizer = model_and_tokenizer
     words = ["city", "language", "people", "name"]
@@ -435,7 +436,7 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
         hits += text == it["answer"]
     assert out["results"]["nano_gen"]["exact_match,none"] == pytest.approx(hits / len(items))
     # the chat task: chat_eval's replies, written as the API writes them (a calculator call as "3*4 = 12")
-    replies = chat_eval.generate_replies(model, tokenizer, [{"messages": [{"role": "user", "content": it["query"]}]}
+    replies = chat_eval.sample_task_replies(model, tokenizer, [{"messages": [{"role": "user", "content": it["query"]}]}
                                                             for it in items], max_tokens=6)
     readable = [parts_as_markup(parse_markup(reply), READABLE_MARKUP).split("\n\n")[0] for reply in replies]
     assert [s["resps"][0][0] for s in samples["nano_chat"]] == readable and all(readable), readable

@@ -17,6 +17,7 @@ import pytest
 
 from nanochat.common import UserError
 from nanochat.training import pipeline_plan as pp
+from scripts.speedrun_plan import main as speedrun_plan
 from test_speedrun import commands, dry_run
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,7 @@ def test_a_resumed_speedrun_follows_the_plan_it_made(tmp_path, monkeypatch):
     assert floor - 1 <= late < plan.stage("chat_sft").seconds  # late: less time, not below its floor's
     # the second run, much later: the same plan, the same flags for what was decided, the planned ones for the rest
     monkeypatch.setattr(time, "time", lambda: started + 3_600)
-    pp.main(["plan", "10m", "--preset", "cpu", "--plan-file", path])
+    speedrun_plan(["plan", "10m", "--preset", "cpu", "--plan-file", path])
     resumed = pp.load(path)
     assert resumed.resumed == 1 and [s.name for s in resumed.stages] == [s.name for s in plan.stages]
     assert all(pp.stage_flags(resumed, name, time.time()) == flags for name, flags in given.items())
@@ -193,7 +194,7 @@ def test_a_budget_at_the_minimum_is_not_refused_for_one_slow_probe(tmp_path, mon
 
         monkeypatch.setattr(pp, "probe_step_seconds", probe)
         path = tmp_path / f"plan-{budget}-{'-'.join(map(str, speeds))}.json"
-        pp.main(["plan", f"{budget}s", "--preset", "cpu", "--started-at", str(started), "--plan-file", str(path)])
+        speedrun_plan(["plan", f"{budget}s", "--preset", "cpu", "--started-at", str(started), "--plan-file", str(path)])
         return pp.load(str(path))
 
     slow = pp.PROBE_NOISE + 0.3  # beyond the room the stated minimum leaves

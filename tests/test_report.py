@@ -12,6 +12,7 @@ import pytest
 from nanochat import report as report_mod
 from nanochat.common import UserError
 from nanochat.report import DummyReport, Report, get_report
+from scripts.report import main as report_command
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -218,7 +219,7 @@ def test_cli_generate_subprocess(report, tmp_path):
 def test_cli_rejects_bad_price(report, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["nanochat.report", "generate", "--hourly-price", "-1"])
     with pytest.raises(UserError, match="--hourly-price"):
-        report_mod.main()
+        report_command()
     assert not os.path.exists(os.path.join(report.report_dir, "report.md"))
 
 

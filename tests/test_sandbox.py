@@ -13,8 +13,7 @@ import tempfile
 import psutil
 import pytest
 
-from nanochat import isolation
-from nanochat.execution import execute_code, isolation_mode
+from nanochat.execution import PROCESS_LIMIT, TMPFS_BYTES, execute_code, isolation_mode
 from tasks.humaneval import HumanEval
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -268,7 +267,7 @@ print(started)
 """
     result = execute_code(code, timeout=20.0)
     assert result.success, result
-    assert int(result.stdout) < isolation.PROCESS_LIMIT
+    assert int(result.stdout) < PROCESS_LIMIT
 
 
 def test_disk_writes_are_capped_in_total():
@@ -286,4 +285,4 @@ print(written >> 20)
 """
     result = execute_code(code, timeout=20.0, maximum_memory_bytes=None)
     assert result.stdout.strip(), result
-    assert int(result.stdout) <= isolation.TMPFS_BYTES >> 20
+    assert int(result.stdout) <= TMPFS_BYTES >> 20

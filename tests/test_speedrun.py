@@ -149,7 +149,7 @@ def test_your_own_source_is_used_without_a_download_and_must_be_imported_first(t
     assert "NANOCHAT_DATA_SOURCE=mine" in p.stdout and "data: your source mine" in p.stdout
     assert "WorldFacts" not in p.stdout  # the built-in world's eval means nothing for other text
     p = dry_run(tmp_path, "cpu", 0, NANOCHAT_DATA_SOURCE="brown")
-    assert "nanochat.brown" in [m for m, _, _ in commands(p.stdout)]
+    assert "scripts.brown" in [m for m, _, _ in commands(p.stdout)]
     # A real run on a source that was never imported stops before any stage, saying how to import it.
     p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, NANOCHAT_PRESET="cpu", NANOCHAT_NGPU="0", NANOCHAT_DATA_SOURCE="mine",

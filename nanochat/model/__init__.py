@@ -1,4 +1,5 @@
 """
-How the model's operations run fast, beside the model itself (nanochat/gpt.py): the hand-written CPU kernels
-(cpu_ops.py) and fp8 matmuls for training (fp8.py).
+Beside the model itself (nanochat/gpt.py): how its operations run fast, the hand-written CPU kernels (cpu_ops.py) and
+fp8 matmuls for training (fp8.py); and karpathy/nanochat's KVCache (kv_cache.py), the cache of a model written against
+that project, which nanochat.engine re-exports.
 """

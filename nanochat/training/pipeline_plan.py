@@ -20,13 +20,12 @@ calibration measures its steps and ends it on time, warmdown intact): base_train
 mid_train and chat_sft their planned seconds, less when the run is late and more when it is early. The decisions are
 written into the plan as they are made, so a resumed speedrun runs the same stages with the same flags.
 
-    python -m nanochat.training.pipeline_plan plan 5m --preset cpu --started-at EPOCH   # measure, decide, print, save
-    python -m nanochat.training.pipeline_plan flags chat_sft                             # a stage's flags, as it starts
+    python -m scripts.speedrun_plan plan 5m --preset cpu --started-at EPOCH   # measure, decide, print, save: cmd_plan
+    python -m scripts.speedrun_plan flags chat_sft                             # a stage's flags, as it starts: cmd_flags
 
 docs/time_budget.md tells it for users; the reference costs are BENCHMARKS.md's ("The whole speedrun to a budget").
 """
 
-import argparse
 import json
 import math
 import os
@@ -491,34 +490,3 @@ def cmd_flags(args):
         print(f"speedrun: {args.stage} {flags[0][len('skip:'):].strip() or 'skipped'}", file=sys.stderr)
     print(" ".join(flags))
 
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="the speedrun to a time budget, planned as a whole")
-    sub = p.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="measure this machine, decide every stage, print and save the plan")
-    plan.add_argument("budget")
-    plan.add_argument("--preset", default="cpu", choices=sorted(REFERENCE))
-    plan.add_argument("--started-at", type=float, default=time.time(), help="when the speedrun began (epoch seconds)")
-    plan.add_argument("--rl", type=int, default=0)
-    plan.add_argument("--base-chat-eval", type=int, default=1, help="0: the source has no built-in world to recall")
-    plan.add_argument("--dry-run", action="store_true", help="the reference machine's costs, nothing measured or saved")
-    plan.add_argument("--fresh", action="store_true", help="a new plan even where one was saved")
-    plan.add_argument("--plan-file", default=None, help=f"default: $NANOCHAT_BASE_DIR/{PLAN_FILE}")
-    flags = sub.add_parser("flags", help="a stage's flags as it starts ('skip:...' for an evaluation that does not run)")
-    flags.add_argument("stage", choices=ORDER)
-    flags.add_argument("--plan-file", default=None, help=f"default: $NANOCHAT_BASE_DIR/{PLAN_FILE}")
-    args = p.parse_args(argv)
-    if args.plan_file is None:
-        from nanochat.common import get_base_dir
-
-        args.plan_file = os.path.join(get_base_dir(), PLAN_FILE)
-    (cmd_plan if args.command == "plan" else cmd_flags)(args)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["flags"]:
-        main()
-    else:
-        from nanochat.common import run_main
-
-        run_main(main)

@@ -707,12 +707,3 @@ def plan_dict(plan):
 def plan_from_dict(fields):
     return RunPlan(**{k: v for k, v in fields.items() if k in RunPlan.__dataclass_fields__})
 
-
-if __name__ == "__main__":  # speedrun.sh's check of NANOCHAT_TIME_BUDGET: "SECONDS LABEL", or one line and exit 1
-    import sys
-
-    try:
-        total = parse_duration(sys.argv[1], flag="NANOCHAT_TIME_BUDGET")
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    print(round(total), duration_label(total))

