@@ -10,7 +10,7 @@ everywhere scaled_dot_product_attention does (CUDA, MPS, CPU).
 Every norm is parameter-free, so the only parameters are the embedding, the lm_head and the
 2-D matrices inside the blocks. The math is written to equal, for the same weights, the
 NanoChat model built into Hugging Face transformers (NanoChatForCausalLM), and the state-dict
-names follow the original nanochat checkpoint layout (interop/hf_export.py maps one onto the other).
+names follow the original nanochat checkpoint layout (model/hf_export.py maps one onto the other).
 
 The model is built on the meta device and then materialised and initialised explicitly, which is
 what `build_model(config, device)` at the bottom of this file does:

@@ -459,7 +459,7 @@ def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir)
 
 @pytest.mark.quick
 def test_out_of_memory_in_a_chat_stage_names_it_and_the_batch_to_try(trained_base, tmp_path, monkeypatch, capsys):
-    from test_hardening import out_of_memory_lines
+    from test_run_hardening import out_of_memory_lines
 
     from scripts import chat_sft
 

@@ -575,8 +575,7 @@ def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, ti
         assert abs(inductor[step] - traced[step]) / traced[step] < 0.015, (step, inductor[step], traced[step])
 
 
-@pytest.mark.quick
-def test_bf16_compiled_base_train_resumes_exactly(runs):
+def test_bf16_compiled_base_train_resumes_exactly(runs):  # four base_train runs (34 s): not in the quick tier
     straight, resumed = train_losses(runs["compiled"]), train_losses(runs["resumed"])
     assert [straight[s] for s in range(HALF + 1, N + 1)] == [resumed[s] for s in range(HALF + 1, N + 1)]
     a, b = final_weights(runs["compiled"], N), final_weights(runs["resumed"], N)

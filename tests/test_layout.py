@@ -1,7 +1,9 @@
 """The repository's shape: one name for one thing across the library, tasks/ and scripts/; every `python -m` command
-the README and docs/ name answers --help."""
+the README and docs/ name answers --help; no function past 100 lines, and the library importing nothing that lives
+beside it."""
 
 import ast
+import glob
 import os
 import re
 import subprocess
@@ -64,6 +66,7 @@ def documented_commands():
     return sorted(m for m in modules if not m.endswith((".NAME", ".STAGE")))  # placeholders in prose
 
 
+@pytest.mark.slow  # 31 s: ~30 interpreters importing torch
 def test_every_documented_command_answers_help():
     commands = documented_commands()
     assert {"nanochat.dataset", "nanochat.corpus", "nanochat.report", "scripts.base_train"} <= set(commands), commands
@@ -79,3 +82,32 @@ def test_every_documented_command_answers_help():
     failed = [f"{module}: exit {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}" for module, p in results
               if p.returncode != 0 or "usage" not in p.stdout.lower()]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.quick
+def test_functions_short_and_library_free_of_its_tools():
+    """The house rules: no function anywhere runs past 100 lines (a stage script may be as long as its story), and the
+    library never imports the measuring tools (bench/), the chat tasks (tasks/) or the scripts, which live beside it;
+    only a documented command's forwarder (`python -m nanochat.dataset` runs scripts/dataset.py) imports its script."""
+    root = REPO_ROOT
+    broken = []
+    for path in sorted(glob.glob(os.path.join(root, "scripts", "*.py")) + glob.glob(os.path.join(root, "tasks", "*.py")) +
+                       glob.glob(os.path.join(root, "nanochat", "**", "*.py"), recursive=True)):
+        with open(path) as f:
+            source = f.read()
+        name = os.path.relpath(path, root)
+        tree = ast.parse(source)
+        forwarders = [range(n.lineno, n.end_lineno + 1) for n in tree.body if isinstance(n, ast.If)
+                      and ast.unparse(n.test) in ("__name__ == '__main__'", '__name__ == "__main__"')]
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                broken.append(f"{name}: {node.name}() {node.end_lineno - node.lineno + 1} lines")
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if not (imported and name.startswith("nanochat")):
+                continue
+            in_forwarder = any(node.lineno in lines for lines in forwarders)
+            beside = ("bench", "tasks") if in_forwarder else ("bench", "tasks", "scripts")
+            if any(m.split(".")[0] in beside for m in imported):
+                broken.append(f"{name}:{node.lineno} imports what lives beside the library ({', '.join(imported)})")
+    assert not broken, broken

@@ -98,7 +98,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smalle
     assert peaks[True] < 0.8 * peaks[False], peaks
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],  # compiled: 13 s
+                         ids=["eager", "compiled"])
 def test_a_few_layers_traced_stand_for_the_whole_model(compiled, fresh_cache, single_torch_thread):
     """The model's first layer and one of each other kind (value embedding or not) are traced, and the other layers
     counted as copies: the same peak, parameters and gradients as tracing all eight layers, at any device batch."""

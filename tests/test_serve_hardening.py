@@ -328,6 +328,7 @@ def from_address(address):
     return httpx.Client(transport=httpx.HTTPTransport(local_address=address))
 
 
+@pytest.mark.slow  # 14 s on a 2-core Intel Xeon
 def test_megabyte_replies_are_written_off_the_event_loop(web_base_dir):  # noqa: F811
     """Four clients looping /tokenize of a 990 KB prompt (~990,000 ids, a ~4 MB reply) and a whole chat reply with n 8,
     2,000 tokens and 20 alternatives a token (~22 MB): /health is answered within a second throughout (the replies
@@ -493,6 +494,7 @@ def test_a_client_decoding_its_whole_share_leaves_another_its_pace(web_base_dir)
         server.stop()
 
 
+@pytest.mark.slow  # 21 s on a 2-core Intel Xeon
 def test_stop_strings_and_scoring_leave_a_neighbour_its_pace(web_base_dir):  # noqa: F811
     """Work per token a request can cause. 16 stop strings of 100 characters that the text keeps almost matching
     (a reply of "aaaa..." and stops of 99 a's and a letter) cost no more than none: they are read on the new text once

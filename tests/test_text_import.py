@@ -19,7 +19,7 @@ from scripts import bench
 from scripts.dataset import main as dataset_command
 
 from conftest import REPO_ROOT, ParquetHub  # noqa: E402
-from test_hardening import read_only_command  # noqa: E402
+from test_run_hardening import read_only_command  # noqa: E402
 
 GERMAN = "Grüße aus Köln: Die Straßenbahn fährt über die Brücke, während es draußen schneit."
 JAPANESE = "吾輩は猫である。名前はまだ無い。どこで生れたかとんと見当がつかぬ。"

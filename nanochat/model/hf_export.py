@@ -6,7 +6,7 @@ same logits and the same token ids as our model and tokenizer.
 The files it writes, and what it refuses before writing any (what transformers cannot represent: an unknown config
 field, an extra parameter, an unconvertible tokenizer; the directory appears only when complete), are docs/export.md.
 A model with a recipe component (gpt.COMPONENTS) has no place in transformers' NanoChat: its export writes our own
-modeling code (nanochat/interop/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and
+modeling code (nanochat/model/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and
 config.json points auto_map at it, so it loads with trust_remote_code=True.
 """
 

@@ -469,35 +469,3 @@ def test_torch_floor_excludes_versions_whose_safe_loading_is_bypassable():
     import torch
 
     assert tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 10)
-
-
-@pytest.mark.quick
-def test_functions_short_and_library_free_of_its_tools():
-    """The house rules: no function anywhere runs past 100 lines (a stage script may be as long as its story), and the
-    library never imports the measuring tools (bench/), the chat tasks (tasks/) or the scripts, which live beside it;
-    only a documented command's forwarder (`python -m nanochat.dataset` runs scripts/dataset.py) imports its script."""
-    import ast
-    import glob
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    broken = []
-    for path in sorted(glob.glob(os.path.join(root, "scripts", "*.py")) + glob.glob(os.path.join(root, "tasks", "*.py")) +
-                       glob.glob(os.path.join(root, "nanochat", "**", "*.py"), recursive=True)):
-        with open(path) as f:
-            source = f.read()
-        name = os.path.relpath(path, root)
-        tree = ast.parse(source)
-        forwarders = [range(n.lineno, n.end_lineno + 1) for n in tree.body if isinstance(n, ast.If)
-                      and ast.unparse(n.test) in ("__name__ == '__main__'", '__name__ == "__main__"')]
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
-                broken.append(f"{name}: {node.name}() {node.end_lineno - node.lineno + 1} lines")
-            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if not (imported and name.startswith("nanochat")):
-                continue
-            in_forwarder = any(node.lineno in lines for lines in forwarders)
-            beside = ("bench", "tasks") if in_forwarder else ("bench", "tasks", "scripts")
-            if any(m.split(".")[0] in beside for m in imported):
-                broken.append(f"{name}:{node.lineno} imports what lives beside the library ({', '.join(imported)})")
-    assert not broken, broken

@@ -200,7 +200,7 @@ def tokenizer_from_parts(ranks, pattern, specials, path):
 
 def tokenizer_from_hf_json(path):
     """Ours, from a transformers byte-level BPE tokenizer.json; checked to encode the probe texts alike."""
-    from nanochat.interop.hf_export import INSTALL_HINT, byte_to_unicode, check_tokenizer_matches
+    from nanochat.model.hf_export import INSTALL_HINT, byte_to_unicode, check_tokenizer_matches
 
     data = read_json(path, "tokenizer")
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
@@ -407,7 +407,7 @@ def make_config(fields, where):
 
 def hf_name_to_ours(name):
     """transformers' NanoChat parameter name -> ours (the inverse of hf_export.hf_weight_name), or None."""
-    from nanochat.interop.hf_export import HF_BLOCK_LINEARS, HF_OUTSIDE_BLOCKS
+    from nanochat.model.hf_export import HF_BLOCK_LINEARS, HF_OUTSIDE_BLOCKS
 
     outside = {hf: ours for ours, hf in HF_OUTSIDE_BLOCKS.items()}
     m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight", name)

@@ -1,6 +1,6 @@
 """
 The modeling code an export ships when its model uses a recipe component (gpt.COMPONENTS) that transformers' built-in
-NanoChat has no place for. nanochat.interop.hf_export copies this file into the export directory as
+NanoChat has no place for. nanochat.model.hf_export copies this file into the export directory as
 modeling_nanochat_recipe.py and points config.json's auto_map at it, so that
 
     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
