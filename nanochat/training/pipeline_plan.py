@@ -42,16 +42,12 @@ TIMES_FILE = "speedrun_times.txt"  # beside it: speedrun.sh's seconds for each s
 EVAL_SHARE = 0.1  # at the preset's time or more, the evaluations besides the final one take at most this much of it
 MARGIN = 0.03  # of the budget, kept back when planning for what the estimates miss (a stage's start-up that runs long)
 BASE_MARGIN = 0.01  # what base_train leaves when it starts: by then the time before it is measured, not estimated
-# Of the training time chat_sft (and chat_rl) may take, between its floor and its need. Chosen on a dev world (the
-# built-in corpus of seed 7, not the eval world 42), fp32 on a 2-vCPU EPYC, 309 s, seeds 42 / 43: 0.25 with a need of
-# 150 steps gave held-out WorldQA 56.5 / 89.0 % and Arithmetic 44.5 / 88 %; 0.4 with a need of 225 gave 76.5 / 88.0 %
-# and 94.5 / 97 % (fewer base steps, 386 / 474, but the chat model is what the user talks to). Its first try ended a
-# run at the minimum 11 % early: the chat stages' fixed costs were priced by the probe (host_factor now measures them)
+# Of the training time chat_sft (and chat_rl) may take, between its floor and its need: the chat model is what the
+# user talks to, and on a dev world this share beat giving base_train more steps (dev/LOG.md, 2026-12-01).
 SFT_SHARE = 0.4
 # The least budget is stated this much above what the probe says (rounded up to 10 s), so that a budget the speedrun
-# named is not refused by the next one: a VM's speed drifts over minutes, and twelve probes in fresh processes over two
-# minutes of one quiet 2-vCPU EPYC took 1.04x-1.27x the reference (at 1.1 a run at the stated minimum was refused
-# twice in ten). Near the minimum a refusal also waits for a second probe (cmd_plan)
+# named is not refused by the next one: a VM's speed drifts by up to a quarter over minutes (dev/LOG.md, 2026-12-01).
+# Near the minimum a refusal also waits for a second probe (cmd_plan).
 PROBE_NOISE = 1.25
 
 # What each stage costs on the machine the cpu preset was measured on (2-vCPU AMD EPYC with AVX512-BF16, torch 2.15,
@@ -65,15 +61,10 @@ REFERENCE = {
         "fixed": {"data": 2.0, "tok_train": 2.5, "report": 2.5},
         "evals": {"tok_eval": 2.0, "base_loss": 3.5, "base_eval": 7.0, "chat_eval base": 3.5, "chat_eval mid": 7.0,
                   "chat_eval sft": 6.5, "chat_eval rl": 7.0},
-        # name: (seconds a step, start-up and the rest, fewest steps, the steps it needs). The fewest and the needs
-        # come from pipelines of these steps on the built-in corpus, seeds 42 and 43 (BENCHMARKS.md): base_train 220
-        # and chat_sft 80 answered 43-56 % of held-out WorldQA, 150 and 80 only 28-41 %; chat_sft 150 steps gave
-        # 77-91 % after 480-500 base steps and 300 fewer (58 % after 300); mid_train pays only once base_train has
-        # its preset's steps (480 base + 150 SFT without it: 77 / 86.5 %; 500 + 30 + 150 with it: 91 / 80.5 %).
-        # chat_sft's need: SFT of the two dev-world bases of a 309 s fp32 run (seeds 42 / 43, `bench wordings`, dev
-        # wordings) for 100-340 steps answered best at 150-200 (82.5-85.7 / 69.3-71.4 %), worse at 238 / 271 (76.4 / 58.2 %)
-        # and 300 / 340 (75.7 / 53.6 %): more steps fit SFT's wordings and lose new ones, while Arithmetic rises
-        # (79 / 85 % at 150, 89.5 / 93.5 % at 175, 92 / 97 % at 238 / 271). 175 keeps both.
+        # name: (seconds a step, start-up and the rest, fewest steps, the steps it needs). The fewest: below them the
+        # chat model stops answering held-out questions; the needs: where more steps stop paying (mid_train's only
+        # once base_train has its preset's steps; chat_sft's past 175 fit its own wordings and lose new ones). The
+        # pipelines that found them: dev/LOG.md, 2026-12-01.
         "train": {"base_train": (0.155, 9.0, 220, None), "mid_train": (0.35, 4.0, 20, 30),
                   "chat_sft": (0.17, 4.0, 80, 175), "chat_rl": (2.0, 8.0, 10, 30)},
         # the preset's own steps, for its time here
