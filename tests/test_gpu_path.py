@@ -575,7 +575,8 @@ def test_inductor_compiles_the_training_step_and_follows_the_traced_run(runs, ti
         assert abs(inductor[step] - traced[step]) / traced[step] < 0.015, (step, inductor[step], traced[step])
 
 
-def test_bf16_compiled_base_train_resumes_exactly(runs):  # four base_train runs (34 s): not quick
+@pytest.mark.slow  # in the default run it alone paid the four runs (37 s on a 2-core Xeon); the slow tier has them
+def test_bf16_compiled_base_train_resumes_exactly(runs):
     straight, resumed = train_losses(runs["compiled"]), train_losses(runs["resumed"])
     assert [straight[s] for s in range(HALF + 1, N + 1)] == [resumed[s] for s in range(HALF + 1, N + 1)]
     a, b = final_weights(runs["compiled"], N), final_weights(runs["resumed"], N)
@@ -583,7 +584,8 @@ def test_bf16_compiled_base_train_resumes_exactly(runs):  # four base_train runs
     assert val_bpbs(runs["compiled"])[N] == val_bpbs(runs["resumed"])[N]
 
 
-def test_checkpoints_evaluate_the_same_in_either_dtype(runs, monkeypatch):  # needs the four runs: not quick
+@pytest.mark.slow  # the four runs again
+def test_checkpoints_evaluate_the_same_in_either_dtype(runs, monkeypatch):
     """A checkpoint trained in bf16 evaluates in fp32 and one trained in fp32 in bf16, each within 1 % of its own dtype."""
     from nanochat.checkpoint_manager import load_model
     from nanochat.common import autocast_for
