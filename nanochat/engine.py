@@ -1,30 +1,8 @@
 """
-Inference: the one engine. Many independent sequences decode together, one forward pass per step for all of them,
-joining and leaving between steps (continuous batching): chat_web serves with it, chat_eval scores with it, and
-Engine, nanochat's interface for the samples of one prompt (chat_cli, chat_rl), runs on it.
-
-    engine = BatchEngine(model, tokenizer, max_batch=32)
-    a = engine.add(prompt_ids, Sampling(temperature=0.0, max_tokens=64))            # waits for a free row
-    b, c = engine.add_group(other_prompt, Sampling(num_samples=2).per_sample())     # n samples of one prompt
-    while engine.busy():
-        for seq, token, mask in engine.step():   # each running sequence's next token (mask 0: the calculator's)
-            ...                                  # seq.finished: None, or "stop" / "length" once it has ended
-    engine.cancel(a)                             # its row is free for the next step
-
-    for token_column, token_masks in Engine(model, tokenizer).generate(prompt_ids, num_samples=4, max_tokens=64):
-        ...                                      # one token per sample per step
-
-Each sequence gets a row of a RowKVCache: its own length, so its own rotary positions and causal (and sliding-window)
-mask, and prompts of any length mix (the model's cache protocol: nanochat/gpt.py). Sampling (temperature, top-k,
-top-p, the OpenAI API's penalties and bias, a generator seeded per sequence), <|assistant_end|>/<|bos|>, the
-calculator's forced output and max_tokens are per row. A step prefills at most `prefill_chunk` prompt tokens, so a
-long prompt is spread over steps and never stalls the rows already decoding. The cache is allocated once, for
-max_batch rows of the model's context (or max_len), and reused; on a GPU the decode step can be captured as CUDA
-graphs (decode="captured"). StreamDecoder turns one row's tokens into text without splitting a UTF-8 character.
-
-A model written against karpathy/nanochat's engine (its forward(idx, kv_cache=cache) without our logits_at, reading
-and advancing one position for the whole batch) decodes in Engine on that project's KVCache (nanochat/model/kv_cache.py,
-re-exported here).
+Inference: BatchEngine decodes many independent sequences together, one forward pass a step, joining and leaving
+between steps (continuous batching; docs/serving.md); Engine, nanochat's interface for the samples of one prompt, runs
+on it. Each sequence has a row of a RowKVCache at its own length, so prompts of any length mix. A model written against
+karpathy/nanochat's engine (no logits_at) decodes in Engine on that project's KVCache (nanochat/model/kv_cache.py).
 """
 
 import ast
@@ -75,9 +53,8 @@ def _checked(value):
 
 
 def _evaluate(node, deadline):
-    """Walk a whitelisted expression tree; anything not named here is refused."""
-    # Every operation below is bounded by the digit and exponent caps, so checking the clock between
-    # operations is a hard limit on the whole evaluation.
+    """Walk a whitelisted expression tree; anything not named here is refused. Every operation is bounded by the
+    digit and exponent caps, so checking the clock between operations bounds the whole evaluation."""
     if time.monotonic() > deadline:
         raise _Refused
     if isinstance(node, ast.Constant) and _is_number(node.value):
@@ -103,29 +80,23 @@ def _evaluate(node, deadline):
     raise _Refused
 
 
-def _format_number(value):
+def use_calculator(expr):
+    """
+    The result of a calculator expression as text, or None when it is not one we evaluate: numbers with
+    + - * / // % ** and parentheses, unary minus, and 'literal'.count('literal'). Parsed with `ast` and walked by a
+    whitelist: nothing is ever eval'd.
+    """
+    if not isinstance(expr, str) or len(expr) > CALCULATOR_MAX_CHARS:
+        return None
+    try:
+        value = _evaluate(ast.parse(expr.strip(), mode="eval").body, time.monotonic() + CALCULATOR_SECONDS)
+    except (_Refused, SyntaxError, ValueError, TypeError, ArithmeticError, RecursionError, MemoryError):
+        return None
     if isinstance(value, float):
         value = float(f"{value:.12g}")  # hide binary noise such as 0.1 + 0.2 = 0.30000000000000004
         if value.is_integer():
             return str(int(value))
     return str(value)
-
-
-def use_calculator(expr):
-    """
-    The result of a calculator expression as text, or None when it is not one we evaluate.
-    Accepted: numbers with + - * / // % ** and parentheses, unary minus, and 'literal'.count('literal').
-    Everything else (names, other calls or attributes, lambdas, comprehensions, huge powers or numbers)
-    gives None. The text is parsed with `ast` and walked by a whitelist: nothing is ever eval'd.
-    """
-    if not isinstance(expr, str) or len(expr) > CALCULATOR_MAX_CHARS:
-        return None
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-        value = _evaluate(tree.body, time.monotonic() + CALCULATOR_SECONDS)
-    except (_Refused, SyntaxError, ValueError, TypeError, ArithmeticError, RecursionError, MemoryError):
-        return None
-    return _format_number(value)
 
 
 class ChatTokens:
@@ -139,10 +110,7 @@ class ChatTokens:
 
 
 class ToolState:
-    """
-    Where one sample stands: finished or not, the tool call it is writing, the tokens still to force. take() turns the
-    token the model sampled into the one the sample gets: a forced one (the calculator's answer) while any is waiting.
-    """
+    """Where one sample stands: finished or not, the tool call it is writing, the tokens still to force."""
 
     def __init__(self):
         self.finished_with = None  # the terminal token once the row has stopped
@@ -150,7 +118,7 @@ class ToolState:
         self.forced = deque()
 
     def take(self, sampled, ids, tokenizer):
-        """(token, mask): mask 1 for a sampled token, 0 for a forced one; the row finishes on a terminal token."""
+        """(token, mask) the sample gets: the sampled token (mask 1), or a forced one (mask 0) while any waits."""
         token, mask = (self.forced.popleft(), 0) if self.forced else (sampled, 1)
         if token in ids.terminals:
             self.finished_with = token
@@ -170,17 +138,14 @@ class ToolState:
 # Sampling
 
 
-GREEDY_BELOW = 1e-4  # a temperature below this is greedy: the distribution is one token anyway, and logits / 1e-300
-# overflow to inf (whose softmax is NaN, which sampled nothing and spent every max_tokens step)
+GREEDY_BELOW = 1e-4  # below this a temperature is greedy: logits / 1e-300 overflow to inf, whose softmax is NaN
 
 
 def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=None):
     """
-    One token id per row of (B, V) logits: argmax at temperature 0 (below GREEDY_BELOW), else a draw from the
-    softmax of logits / temperature, restricted to the top_k most likely tokens and then to the smallest
-    set whose probability reaches top_p (nucleus). Returns a (B,) long tensor. `generator` is one torch.Generator
-    for all the rows, or a list of one per row (the batching engine's sequences, each seeded of its own): then each
-    row draws exactly the token it would draw alone, in one pass for all of them.
+    One token id per row of (B, V) logits, a (B,) long tensor: argmax below GREEDY_BELOW, else a draw from the softmax
+    of logits / temperature within the top_k tokens and then the top_p nucleus. `generator`: one for all rows, or a
+    list of one per row, each row then drawing exactly the token it would draw alone.
     """
     if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
@@ -194,9 +159,7 @@ def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=Non
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    # Inverse-CDF draw, one uniform number per row: torch.multinomial draws one random number per vocabulary
-    # entry, which was 2 ms of a batch-16 decode step at d4 on a CPU (this takes 0.16 ms).
-    cdf = probs.cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1)  # inverse-CDF draw, one uniform per row (torch.multinomial draws one per token)
     if isinstance(generator, torch.Generator):
         uniforms = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
     else:
@@ -206,8 +169,8 @@ def sample_next_tokens(logits, generator, temperature=1.0, top_k=None, top_p=Non
 
 
 def token_logprobs(logits, token, top):
-    """(log p of `token`, [(id, log p)] of the `top` most likely) under one row's (1, V) or (V,) logits: the model's
-    own distribution, before temperature, penalties or bias (what the OpenAI API's logprobs report)."""
+    """(log p of `token`, [(id, log p)] of the `top` most likely) under one row's logits, before temperature,
+    penalties or bias (what the OpenAI API's logprobs report)."""
     logprobs = torch.log_softmax(logits.float().reshape(-1), dim=-1)
     alternatives = []
     if top:
@@ -217,8 +180,7 @@ def token_logprobs(logits, token, top):
 
 
 def steer(logits, sampling, counts):
-    """A row's (1, V) logits with the OpenAI API's logit_bias added and its presence and frequency penalties taken off
-    the tokens the reply has written so far (counts: token -> times)."""
+    """A row's (1, V) logits with logit_bias added and the penalties taken off the tokens written (counts)."""
     logits = logits.clone()
     if sampling.logit_bias:
         ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long, device=logits.device)
@@ -233,12 +195,9 @@ def steer(logits, sampling, counts):
 @dataclass
 class Sampling:
     """
-    How a request samples, from the HTTP handler down to each row of the engine. temperature 0 is greedy; seed makes
-    the samples reproducible. The OpenAI API's steering: logit_bias {token id: added to its logit}, and presence /
-    frequency penalties, subtracted from the logit of every token the reply has written (once, and once per time).
-    logprobs: report each token's log probability and this many alternatives (Sequence.logprob), None for none.
-    num_samples replies of one prompt decode side by side (per_sample: seeds seed, seed + 1, ...); the stop strings
-    are cut from the replies' text on the server's side (chat.ReplyStream), not here.
+    How a request samples, from the HTTP handler down to each row. logit_bias {token id: added to its logit}; the
+    presence / frequency penalties come off every token the reply has written (once, and once per time); logprobs:
+    this many alternatives per token (Sequence.logprob). The stop strings are cut by the server (chat.ReplyStream).
     """
 
     temperature: float = 1.0
@@ -257,17 +216,15 @@ class Sampling:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def per_sample(self):
-        """One Sampling a row: what add_group takes for this request's num_samples replies."""
+        """One Sampling a row for add_group, seeded seed, seed + 1, ..."""
         return [replace(self, seed=self.seed + i, num_samples=1) for i in range(self.num_samples)]
 
 
 def choose_tokens(rows):
     """
-    The token each of `rows` [(logits (1, V), Sampling, torch.Generator, counts {token: times written})] gets: its
-    logits steered (logit_bias, penalties), then one draw for the rows of each temperature, top-k and top-p (one argmax
-    for every greedy row), each row from its own generator (row by row, the Python between a draw's dozen small ops
-    cost ~30 us a row: 0.5 ms of a 16-row step). Every token the engine samples is chosen here, and so is the one a
-    worker draws after a scored prompt.
+    The token each of `rows` [(logits (1, V), Sampling, generator, counts {token: times written})] gets: steered, then
+    one draw for all the rows of each (temperature, top_k, top_p), each row from its own generator. Every token the
+    engine samples is chosen here.
     """
     groups = {}  # (temperature, top_k, top_p) -> [(row index, logits, generator)]
     for i, (logits, s, generator, counts) in enumerate(rows):
@@ -293,8 +250,7 @@ def kv_row_bytes(config, device):
 
 
 def kv_budget_bytes(device, kv_memory_gib=None):
-    """What the KV caches may take on this device: kv_memory_gib, else half the GPU's free memory once the model
-    is loaded, or on a CPU a quarter of the RAM (at most 4 GiB)."""
+    """What the KV caches may take: kv_memory_gib, else half the GPU's free memory, or a quarter of the RAM (<= 4 GiB)."""
     if kv_memory_gib is not None:
         return int(kv_memory_gib * 2**30)
     if device.type == "cuda":
@@ -305,12 +261,15 @@ def kv_budget_bytes(device, kv_memory_gib=None):
     return min(4 * 2**30, psutil.virtual_memory().total // 4)
 
 
+def causal_mask(key_positions, query_positions, window):
+    """Which keys each query may see: those up to itself, and within the window if there is one."""
+    allowed = key_positions <= query_positions
+    return allowed if window is None else allowed & (key_positions > query_positions - window)
+
+
 class RowKVCache:
-    """
-    Keys and values of up to max_batch independent sequences: (num_layers, max_batch, seq_len, kv_heads, head_dim),
-    each row with its own length. rows(indices) is what the model's forward takes: it writes the new keys of those
-    rows at their own lengths, attends each row to its own prefix, and advances only them.
-    """
+    """Keys and values (num_layers, max_batch, seq_len, kv_heads, head_dim) of independent sequences, each row at its
+    own length. The model's forward takes rows(indices), the cache protocol of nanochat/gpt.py."""
 
     def __init__(self, max_batch, num_heads, seq_len, head_dim, num_layers, n_embd, device, dtype):
         shape = (num_layers, max_batch, seq_len, num_heads, head_dim)
@@ -342,10 +301,8 @@ class RowKVCache:
 
 class RowView:
     """
-    Some rows of a RowKVCache, as one forward pass sees them (the model's cache protocol, nanochat/gpt.py). The pass
-    feeds T tokens per row, of which new_lengths[i] are real for row i (prompts of several lengths prefilled in one
-    pass, padded at the end): only those are written to the cache and counted, and a padded position's output is
-    never used.
+    Some rows of a RowKVCache, as one forward pass sees them. The pass feeds T tokens per row, of which new_lengths[i]
+    are real for row i (prompts padded at the end): only those are written and counted.
     """
 
     def __init__(self, cache, indices, new_lengths=None):
@@ -360,7 +317,6 @@ class RowView:
         self.plan, self.masks = None, {}  # worked out at the first layer, shared by the others
 
     def positions(self, T):
-        """(B, T) positions of the new tokens: each row continues from its own length."""
         return self.length_tensor[:, None] + torch.arange(T, device=self.length_tensor.device)[None, :]
 
     def max_position(self, T):
@@ -370,11 +326,8 @@ class RowView:
         return max(length + new for length, new in zip(self.lengths, self.new_lengths))
 
     def update(self, layer, k, v, window):
-        """
-        Write the rows' new (B, H_kv, T, D) keys and values at their lengths and return what attention reads: keys and
-        values up to the longest row, (B, H_kv, L, D), and the (B, 1, T, L) mask of what each new query may see (its
-        own row's keys up to itself, within the window).
-        """
+        """Write the rows' new (B, H_kv, T, D) keys and values; return the keys and values up to the longest row,
+        (B, H_kv, L, D), and the (B, 1, T, L) mask of what each new query may see."""
         B, H, T, D = k.shape
         if self.plan is None:
             self.plan = self._plan(B, T, k.device)
@@ -388,12 +341,8 @@ class RowView:
         k_cache.index_put_((write_rows, write_positions), k_new.to(k_cache.dtype))
         v_cache.index_put_((write_rows, write_positions), v_new.to(v_cache.dtype))
         if window not in self.masks:  # one mask per window size a forward pass uses, not one per layer
-            key_pos = torch.arange(end, device=k.device)[None, None, :]
-            query_pos = positions[:, :, None]
-            allowed = key_pos <= query_pos
-            if window is not None:
-                allowed = allowed & (key_pos > query_pos - window)
-            self.masks[window] = allowed[:, None]
+            self.masks[window] = causal_mask(torch.arange(end, device=k.device)[None, None, :], positions[:, :, None],
+                                             window)[:, None]
         if isinstance(self.select, slice):
             keys, values = k_cache[self.select, :end], v_cache[self.select, :end]
         else:  # index_select of the positions read: 2-4x faster on a CPU than indexing rows and positions at once
@@ -401,8 +350,7 @@ class RowView:
         return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
 
     def _plan(self, B, T, device):
-        """What every layer's update shares, worked out once per forward pass: where the new tokens go (flattened),
-        which of them are real, how far attention reads, and the new tokens' positions."""
+        """Once per pass: where the new tokens go (flattened), which are real, how far attention reads, positions."""
         end = self.max_position(T)
         if end > self.cache.seq_len:
             raise ValueError(f"RowKVCache holds {self.cache.seq_len} positions but {end} are needed")
@@ -416,8 +364,7 @@ class RowView:
         return rows, flat_positions, real, end, positions
 
     def swap_last_embedding(self, x):
-        """The previous token's embedding of each row (zeros for a row with nothing cached), then keep the embedding
-        of each row's last real new token of x (B, T, C)."""
+        """Each row's previous token embedding (for smear; zeros if empty); keep the last real one of x (B, T, C)."""
         stored = self.cache.last_embedding[self.select]
         previous = torch.where(self.length_tensor[:, None, None] > 0, stored, torch.zeros_like(stored))
         if self.new_lengths is None:
@@ -434,11 +381,9 @@ class RowView:
 
 class StaticDecodeView:
     """
-    One decode step (a token per row) of rows 0..batch-1 whose shapes depend on (batch, extent) alone, every other
-    input in a device tensor loaded before the step: a step that can be captured once as a CUDA graph and replayed
-    (CapturedDecode). Attention reads each row's first `extent` positions, masked by its length. A row that is not fed
-    this step (free, or a prompt still prefilling) writes its key at the cache's last position, which a sequence reads
-    only after writing it itself, and keeps its smear embedding: it loses nothing, so no row needs resetting.
+    A decode step of rows 0..batch-1 whose shapes depend on (batch, extent) alone, its inputs loaded into device
+    tensors, so that it can be captured as a CUDA graph (CapturedDecode). A row not fed this step writes its key at the
+    cache's last position, which a sequence reads only after writing it itself, and keeps its smear embedding.
     """
 
     def __init__(self, cache, batch, extent):
@@ -452,7 +397,7 @@ class StaticDecodeView:
         self.masks = {}
 
     def load(self, inputs):
-        """{row: token} of the rows fed this step into the static tensors (each row writes at its own length)."""
+        """{row: token} of the rows fed this step into the static tensors."""
         ids, write_at, fed = [0] * self.batch, [self.cache.seq_len - 1] * self.batch, [False] * self.batch
         for row, token in inputs.items():
             ids[row], write_at[row], fed[row] = token, self.cache.lengths[row], True
@@ -472,10 +417,7 @@ class StaticDecodeView:
         k_cache.index_put_((self.row_index, self.write_at), k[:, :, 0].to(k_cache.dtype))
         v_cache.index_put_((self.row_index, self.write_at), v[:, :, 0].to(v_cache.dtype))
         if window not in self.masks:
-            query, keys = self.write_at[:, None, None, None], self.key_positions[None, None, None, :]
-            allowed = keys <= query
-            if window is not None:
-                allowed = allowed & (keys > query - window)
+            allowed = causal_mask(self.key_positions[None, None, None, :], self.write_at[:, None, None, None], window)
             # an unfed row's query sits past the extent: with a window it could see no key at all, and a fully masked
             # row can come out NaN, which its key at the last position would then keep
             self.masks[window] = allowed | ~self.fed[:, None, None, None]  # (batch, 1, 1, extent)
@@ -493,8 +435,7 @@ class StaticDecodeView:
 
 
 def decode_buckets(max_batch, seq_len):
-    """The shapes a static decode step takes: rows 1, 2, 4, ... up to max_batch, extents 32, 64, ... up to seq_len (a
-    step reads at most twice the keys it needs, and a 2,048-token context with 64 rows has 8 x 7 shapes)."""
+    """The static step's shapes: rows 1, 2, 4, ... up to max_batch, extents 32, 64, ... up to seq_len."""
     rows = sorted({min(max_batch, 1 << i) for i in range(max_batch.bit_length() + 1)})
     extents = sorted({min(seq_len, 32 << i) for i in range(max(1, seq_len.bit_length()))})
     return rows, extents
@@ -502,14 +443,12 @@ def decode_buckets(max_batch, seq_len):
 
 class CapturedDecode:
     """
-    The decode step as CUDA graphs, one per (rows, extent) bucket, all captured when the engine is built (a few hundred
-    kernel launches replayed as one; they share one memory pool, and each replay's logits are copied out before the
-    next). Where CUDA graphs cannot run (a CPU), or a capture fails, the same static step runs eagerly and says why.
+    The decode step as CUDA graphs, one per (rows, extent) bucket, captured when the engine is built, sharing one
+    memory pool. Where they cannot run (a CPU, a failed capture, capture=False: a control for the captured step), the
+    same static step runs eagerly, and why_eager says why.
     """
 
     def __init__(self, model, cache, max_batch, capture=True):
-        """capture=False runs the static step eagerly on any device: the captured step's arithmetic without the
-        graphs, the control that tells a capture's fault from what the padded shapes and masks change."""
         self.model, self.cache = model, cache
         self.rows, self.extents = decode_buckets(max_batch, cache.seq_len)
         self.graphs, self.pool = {}, None
