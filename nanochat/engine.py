@@ -250,7 +250,7 @@ def kv_row_bytes(config, device):
 
 
 def kv_budget_bytes(device, kv_memory_gib=None):
-    """What the KV caches may take: kv_memory_gib, else half the GPU's free memory, or a quarter of the RAM (<= 4 GiB)."""
+    """What the KV caches may take: kv_memory_gib, else half the GPU's free memory, or a quarter of RAM (<= 4 GiB)."""
     if kv_memory_gib is not None:
         return int(kv_memory_gib * 2**30)
     if device.type == "cuda":
@@ -519,8 +519,7 @@ class CapturedDecode:
 # -----------------------------------------------------------------------------
 # The batching engine
 
-SCORE_LOGITS_BYTES = 512 * 2**20  # fp32 logits one scoring pass may hold (a row of a 2048-token context at a
-# 65,536-token vocabulary is one pass by itself)
+SCORE_LOGITS_BYTES = 512 * 2**20  # fp32 logits one scoring pass may hold
 
 
 @dataclass
@@ -545,37 +544,23 @@ class Sequence:
 
 DECODE_MODES = ("eager", "captured", "static")
 
-# When several owners have rows to decode, a step may cost at most this many times the step of the light owners' rows
-# alone (BatchEngine._share_step): beside one heavy owner a light one keeps about four fifths of its step rate. Its
-# pace end to end keeps less (on a CPU the worker's and the server's per-token work for the heavy rows is outside the
-# step's cost, and shares the cores): about two thirds
+# A step shared between owners may cost at most this many times the light owners' rows alone (_share_step): beside
+# one heavy owner a light one keeps about four fifths of its step rate
 FAIR_STRETCH = 1.25
 
 
 def rounded_batch(count, max_batch):
-    """The rows a bf16 CPU's decode step computes for `count` fed ones: the next of 1, 2, 4, 8, then a multiple of 8."""
+    """The rows a bf16 CPU's decode step computes for `count` fed ones: 1, 2, 4, 8, then a multiple of 8."""
     return min(max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
 
 
 class DecodeCost:
     """
-    What one decode step costs on this engine's device, in seconds:
-
-        fixed + rows * (per_row + (per_row_key + gather_per_row_key if gathered) * extent)
-
-    `fixed` whatever its rows (on a GPU the launch of a forward pass's few hundred kernels, most of a small model's
-    step); `per_row` for each row it computes (its share of the matmuls, drawing its token); `per_row_key` for each row
-    and each key position attention reads (a step's rows all read up to its longest row's length, and on a CPU reading
-    them is most of a long row's cost); `gather_per_row_key` more when the rows are not one run, whose keys the cache
-    then copies out (RowView). A d2 on the 2-vCPU EPYC, idle: ~0.85 ms fixed, ~0.03 ms a row, ~0.17 ms a row per 1,000
-    positions, ~0.03 ms more gathered.
-
-    BatchEngine.measure_decode_cost times it at start. Given the shapes it timed (`measured`), it then follows the
-    steps as they run (observe): the four numbers are a least-squares fit of the steps' own seconds, recent steps
-    weighing most (FOLLOW_DECAY), the measured shapes kept in it as PRIOR_STEPS steps that never fade. A CPU's step
-    costs what else the machine does let it (under another program's memory traffic a 5-row step of a shared batch took
-    2.4x its measured time, a one-row step 1.8x) and what its rows ask (penalties, log probabilities, keys beyond the
-    CPU's caches), which a measurement at start cannot know.
+    What one decode step costs, in seconds: fixed + rows * (per_row + (per_row_key + gather_per_row_key if gathered)
+    * extent), where extent is the key positions each row reads and gathered says the rows are not one run (RowView
+    copies their keys out). measure_decode_cost times it at start; given the shapes it timed (`measured`), observe()
+    then refits the four numbers by least squares to the steps as they run, recent ones weighing most, since a CPU's
+    step costs what the rest of the machine and the rows' sampling let it, which a measurement at start cannot know.
     """
 
     FOLLOW_DECAY = 0.998  # a step's weight in the fit falls by this at each step after it: the last ~500 steps count
@@ -584,8 +569,7 @@ class DecodeCost:
     OUTLIER = 3.0  # a step timed at more than this many times its prediction counts as that much (the OS paused it)
 
     def __init__(self, fixed, per_row, per_row_key, gather_per_row_key=0.0, measured=()):
-        """measured: [(rows, extent, gathered)] the shapes these numbers were timed on (measure_decode_cost); none: the
-        numbers stay as given."""
+        """measured: [(rows, extent, gathered)] the shapes timed; none: the numbers stay as given."""
         self.fixed, self.per_row, self.per_row_key, self.gather_per_row_key = \
             fixed, per_row, per_row_key, gather_per_row_key
         self.follows = bool(measured)
@@ -598,7 +582,6 @@ class DecodeCost:
             self._accumulate(self.prior_xx, self.prior_xy, x, y, self.PRIOR_STEPS / len(measured))
 
     def seconds(self, rows, extent, gathered=False):
-        """A decode step of `rows` rows whose longest reads `extent` key positions (`gathered`: not one run)."""
         per_key = self.per_row_key + (self.gather_per_row_key if gathered else 0.0)
         return self.fixed + rows * (self.per_row + per_key * extent)
 
@@ -607,11 +590,7 @@ class DecodeCost:
         if not self.follows:
             return
         seconds = min(seconds, self.OUTLIER * self.seconds(rows, extent, gathered))
-        for i in range(4):
-            self.xy[i] *= self.FOLLOW_DECAY
-            for j in range(4):
-                self.xx[i][j] *= self.FOLLOW_DECAY
-        self._accumulate(self.xx, self.xy, self._features(rows, extent, gathered), seconds, 1.0)
+        self._accumulate(self.xx, self.xy, self._features(rows, extent, gathered), seconds, 1.0, self.FOLLOW_DECAY)
         self.steps_seen += 1
         if self.steps_seen % self.REFIT_EVERY == 0:
             self._refit()
@@ -627,11 +606,12 @@ class DecodeCost:
         return [1.0, float(rows), keys, keys if gathered else 0.0]
 
     @staticmethod
-    def _accumulate(xx, xy, x, y, weight):
+    def _accumulate(xx, xy, x, y, weight, decay=1.0):
+        """Fade the normal equations by `decay`, then add a step x with seconds y."""
         for i in range(4):
-            xy[i] += weight * x[i] * y
+            xy[i] = xy[i] * decay + weight * x[i] * y
             for j in range(4):
-                xx[i][j] += weight * x[i] * x[j]
+                xx[i][j] = xx[i][j] * decay + weight * x[i] * x[j]
 
     def _refit(self):
         a = torch.tensor([[p + q for p, q in zip(*rows)] for rows in zip(self.prior_xx, self.xx)], dtype=torch.float64)
@@ -646,22 +626,19 @@ class DecodeCost:
 
 class BatchEngine:
     """
-    Continuous batching of independent sequences (the module's docstring). Each sequence may carry an owner (add_group's
-    `owner`: for chat_web, the client that asked). Without a decode_cost every step feeds every sequence that has its
-    next token, as it always did. With one (measure_decode_cost: what a step costs here, by rows and positions), steps
-    are shared between owners when more than one has rows to decode (_share_step): the owners whose rows cost least are
-    fed whole, and the step may cost at most FAIR_STRETCH times what their rows alone would, or as much as gives each
-    heavier owner the time the heaviest light one takes, whichever is more; the heavier owners' rows fill that budget a
-    row each in turn, the longest-waiting first, and the rest wait for a later step (their cache stays: a row that
-    waits resumes exactly where it was, with the same tokens). Budget a step leaves unused while rows wait is carried
-    to the next, so every row advances. On a CPU a step's cost grows with its rows, and one owner holding 16 rows made
-    another's single row advance a token per 16-row step (14 % of its pace alone); on a GPU a step costs about the same
-    for 1 row or 64, the budget holds every row, and nothing waits. One owner alone is always fed whole.
+    Continuous batching (docs/serving.md):
+
+        a = engine.add(prompt_ids, Sampling(temperature=0.0, max_tokens=64))  # waits for a free row
+        while engine.busy():
+            for seq, token, mask in engine.step():  # mask 0: a forced token; seq.finished: None, "stop", "length"
+                ...
+
+    A step prefills at most prefill_chunk prompt tokens, so a long prompt never stalls the rows decoding. With a
+    decode_cost, a step is shared between the owners of its rows (_share_step); without one it feeds every row.
+    max_len: the most positions a sequence may reach (default and at most the model's sequence_len).
     """
 
     def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, decode="eager", max_len=None):
-        """max_len: the most positions a sequence may reach, prompt and reply (default and at most the model's
-        sequence_len): the cache holds that many per row."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1 (got {max_batch}, {prefill_chunk})")
         if decode not in DECODE_MODES:
@@ -687,8 +664,7 @@ class BatchEngine:
         self.carried_budget = 0.0  # seconds of step budget left unused while rows waited (_share_step)
         # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
         self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
-        # decode="captured": the decode step in static shapes, replayed as CUDA graphs on a GPU (eager elsewhere);
-        # "static": the same static shapes run eagerly everywhere (a control for the captured step)
+        # "static": the captured step's static shapes, run eagerly (a control for it)
         self.captured = CapturedDecode(model, self.cache, max_batch, capture=decode == "captured") \
             if decode in ("captured", "static") else None
 
@@ -699,7 +675,7 @@ class BatchEngine:
 
     def add_group(self, prompt, samplings, owner=None):
         """n sequences of one prompt (one per Sampling): they get rows together, and the prompt is prefilled once.
-        owner: whose they are (any hashable; chat_web's client), for sharing decode steps (decode_cost)."""
+        owner: whose they are (any hashable; chat_web's client), for sharing decode steps."""
         prompt = [int(t) for t in prompt]
         if not prompt or len(prompt) >= self.context:
             raise ValueError(f"a prompt needs 1 to {self.context - 1} tokens (got {len(prompt)}): the reply needs room")
@@ -715,8 +691,7 @@ class BatchEngine:
         return list(group)  # the caller's own list: what it appends to never joins the queued group
 
     def cancel(self, seq):
-        """Stop a sequence now: its row is free for the next step. A waiting one is only marked (O(1), however long
-        the queue): the queue drops it when it gets to it."""
+        """Stop a sequence now. A waiting one is only marked (O(1)): the queue drops it when it gets to it."""
         if seq.finished is None:
             seq.finished = "cancelled"
             if seq.row is None:
@@ -733,11 +708,9 @@ class BatchEngine:
     @torch.inference_mode()
     def score(self, prompts, top):
         """
-        The log probability of every token of each prompt given the tokens before it, as few forward passes as the
-        logits' memory allows (SCORE_LOGITS_BYTES: one for lm-eval's usual requests), each over prompts padded to the
-        longest of them (padding comes after a prompt's tokens, which causal attention keeps it from): per prompt,
-        [(log p, [(id, log p)] of the `top` most likely)] for its tokens 1.. (None for token 0), and its last
-        position's (1, V) logits, for a token to follow. The cache is not touched: rows that are decoding go on.
+        Per prompt, [(log p, [(id, log p)] of the `top` most likely)] of its tokens 1.. given those before (None for
+        token 0), and its last position's (1, V) logits; in as few padded forward passes as SCORE_LOGITS_BYTES allows.
+        The cache is not touched: rows that are decoding go on.
         """
         results, start = [], 0
         vocab = self.model.config.vocab_size
@@ -772,11 +745,7 @@ class BatchEngine:
     # -- one step ----------------------------------------------------------------------
 
     def step(self):
-        """
-        Admit what fits, prefill up to prefill_chunk prompt tokens, give every sequence whose next-token logits are
-        ready its token, and run one decode forward for the sequences that go on (all of them, unless owners share the
-        step: _share_step). Returns [(seq, token, mask)].
-        """
+        """Admit, prefill a chunk, sample the ready sequences, decode those that go on: [(seq, token, mask)]."""
         started = time.perf_counter()
         self._admit()
         with torch.inference_mode():
@@ -788,15 +757,13 @@ class BatchEngine:
             if to_feed:
                 self.decode_steps += 1
                 self.shared_steps += len(to_feed) > 1
-                rows = sorted(seq.row for seq in to_feed)
-                extent = max(self.cache.lengths[row] for row in rows) + 1
+                shape = self._step_shape(to_feed)
                 for seq in to_feed:
                     seq.awaiting_feed, seq.last_fed = False, self.decode_steps
                 # rows in order: often one run, which the cache reads without a copy
                 self._decode(sorted(to_feed, key=lambda seq: seq.row))
                 if self.decode_cost is not None and not prefilled:  # a prompt's chunk is no decode step's cost
-                    self.decode_cost.observe(self._batch_rows(len(rows)), extent, rows[-1] - rows[0] >= len(rows),
-                                             time.perf_counter() - started)
+                    self.decode_cost.observe(*shape, time.perf_counter() - started)
         return emitted
 
     def _decode(self, to_feed):
@@ -828,37 +795,35 @@ class BatchEngine:
             return next(b for b in self.captured.rows if b >= count)
         return rounded_batch(count, self.max_batch) if self.round_batches else count
 
-    def _step_seconds(self, seqs):
-        """What a decode step feeding just `seqs` would cost (decode_cost)."""
-        extent = max(self.cache.lengths[seq.row] for seq in seqs) + 1  # each writes its key at its length, then reads
+    def _step_shape(self, seqs):
+        """(rows computed, extent, gathered) of a decode step feeding `seqs`: each writes its key at its length."""
         rows = sorted(seq.row for seq in seqs)
-        return self.decode_cost.seconds(self._batch_rows(len(seqs)), extent, rows[-1] - rows[0] >= len(rows))
+        extent = max(self.cache.lengths[row] for row in rows) + 1
+        return self._batch_rows(len(rows)), extent, rows[-1] - rows[0] >= len(rows)
 
     def _share_step(self, ready):
         """
-        The sequences of `ready` (each has its next token) that this decode step feeds; the others wait for a later one.
-        Every one, unless there is a decode_cost and more than one owner has rows ready. Then the light owners, whose
-        rows alone cost at most FAIR_STRETCH times the cheapest owner's, are fed whole, and the step's budget is
-        FAIR_STRETCH times their step (their step rate: at least about four fifths of it beside one heavy owner), or, if more,
-        their step plus, for each heavier owner, what the heaviest light owner's rows cost beyond the fixed part (no
-        owner gets less of a step than a light one: 15 rows beside 16 are both fed whole). The heavier owners' rows join
-        a row each in turn, the owner and the row that have waited longest first, while the step stays within budget;
-        an owner whose next row does not fit waits whole (its rows keep their order). What the budget leaves unused
-        while rows wait is carried to the next step, so the longest-waiting row always gets in within a few steps.
+        The sequences of `ready` this decode step feeds; the others wait, their cache kept. Every one, unless there is
+        a decode_cost and more than one owner has rows ready. Then the light owners, whose rows alone cost at most
+        FAIR_STRETCH times the cheapest owner's, are fed whole, and the budget is FAIR_STRETCH times their step, or, if
+        more, their step plus, for each heavier owner, what the heaviest light owner's rows cost beyond the fixed part
+        (15 rows beside 16 are both fed whole). The heavier owners' rows join a row each in turn, the longest-waiting
+        first, while the step stays within budget; an owner whose next row does not fit waits whole. Budget left unused
+        while rows wait is carried to the next step, so every row gets in within a few steps.
         """
         if self.decode_cost is None:
             return ready
         owners = {}
         for seq in ready:
             owners.setdefault(seq.owner, []).append(seq)
-        alone = {owner: self._step_seconds(seqs) for owner, seqs in owners.items()}
+        alone = {owner: self.decode_cost.seconds(*self._step_shape(seqs)) for owner, seqs in owners.items()}
         cheapest = min(alone.values(), default=0.0)
         light = [owner for owner in owners if alone[owner] <= FAIR_STRETCH * cheapest]
         if len(light) == len(owners):  # one owner, or owners alike: every row, as without sharing
             self.carried_budget = 0.0
             return ready
         fed = [seq for owner in light for seq in owners[owner]]
-        base = self._step_seconds(fed)
+        base = self.decode_cost.seconds(*self._step_shape(fed))
         heavy = [sorted(seqs, key=lambda seq: seq.last_fed) for owner, seqs in owners.items() if owner not in light]
         heavy.sort(key=lambda seqs: seqs[0].last_fed)
         heaviest_light = max(alone[owner] for owner in light) - self.decode_cost.fixed
@@ -881,14 +846,10 @@ class BatchEngine:
 
     def measure_decode_cost(self, repeats=3):
         """
-        A DecodeCost for this engine, from steps timed now (before any sequence is added) on stand-in sequences: one
-        row at a short length; several rows at that length (what a row adds); the same rows at half the context (what
-        the keys they read add); and those rows scattered (every other row: what gathering their keys adds). A timed
-        step is a whole one (sampling, the forward pass, the bookkeeping), the fastest of a few in a row (as in
-        serving, where a step follows one of its kind, its weights and keys still in the CPU's caches: a one-row step
-        right after an 8-row one took ~1.3x as long); each shape is timed `repeats` times in turn after a round that
-        warms up, so that a burst of another program's work on the machine slows them alike or not at all. ~80 steps
-        in all (~0.2 s for a d2 on a CPU).
+        A DecodeCost from whole steps timed now, before any sequence is added, on stand-in sequences: one row at a
+        short length; several rows (what a row adds); the same at half the context (what keys add); and scattered
+        (what gathering adds). Each shape's time is the fastest of a few steps in a row (as in serving, where a step
+        follows one of its kind), timed `repeats` times in turn so that a burst of other work slows them alike.
         """
         if self.running or self.num_waiting:
             raise RuntimeError("measure_decode_cost times empty rows: call it before adding sequences")
@@ -916,9 +877,8 @@ class BatchEngine:
                           per_row_key=per_row_key, gather_per_row_key=gather, measured=timed)
 
     def _time_steps(self, rows, length, steps=4):
-        """The fastest of `steps` steps in a row (after one that warms up and gives them their logits) of stand-in
-        sequences on `rows` whose rows hold about `length` positions (whatever is in them: the time is the same),
-        decoding with chat_web's default sampling."""
+        """The fastest of `steps` steps (after a warm-up) of stand-in sequences on `rows`, each holding about `length`
+        positions (whatever is in them), sampling as chat_web does by default."""
         self.free_rows = [row for row in self.free_rows if row not in rows]
         seqs = []
         for row in rows:
@@ -941,12 +901,10 @@ class BatchEngine:
 
     def _padding_rows(self, fed):
         """
-        Free rows that round a decode step's batch of rows `fed` (sorted) up to the next of 1, 2, 4, 8, then a multiple
-        of 8 (as many as are free): gaps inside the run first, then the rows right after it, then before it, so that
-        the rows stay one run where they can (read as a slice, not gathered). On a bf16 CPU each new batch size is a
-        new shape for oneDNN's kernels, compiled once per shape and kept in a bounded cache
-        (common.bound_onednn_caches): rows that join and leave every few steps kept compiling them. A padding row
-        costs a little compute; it writes one position of a free row, which is reset after.
+        Free rows that round the decode batch `fed` (sorted) up to rounded_batch, so that oneDNN's bf16 kernels on a CPU
+        see few shapes (each compiled once, in a bounded cache: common.bound_onednn_caches): gaps inside the run first,
+        then rows after it, then before, so that the rows stay one run where they can. A padding row writes one
+        position of a free row, which is reset after.
         """
         count = len(fed)
         target = rounded_batch(count, self.max_batch)
@@ -974,8 +932,7 @@ class BatchEngine:
         # rows stay in admission order, so a decode step's rows are often one contiguous run (a slice, no gather)
 
     def _prefill(self):
-        """Up to prefill_chunk prompt tokens, from the oldest sequences first, in one forward pass: each row its own
-        chunk, padded to the longest (the padding is neither written nor used). Returns whether there were any."""
+        """Up to prefill_chunk prompt tokens, oldest sequences first, in one forward pass; whether there were any."""
         budget, chunks = self.prefill_chunk, []
         for seq in self.running:
             if budget <= 0:
@@ -1042,28 +999,22 @@ class BatchEngine:
 
 class Engine:
     """
-    Generation for one prompt: its samples prefilled once and decoded together, sampled with seeds seed, seed + 1,
-    ..., calculator tool calls answered. A model of the batching engine's cache protocol (nanochat/gpt.py:
-    forward(ids, kv_cache=rows, logits_at=positions)) runs on a BatchEngine of as many rows. A model without
-    logits_at is one written against karpathy/nanochat's engine: it runs on that project's KVCache, the way its
-    engine ran it, with the same sampling (the same tokens as on rows, for the same logits).
+    The samples of one prompt, prefilled once and decoded together (seeds seed, seed + 1, ...), on a BatchEngine of
+    as many rows; a model without logits_at (written against karpathy/nanochat) on that project's KVCache instead,
+    with the same sampling.
     """
 
     def __init__(self, model, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
-        # our GPT takes logits_at; karpathy/nanochat's forward(idx, targets=None, kv_cache=None, ...) does not
         self.on_rows = "logits_at" in inspect.signature(model.forward).parameters
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42):
         """
-        Yield (token_column, token_masks) once per step: one token per sample, mask 1 where the model
-        sampled it, 0 where the engine forced it (a tool's output). A row stops after yielding
-        <|assistant_end|> or <|bos|>; from then on its column entries repeat that terminal token with
-        mask 0. Generation ends when every row has stopped, after max_tokens steps, or when prompt plus
-        generated tokens fill the model's sequence_len. A prompt that already fills it yields nothing; a
-        longer one raises ValueError (callers trim conversations). `seed` seeds generators private to
-        this call, so the output does not depend on, or change, torch's global random state.
+        Yield (token_column, token_masks) once per step: one token per sample, mask 1 sampled, 0 forced (a tool's
+        output). A row that has stopped (<|assistant_end|> or <|bos|>) repeats its terminal token with mask 0. Ends
+        when every row has stopped, after max_tokens steps, or at the model's sequence_len; a prompt longer than that
+        raises ValueError. `seed` seeds generators private to this call (torch's global state is untouched).
         """
         tokens = [int(t) for t in tokens]
         context = self.model.config.sequence_len
@@ -1096,11 +1047,8 @@ class Engine:
                        [emitted.get(id(seq), (seq.tool.finished_with, 0))[1] for seq in rows])
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
-        """
-        Run generate to the end: (results, masks), one list per sample. A result is the prompt followed
-        by the generated tokens without the terminal token; its mask is 0 over the prompt, then the
-        per-token masks (1 sampled, 0 forced).
-        """
+        """(results, masks) per sample: the prompt and its generated tokens without the terminal one, masks 0 over the
+        prompt."""
         terminals = ChatTokens(self.tokenizer).terminals
         results = [list(tokens) for _ in range(num_samples)]
         masks = [[0] * len(tokens) for _ in range(num_samples)]
@@ -1114,11 +1062,8 @@ class Engine:
         return results, masks
 
     def _generate_on_kv_cache(self, tokens, num_samples, steps, temperature, top_k, top_p, seed):
-        """
-        generate() for a model of karpathy/nanochat's protocol: the prompt prefilled once into a KVCache of one row,
-        copied into one of num_samples rows, then one forward a step for every row, stopped rows too (the rows share
-        one position). Each row draws from its own generator, seeded as the batching engine seeds it.
-        """
+        """generate() on karpathy/nanochat's KVCache: the prompt prefilled into one row, copied to num_samples rows,
+        then a forward a step for every row, stopped ones too (the rows share one position)."""
         device, ids = self.model.get_device(), ChatTokens(self.tokenizer)
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
         generators = [torch.Generator(device=device).manual_seed(seed + i) for i in range(num_samples)]
@@ -1155,8 +1100,7 @@ class Engine:
                        num_layers=c.n_layer, device=device, dtype=get_compute_dtype(device))
 
     def _forward_last(self, ids, cache):
-        """(B, V) logits of the token after ids, the cache advanced past them. Autocast is entered per call, never held
-        across a yield, where it would leak into the caller's code."""
+        """(B, V) logits of the token after ids. Autocast per call: held across a yield, it would leak to the caller."""
         with autocast_for(ids.device):
             return self.model.forward(ids, kv_cache=cache)[:, -1, :]
 
@@ -1167,11 +1111,8 @@ class Engine:
 
 class StreamDecoder:
     """
-    Token ids in, text pieces out, for chat UIs that print as the model writes. A token can end
-    in the middle of a UTF-8 character (its bytes continue in the next token), so push() holds such
-    tokens back and returns "" until the character is complete. For valid UTF-8, the pieces plus flush()
-    concatenate to tokenizer.decode of all the ids. Special tokens decode to their names: stop before
-    pushing them.
+    Token ids in, text pieces out: push() holds back a token that ends inside a UTF-8 character and returns "" until
+    the character is complete, so the pieces plus flush() concatenate to tokenizer.decode of all the ids.
     """
 
     MAX_HELD = 4  # a UTF-8 character has at most 4 bytes: after that many held tokens the bytes are just invalid
