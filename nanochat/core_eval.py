@@ -1,20 +1,9 @@
 """
-The DCLM CORE metric (https://arxiv.org/abs/2406.11794): a base model's in-context-learning
-score over a bundle of tasks, each accuracy centred against its random-guess baseline and
-the centred accuracies averaged into one number.
-
-Three kinds of task, all scored from one forward pass per example:
-- multiple_choice: one query, several candidate continuations; the model picks the choice
-  whose tokens it finds least surprising (lowest mean loss).
-- schema: several candidate contexts, one shared continuation; the model picks the context
-  that makes the continuation least surprising.
-- language_modeling: one context and continuation; correct only if greedy decoding would
-  reproduce every continuation token.
-
-The bundle is a zip with core.yaml (the task list), eval_meta_data.csv (random baselines in
-percent) and eval_data/**.jsonl (the examples); ensure_eval_bundle() fetches and caches it.
-resolve_eval_bundle() picks a bundle by name: "dclm" (the published one), "builtin" (tasks about
-the built-in corpus's world, written offline by `python -m nanochat.corpus`), or a folder.
+The DCLM CORE metric (https://arxiv.org/abs/2406.11794): a base model's in-context-learning accuracy on a bundle of
+tasks, each centred against its random baseline, averaged. An example is one forward pass: multiple_choice picks the
+continuation of lowest mean loss, schema the context that makes the shared continuation least surprising, and
+language_modeling is right only if greedy decoding reproduces the continuation. A bundle is core.yaml (the tasks),
+eval_meta_data.csv (baselines in percent) and eval_data/**.jsonl; resolve_eval_bundle picks one.
 """
 
 import csv
@@ -62,10 +51,6 @@ def builtin_eval_bundle_dir():
     return os.path.join(get_base_dir(), BUILTIN_BUNDLE_NAME)
 
 
-def eval_bundle_url():
-    return os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
-
-
 def eval_bundle_sha256(url):
     """The sha256 the downloaded zip must have: $NANOCHAT_EVAL_BUNDLE_SHA256 ("none" skips), else the pinned one
     for the published URL; a mirror without a given hash is checked only for size and zip integrity."""
@@ -111,7 +96,7 @@ def ensure_eval_bundle():
             return bundle_dir
         if os.path.exists(bundle_dir):
             raise UserError(f"{bundle_dir} exists but has no core.yaml; move it away and run again to re-download")
-        url = eval_bundle_url()
+        url = os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
         print0(f"Downloading the CORE eval bundle from {url}")
         fd, zip_path = tempfile.mkstemp(prefix="eval_bundle.", suffix=".zip.tmp", dir=base_dir)
         os.close(fd)
@@ -137,9 +122,8 @@ def ensure_eval_bundle():
 
 def resolve_eval_bundle(name_or_path="dclm", all_ranks=False):
     """
-    The folder of the bundle a user named (the --eval-bundle flag): "dclm" -> the published bundle,
-    downloaded on first use; "builtin" -> the bundle about the built-in world; else a folder holding core.yaml.
-    all_ranks: called by every rank of a torchrun job: rank 0 downloads while the others wait at a barrier.
+    The folder of the --eval-bundle a user named: "dclm" (downloaded on first use), "builtin" (the built-in world's,
+    written by `python -m nanochat.corpus`) or a folder holding core.yaml. all_ranks: rank 0 downloads, others wait.
     """
     if all_ranks and dist_rank_world()[1] > 1:
         if dist_rank_world()[0] == 0:
@@ -241,10 +225,8 @@ def sample_fewshot(data, idx, num_fewshot):
 
 
 def render_prompts(task_type, item, delimiter, shots):
-    """
-    The full text of each candidate: the solved few-shot examples, each followed by a blank line,
-    then the item. language_modeling returns [context only, context + continuation].
-    """
+    """The text of each candidate: the solved few-shot examples, each followed by a blank line, then the item
+    (language_modeling: [context only, context + continuation])."""
     if task_type == "multiple_choice":
         prefix = "".join(f"{s['query']}{delimiter}{s['choices'][s['gold']]}\n\n" for s in shots)
         return [f"{prefix}{item['query']}{delimiter}{choice}" for choice in item["choices"]]
@@ -269,15 +251,8 @@ def _common_prefix_len(rows):
     return n
 
 
-def _common_suffix_len(rows):
-    return _common_prefix_len([row[::-1] for row in rows])
-
-
 def tokenize_prompts(tokenizer, task_type, prompts):
-    """
-    Token rows (each starting with BOS) and for each row the span [start, end) of tokens to score.
-    Every span keeps at least one token and never includes BOS.
-    """
+    """Token rows (each starting with BOS) and each row's span [start, end) to score: at least one token, never BOS."""
     rows = tokenizer.encode(prompts, prepend=tokenizer.get_bos_token_id())
     shortest = min(len(row) for row in rows)
     if shortest < 2:
@@ -288,7 +263,7 @@ def tokenize_prompts(tokenizer, task_type, prompts):
         return rows, [(start, len(row)) for row in rows]
     if task_type == "schema":
         # The contexts differ, the continuation is shared: score the common tail.
-        suffix = max(1, min(_common_suffix_len(rows), shortest - 1))
+        suffix = max(1, min(_common_prefix_len([row[::-1] for row in rows]), shortest - 1))
         return rows, [(len(row) - suffix, len(row)) for row in rows]
     if task_type == "language_modeling":
         context_row, full_row = rows
@@ -298,10 +273,7 @@ def tokenize_prompts(tokenizer, task_type, prompts):
 
 
 def crop_to_window(rows, spans, max_len):
-    """
-    Fit rows longer than the model's context by dropping tokens from the left, just after BOS
-    (the model has only ever seen rows that start with BOS); the scored tail stays.
-    """
+    """Fit rows into the model's context by dropping tokens just after BOS (every row the model saw starts with it)."""
     cropped_rows, cropped_spans = [], []
     for row, (start, end) in zip(rows, spans):
         excess = len(row) - max_len
@@ -315,11 +287,8 @@ def crop_to_window(rows, spans, max_len):
 
 @torch.no_grad()
 def score_rows(model, rows, spans, pad_id, device):
-    """
-    One forward pass over all rows (right-padded). For each row: the mean loss over its span, and
-    whether greedy argmax predicts every token of the span. Padding is never read: attention is
-    causal and only span positions are scored.
-    """
+    """One forward pass over the rows (right-padded: causal attention never reads the padding): each row's mean loss
+    over its span, and whether greedy argmax predicts every token of the span."""
     width = max(len(row) for row in rows)
     ids = torch.tensor([list(row) + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
     logits = model(ids)
@@ -350,11 +319,8 @@ def evaluate_example(model, tokenizer, data, idx, device, task_meta):
 
 
 def evaluate_task(model, tokenizer, data, device, task_meta, num_examples=None):
-    """
-    Accuracy on the first num_examples of data (all if None or < 0); few-shot examples may come
-    from all of data. Under torchrun each rank takes every world_size-th example and the counts
-    are summed, so every rank returns the same number.
-    """
+    """Accuracy on the first num_examples of data (all if None or < 0), the same on every rank; few-shot examples may
+    come from all of data."""
     n = len(data) if num_examples is None or num_examples < 0 else min(num_examples, len(data))
     rank, world_size = dist_rank_world()
     correct = sum(bool(evaluate_example(model, tokenizer, data, idx, device, task_meta))
@@ -368,9 +334,8 @@ def evaluate_task(model, tokenizer, data, device, task_meta, num_examples=None):
 
 def evaluate_core(model, tokenizer, device, max_per_task=-1, bundle_dir=None, verbose=True):
     """
-    Score every task of the bundle. Returns {"results": {label: accuracy}, "centered_results":
-    {label: centred accuracy}, "core_metric": mean centred accuracy}. max_per_task > 0 evaluates a
-    fixed random subset of each task (a quick look, not comparable with full runs).
+    {"results": {label: accuracy}, "centered_results": {label: centred accuracy}, "core_metric": their mean} over the
+    bundle's tasks. max_per_task > 0 evaluates a fixed random subset of each (a quick look, not comparable).
     """
     bundle_dir = bundle_dir or ensure_eval_bundle()
     tasks = load_core_tasks(bundle_dir)

@@ -9,6 +9,7 @@ import ast
 import heapq
 import inspect
 import math
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -26,11 +27,8 @@ CALCULATOR_MAX_EXPONENT = 100
 CALCULATOR_MAX_DIGITS = 1000  # no integer (intermediate or final) may have more digits
 CALCULATOR_SECONDS = 0.1
 
-_BINARY_OPS = {
-    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
-    ast.Pow: lambda a, b: a ** b,
-}
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 
 
 class _Refused(Exception):
@@ -43,11 +41,8 @@ def _is_number(value):
 
 def _checked(value):
     """Refuse results that are not plain finite numbers or that grew past the digit cap."""
-    if not _is_number(value):
-        raise _Refused
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _Refused
-    if isinstance(value, int) and value.bit_length() > CALCULATOR_MAX_DIGITS * math.log2(10):
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)) or \
+            (isinstance(value, int) and value.bit_length() > CALCULATOR_MAX_DIGITS * math.log2(10)):
         raise _Refused
     return value
 

@@ -1,12 +1,10 @@
 """
-Bits per byte: the tokenizer-independent validation loss.
-
-Mean loss per token depends on how many bytes a token covers, so it cannot compare models
-with different vocabularies. Instead sum the loss in nats over all target tokens, divide by
-the number of UTF-8 bytes those tokens stand for (special tokens count 0 bytes and are left
-out of both sums), and convert nats to bits.
+Bits per byte, the validation loss that compares models of different vocabularies (a mean loss per token depends on
+how many bytes a token covers): summed nats over the UTF-8 bytes the targets stand for, special tokens (0 bytes) left
+out of both sums, in bits.
 """
 
+import itertools
 import math
 
 import torch
@@ -24,38 +22,28 @@ def evaluate_loss(model, batches, steps):
     """
     device = model.get_device()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, counted targets
-    ran_out = False
-    for _ in range(steps):
-        try:
-            micro_batches = next(batches)
-        except StopIteration:
-            ran_out = True
-            break
+    taken = 0
+    for micro_batches in itertools.islice(batches, max(0, steps)):
+        taken += 1
         for x, y in micro_batches:
             total += torch.stack([model(x, y, loss_reduction="sum").double(), (y != -1).sum().double()])
     if dist_rank_world()[1] > 1:
         dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), ran_out
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), taken < steps
 
 
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes):
     """
-    model(x, y, loss_reduction="none") -> per-token loss; batches yields (x, y); token_bytes[id] = bytes of id.
-    Targets of -1 are ignored. At most `steps` batches, fewer when the stream ends (eval_batches reads a split
-    once). Sums are all-reduced, so every rank returns the same (bpb, targets evaluated, whether the stream ran out).
+    (bpb, targets evaluated, whether the stream ran out) over at most `steps` (x, y) batches, the same on every rank;
+    model(x, y, loss_reduction="none") gives per-token losses, token_bytes[id] the bytes of id, targets of -1 ignored.
     """
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     totals = torch.zeros(2, dtype=torch.int64, device=device)  # bytes, targets
-    batch_iter = iter(batches)
-    ran_out = False
-    for _ in range(steps):
-        try:
-            x, y = next(batch_iter)
-        except StopIteration:
-            ran_out = True
-            break
+    taken = 0
+    for x, y in itertools.islice(batches, max(0, steps)):
+        taken += 1
         loss = model(x, y, loss_reduction="none").reshape(-1).double()
         y = y.reshape(-1)
         valid = y >= 0
@@ -68,7 +56,7 @@ def evaluate_bpb(model, batches, steps, token_bytes):
         dist.all_reduce(totals)
     total_bytes, targets = (int(v) for v in totals.tolist())
     bpb = float("inf") if total_bytes == 0 else total_nats.item() / (math.log(2) * total_bytes)
-    return bpb, targets, ran_out
+    return bpb, targets, taken < steps
 
 
 def describe_eval(tokens, ran_out, split="val"):

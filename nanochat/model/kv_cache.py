@@ -1,30 +1,16 @@
 """
-KVCache: karpathy/nanochat's KV cache interface, for code and models written against it (SPEC §2).
-
-    cache = KVCache(batch_size=1, num_heads=n_kv_head, seq_len=T, head_dim=n_embd // n_head, num_layers=n_layer,
-                    device=device, dtype=dtype)
-    logits = model.forward(ids, kv_cache=cache)   # the model writes keys and values at get_pos() and advances
-    decode = KVCache(batch_size=4, ...)           # then 4 samples continue from the same prompt
-    decode.prefill(cache)
-
-A model of that protocol (forward(idx, targets=None, kv_cache=None, ...), no logits_at) does the cache work itself,
-as the reference's gpt.py does: for each layer it writes the new (B, T, H, D) keys and values into
-get_layer_cache(i) at position cache_seqlens (one position for the whole batch), attends to everything up to there,
-calls advance(T) after its last layer (i == n_layers - 1), and keeps the last token's embedding in prev_embedding
-for smear. Engine.generate runs such a model on this cache. Our own GPT takes the batching engine's rows instead
-(engine.RowKVCache: a length per row), which is what lets chat_web mix prompts of any length in one batch.
+KVCache: karpathy/nanochat's KV cache interface (SPEC §2), on which Engine.generate runs a model written against it.
+Such a model does the cache work itself: per layer it writes the new keys and values into get_layer_cache(i) at
+cache_seqlens (one position for the whole batch), calls advance(T) after its last layer and keeps the last token's
+embedding in prev_embedding for smear. Our own GPT takes engine.RowKVCache instead (a length per row).
 """
 
 import torch
 
 
 class KVCache:
-    """
-    Keys and values of every layer for a batch of sequences that share one position: k_cache and v_cache of shape
-    (num_layers, batch_size, seq_len, num_heads, head_dim), num_heads being the model's kv heads. The attribute
-    names are the reference's (max_seq_len, n_layers, n_heads, head_dim, cache_seqlens, prev_embedding), since its
-    models read them.
-    """
+    """Keys and values (num_layers, batch_size, seq_len, kv heads, head_dim) of sequences that share one position. The
+    attribute names are the reference's, since its models read them."""
 
     def __init__(self, batch_size, num_heads, seq_len, head_dim, num_layers, device, dtype):
         self.batch_size, self.max_seq_len = batch_size, seq_len
@@ -45,7 +31,7 @@ class KVCache:
         return int(self.cache_seqlens[0])
 
     def get_layer_cache(self, layer_idx):
-        """(k, v) of one layer: (batch_size, seq_len, num_heads, head_dim) views, which the model writes into."""
+        """(k, v) views of one layer, which the model writes into."""
         return self.k_cache[layer_idx], self.v_cache[layer_idx]
 
     def advance(self, num_tokens):
@@ -55,10 +41,7 @@ class KVCache:
         self.cache_seqlens += num_tokens
 
     def prefill(self, other):
-        """
-        Take another cache's keys, values, position and smear state into this empty one: a batch-1 prompt prefill
-        copied to every row (the samples of one prompt), into a cache with room for their continuations.
-        """
+        """Take another cache's keys, values, position and smear state into this empty one (a batch of 1: every row)."""
         if self.get_pos() != 0:
             raise ValueError("KVCache.prefill: this cache is not empty (reset() it first)")
         if (other.n_layers, other.n_heads, other.head_dim) != (self.n_layers, self.n_heads, self.head_dim):

@@ -1,11 +1,7 @@
 """
-Scoring a chat model on tasks: categorical tasks by the logits of the answer letters alone (batched),
-generative tasks by sampling a reply to every problem, many decoded together (BatchEngine), and letting the task
-judge it (completion tasks, for base models, the same from a plain-text prompt); under torchrun each
-rank takes every world_size-th problem and the counts are summed, so every rank returns the same numbers.
-
-ChatCORE sums a model up in one number: the mean over tasks of (accuracy - baseline) / (1 - baseline),
-where the baseline is what random guessing scores (1/choices for multiple choice, 0 for generative).
+Scoring a chat model on tasks: categorical ones by the logits of the answer letters, generative ones by a sampled
+reply the task judges (many decoded together on a BatchEngine). Under torchrun each rank takes every world_size-th
+problem and the counts are summed. ChatCORE: the mean over tasks of the accuracy centred on its random baseline.
 """
 
 import time
@@ -15,13 +11,6 @@ import torch.distributed as dist
 
 from nanochat.engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
 from nanochat.common import dist_rank_world, print0
-
-
-def _reduce_counts(counts, device):
-    counts = torch.tensor(counts, dtype=torch.long, device=device)
-    if dist_rank_world()[1] > 1:
-        dist.all_reduce(counts)
-    return counts.tolist()
 
 
 @torch.no_grad()
@@ -55,10 +44,8 @@ def completion_prompt(tokenizer, conversation):
 
 def sample_task_replies(model, tokenizer, conversations, max_tokens, temperature=0.0, top_k=None, seeds=None,
                         max_batch=32):
-    """
-    The model's reply to each conversation as text (tool calls and outputs included), or None where the prompt leaves
-    no room; all of them decoded together, up to max_batch at a time (BatchEngine), each with its own seed.
-    """
+    """The model's reply to each conversation as text (tool calls included), or None where the prompt leaves no room;
+    up to max_batch decoded together, each with its own seed."""
     device = model.get_device()  # fewer rows than max_batch where their KV cache would not fit, as chat_web's
     max_batch = max(1, min(max_batch, kv_budget_bytes(device) // kv_row_bytes(model.config, device)))
     engine = BatchEngine(model, tokenizer, max_batch=max_batch)
@@ -92,10 +79,8 @@ def generative_accuracy(model, tokenizer, task, indices, max_tokens=256, tempera
 
 def evaluate_chat_task(model, tokenizer, task, max_problems=None, batch_size=8, max_tokens=256, temperature=0.0,
                        top_k=None, with_tool_rate=False):
-    """
-    Accuracy on the first max_problems problems of a task (all if None) and how many were scored, the same on
-    every rank; with_tool_rate adds the share of replies that called the calculator (None for categorical tasks).
-    """
+    """(accuracy, problems scored) on the first max_problems problems (all if None); with_tool_rate adds the share of
+    replies that called the calculator (None for categorical tasks)."""
     rank, world_size = dist_rank_world()
     n = task.num_examples() if max_problems is None else min(max_problems, task.num_examples())
     indices = list(range(rank, n, world_size))
@@ -103,7 +88,10 @@ def evaluate_chat_task(model, tokenizer, task, max_problems=None, batch_size=8, 
         counts = [*categorical_accuracy(model, tokenizer, task, indices, batch_size), -1]
     else:
         counts = list(generative_accuracy(model, tokenizer, task, indices, max_tokens, temperature, top_k))
-    correct, total, tool_calls = _reduce_counts(counts, model.get_device())
+    counts = torch.tensor(counts, dtype=torch.long, device=model.get_device())
+    if world_size > 1:
+        dist.all_reduce(counts)
+    correct, total, tool_calls = counts.tolist()
     result = (correct / max(1, total), total)
     if with_tool_rate:
         result += (tool_calls / max(1, total) if tool_calls >= 0 else None,)
@@ -117,10 +105,7 @@ def chatcore(accuracies, baselines):
 
 
 def evaluate_chat_tasks(model, tokenizer, tasks, max_problems=None, **kwargs):
-    """
-    {name: accuracy}, {name: baseline} and {name: share of replies calling the calculator} (generative tasks)
-    over named tasks, printing a line per task as it finishes.
-    """
+    """{name: accuracy}, {name: baseline} and {name: calculator share} (generative tasks), a line printed per task."""
     accuracies, baselines, tool_rates = {}, {}, {}
     for name, task in tasks.items():
         t0 = time.time()
