@@ -249,8 +249,7 @@ def kv_budget_bytes(device, kv_memory_gib=None):
     if kv_memory_gib is not None:
         return int(kv_memory_gib * 2**30)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
+        return torch.cuda.mem_get_info(device)[0] // 2  # free memory
     import psutil
 
     return min(4 * 2**30, psutil.virtual_memory().total // 4)
@@ -679,8 +678,7 @@ class BatchEngine:
         group = [Sequence(prompt, s, owner=owner) for s in samplings]
         for seq in group:
             seq.leader = group[0]
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(seq.sampling.seed)
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.sampling.seed)
         self.waiting.append(group)
         self.num_waiting += len(group)
         return list(group)  # the caller's own list: what it appends to never joins the queued group
@@ -1038,8 +1036,8 @@ class Engine:
         while engine.busy():
             emitted = {id(seq): (token, mask) for seq, token, mask in engine.step()}
             if emitted:  # every row that goes on gets a token each step; a stopped one repeats its terminal
-                yield ([emitted.get(id(seq), (seq.tool.finished_with, 0))[0] for seq in rows],
-                       [emitted.get(id(seq), (seq.tool.finished_with, 0))[1] for seq in rows])
+                pairs = [emitted.get(id(seq), (seq.tool.finished_with, 0)) for seq in rows]
+                yield [token for token, _ in pairs], [mask for _, mask in pairs]
 
     def generate_batch(self, tokens, num_samples=1, **kwargs):
         """(results, masks) per sample: the prompt and its generated tokens without the terminal one, masks 0 over the
@@ -1072,17 +1070,13 @@ class Engine:
         logits = logits.expand(num_samples, -1)  # each row then draws its own first token
         rows = [ToolState() for _ in range(num_samples)]
         for step in range(steps):
-            column, masks = [], []
-            for i, row in enumerate(rows):
-                if row.finished_with is not None:
-                    token, mask = row.finished_with, 0
-                else:
-                    with torch.inference_mode():
-                        (sampled,) = choose_tokens([(logits[i:i + 1], sampling, generators[i], {})])
-                    token, mask = row.take(sampled, ids, self.tokenizer)
-                column.append(token)
-                masks.append(mask)
-            yield column, masks
+            live = [i for i, row in enumerate(rows) if row.finished_with is None]
+            with torch.inference_mode():  # each row draws from its own generator, as alone
+                drawn = dict(zip(live, choose_tokens([(logits[i:i + 1], sampling, generators[i], {}) for i in live])))
+            pairs = [row.take(drawn[i], ids, self.tokenizer) if i in drawn else (row.finished_with, 0)
+                     for i, row in enumerate(rows)]
+            column = [token for token, _ in pairs]
+            yield column, [mask for _, mask in pairs]
             if step == steps - 1 or all(row.finished_with is not None for row in rows):
                 return
             with torch.inference_mode():
