@@ -315,9 +315,7 @@ class RowView:
 
     def max_position(self, T):
         """One past the last position written: padding is never written, so it needs no room."""
-        if self.new_lengths is None:
-            return max(self.lengths) + T
-        return max(length + new for length, new in zip(self.lengths, self.new_lengths))
+        return max(length + new for length, new in zip(self.lengths, self.new_lengths or [T] * len(self.lengths)))
 
     def update(self, layer, k, v, window):
         """Write the rows' new (B, H_kv, T, D) keys and values; return the keys and values up to the longest row,
@@ -974,8 +972,7 @@ class BatchEngine:
             emitted.append((seq, token, mask))
             if seq.finished is None:
                 seq.next_input, seq.awaiting_feed = token, True
-        for seq, _, _ in emitted:
-            if seq.finished is not None:
+            else:
                 self._release(seq)
         return emitted
 
