@@ -654,9 +654,7 @@ class BatchEngine:
         self.rows_passed_by = 0  # row-steps a sequence with its next token waited because owners shared the step
         self.decode_cost = None  # a DecodeCost: share steps between owners (_share_step); None: feed every row
         self.carried_budget = 0.0  # seconds of step budget left unused while rows waited (_share_step)
-        # bf16 matmuls on a CPU run in oneDNN, which compiles a kernel per shape: round the decode batch (_padding_rows)
         self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
-        # "static": the captured step's static shapes, run eagerly (a control for it)
         self.captured = CapturedDecode(model, self.cache, max_batch, capture=decode == "captured") \
             if decode in ("captured", "static") else None
 
