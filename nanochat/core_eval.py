@@ -182,14 +182,9 @@ def load_core_tasks(bundle_dir):
         if os.path.commonpath([root, os.path.realpath(data_path)]) != root:
             raise UserError(f"{config_path}: task {label!r} has dataset_uri {entry['dataset_uri']!r}, which points outside "
                             f"the bundle folder {bundle_dir}; a bundle may only read its own files")
-        tasks.append({
-            "label": label,
-            "task_type": task_type,
-            "num_fewshot": int(num_fewshot),
-            "continuation_delimiter": entry.get("continuation_delimiter", " "),
-            "data_path": data_path,
-            "random_baseline": baselines[label] / 100,
-        })
+        tasks.append(dict(label=label, task_type=task_type, num_fewshot=int(num_fewshot),
+                          continuation_delimiter=entry.get("continuation_delimiter", " "), data_path=data_path,
+                          random_baseline=baselines[label] / 100))
     return tasks
 
 
@@ -219,8 +214,7 @@ def sample_fewshot(data, idx, num_fewshot):
     k = min(num_fewshot, len(data) - 1)
     if k <= 0:
         return []
-    rng = random.Random(FEWSHOT_SEED + idx)
-    picks = rng.sample(range(len(data) - 1), k)
+    picks = random.Random(FEWSHOT_SEED + idx).sample(range(len(data) - 1), k)
     return [data[i + 1 if i >= idx else i] for i in picks]  # indices skip over the example itself
 
 
@@ -243,12 +237,8 @@ def render_prompts(task_type, item, delimiter, shots):
 
 
 def _common_prefix_len(rows):
-    n = 0
-    for column in zip(*rows):
-        if any(token != column[0] for token in column):
-            break
-        n += 1
-    return n
+    """How many leading tokens every row shares."""
+    return next((i for i, column in enumerate(zip(*rows)) if len(set(column)) > 1), min(map(len, rows)))
 
 
 def tokenize_prompts(tokenizer, task_type, prompts):
