@@ -1,8 +1,7 @@
 """
 Inference: BatchEngine decodes many independent sequences together, one forward pass a step, joining and leaving
-between steps (continuous batching; docs/serving.md); Engine, nanochat's interface for the samples of one prompt, runs
-on it. Each sequence has a row of a RowKVCache at its own length, so prompts of any length mix. A model written against
-karpathy/nanochat's engine (no logits_at) decodes in Engine on that project's KVCache (nanochat/model/kv_cache.py).
+between steps (continuous batching; docs/serving.md), each in a row of a RowKVCache at its own length, so prompts of
+any length mix. Engine, nanochat's interface for the samples of one prompt, runs on it.
 """
 
 import ast
