@@ -1,15 +1,7 @@
 """
-The tokenizer: byte-level BPE trained with `rustbpe` and run with `tiktoken`.
-
-Training happens in Rust (fast, parallel); encoding happens in tiktoken (fast,
-batched on threads). On disk a tokenizer is three plain files, no pickle:
-
-    tokenizer.tiktoken   one "base64(token bytes) rank" line per mergeable token
-    tokenizer.json       split pattern, special tokens and their ids, vocab size, a checksum
-    token_bytes.npy      UTF-8 byte length of every id (specials 0), for outside tools
-
-The chat format lives here too: render_conversation turns a conversation into
-token ids plus a mask saying which tokens the assistant is trained to produce.
+The tokenizer: byte-level BPE trained with `rustbpe` (fast, parallel) and run with `tiktoken` (fast, batched on
+threads), saved as plain files with no pickle. The chat format lives here too: render_conversation turns a
+conversation into token ids plus a mask of the tokens the assistant is trained to produce.
 """
 
 import base64
@@ -44,9 +36,9 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 
-RANKS_FILE = "tokenizer.tiktoken"
-META_FILE = "tokenizer.json"
-TOKEN_BYTES_FILE = "token_bytes.npy"
+RANKS_FILE = "tokenizer.tiktoken"  # one "base64(token bytes) rank" line per mergeable token
+META_FILE = "tokenizer.json"  # split pattern, special tokens and their ids, vocab size, a checksum over all of it
+TOKEN_BYTES_FILE = "token_bytes.npy"  # UTF-8 byte length of every id (specials 0), for outside tools
 FORMAT_NAME = "nanochat-bpe"
 FORMAT_VERSION = 1
 
@@ -127,11 +119,8 @@ class RustBPETokenizer:
         if meta.get("sha256") != _fingerprint(ranks_text, pattern, dict(specials)):
             raise UserError(f"tokenizer files in {tokenizer_dir} do not match each other (interrupted save?); "
                             f"{TRAIN_HINT}")
-        names = [name for name, _ in specials]
-        first_special = len(mergeable_ranks)
-        ids_ok = sorted(mergeable_ranks.values()) == list(range(first_special))
-        ids_ok = ids_ok and [i for _, i in specials] == list(range(first_special, first_special + len(names)))
-        if not ids_ok:
+        n, names, ids = len(mergeable_ranks), [name for name, _ in specials], [i for _, i in specials]
+        if sorted(mergeable_ranks.values()) != list(range(n)) or ids != list(range(n, n + len(ids))):
             raise UserError(f"token ids in {tokenizer_dir} are not 0..N-1 followed by the specials; {TRAIN_HINT}")
         return cls._from_parts(mergeable_ranks, pattern, names, name=meta.get("name", "nanochat"))
 
@@ -206,12 +195,8 @@ class RustBPETokenizer:
         raise TypeError(f"encode takes a str or a list of str, got {type(text).__name__}")
 
     def _encode_batch(self, texts, num_threads):
-        """
-        One contiguous slice of the documents per thread, each a plain loop of encode_ordinary (which releases
-        the GIL). tiktoken's own encode_ordinary_batch submits one future per document, and on the built-in
-        corpus that bookkeeping made it slower than a single-threaded loop: 2.8 MB/s on 1 thread and 3.9 on 2,
-        against 6.8 for the loop and 9.4 for 2 sliced threads (scripts/bench.py tokenizer, 2-core EPYC).
-        """
+        """One contiguous slice of the documents per thread, each a plain loop of encode_ordinary (which releases the
+        GIL): tiktoken's encode_ordinary_batch, a future per document, was slower than one thread (dev/log68/)."""
         workers = max(1, min(num_threads, len(texts)))
         if workers == 1:
             return [self.enc.encode_ordinary(t) for t in texts]
