@@ -1,16 +1,9 @@
 """
-The built-in corpus: pretraining shards about the synthetic world of nanochat.data.builtin, generated
-from a seed with no network, in the same parquet layout as downloaded data.
-
-    python -m nanochat.corpus [--seed 42] [--size-mb 6] [--out DIR]
-
-Documents about the world (~50 mentions per fact at the default size), arithmetic and spelling
-documents are mixed in MIXTURE proportions by bytes. The source's fixed val shard (shard_00000)
-holds fresh documents about the same world, with new combinations and orderings of the sentences,
-none identical to a train document; shard_00001... are the train shards. Same seed ->
-byte-identical files. Beside the shards goes a CORE eval bundle about the same world (by default
-in <base_dir>/eval_bundle_builtin), so `python -m scripts.base_eval --eval-bundle=builtin` needs no
-network, and corpus.json records the seed, so the chat stages know which world to ask about.
+The built-in corpus (`python -m nanochat.corpus [--seed 42] [--size-mb 6] [--out DIR]`): pretraining shards about the
+synthetic world of nanochat.data.builtin, generated from a seed with no network (same seed, byte-identical files).
+The val shard (shard_00000) holds fresh documents about the same world, none identical to a train document. Beside
+the shards go a CORE eval bundle about that world, so `scripts.base_eval --eval-bundle=builtin` needs no network,
+and corpus.json with the seed, so the chat stages know which world to ask about.
 """
 
 import json
