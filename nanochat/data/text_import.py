@@ -48,6 +48,7 @@ READ_BYTES = 1 << 18  # files are read, decompressed and decoded this much at a 
 MAX_DOC_CHARS = 1 << 26  # one document held whole (a .txt file with --split-on file, a JSONL line): ~64 M characters
 MAX_JSON_CHARS = 1 << 28  # a .json file, parsed whole (a .jsonl file is read a line at a time)
 BLANK_LINE = re.compile(r"[ \t]*")
+KINDS = "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"  # for error messages
 SKIPPED = {  # what a folder or glob holds that is not read, as the summary words it
     "links": "links to a folder or out of the input (read them with --follow-links)",
     "broken": "broken links",
@@ -119,10 +120,6 @@ def split_extension(path):
     return (ext if ext in TEXT_EXTS + JSON_EXTS + PARQUET_EXTS else ""), compression
 
 
-def _kinds():
-    return "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"
-
-
 def _has_magic(part):
     return any(c in part for c in "*?[")
 
@@ -138,6 +135,7 @@ class _Finder:
         self.visited = set()  # (device, inode) of folders already listed
 
     def skip(self, kind, path):
+        """Record path as left unread; None, what kind() answers for it."""
         self.skipped.setdefault(kind, []).append(path)
 
     def kind(self, path):
@@ -150,23 +148,15 @@ class _Finder:
         try:
             st = os.stat(path) if is_link else st  # where a link leads
         except OSError:  # a dangling link, or a loop of links
-            self.skip("broken", path)
-            return None
+            return self.skip("broken", path)
         if stat.S_ISDIR(st.st_mode):
-            if is_link and not self.follow_links:
-                self.skip("links", path)
-                return None
-            return "dir"
+            return self.skip("links", path) if is_link and not self.follow_links else "dir"
         if not split_extension(path)[0]:
             return None
         if not stat.S_ISREG(st.st_mode):
-            self.skip("special", path)
-            return None
-        real = os.path.realpath(path)
-        if not self.follow_links and os.path.commonpath([self.root_real, real]) != self.root_real:
-            self.skip("links", path)
-            return None
-        return "file"
+            return self.skip("special", path)
+        inside = os.path.commonpath([self.root_real, os.path.realpath(path)]) == self.root_real
+        return "file" if inside or self.follow_links else self.skip("links", path)
 
     def list_dir(self, directory):
         try:
@@ -249,13 +239,13 @@ def expand_input(arg, follow_links=False):
             files, what = finder.folder(arg), f"input folder {arg} holds"
         if not files:
             counts = ", ".join(f"{len(paths)} {SKIPPED[kind]}" for kind, paths in finder.skipped.items())
-            raise UserError(f"{what} no {_kinds()} files" + (f" (skipped: {counts})" if counts else ""))
+            raise UserError(f"{what} no {KINDS} files" + (f" (skipped: {counts})" if counts else ""))
         return files, finder.skipped
     if not os.path.exists(arg):
         broken = " (a broken link)" if os.path.islink(arg) else ""
-        raise UserError(f"input {arg} does not exist{broken}; pass files, folders or globs of {_kinds()}")
+        raise UserError(f"input {arg} does not exist{broken}; pass files, folders or globs of {KINDS}")
     if not split_extension(arg)[0]:
-        raise UserError(f"input {arg} is not a {_kinds()} file; rename it, or convert it to one of those")
+        raise UserError(f"input {arg} is not a {KINDS} file; rename it, or convert it to one of those")
     if not stat.S_ISREG(os.stat(arg).st_mode):
         raise UserError(f"input {arg} is not a regular file (a FIFO, a device or a socket), and reading one may never "
                         "end; copy its text into a file")
@@ -374,8 +364,10 @@ def parse_json(text, where, hint):
         raise UserError(f"{where}: JSON nested too deep to read; {hint}") from None
 
 
-def get_field(record, dotted):
-    """record['a']['b'][0] for 'a.b.0'; raises KeyError when the path does not exist."""
+def _field_text(record, dotted, where):
+    """The text at a record's dotted field ('a.b.0': record['a']['b'][0]), or the record itself: a JSON string."""
+    if isinstance(record, str) and dotted == "text":
+        return record  # a JSON list of plain strings
     value = record
     for part in dotted.split("."):
         if isinstance(value, dict) and part in value:
@@ -383,18 +375,8 @@ def get_field(record, dotted):
         elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
         else:
-            raise KeyError(part)
-    return value
-
-
-def _field_text(record, dotted, where):
-    if isinstance(record, str) and dotted == "text":
-        return record  # a JSON list of plain strings
-    try:
-        value = get_field(record, dotted)
-    except KeyError:
-        keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
-        raise UserError(f"{where}: no field {dotted!r}{keys}; pass --field with the (dotted) path to the text") from None
+            keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+            raise UserError(f"{where}: no field {dotted!r}{keys}; pass --field with the (dotted) path to the text")
     if value is None:
         return ""
     if not isinstance(value, str):
@@ -475,12 +457,8 @@ def cut_document(text, max_chars):
     pieces, start = [], 0
     while len(text) - start > max_chars:
         window = text[start:start + max_chars]
-        cut = max_chars
-        for pattern in _CUTS:
-            ends = [m.end() for m in pattern.finditer(window) if m.end() >= max_chars // 2]
-            if ends:
-                cut = ends[-1]
-                break
+        ends = ([m.end() for m in pattern.finditer(window) if m.end() >= max_chars // 2] for pattern in _CUTS)
+        cut = next((found[-1] for found in ends if found), max_chars)
         pieces.append(text[start:start + cut])
         start += cut
     return pieces + [text[start:]] if start < len(text) else pieces
