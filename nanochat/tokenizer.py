@@ -277,45 +277,38 @@ class RustBPETokenizer:
         its text, its tool calls and <|assistant_end|>. User text, tool output and the
         structural tokens around them get 0. Both lists are cut to max_tokens (None: no limit).
         """
-        ids, mask = [], []
+        ids, mask = [self.get_bos_token_id()], [0]
 
-        def add(token_ids, m):
-            if isinstance(token_ids, int):
-                token_ids = [token_ids]
-            ids.extend(token_ids)
-            mask.extend([m] * len(token_ids))
+        def add(m, text="", start=None, end=None):
+            """text, between the special tokens start and end where given, all with mask m."""
+            new = self.encode(text)
+            new = ([self.encode_special(start)] if start else []) + new + ([self.encode_special(end)] if end else [])
+            ids.extend(new)
+            mask.extend([m] * len(new))
 
-        special = self.encode_special
-        add(self.get_bos_token_id(), 0)
         for message in self._normalized_messages(conversation):
             content = message.get("content")
             if message["role"] == "user":
-                add(special("<|user_start|>"), 0)
-                add(self.encode(self._text_of(content, "user")), 0)
-                add(special("<|user_end|>"), 0)
+                add(0, self._text_of(content, "user"), "<|user_start|>", "<|user_end|>")
                 continue
-            add(special("<|assistant_start|>"), 0)
+            add(0, start="<|assistant_start|>")
             if isinstance(content, str):
-                add(self.encode(content), 1)
+                add(1, content)
             elif isinstance(content, list):
                 for part in content:
                     kind = part.get("type") if isinstance(part, dict) else None
                     if kind == "text":
-                        add(self.encode(part["text"]), 1)
+                        add(1, part["text"])
                     elif kind == "python":  # the model learns to write the call
-                        add(special("<|python_start|>"), 1)
-                        add(self.encode(part["text"]), 1)
-                        add(special("<|python_end|>"), 1)
+                        add(1, part["text"], "<|python_start|>", "<|python_end|>")
                     elif kind == "python_output":  # the tool writes this at inference: nothing to learn
-                        add(special("<|output_start|>"), 0)
-                        add(self.encode(part["text"]), 0)
-                        add(special("<|output_end|>"), 0)
+                        add(0, part["text"], "<|output_start|>", "<|output_end|>")
                     else:
                         raise ValueError(f"assistant content part must have type text, python or python_output, "
                                          f"got {part!r:.80}")
             else:
                 raise ValueError(f"assistant message content must be a string or a list of parts, got {content!r:.80}")
-            add(special("<|assistant_end|>"), 1)
+            add(1, end="<|assistant_end|>")
         return ids[:max_tokens], mask[:max_tokens]
 
     def render_for_completion(self, conversation):
