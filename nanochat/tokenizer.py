@@ -178,11 +178,8 @@ class RustBPETokenizer:
         return self.encode_special(token) if isinstance(token, str) else int(token)
 
     def encode(self, text, prepend=None, append=None, num_threads=8):
-        """
-        Encode a string (-> list of ids) or a list of strings (-> list of lists, on threads).
-        Text is always encoded as ordinary text: a literal "<|bos|>" inside it becomes plain bytes,
-        never the special token. prepend/append: an id or a special token string added to each row.
-        """
+        """A string -> list of ids, a list of strings -> list of lists (on threads). Text is always ordinary text (a
+        literal "<|bos|>" becomes plain bytes); prepend/append: an id or a special token string added to each row."""
         head = [] if prepend is None else [self._as_id(prepend)]
         tail = [] if append is None else [self._as_id(append)]
         if isinstance(text, str):
@@ -272,11 +269,8 @@ class RustBPETokenizer:
         return messages
 
     def render_conversation(self, conversation, max_tokens=2048):
-        """
-        Conversation -> (ids, mask). mask[i] = 1 where the assistant is trained to produce ids[i]:
-        its text, its tool calls and <|assistant_end|>. User text, tool output and the
-        structural tokens around them get 0. Both lists are cut to max_tokens (None: no limit).
-        """
+        """Conversation -> (ids, mask), mask 1 where the assistant is trained to produce the token (its text, its tool
+        calls, <|assistant_end|>), else 0. Both lists are cut to max_tokens (None: no limit)."""
         ids, mask = [self.get_bos_token_id()], [0]
 
         def add(m, text="", start=None, end=None):
@@ -348,12 +342,9 @@ def set_aside_dir(fingerprint):
 
 
 def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
-    """
-    Before a new tokenizer is written where another one is: copy the old one's files to set_aside_dir (checkpoints
-    trained with it cannot run without it) and return that directory; None when there is none, or it is the same
-    tokenizer. Copied, not moved, and the copy renamed into place whole: a crash at any point leaves the old
-    tokenizer complete in one of the two places.
-    """
+    """Before a new tokenizer is written over another, copy the old one to set_aside_dir (checkpoints trained with it
+    need it) and return that directory; None when there is none, or it is the same. Copied whole, then renamed into
+    place: a crash at any point leaves the old tokenizer complete in one of the two places."""
     meta_path = os.path.join(tokenizer_dir, META_FILE)
     if not os.path.isfile(meta_path):
         return None

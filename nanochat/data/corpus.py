@@ -57,12 +57,9 @@ def write_shard(path, docs, rows_per_group):
 
 def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=0.05, verbose=True,
                  eval_bundle_dir=None):
-    """
-    Build the corpus for a seed into out_dir (default: the builtin source's data dir), and the CORE
-    eval bundle about its world into eval_bundle_dir (default: builtin_eval_bundle_dir() when out_dir
-    is the default data dir, else out_dir/eval_bundle_builtin, so a corpus built elsewhere never
-    replaces the default corpus's bundle). Returns a summary dict.
-    """
+    """Build the corpus for a seed into out_dir (default: the builtin source's data dir) and its CORE bundle into
+    eval_bundle_dir (default: the default bundle dir for the default out_dir, else out_dir/eval_bundle_builtin, so a
+    corpus built elsewhere never replaces the default corpus's bundle). Returns a summary dict."""
     if not size_mb > 0:
         raise UserError(f"--size-mb must be positive (got {size_mb})")
     if not shard_mb > 0:

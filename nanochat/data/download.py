@@ -196,12 +196,9 @@ def remove_stale_temp_files(path):
 
 def download_file(url, path, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT, expected_sha256=None, max_bytes=None,
                   validate=None, on_bytes=None, stop=None, min_rate=None, rate_window=None, deadline=None):
-    """
-    Fetch url to path (verified, atomically renamed into place) and return path. `validate(tmp_path)` may raise
-    AttemptFailed to reject what arrived; `on_bytes(n)` reports progress; setting the `stop` event abandons the
-    download with KeyboardInterrupt. The temp file is unique to this call, so two processes fetching the same file
-    never write into each other's bytes. The limits left None take the module's constants.
-    """
+    """Fetch url to path (verified, atomically renamed into place) and return path. `validate(tmp_path)` may raise
+    AttemptFailed to reject what arrived; `on_bytes(n)` reports progress; setting `stop` abandons the download with
+    KeyboardInterrupt. The temp file is this call's own, so two processes fetching one file never mix their bytes."""
     if urlsplit(url).scheme not in ("http", "https"):
         raise DownloadError(f"cannot download {url}: only http:// and https:// URLs are fetched")
     on_bytes = on_bytes or (lambda n: None)

@@ -137,10 +137,8 @@ def cached_model_files(repo, revision):
 
 
 def fetch_model_files(repo, revision, choose):
-    """
-    Local paths of the files `choose(listing)` picks from the repo (a list of repo paths), downloaded into the cache
-    unless a complete download of the same choice is there already. Returns {repo path: local path}.
-    """
+    """{repo path: local path} of the files `choose(listing)` picks from the repo (a list of repo paths), downloaded
+    into the cache unless a complete download is there already."""
     cached = cached_model_files(repo, revision)
     if cached is not None:
         print0(f"hub: {repo}@{revision} from the cache in {model_cache_dir(repo, revision)}")

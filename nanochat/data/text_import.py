@@ -563,30 +563,23 @@ class ShardWriter:
         self.chars += len(text)
         if len(self.rows) == self.rows_per_group:
             self._flush()
-            if self.chars >= self.shard_chars:
-                self._close_shard()
 
-    def _flush(self):
-        if not self.rows:
-            return
-        if self.writer is None:
-            path = os.path.join(self.out_dir, f"shard_{self.index:05d}.parquet")
-            self.writer = pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd")
-            self.paths.append(path)
-        self.writer.write_table(pa.table({"text": pa.array(self.rows, type=pa.string())}),
-                                row_group_size=self.rows_per_group)
-        self.rows = []
-
-    def _close_shard(self):
-        if self.writer is not None:
+    def _flush(self, last=False):
+        """Write the rows held as a row group; close the shard when it is full enough, or the last."""
+        if self.rows:
+            if self.writer is None:
+                path = os.path.join(self.out_dir, f"shard_{self.index:05d}.parquet")
+                self.writer = pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd")
+                self.paths.append(path)
+            self.writer.write_table(pa.table({"text": pa.array(self.rows, type=pa.string())}),
+                                    row_group_size=self.rows_per_group)
+            self.rows = []
+        if self.writer is not None and (last or self.chars >= self.shard_chars):
             self.writer.close()
-            self.writer = None
-            self.index += 1
-            self.chars = 0
+            self.writer, self.index, self.chars = None, self.index + 1, 0
 
     def close(self):
-        self._flush()
-        self._close_shard()
+        self._flush(last=True)
         return self.paths
 
 

@@ -144,10 +144,8 @@ def build_eval_tasks(world, seed):
 
 
 def write_eval_bundle(out_dir, world, seed=None, version=""):
-    """
-    Write the CORE bundle about `world` to out_dir in the published bundle's format; returns the task
-    list. Built in a temp dir then renamed into place, so a reader never sees half a bundle.
-    """
+    """Write the CORE bundle about `world` to out_dir and return its tasks; built in a temp dir then renamed into
+    place, so a reader never sees half a bundle."""
     seed = world.seed if seed is None else seed
     tasks = build_eval_tasks(world, seed)
     out_dir = os.path.abspath(out_dir)
