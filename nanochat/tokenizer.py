@@ -16,7 +16,7 @@ import numpy as np
 import rustbpe
 import tiktoken
 
-from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir
+from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir, read_json_object
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document and every conversation
@@ -348,11 +348,7 @@ def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
     meta_path = os.path.join(tokenizer_dir, META_FILE)
     if not os.path.isfile(meta_path):
         return None
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            old = str(json.load(f)["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        old = ""
+    old = str((read_json_object(meta_path) or {}).get("sha256", ""))
     if old == new_fingerprint:
         return None
     if len(old) == 64 and all(c in "0123456789abcdef" for c in old):
