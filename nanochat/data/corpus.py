@@ -27,10 +27,6 @@ CORPUS_VERSION = 1  # bump when the generator changes what a seed produces
 MIXTURE = {"world": 0.84, "arithmetic": 0.08, "spelling": 0.08}  # fractions of the text bytes
 
 
-# -----------------------------------------------------------------------------
-# The whole pretraining mixture
-
-
 def generate_pretraining_documents(world, rng, target_bytes, full_pass=True, mentions=None):
     """World, arithmetic and spelling documents in MIXTURE proportions (by bytes), shuffled together."""
     docs = generate_world_documents(world, rng, MIXTURE["world"] * target_bytes, full_pass, mentions)
@@ -42,10 +38,6 @@ def generate_pretraining_documents(world, rng, target_bytes, full_pass=True, men
             size += len(doc.encode("utf-8"))
     rng.shuffle(docs)
     return docs
-
-
-# -----------------------------------------------------------------------------
-# Writing shards
 
 
 def write_shard(path, docs, rows_per_group):

@@ -268,7 +268,7 @@ def local_inputs(args, follow_links=False):
 
 
 # -----------------------------------------------------------------------------
-# Reading documents
+# Reading documents, and cutting long ones
 
 
 def byte_chunks(path):
@@ -443,9 +443,6 @@ def _parquet_documents(path, options):
                     raise UserError(_too_long(path, MAX_DOC_CHARS))
                 yield text or ""
 
-
-# -----------------------------------------------------------------------------
-# Cutting long documents
 
 _CUTS = [re.compile(r"\n[ \t]*\n"), re.compile(r"\n"), re.compile(r"[.!?][\"')\]]*[ \t]+"), re.compile(r"[ \t]+")]
 

@@ -8,9 +8,6 @@ from collections import Counter
 
 from nanochat.data.builtin.world import RELATIONS, Country, Fact, Person, render_question, render_statement, with_article
 
-# -----------------------------------------------------------------------------
-# World documents
-
 _TRAVEL_FILLERS = [
     "The roads were quiet that morning.", "We ate warm bread at a small inn.",
     "It rained for most of the afternoon.", "The market was loud and full of colour.",
