@@ -1,22 +1,9 @@
 """
-The pretraining dataloader: documents in, (inputs, targets) batches of shape (B, T) out.
-
-Pipeline, all on one background thread so the training loop never waits on the CPU:
-  parquet row groups (sharded across ranks) -> batch tokenization (BOS prepended)
-  -> a buffer of whole documents -> BOS-aligned best-fit packing into rows of T+1 tokens.
-
-Packing rules. Every row starts with a document's BOS: the oldest document in the buffer,
-so no document can starve there. To fill the space left in a row we take the largest
-buffered document that fits entirely. When none fits we crop one to fill the row exactly,
-picking the shortest document so the fewest tokens are thrown away. Only the row-opening
-document can be longer than a row (its tail is the one unavoidable loss). There is never
-any padding.
-
-Exact resume. A document is named by (epoch, pos, row): the row'th text of the pos'th row
-group this rank reads in that epoch. After every batch the loader records its state: where
-the next row group comes from, the names of the documents waiting in the buffer (in order),
-and the counters. Rebuilding from that state re-reads and re-tokenizes just those documents,
-so the batches that follow are bitwise identical to an uninterrupted run's.
+The pretraining dataloader: parquet row groups (sharded across ranks) -> batch tokenization with BOS prepended ->
+a buffer of whole documents -> BOS-aligned best-fit packing into (B, T+1) rows with no padding, all on a background
+thread. Exactly resumable: a document is named by (epoch, pos, row), the row'th text of the pos'th row group this
+rank reads, and a saved state names the buffered documents, so a resumed loader re-reads just those and yields the
+batches an uninterrupted run would have.
 """
 
 import atexit
@@ -49,11 +36,8 @@ def list_row_groups(split, source=None):
 
 
 class DataLoader:
-    """
-    Iterate to get (inputs, targets) int64 tensors of shape (B, T) on `device`.
-    `state_dict()` after a batch describes exactly where the stream stands; pass it back as
-    `resume_state` to continue with the very next batch.
-    """
+    """Iterate to get (inputs, targets) int64 tensors of shape (B, T) on `device`. `state_dict()` after a batch says
+    exactly where the stream stands; pass it back as `resume_state` to continue with the very next batch."""
 
     def __init__(self, tokenizer, B, T, split="train", device="cpu", rank=0, world_size=1, source=None,
                  resume_state=None, buffer_size=1000, tokenizer_threads=4, prefetch_batches=4, record_docs=False,
@@ -260,10 +244,8 @@ class DataLoader:
 
 
 def rank_slices(loader, rank, world_size):
-    """
-    Give each rank its slice of a global batch that every rank packs identically: evaluation then sees
-    the same tokens whatever the number of ranks, so val_bpb does not move when you add GPUs.
-    """
+    """Each rank's slice of a global batch that every rank packs identically: evaluation then sees the same tokens
+    whatever the number of ranks, so val_bpb does not move when you add GPUs."""
     for x, y in loader:
         b = x.size(0) // world_size
         yield x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]

@@ -1,24 +1,8 @@
 """
-The pretraining corpus: parquet shards with one `text` column (one document per row),
-stored per source under <base_dir>/base_data/<source>/ and read row group by row group.
-
-Sources are the two hub datasets (fineweb-edu, climbmix) and the offline built-in corpus
-that `python -m nanochat.corpus` writes. Each source names a fixed validation shard; every
-other shard on disk is training data.
-
-Fetch hub shards (the command line: scripts/dataset.py):
-    python -m nanochat.dataset -n 8 --source fineweb-edu
-downloads train shards 0..7 plus the val shard, in parallel, with retries. Each file is
-streamed to a temp file, checked (size, sha256 when the hub gives one, readable parquet)
-and only then renamed into place, so a killed run never leaves a truncated shard and a
-re-run skips what is already there.
-
-Your own text becomes a source the same way every stage can read (nanochat.data.text_import):
-    python -m nanochat.dataset import NAME INPUT... [--max-doc-chars N] [--val-frac F | --val-docs N]
-    python -m nanochat.dataset import NAME --hf-repo owner/name [--config C] [--split S] [--column C]
-    python -m nanochat.dataset list
-An imported source lives in base_data/NAME/ beside the others, with its val shard at shard_00000 and an
-import.json that records how it was made; --data-source NAME and NANOCHAT_DATA_SOURCE=NAME then find it.
+The pretraining corpus: parquet shards with one `text` column (one document per row), stored per source under
+<base_dir>/base_data/<source>/ and read row group by row group. A source is a hub dataset (fineweb-edu, climbmix),
+a corpus built offline (builtin, brown) or your own text imported (nanochat.data.text_import); each names a fixed
+validation shard, and every other shard on disk is training data. The command line is scripts/dataset.py.
 """
 
 import os
@@ -34,6 +18,8 @@ from tqdm import tqdm
 
 from nanochat.common import UserError, get_base_dir, read_json_object, run_main
 from nanochat.data.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
+from nanochat.data.hub import hub_endpoint
+from nanochat.data.text_import import MANIFEST as IMPORT_MANIFEST, is_plain_name
 
 # -----------------------------------------------------------------------------
 # Sources
@@ -60,12 +46,9 @@ SOURCES = {
 SHARD_RE = re.compile(r"^shard_(\d{5,})\.parquet$")
 
 
-IMPORT_MANIFEST = "import.json"  # written by `python -m nanochat.dataset import` (nanochat.data.text_import)
-
-
 def imported_source(name):
     """The DataSource of a source imported into this base dir, or None."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name or "") or name in SOURCES:
+    if not is_plain_name(name) or name in SOURCES:
         return None
     path = os.path.join(get_base_dir(), "base_data", name, IMPORT_MANIFEST)
     if not os.path.isfile(path):
@@ -85,12 +68,8 @@ def _unknown_source(name, what):
     imported = [n for n in source_names_on_disk() if n not in SOURCES]
     mine = f"; imported into {get_base_dir()}: {', '.join(imported)}" if imported else ""
     return (f"{what}{name!r} is not a data source; the built-in ones are {', '.join(SOURCES)}{mine}. "
-            f"Import your own text with `python -m nanochat.dataset import {name if imported_name_ok(name) else 'NAME'} "
+            f"Import your own text with `python -m nanochat.dataset import {name if is_plain_name(name) else 'NAME'} "
             f"FILES_OR_FOLDERS...` (`python -m nanochat.dataset list` shows what is on disk)")
-
-
-def imported_name_ok(name):
-    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name or ""))
 
 
 def get_default_source():
@@ -133,8 +112,7 @@ def shard_url(source, index):
     src = get_source(source)
     if src.hf_repo is None:
         raise UserError(f"source {src.name!r} has no URL: it is generated locally by `{src.build_command}`")
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    return f"{endpoint}/datasets/{src.hf_repo}/resolve/main/{shard_filename(index)}"
+    return f"{hub_endpoint()}/datasets/{src.hf_repo}/resolve/main/{shard_filename(index)}"
 
 
 # -----------------------------------------------------------------------------
@@ -193,11 +171,8 @@ def read_row_group_texts(path, row_group, parquet_file=None):
 
 
 def parquets_iter_batched(split="train", start=0, step=1, source=None):
-    """
-    Yield the texts of one row group at a time, for every global row group index g
-    (counted across the split's files in order) with g % step == start. Ranks shard the
-    data with start=rank, step=world_size.
-    """
+    """The texts of one row group at a time, for every global row group index g (counted across the split's files in
+    order) with g % step == start: ranks shard the data with start=rank, step=world_size."""
     if step < 1 or not 0 <= start < step:
         raise ValueError(f"need step >= 1 and 0 <= start < step (got start={start}, step={step})")
     g = 0
@@ -232,13 +207,8 @@ def _check_parquet(tmp_path):
 
 def download_shard(source, index, data_dir=None, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT,
                    on_bytes=None, stop=None):
-    """
-    Fetch one hub shard into data_dir (default: the source's data dir) and return its path.
-    A shard already on disk and readable is left alone. Each failed attempt (network error,
-    5xx, size/hash/parquet check) is retried after backoff * 2**k seconds; after the last
-    one a DownloadError names the URL and the last problem. Nothing is ever left at the
-    final path unless it passed every check.
-    """
+    """Fetch one hub shard into data_dir (default: the source's data dir) with download_file's retries and checks
+    (a readable parquet shard among them), and return its path. A shard already on disk and readable is left alone."""
     path, _ = _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop)
     return path
 

@@ -1,15 +1,7 @@
 """
-The tokenizer: byte-level BPE trained with `rustbpe` and run with `tiktoken`.
-
-Training happens in Rust (fast, parallel); encoding happens in tiktoken (fast,
-batched on threads). On disk a tokenizer is three plain files, no pickle:
-
-    tokenizer.tiktoken   one "base64(token bytes) rank" line per mergeable token
-    tokenizer.json       split pattern, special tokens and their ids, vocab size, a checksum
-    token_bytes.npy      UTF-8 byte length of every id (specials 0), for outside tools
-
-The chat format lives here too: render_conversation turns a conversation into
-token ids plus a mask saying which tokens the assistant is trained to produce.
+The tokenizer: byte-level BPE trained with `rustbpe` (fast, parallel) and run with `tiktoken` (fast, batched on
+threads), saved as plain files with no pickle. The chat format lives here too: render_conversation turns a
+conversation into token ids plus a mask of the tokens the assistant is trained to produce.
 """
 
 import base64
@@ -24,7 +16,7 @@ import numpy as np
 import rustbpe
 import tiktoken
 
-from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir
+from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir, read_json_object
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document and every conversation
@@ -44,9 +36,9 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 
-RANKS_FILE = "tokenizer.tiktoken"
-META_FILE = "tokenizer.json"
-TOKEN_BYTES_FILE = "token_bytes.npy"
+RANKS_FILE = "tokenizer.tiktoken"  # one "base64(token bytes) rank" line per mergeable token
+META_FILE = "tokenizer.json"  # split pattern, special tokens and their ids, vocab size, a checksum over all of it
+TOKEN_BYTES_FILE = "token_bytes.npy"  # UTF-8 byte length of every id (specials 0), for outside tools
 FORMAT_NAME = "nanochat-bpe"
 FORMAT_VERSION = 1
 
@@ -127,11 +119,8 @@ class RustBPETokenizer:
         if meta.get("sha256") != _fingerprint(ranks_text, pattern, dict(specials)):
             raise UserError(f"tokenizer files in {tokenizer_dir} do not match each other (interrupted save?); "
                             f"{TRAIN_HINT}")
-        names = [name for name, _ in specials]
-        first_special = len(mergeable_ranks)
-        ids_ok = sorted(mergeable_ranks.values()) == list(range(first_special))
-        ids_ok = ids_ok and [i for _, i in specials] == list(range(first_special, first_special + len(names)))
-        if not ids_ok:
+        n, names, ids = len(mergeable_ranks), [name for name, _ in specials], [i for _, i in specials]
+        if sorted(mergeable_ranks.values()) != list(range(n)) or ids != list(range(n, n + len(ids))):
             raise UserError(f"token ids in {tokenizer_dir} are not 0..N-1 followed by the specials; {TRAIN_HINT}")
         return cls._from_parts(mergeable_ranks, pattern, names, name=meta.get("name", "nanochat"))
 
@@ -189,11 +178,8 @@ class RustBPETokenizer:
         return self.encode_special(token) if isinstance(token, str) else int(token)
 
     def encode(self, text, prepend=None, append=None, num_threads=8):
-        """
-        Encode a string (-> list of ids) or a list of strings (-> list of lists, on threads).
-        Text is always encoded as ordinary text: a literal "<|bos|>" inside it becomes plain bytes,
-        never the special token. prepend/append: an id or a special token string added to each row.
-        """
+        """A string -> list of ids, a list of strings -> list of lists (on threads). Text is always ordinary text (a
+        literal "<|bos|>" becomes plain bytes); prepend/append: an id or a special token string added to each row."""
         head = [] if prepend is None else [self._as_id(prepend)]
         tail = [] if append is None else [self._as_id(append)]
         if isinstance(text, str):
@@ -206,12 +192,8 @@ class RustBPETokenizer:
         raise TypeError(f"encode takes a str or a list of str, got {type(text).__name__}")
 
     def _encode_batch(self, texts, num_threads):
-        """
-        One contiguous slice of the documents per thread, each a plain loop of encode_ordinary (which releases
-        the GIL). tiktoken's own encode_ordinary_batch submits one future per document, and on the built-in
-        corpus that bookkeeping made it slower than a single-threaded loop: 2.8 MB/s on 1 thread and 3.9 on 2,
-        against 6.8 for the loop and 9.4 for 2 sliced threads (scripts/bench.py tokenizer, 2-core EPYC).
-        """
+        """One contiguous slice of the documents per thread, each a plain loop of encode_ordinary (which releases the
+        GIL): tiktoken's encode_ordinary_batch, a future per document, was slower than one thread (dev/log68/)."""
         workers = max(1, min(num_threads, len(texts)))
         if workers == 1:
             return [self.enc.encode_ordinary(t) for t in texts]
@@ -287,50 +269,40 @@ class RustBPETokenizer:
         return messages
 
     def render_conversation(self, conversation, max_tokens=2048):
-        """
-        Conversation -> (ids, mask). mask[i] = 1 where the assistant is trained to produce ids[i]:
-        its text, its tool calls and <|assistant_end|>. User text, tool output and the
-        structural tokens around them get 0. Both lists are cut to max_tokens (None: no limit).
-        """
-        ids, mask = [], []
+        """Conversation -> (ids, mask), mask 1 where the assistant is trained to produce the token (its text, its tool
+        calls, <|assistant_end|>), else 0. Both lists are cut to max_tokens (None: no limit)."""
+        ids, mask = [self.get_bos_token_id()], [0]
 
-        def add(token_ids, m):
-            if isinstance(token_ids, int):
-                token_ids = [token_ids]
-            ids.extend(token_ids)
-            mask.extend([m] * len(token_ids))
+        def add(m, text="", start=None, end=None):
+            """text, between the special tokens start and end where given, all with mask m."""
+            new = self.encode(text)
+            new = ([self.encode_special(start)] if start else []) + new + ([self.encode_special(end)] if end else [])
+            ids.extend(new)
+            mask.extend([m] * len(new))
 
-        special = self.encode_special
-        add(self.get_bos_token_id(), 0)
         for message in self._normalized_messages(conversation):
             content = message.get("content")
             if message["role"] == "user":
-                add(special("<|user_start|>"), 0)
-                add(self.encode(self._text_of(content, "user")), 0)
-                add(special("<|user_end|>"), 0)
+                add(0, self._text_of(content, "user"), "<|user_start|>", "<|user_end|>")
                 continue
-            add(special("<|assistant_start|>"), 0)
+            add(0, start="<|assistant_start|>")
             if isinstance(content, str):
-                add(self.encode(content), 1)
+                add(1, content)
             elif isinstance(content, list):
                 for part in content:
                     kind = part.get("type") if isinstance(part, dict) else None
                     if kind == "text":
-                        add(self.encode(part["text"]), 1)
+                        add(1, part["text"])
                     elif kind == "python":  # the model learns to write the call
-                        add(special("<|python_start|>"), 1)
-                        add(self.encode(part["text"]), 1)
-                        add(special("<|python_end|>"), 1)
+                        add(1, part["text"], "<|python_start|>", "<|python_end|>")
                     elif kind == "python_output":  # the tool writes this at inference: nothing to learn
-                        add(special("<|output_start|>"), 0)
-                        add(self.encode(part["text"]), 0)
-                        add(special("<|output_end|>"), 0)
+                        add(0, part["text"], "<|output_start|>", "<|output_end|>")
                     else:
                         raise ValueError(f"assistant content part must have type text, python or python_output, "
                                          f"got {part!r:.80}")
             else:
                 raise ValueError(f"assistant message content must be a string or a list of parts, got {content!r:.80}")
-            add(special("<|assistant_end|>"), 1)
+            add(1, end="<|assistant_end|>")
         return ids[:max_tokens], mask[:max_tokens]
 
     def render_for_completion(self, conversation):
@@ -370,20 +342,13 @@ def set_aside_dir(fingerprint):
 
 
 def set_aside_tokenizer(tokenizer_dir, new_fingerprint):
-    """
-    Before a new tokenizer is written where another one is: copy the old one's files to set_aside_dir (checkpoints
-    trained with it cannot run without it) and return that directory; None when there is none, or it is the same
-    tokenizer. Copied, not moved, and the copy renamed into place whole: a crash at any point leaves the old
-    tokenizer complete in one of the two places.
-    """
+    """Before a new tokenizer is written over another, copy the old one to set_aside_dir (checkpoints trained with it
+    need it) and return that directory; None when there is none, or it is the same. Copied whole, then renamed into
+    place: a crash at any point leaves the old tokenizer complete in one of the two places."""
     meta_path = os.path.join(tokenizer_dir, META_FILE)
     if not os.path.isfile(meta_path):
         return None
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            old = str(json.load(f)["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        old = ""
+    old = str((read_json_object(meta_path) or {}).get("sha256", ""))
     if old == new_fingerprint:
         return None
     if len(old) == 64 and all(c in "0123456789abcdef" for c in old):

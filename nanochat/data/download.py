@@ -1,23 +1,9 @@
 """
-The one way nanochat fetches a file over HTTP: pretraining shards, the CORE eval bundle and the
-chat-task parquet files all come through `download_file`.
-
-Each attempt streams into a temp file of its own next to the destination, checks it (the size the
-server promised, the sha256 the server or the caller vouches for, a size cap and a caller's
-`validate` check) and only then renames it into place, so the destination path never holds a
-partial or unverified file. Network errors, 5xx answers and failed checks are retried with
-exponential backoff and jitter; a 4xx answer is final. After the last attempt a DownloadError
-names the URL and the last problem.
-
-What bounds one download, whatever the server does (a hostile or broken server included):
-- size: at most what the server announced, else `max_bytes` (default DEFAULT_MAX_BYTES); a size the
-  disk has no room for is refused before the first byte;
-- time: an attempt fails when no byte comes for HTTP_TIMEOUT[1] seconds (a stall) or when fewer than
-  MIN_RATE bytes a second arrive over any RATE_WINDOW seconds (a drip); the whole download, every
-  attempt and wait included, ends at DEADLINE seconds;
-- where: http(s) only; a redirect to another scheme (file://...) is refused at once, not retried;
-- leftovers: a temp file left by a killed run (its process gone, untouched for STALE_TEMP_SECONDS) is
-  removed by the next download of the same file.
+The one way nanochat fetches a file over HTTP (shards, the CORE eval bundle, hub files): `download_file`. Each
+attempt streams into a temp file of its own, is checked (announced size, sha256, size cap, the caller's `validate`)
+and only then renamed into place; network errors, 5xx answers and failed checks are retried with backoff, a 4xx is
+final. Whatever the server does, a download is bounded in size, in time (stall, drip, DEADLINE) and in scheme
+(http(s) only, redirects included); temp files a killed run left are removed by the next download of the same file.
 """
 
 import hashlib
@@ -187,7 +173,7 @@ def _process_alive(pid):
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True
 
 
@@ -210,14 +196,9 @@ def remove_stale_temp_files(path):
 
 def download_file(url, path, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT, expected_sha256=None, max_bytes=None,
                   validate=None, on_bytes=None, stop=None, min_rate=None, rate_window=None, deadline=None):
-    """
-    Fetch url to path (verified, atomically renamed into place) and return path. `validate(tmp_path)` may
-    raise AttemptFailed to reject what arrived; `on_bytes(n)` reports progress; setting the `stop` event
-    abandons the download with KeyboardInterrupt. The temp file is unique to this call, so two processes
-    fetching the same file never write into each other's bytes (the last complete one wins the rename).
-    max_bytes, min_rate (bytes/s over rate_window seconds) and deadline (seconds for the whole call) default to
-    the module's DEFAULT_MAX_BYTES, MIN_RATE, RATE_WINDOW and DEADLINE.
-    """
+    """Fetch url to path (verified, atomically renamed into place) and return path. `validate(tmp_path)` may raise
+    AttemptFailed to reject what arrived; `on_bytes(n)` reports progress; setting `stop` abandons the download with
+    KeyboardInterrupt. The temp file is this call's own, so two processes fetching one file never mix their bytes."""
     if urlsplit(url).scheme not in ("http", "https"):
         raise DownloadError(f"cannot download {url}: only http:// and https:// URLs are fetched")
     on_bytes = on_bytes or (lambda n: None)

@@ -1,20 +1,9 @@
 """
-The Hugging Face hub without its client libraries: where the hub is ($HF_ENDPOINT for a mirror or a test server),
-a dataset split's parquet files (what the hub tasks and `nanochat.dataset import --hf-repo` read), and a model repo's
-files (what `scripts.import_model` reads). Every file comes through nanochat.data.download (retries, size caps, sha256).
-
-Datasets: GET {endpoint}/api/datasets/{repo}/parquet/{config}/{split} answers a JSON list of URLs. They are
-downloaded into <base_dir>/task_data/{repo}/{config}/{split}/ and a manifest (files.json) is written last, so a split
-with a manifest is complete and later loads need no network. One rank at a time downloads a split (a file lock); the
-others wait and then read what it fetched.
-
-Models: GET {endpoint}/api/models/{owner}/{name}/tree/{revision}?recursive=true lists the files (sizes, LFS sha256),
-GET {endpoint}/{owner}/{name}/resolve/{revision}/{path} fetches one, into
-<base_dir>/hub_cache/models/{owner}/{name}/{revision}/ with a manifest written last; a revision with a manifest is
-read again without the network. A listed path is only ever written inside that folder: one with '..', '.' or empty
-parts, an absolute path, a backslash, a control character or a part too long for a file name refuses the whole
-listing, and one that resolves outside the folder (through a link there) is refused before anything is downloaded.
-A dataset's repo, config and split become folders too, so each must be a plain name.
+The Hugging Face hub without its client libraries ($HF_ENDPOINT for a mirror or a test server): a dataset split's
+parquet files into <base_dir>/task_data/{repo}/{config}/{split}/, and a model repo's files into
+<base_dir>/hub_cache/models/{owner}/{name}/{revision}/, each through nanochat.data.download with a manifest
+(files.json) written last, so a folder with one is complete and is read again without the network. Every name the
+hub or the user gives becomes a path only when it is plain: nothing is ever written outside those folders.
 """
 
 import json
@@ -77,14 +66,10 @@ def repo_path_problem(name):
     return None
 
 
-def plain_repo_path(name):
-    return repo_path_problem(name) is None
-
-
 def local_path_in(directory, name):
     """Where repo file `name` goes under `directory`, or None when it would land outside it (its path resolved, links
     in the folder followed)."""
-    if not plain_repo_path(name):
+    if repo_path_problem(name) is not None:
         return None
     path = os.path.join(directory, *name.split("/"))
     inside = os.path.realpath(directory)
@@ -135,21 +120,25 @@ def list_model_files(repo, revision):
     return listing
 
 
+def _manifest_names(directory, name_ok=lambda name: True):
+    """The file names the manifest of a complete download in `directory` lists; None without one we wrote."""
+    names = (read_json_object(os.path.join(directory, MANIFEST)) or {}).get("files")
+    return names if isinstance(names, list) and all(isinstance(n, str) and name_ok(n) for n in names) else None
+
+
 def cached_model_files(repo, revision):
     """{path: local path} of a complete earlier download of this revision, else None. Never touches the network."""
     directory = model_cache_dir(repo, revision)
-    names = (read_json_object(os.path.join(directory, MANIFEST)) or {}).get("files")
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+    names = _manifest_names(directory)
+    if names is None:
         return None
     paths = {name: local_path_in(directory, name) for name in names}
     return paths if all(p is not None and os.path.isfile(p) for p in paths.values()) else None
 
 
 def fetch_model_files(repo, revision, choose):
-    """
-    Local paths of the files `choose(listing)` picks from the repo (a list of repo paths), downloaded into the cache
-    unless a complete download of the same choice is there already. Returns {repo path: local path}.
-    """
+    """{repo path: local path} of the files `choose(listing)` picks from the repo (a list of repo paths), downloaded
+    into the cache unless a complete download is there already."""
     cached = cached_model_files(repo, revision)
     if cached is not None:
         print0(f"hub: {repo}@{revision} from the cache in {model_cache_dir(repo, revision)}")
@@ -190,10 +179,6 @@ LIST_ATTEMPTS = 3
 LIST_BACKOFF_SECONDS = 1.0  # doubled after each failed attempt to list a split
 
 
-def listing_url(repo, config, split):
-    return f"{hub_endpoint()}/api/datasets/{repo}/parquet/{config}/{split}"
-
-
 def dataset_id_problem(repo, config, split):
     """(which, why) for the first of a dataset's repo, config and split that is not a plain name; None when all are.
     Each becomes a folder under task_data/, so a '..' there would write anywhere."""
@@ -214,25 +199,23 @@ def split_dir(repo, config, split):
     return os.path.join(get_base_dir(), "task_data", repo, config, split)
 
 
-def _how_to_fix():
-    return ("check the network, or set HF_ENDPOINT to a reachable mirror of huggingface.co; "
-            "offline, use the built-in tasks (WorldQA, Identity, Arithmetic, SpellingBee, SimpleSpelling) "
-            "as the CPU preset does")
+TASK_HOW_TO_FIX = ("check the network, or set HF_ENDPOINT to a reachable mirror of huggingface.co; offline, use the "
+                   "built-in tasks (WorldQA, Identity, Arithmetic, SpellingBee, SimpleSpelling) as the CPU preset does")
 
 
 def local_parquet_files(repo, config, split):
     """The split's parquet files if a complete download is on disk, else None. Never touches the network."""
     directory = split_dir(repo, config, split)
-    names = (read_json_object(os.path.join(directory, MANIFEST)) or {}).get("files")
-    if not isinstance(names, list) or not all(isinstance(n, str) and PART_FILE_RE.fullmatch(n) for n in names):
-        return None  # no manifest, or not one we wrote: download again
+    names = _manifest_names(directory, PART_FILE_RE.fullmatch)
+    if names is None:
+        return None
     paths = [os.path.join(directory, name) for name in names]
     return paths if all(os.path.isfile(p) for p in paths) else None
 
 
 def _list_parquet_urls(label, repo, config, split, how_to_fix):
     """The split's parquet URLs, from the hub's listing: fetched like every file (download_file's retries)."""
-    url = listing_url(repo, config, split)
+    url = f"{hub_endpoint()}/api/datasets/{repo}/parquet/{config}/{split}"
     try:
         urls, text = fetch_json(url, attempts=LIST_ATTEMPTS, backoff=LIST_BACKOFF_SECONDS)
         if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
@@ -247,7 +230,7 @@ def fetch_parquet_files(task_name, repo, config, split, label=None, how_to_fix=N
     """Local paths of the split's parquet files, downloading whatever is missing. `label` and `how_to_fix` word the
     errors for a caller other than a task (default: "task NAME", and the offline tasks to use instead)."""
     label = label or f"task {task_name}"
-    how_to_fix = how_to_fix or _how_to_fix()
+    how_to_fix = how_to_fix or TASK_HOW_TO_FIX
     paths = local_parquet_files(repo, config, split)
     if paths is not None:
         return paths

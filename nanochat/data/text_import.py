@@ -1,29 +1,9 @@
 """
 Your own text as a data source: `python -m nanochat.dataset import NAME INPUT...` turns files, folders and globs of
-.txt/.md, .jsonl/.json and .parquet (each optionally .gz or .zst), or a Hugging Face dataset read through the hub's
-parquet API, into the layout every source has: base_data/NAME/shard_XXXXX.parquet, one `text` column, one document
-(or piece of one) per row. Every stage then trains on it by name (--data-source NAME, NANOCHAT_DATA_SOURCE=NAME).
-
-How the text becomes shards, and why:
-- shard_00000 is the fixed val shard. A document goes there by a hash of its text, never by its position, so the
-  split is the same however the inputs are ordered or re-imported: --val-frac F takes the documents whose hash falls
-  in the lowest F of the hash range (adding documents never moves one between train and val), --val-docs N the N
-  lowest. A document's pieces all go to the same side.
-- Training rows are ordered by the hash of each piece: a shuffle that needs no seed and ignores input order, so a
-  folder sorted by topic does not feed the model one topic after another.
-- --max-doc-chars cuts a long document into consecutive pieces at blank lines, else line ends, else sentence ends,
-  else spaces (mid-word only for a longer "word"); the pieces join back into the document. The loader keeps one
-  row's worth of each document, so uncut long documents would train on their openings only.
-- Exact duplicate documents are dropped, empty ones skipped, invalid UTF-8 replaced; each is counted.
-- Memory stays bounded: files are read (and decompressed) a chunk at a time, pass 1 streams the documents into hash
-  buckets on disk, pass 2 sorts one bucket at a time. What must be whole in memory is one document (a .txt/.md file
-  with --split-on file, a JSONL line, a parquet cell: at most MAX_DOC_CHARS characters) and a .json file (parsed
-  whole: at most MAX_JSON_CHARS).
-- Only what was asked for is read: in a folder or glob, a link is followed only to a file inside it (else it is
-  skipped, unless --follow-links), special files (FIFOs, devices, sockets) are skipped, and the summary counts both.
-- Atomic and idempotent: the source is built in a temp dir and renamed into place, and import.json records the
-  inputs' sizes and sha256 with the options, so an unchanged re-run is a no-op and a changed input rebuilds. A
-  failure to write (a full disk) removes the temp dir and leaves the previous source as it was.
+.txt/.md, .jsonl/.json and .parquet (each optionally .gz or .zst), or a Hugging Face dataset split, into
+base_data/NAME/shard_XXXXX.parquet with one `text` column, which every stage trains on by name (--data-source NAME).
+What an import does to the text and why (val split and row order by hash, cuts, dedupe, bounded memory, which files a
+folder yields, atomic and idempotent rebuilds) is told in docs/data.md.
 """
 
 import codecs
@@ -33,6 +13,7 @@ import glob
 import gzip
 import hashlib
 import heapq
+import itertools
 import json
 import os
 import re
@@ -67,6 +48,7 @@ READ_BYTES = 1 << 18  # files are read, decompressed and decoded this much at a 
 MAX_DOC_CHARS = 1 << 26  # one document held whole (a .txt file with --split-on file, a JSONL line): ~64 M characters
 MAX_JSON_CHARS = 1 << 28  # a .json file, parsed whole (a .jsonl file is read a line at a time)
 BLANK_LINE = re.compile(r"[ \t]*")
+KINDS = "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"  # for error messages
 SKIPPED = {  # what a folder or glob holds that is not read, as the summary words it
     "links": "links to a folder or out of the input (read them with --follow-links)",
     "broken": "broken links",
@@ -87,6 +69,15 @@ def _count_invalid(error):
 
 _count_invalid.replaced = 0
 codecs.register_error("nanochat_count_replace", _count_invalid)
+
+
+def _counting_invalid(stats, convert, *args):
+    """convert(*args) (a decode or an encode with errors="nanochat_count_replace"), adding its replacements to
+    stats.invalid_utf8."""
+    _count_invalid.replaced = 0
+    result = convert(*args)
+    stats.invalid_utf8 += _count_invalid.replaced
+    return result
 
 
 # -----------------------------------------------------------------------------
@@ -129,21 +120,13 @@ def split_extension(path):
     return (ext if ext in TEXT_EXTS + JSON_EXTS + PARQUET_EXTS else ""), compression
 
 
-def _kinds():
-    return "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"
-
-
 def _has_magic(part):
     return any(c in part for c in "*?[")
 
 
 class _Finder:
-    """
-    The files under one input folder (or a glob's fixed leading folders), and what is left unread and why. A file
-    counts when its real path lies inside the folder: a link to a file elsewhere (/etc/passwd), and any link to a
-    folder, is read only with follow_links, which then visits each real folder once, so a loop of links ends.
-    FIFOs, devices and sockets are never read (a FIFO blocks, /dev/zero never ends).
-    """
+    """The files under one input folder (or a glob's fixed leading folders), and what is left unread and why: links
+    out of the folder or to a folder unless follow_links (each real folder then visited once), and special files."""
 
     def __init__(self, root, follow_links):
         self.root_real = os.path.realpath(root or ".")
@@ -152,6 +135,7 @@ class _Finder:
         self.visited = set()  # (device, inode) of folders already listed
 
     def skip(self, kind, path):
+        """Record path as left unread; None, what kind() answers for it."""
         self.skipped.setdefault(kind, []).append(path)
 
     def kind(self, path):
@@ -164,30 +148,15 @@ class _Finder:
         try:
             st = os.stat(path) if is_link else st  # where a link leads
         except OSError:  # a dangling link, or a loop of links
-            self.skip("broken", path)
-            return None
+            return self.skip("broken", path)
         if stat.S_ISDIR(st.st_mode):
-            if is_link and not self.follow_links:
-                self.skip("links", path)
-                return None
-            return "dir"
+            return self.skip("links", path) if is_link and not self.follow_links else "dir"
         if not split_extension(path)[0]:
             return None
         if not stat.S_ISREG(st.st_mode):
-            self.skip("special", path)
-            return None
-        real = os.path.realpath(path)
-        if not self.follow_links and os.path.commonpath([self.root_real, real]) != self.root_real:
-            self.skip("links", path)
-            return None
-        return "file"
-
-    def first_visit(self, directory):
-        st = os.stat(directory)
-        if (st.st_dev, st.st_ino) in self.visited:
-            return False
-        self.visited.add((st.st_dev, st.st_ino))
-        return True
+            return self.skip("special", path)
+        inside = os.path.commonpath([self.root_real, os.path.realpath(path)]) == self.root_real
+        return "file" if inside or self.follow_links else self.skip("links", path)
 
     def list_dir(self, directory):
         try:
@@ -201,8 +170,10 @@ class _Finder:
         files, stack = [], [top]
         while stack:
             directory = stack.pop()
-            if not self.first_visit(directory):
+            st = os.stat(directory)
+            if (st.st_dev, st.st_ino) in self.visited:
                 continue
+            self.visited.add((st.st_dev, st.st_ino))
             subfolders = []
             for name in self.list_dir(directory):
                 if name.startswith("."):
@@ -253,37 +224,32 @@ class _Finder:
 
 
 def expand_input(arg, follow_links=False):
-    """(files, skipped) for one INPUT argument: a file, a folder (searched recursively) or a glob. A file named
-    here is read wherever it leads, but must be a regular file; see _Finder for what a folder or glob reads."""
-    if _has_magic(arg):
-        parts = arg.split(os.sep)
-        fixed = next(i for i, part in enumerate(parts) if _has_magic(part))
-        root = os.sep.join(parts[:fixed]) or ("" if fixed == 0 else os.sep)
-        finder = _Finder(root, follow_links)
-        files = [p for p in finder.glob(root, parts[fixed:]) if finder.kind(p) == "file"]
+    """(files, skipped) for one INPUT argument: a file (read wherever it leads, if a regular file), a folder
+    (searched recursively) or a glob."""
+    if _has_magic(arg) or os.path.isdir(arg):
+        if _has_magic(arg):
+            parts = arg.split(os.sep)
+            fixed = next(i for i, part in enumerate(parts) if _has_magic(part))
+            root = os.sep.join(parts[:fixed]) or ("" if fixed == 0 else os.sep)
+            finder = _Finder(root, follow_links)
+            files = [p for p in finder.glob(root, parts[fixed:]) if finder.kind(p) == "file"]
+            what = f"input {arg} matches"
+        else:
+            finder = _Finder(arg, follow_links)
+            files, what = finder.folder(arg), f"input folder {arg} holds"
         if not files:
-            raise UserError(f"input {arg} matches no {_kinds()} files" + _skipped_note(finder.skipped))
-        return files, finder.skipped
-    if os.path.isdir(arg):
-        finder = _Finder(arg, follow_links)
-        files = finder.folder(arg)
-        if not files:
-            raise UserError(f"input folder {arg} holds no {_kinds()} files" + _skipped_note(finder.skipped))
+            counts = ", ".join(f"{len(paths)} {SKIPPED[kind]}" for kind, paths in finder.skipped.items())
+            raise UserError(f"{what} no {KINDS} files" + (f" (skipped: {counts})" if counts else ""))
         return files, finder.skipped
     if not os.path.exists(arg):
         broken = " (a broken link)" if os.path.islink(arg) else ""
-        raise UserError(f"input {arg} does not exist{broken}; pass files, folders or globs of {_kinds()}")
+        raise UserError(f"input {arg} does not exist{broken}; pass files, folders or globs of {KINDS}")
     if not split_extension(arg)[0]:
-        raise UserError(f"input {arg} is not a {_kinds()} file; rename it, or convert it to one of those")
+        raise UserError(f"input {arg} is not a {KINDS} file; rename it, or convert it to one of those")
     if not stat.S_ISREG(os.stat(arg).st_mode):
         raise UserError(f"input {arg} is not a regular file (a FIFO, a device or a socket), and reading one may never "
                         "end; copy its text into a file")
     return [arg], {}
-
-
-def _skipped_note(skipped):
-    counts = ", ".join(f"{len(paths)} {SKIPPED[kind]}" for kind, paths in skipped.items())
-    return f" (skipped: {counts})" if counts else ""
 
 
 def file_fingerprint(path):
@@ -302,24 +268,16 @@ def local_inputs(args, follow_links=False):
 
 
 # -----------------------------------------------------------------------------
-# Reading documents
-
-
-def _open_decompressed(path):
-    """The file as a stream of its bytes, decompressed on the fly."""
-    compression = split_extension(path)[1]
-    if compression == "gzip":
-        return gzip.open(path, "rb")
-    if compression == "zstd":
-        return pa.input_stream(path, compression="zstd")
-    return open(path, "rb")
+# Reading documents, and cutting long ones
 
 
 def byte_chunks(path):
     """The file's bytes, decompressed, READ_BYTES at a time: never the whole file in memory."""
     compression = split_extension(path)[1]
+    opener = {"gzip": lambda: gzip.open(path, "rb"), "zstd": lambda: pa.input_stream(path, compression="zstd"),
+              None: lambda: open(path, "rb")}[compression]
     try:
-        with _open_decompressed(path) as f:
+        with opener() as f:
             while data := f.read(READ_BYTES):
                 yield data
     except (OSError, EOFError, zlib.error, pa.ArrowException) as e:
@@ -331,19 +289,12 @@ def text_chunks(path, stats):
     """The file's text a chunk at a time: decoded as UTF-8 (invalid bytes replaced and counted), a binary file (a
     NUL byte anywhere, not only near the start) refused."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="nanochat_count_replace")
-    for data in byte_chunks(path):
-        if b"\0" in data:
+    for data in itertools.chain(byte_chunks(path), [None]):  # None: the end, where a cut-off sequence is invalid
+        if data and b"\0" in data:
             raise UserError(f"{path} looks binary (it holds NUL bytes), not text; pass text, JSON(L) or parquet files")
-        _count_invalid.replaced = 0
-        text = decoder.decode(data)
-        stats.invalid_utf8 += _count_invalid.replaced
+        text = _counting_invalid(stats, decoder.decode, data or b"", data is None)
         if text:
             yield text
-    _count_invalid.replaced = 0
-    text = decoder.decode(b"", final=True)  # a multi-byte sequence cut off by the end of the file
-    stats.invalid_utf8 += _count_invalid.replaced
-    if text:
-        yield text
 
 
 def whole_text(path, stats, limit):
@@ -413,8 +364,10 @@ def parse_json(text, where, hint):
         raise UserError(f"{where}: JSON nested too deep to read; {hint}") from None
 
 
-def get_field(record, dotted):
-    """record['a']['b'][0] for 'a.b.0'; raises KeyError when the path does not exist."""
+def _field_text(record, dotted, where):
+    """The text at a record's dotted field ('a.b.0': record['a']['b'][0]), or the record itself: a JSON string."""
+    if isinstance(record, str) and dotted == "text":
+        return record  # a JSON list of plain strings
     value = record
     for part in dotted.split("."):
         if isinstance(value, dict) and part in value:
@@ -422,18 +375,8 @@ def get_field(record, dotted):
         elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
         else:
-            raise KeyError(part)
-    return value
-
-
-def _field_text(record, dotted, where):
-    if isinstance(record, str) and dotted == "text":
-        return record  # a JSON list of plain strings
-    try:
-        value = get_field(record, dotted)
-    except KeyError:
-        keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
-        raise UserError(f"{where}: no field {dotted!r}{keys}; pass --field with the (dotted) path to the text") from None
+            keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+            raise UserError(f"{where}: no field {dotted!r}{keys}; pass --field with the (dotted) path to the text")
     if value is None:
         return ""
     if not isinstance(value, str):
@@ -446,7 +389,7 @@ def documents_in_file(path, options, stats):
     """Yield the documents of one file."""
     ext = split_extension(path)[0]
     if ext in PARQUET_EXTS:
-        yield from _parquet_documents(path, options, stats)
+        yield from _parquet_documents(path, options)
     elif ext in TEXT_EXTS:
         if options.split_on == "blank-lines":
             yield from blank_line_blocks(path, stats)
@@ -468,63 +411,51 @@ def documents_in_file(path, options, stats):
             yield _field_text(record, options.field, f"{path} item {i}")
 
 
-def _parquet_documents(path, options, stats):
+def _parquet_documents(path, options):
     # Parquet is read from its footer back, so a compressed one is first decompressed into a temp file (not memory).
     with (tempfile.TemporaryFile() if split_extension(path)[1] else contextlib.nullcontext()) as spool:
         if spool is not None:
             for data in byte_chunks(path):
                 spool.write(data)
             spool.seek(0)
-        yield from _parquet_file_documents(path, spool or path, options)
-
-
-def _parquet_file_documents(path, source, options):
-    try:
-        pf = pq.ParquetFile(source)
-    except Exception as e:  # pyarrow raises several kinds for a file that is not parquet
-        raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
-    if options.column not in pf.schema_arrow.names:
-        raise UserError(f"{path} has no column {options.column!r} (its columns: {', '.join(pf.schema_arrow.names)}); "
-                        f"pass --column")
-    if not pa.types.is_string(pf.schema_arrow.field(options.column).type) and \
-            not pa.types.is_large_string(pf.schema_arrow.field(options.column).type):
-        raise UserError(f"{path}: column {options.column!r} holds {pf.schema_arrow.field(options.column).type}, "
-                        f"not text; pass --column with a string column")
-    batches = pf.iter_batches(columns=[options.column], batch_size=4096)
-    while True:
         try:
-            batch = next(batches, None)
-        except (pa.ArrowException, OSError) as e:  # a damaged data page passes the footer check and fails only here
+            pf = pq.ParquetFile(spool or path)
+        except Exception as e:  # pyarrow raises several kinds for a file that is not parquet
             raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
-        if batch is None:
-            return
-        for text in batch.column(0).to_pylist():
-            if text and len(text) > MAX_DOC_CHARS:
-                raise UserError(_too_long(path, MAX_DOC_CHARS))
-            yield text or ""
+        schema = pf.schema_arrow
+        if options.column not in schema.names:
+            raise UserError(f"{path} has no column {options.column!r} (its columns: {', '.join(schema.names)}); "
+                            f"pass --column")
+        kind = schema.field(options.column).type
+        if not pa.types.is_string(kind) and not pa.types.is_large_string(kind):
+            raise UserError(f"{path}: column {options.column!r} holds {kind}, not text; pass --column with a string "
+                            f"column")
+        batches = pf.iter_batches(columns=[options.column], batch_size=4096)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:  # a damaged data page passes the footer check, fails only here
+                raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
+            if batch is None:
+                return
+            for text in batch.column(0).to_pylist():
+                if text and len(text) > MAX_DOC_CHARS:
+                    raise UserError(_too_long(path, MAX_DOC_CHARS))
+                yield text or ""
 
-
-# -----------------------------------------------------------------------------
-# Cutting long documents
 
 _CUTS = [re.compile(r"\n[ \t]*\n"), re.compile(r"\n"), re.compile(r"[.!?][\"')\]]*[ \t]+"), re.compile(r"[ \t]+")]
 
 
 def cut_document(text, max_chars):
-    """
-    Consecutive pieces of at most max_chars characters that join back into text. Each cut goes after the last
-    separator of the strongest kind (blank line, line end, sentence end, space) found in the second half of the
-    window, so pieces stay long; a "word" longer than the window is cut where the window ends.
-    """
+    """Consecutive pieces of at most max_chars characters that join back into text. Each cut goes after the last
+    separator of the strongest kind (blank line, line end, sentence end, space) in the second half of the window, so
+    pieces stay long; a "word" longer than the window is cut where the window ends."""
     pieces, start = [], 0
     while len(text) - start > max_chars:
         window = text[start:start + max_chars]
-        cut = max_chars
-        for pattern in _CUTS:
-            ends = [m.end() for m in pattern.finditer(window) if m.end() >= max_chars // 2]
-            if ends:
-                cut = ends[-1]
-                break
+        ends = ([m.end() for m in pattern.finditer(window) if m.end() >= max_chars // 2] for pattern in _CUTS)
+        cut = next((found[-1] for found in ends if found), max_chars)
         pieces.append(text[start:start + cut])
         start += cut
     return pieces + [text[start:]] if start < len(text) else pieces
@@ -550,10 +481,6 @@ class InputStats:
     skipped: dict = field(default_factory=dict)  # kind (a key of SKIPPED) -> {"count": n, "examples": first paths}
 
 
-def _hash64(data):
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
-
-
 def _scatter(inputs, options, document_source, bucket_dir):
     """Pass 1: every kept document's pieces into hash buckets on disk. Returns (stats per input, document hashes)."""
     buckets = [open(os.path.join(bucket_dir, f"{i:03d}.bin"), "wb") for i in range(NUM_BUCKETS)]
@@ -568,10 +495,9 @@ def _scatter(inputs, options, document_source, bucket_dir):
                 if not text:
                     stats.empty += 1
                     continue
-                _count_invalid.replaced = 0  # lone surrogates, which JSON can carry, are invalid UTF-8 too
-                encoded = text.encode("utf-8", errors="nanochat_count_replace")
+                # lone surrogates, which JSON can carry, are invalid UTF-8 too
+                encoded = _counting_invalid(stats, text.encode, "utf-8", "nanochat_count_replace")
                 if _count_invalid.replaced:
-                    stats.invalid_utf8 += _count_invalid.replaced
                     text = encoded.decode("utf-8")
                 digest = hashlib.sha256(encoded).digest()
                 if digest[:16] in seen:
@@ -587,7 +513,7 @@ def _scatter(inputs, options, document_source, bucket_dir):
                 stats.pieces += len(pieces)
                 for k, piece in enumerate(pieces):
                     data = piece.encode("utf-8")
-                    piece_hash = _hash64(data + digest)
+                    piece_hash = int.from_bytes(hashlib.sha256(data + digest).digest()[:8], "big")
                     buckets[piece_hash * NUM_BUCKETS >> 64].write(
                         RECORD.pack(piece_hash, doc_hash, index, k, len(data)) + data)
     finally:
@@ -597,7 +523,7 @@ def _scatter(inputs, options, document_source, bucket_dir):
 
 
 def val_threshold(doc_hashes, options):
-    """Documents whose hash is below the returned value are val documents (see the module docstring)."""
+    """Documents whose hash is below the returned value are val documents (docs/data.md: the val split)."""
     n = len(doc_hashes)
     if n == 0:
         raise UserError("the inputs hold no documents (every one was empty or a duplicate)")
@@ -634,30 +560,23 @@ class ShardWriter:
         self.chars += len(text)
         if len(self.rows) == self.rows_per_group:
             self._flush()
-            if self.chars >= self.shard_chars:
-                self._close_shard()
 
-    def _flush(self):
-        if not self.rows:
-            return
-        if self.writer is None:
-            path = os.path.join(self.out_dir, f"shard_{self.index:05d}.parquet")
-            self.writer = pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd")
-            self.paths.append(path)
-        self.writer.write_table(pa.table({"text": pa.array(self.rows, type=pa.string())}),
-                                row_group_size=self.rows_per_group)
-        self.rows = []
-
-    def _close_shard(self):
-        if self.writer is not None:
+    def _flush(self, last=False):
+        """Write the rows held as a row group; close the shard when it is full enough, or the last."""
+        if self.rows:
+            if self.writer is None:
+                path = os.path.join(self.out_dir, f"shard_{self.index:05d}.parquet")
+                self.writer = pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd")
+                self.paths.append(path)
+            self.writer.write_table(pa.table({"text": pa.array(self.rows, type=pa.string())}),
+                                    row_group_size=self.rows_per_group)
+            self.rows = []
+        if self.writer is not None and (last or self.chars >= self.shard_chars):
             self.writer.close()
-            self.writer = None
-            self.index += 1
-            self.chars = 0
+            self.writer, self.index, self.chars = None, self.index + 1, 0
 
     def close(self):
-        self._flush()
-        self._close_shard()
+        self._flush(last=True)
         return self.paths
 
 
@@ -690,12 +609,12 @@ def _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_cha
 
 def estimate_tokens(texts, base_dir):
     """(tokens per text, how): with the base dir's tokenizer when one is trained, else characters / CHARS_PER_TOKEN."""
-    if os.path.isfile(os.path.join(base_dir, "tokenizer", "tokenizer.pkl")) or \
-            os.path.isfile(os.path.join(base_dir, "tokenizer", "tokenizer.json")):
+    tokenizer_dir = os.path.join(base_dir, "tokenizer")
+    if any(os.path.isfile(os.path.join(tokenizer_dir, name)) for name in ("tokenizer.pkl", "tokenizer.json")):
         try:
             from nanochat.tokenizer import RustBPETokenizer
 
-            tokenizer = RustBPETokenizer.from_directory(os.path.join(base_dir, "tokenizer"))
+            tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
             return [len(ids) for ids in tokenizer.encode(list(texts))], "the base dir's tokenizer"
         except Exception:  # noqa: BLE001 -- an estimate is still an estimate; fall back to characters
             pass

@@ -1,10 +1,8 @@
 """
-A CORE eval bundle about the built-in world, in the same files as DCLM's published bundle (core.yaml,
-eval_meta_data.csv, eval_data/**.jsonl), so nanochat.core_eval scores a base model on what the built-in
-corpus teaches, offline. Facts are asked about the held-out subjects in the corpus's own wordings (every
-held-out fact is still told in pretraining); arithmetic and spelling use the corpus's own formats. Fact
-tasks are 0-shot on purpose: each subject appears in several examples, and a randomly drawn few-shot
-example about the same subject would give the answer away.
+A CORE eval bundle about the built-in world in the files of DCLM's published bundle (core.yaml, eval_meta_data.csv,
+eval_data/**.jsonl), so nanochat.core_eval scores what the built-in corpus teaches, offline. Fact tasks ask about the
+held-out subjects in the corpus's own wordings, 0-shot on purpose: a few-shot example drawn about the same subject
+would give the answer away. Arithmetic and spelling use the corpus's own formats.
 """
 
 import csv
@@ -146,10 +144,8 @@ def build_eval_tasks(world, seed):
 
 
 def write_eval_bundle(out_dir, world, seed=None, version=""):
-    """
-    Write the CORE bundle about `world` to out_dir in the published bundle's format; returns the task
-    list. Built in a temp dir then renamed into place, so a reader never sees half a bundle.
-    """
+    """Write the CORE bundle about `world` to out_dir and return its tasks; built in a temp dir then renamed into
+    place, so a reader never sees half a bundle."""
     seed = world.seed if seed is None else seed
     tasks = build_eval_tasks(world, seed)
     out_dir = os.path.abspath(out_dir)

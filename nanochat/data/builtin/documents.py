@@ -8,9 +8,6 @@ from collections import Counter
 
 from nanochat.data.builtin.world import RELATIONS, Country, Fact, Person, render_question, render_statement, with_article
 
-# -----------------------------------------------------------------------------
-# World documents
-
 _TRAVEL_FILLERS = [
     "The roads were quiet that morning.", "We ate warm bread at a small inn.",
     "It rained for most of the afternoon.", "The market was loud and full of colour.",
@@ -173,11 +170,8 @@ class WorldDocumentWriter:
 
 
 def generate_world_documents(world, rng, target_bytes, full_pass=True, mentions=None):
-    """
-    Documents about the world until target_bytes of text. Entities come in shuffled passes so
-    every fact is told about equally often; with full_pass, the first pass uses only styles that
-    state each fact in a template sentence, so every fact appears at least once.
-    """
+    """Documents about the world until target_bytes of text. Entities come in shuffled passes, so every fact is told
+    about equally often; with full_pass, the first pass uses only styles that state each fact in a template."""
     writer = WorldDocumentWriter(world, rng, mentions)
     docs, size, passes = [], 0, 0
     while size < target_bytes or (full_pass and passes == 0):

@@ -1,11 +1,8 @@
 """
-The built-in world: a few hundred invented countries and people, each with facts of seven relations
-(`RELATIONS`), and the English templates that state and ask about each fact.
-
-`build_world(seed)` is deterministic. Its subjects are split in two: chat-stage conversations (SFT)
-may only ask about `world.sft_subjects`; held-out evaluation questions ask about `world.eval_subjects`.
-Every fact is told in pretraining, so a model that answers the held-out questions has learned to
-*retrieve* what it read when asked, not memorised Q/A pairs.
+The built-in world: a few hundred invented countries and people with facts of seven relations (`RELATIONS`), and
+the English templates that state and ask about each fact. `build_world(seed)` is deterministic and splits the
+subjects: chat stages may ask only about `world.sft_subjects`, held-out evaluation about `world.eval_subjects`. Every
+fact is told in pretraining, so a model that answers held-out questions *retrieves* what it read, not memorised Q/A.
 """
 
 import random
@@ -223,10 +220,6 @@ class World:
                [f.subject for f in self.facts if f.relation == "neighbour" and f.object == country]
 
 
-def population_text(millions):
-    return f"{millions} million"
-
-
 def with_article(noun):
     return ("an " if noun[0] in "aeiou" else "a ") + noun
 
@@ -301,7 +294,7 @@ def build_world(seed=42, num_countries=300, num_people=200, num_continents=8, nu
     facts = []
     for c in countries:
         facts += [Fact(c.name, "capital", c.capital), Fact(c.name, "continent", c.continent),
-                  Fact(c.name, "language", c.language), Fact(c.name, "population", population_text(c.population)),
+                  Fact(c.name, "language", c.language), Fact(c.name, "population", f"{c.population} million"),
                   Fact(c.name, "neighbour", c.neighbour)]
     for p in people:
         facts += [Fact(p.name, "birthplace", p.birthplace), Fact(p.name, "occupation", p.occupation)]
