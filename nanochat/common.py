@@ -3,6 +3,7 @@ Shared plumbing for every nanochat script: where artifacts live, which device an
 init/teardown under torchrun, seeding, printing, and the peak-FLOPs numbers that MFU is measured against.
 """
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -333,11 +334,10 @@ def inference_threads(device, threads, num_workers=1):
 def autocast_for(device, **options):
     """The autocast context for this device's compute dtype: bf16 autocast on CUDA SM80+, a no-op in fp32. options:
     torch.autocast's own (cache_enabled)."""
-    from contextlib import nullcontext
-
     device = torch.device(device)
     dtype = get_compute_dtype(device)
-    return torch.autocast(device_type=device.type, dtype=dtype, **options) if dtype != torch.float32 else nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype, **options) if dtype != torch.float32 else \
+        contextlib.nullcontext()
 
 
 def seed_everything(seed):
@@ -455,10 +455,8 @@ class RankFailureWatch:
     def publish(self, message):
         """Tell every rank that this one failed (unless another rank's failure came first), and stop watching."""
         self.stopped.set()
-        try:
+        with contextlib.suppress(Exception):  # the store may be gone: then the launcher stops the others
             self.store.compare_set(self.key, "", f"rank {self.rank} failed: {message}")
-        except Exception:
-            pass  # the store is gone: the launcher will stop the others
 
     def stop(self):
         self.stopped.set()
