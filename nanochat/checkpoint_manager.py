@@ -291,10 +291,7 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
 def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
     """A checkpoint of another shape or tokenizer cannot be resumed: say so before any compute (the tokenizer first:
     another vocabulary also shows as another shape)."""
-    saved_tok = meta.get("tokenizer_hash")
-    if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
-        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, tokenizer_hash,
-                                                "train from scratch with another --model-tag"))
+    _check_tokenizer(ckpt_dir, meta, tokenizer_hash, "train from scratch with another --model-tag")
     saved = meta.get("model_config", {})
     if saved != model_config:
         diff = {k: (saved.get(k), model_config.get(k)) for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k)}
@@ -302,9 +299,12 @@ def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
                         "use the same --depth/--max-seq-len/--components, or another --model-tag")
 
 
-def other_tokenizer_message(ckpt_dir, saved_hash, current_hash, alternative):
-    """A checkpoint trained with another tokenizer than the base dir's: what to do, naming the copy tok_train kept of
-    it when it replaced it, and where the current one goes first (so that swapping back loses neither)."""
+def _check_tokenizer(ckpt_dir, meta, current_hash, alternative):
+    """Refuse a checkpoint trained with another tokenizer than the base dir's, saying what to do: naming the copy
+    tok_train kept of it when it replaced it, and where the current one goes first (so swapping back loses neither)."""
+    saved_hash = meta.get("tokenizer_hash")
+    if not saved_hash or not current_hash or saved_hash == current_hash:
+        return
     from nanochat.tokenizer import get_tokenizer_dir, set_aside_dir
 
     aside, current_aside = set_aside_dir(saved_hash), set_aside_dir(current_hash)
@@ -313,8 +313,8 @@ def other_tokenizer_message(ckpt_dir, saved_hash, current_hash, alternative):
         fix = f"tok_train kept that one in {aside}: {keep_current}, then copy {aside}'s files into {get_tokenizer_dir()}"
     else:
         fix = f"{keep_current}, then put that tokenizer's files in {get_tokenizer_dir()}"
-    return f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; to use it, " \
-           f"{fix}; or {alternative}"
+    raise UserError(f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; "
+                    f"to use it, {fix}; or {alternative}")
 
 
 def find_latest_tag(stage):
@@ -366,8 +366,5 @@ def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train th
     model.load_state_dict(model_state, strict=True)
     model.train(phase == "train")
     tokenizer = get_tokenizer()
-    saved_tok = meta.get("tokenizer_hash")
-    if saved_tok and saved_tok != tokenizer.fingerprint():
-        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, tokenizer.fingerprint(),
-                                                "use a checkpoint trained with the current one"))
+    _check_tokenizer(ckpt_dir, meta, tokenizer.fingerprint(), "use a checkpoint trained with the current one")
     return model, tokenizer, meta

@@ -280,24 +280,21 @@ def _child_main(config):
                 files[name] = f.read()
             os.remove(name)  # the code starts in an empty directory
     sys.argv = sys.argv[:1]
-    _confine(config["mode"], os.getcwd(), config["maximum_memory_bytes"], config["cpu_seconds"],
-                    FILE_SIZE_LIMIT_BYTES)  # in "namespaces" mode, only the confined child of a fork returns
+    # In "namespaces" mode, only the confined child of a fork returns from _confine.
+    _confine(config["mode"], os.getcwd(), config["maximum_memory_bytes"], config["cpu_seconds"])
     _install_guards(os.path.realpath(os.getcwd()))
-    status_fd, role = config["status_fd"], config["role"]
-    if role in ("program", "candidate"):
-        namespace = _fresh_main()
-        error = _run(files[CODE_FILENAME], "<sandbox>", namespace)
-        _report(status_fd, error)
-        if role == "candidate" and error is None:
-            _serve_calls(namespace, config["requests_fd"], config["replies_fd"])
-    elif role == "tests":
-        namespace = _fresh_main()
+    role, namespace = config["role"], _fresh_main()
+    if role == "tests":
         error = _run(files[SETUP_FILENAME], "<setup>", namespace)
         if error is None:
             namespace[config["entry_point"]] = _CandidateFunction(config["entry_point"], config["requests_fd"],
                                                                   config["replies_fd"])
             error = _run(files[TESTS_FILENAME], "<tests>", namespace)
-        _report(status_fd, error)
+    else:  # "program" or "candidate": the model's code
+        error = _run(files[CODE_FILENAME], "<sandbox>", namespace)
+    _report(config["status_fd"], error)
+    if role == "candidate" and error is None:
+        _serve_calls(namespace, config["requests_fd"], config["replies_fd"])
 
 
 def _fresh_main():
@@ -485,7 +482,7 @@ def _sandbox_user():
         return 65534, 65534
 
 
-def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds, file_size_bytes):
+def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds):
     """Confine this process, the sandbox child, before it runs any model-written code; `sandbox` is its working
     directory. In "namespaces" mode only the forked child returns (see the section's opening comment). Every mode
     limits memory, CPU time (a backstop to the parent's wall-clock timeout), each file's size and core dumps."""
@@ -498,7 +495,7 @@ def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds, file_size_bytes):
     if mode in ("namespaces", "user") and sys.platform == "linux":
         _prctl(PR_SET_NO_NEW_PRIVS, 1)  # before the filter: seccomp requires it of an unprivileged process
         _forbid_sockets()
-    limits = [("RLIMIT_FSIZE", file_size_bytes), ("RLIMIT_CORE", 0), ("RLIMIT_CPU", cpu_seconds)]
+    limits = [("RLIMIT_FSIZE", FILE_SIZE_LIMIT_BYTES), ("RLIMIT_CORE", 0), ("RLIMIT_CPU", cpu_seconds)]
     if maximum_memory_bytes:
         limits += [("RLIMIT_AS", maximum_memory_bytes), ("RLIMIT_DATA", maximum_memory_bytes)]
     if mode != "guards":  # in "guards" mode the caller's own processes would count against it
