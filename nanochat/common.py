@@ -250,9 +250,9 @@ def describe_gpu(device):
 
 
 def get_compute_dtype(device):
-    """Dtype for activations and the KV cache: bf16 where has_fast_bf16, else fp32. NANOCHAT_DTYPE overrides, except that
-    bf16 asked of an older GPU (no bf16 tensor cores, and torch.compile cannot emit bf16 kernels for it) falls back to
-    fp32 with a note instead of failing deep inside compile."""
+    """Dtype for activations and the KV cache: bf16 where has_fast_bf16, else fp32. NANOCHAT_DTYPE overrides, except
+    that bf16 asked of an older GPU (no bf16 tensor cores, and torch.compile cannot emit bf16 kernels for it) falls back
+    to fp32 with a note instead of failing deep inside compile."""
     device = torch.device(device)
     requested = dtype_from_env("NANOCHAT_DTYPE", DTYPE_NAMES)
     if requested is None:
@@ -318,9 +318,9 @@ def compile_model(model):
 
 
 def inference_threads(device, threads, num_workers=1):
-    """torch's intra-op threads for a generating process (chat_web's workers, chat_cli): the flag, else $OMP_NUM_THREADS,
-    else the cores shared among the workers, on a CPU one fewer (a small model's decode step barely gains from a second
-    thread, while the server's event loop or the terminal need a core)."""
+    """torch's intra-op threads for a generating process (chat_web's workers, chat_cli): the flag, else
+    $OMP_NUM_THREADS, else the cores shared among the workers, on a CPU one fewer (a small model's decode step barely
+    gains from a second thread, while the server's event loop or the terminal need a core)."""
     if threads:
         return threads
     if os.environ.get("OMP_NUM_THREADS"):

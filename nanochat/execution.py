@@ -1,9 +1,9 @@
 """
-Run model-written Python (HumanEval completions, tools) in sandboxed child processes. execute_code runs a program,
-whose `success` is its own report (code that sets out to can fake it); execute_tests scores code against tests with a
-verdict the code cannot forge: the tests run in a process of their own and reach the candidate's function over a pipe,
-in plain data only. Each child is confined by the operating system (_confine) and, below that, by Python guards
-(_install_guards). docs/sandbox.md says what each isolation mode guarantees, what it does not, and what it costs.
+Run model-written Python (HumanEval completions, later maybe tools) in sandboxed child processes. execute_code runs a
+program, whose `success` is its own report (code that sets out to can fake it); execute_tests scores code against tests
+with a verdict the code cannot forge: the tests run in a process of their own and reach the candidate's function over
+a pipe, in plain data only. Each child is confined by the operating system (_confine) and, below that, by Python
+guards (_install_guards). docs/sandbox.md says what each isolation mode guarantees, what it does not, and what it costs.
 """
 
 import builtins
@@ -642,7 +642,7 @@ class _SockFprog(ctypes.Structure):
 def _forbid_sockets():
     """A seccomp filter: socket() and io_uring_setup() (which can open sockets) fail with EPERM, since a Unix socket
     on disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; a system call of another ABI (i386's
-    int 0x80, x32) kills the process, since there the same numbers mean other calls. Only x86_64 and aarch64 are here."""
+    int 0x80, x32) kills the process, since there the same numbers mean other calls. Written for x86_64 and aarch64."""
     if sys.platform != "linux" or platform.machine() not in SECCOMP_ARCHITECTURES:
         return
     architecture, sys_socket = SECCOMP_ARCHITECTURES[platform.machine()]
