@@ -493,7 +493,8 @@ def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds):
         os.chown(sandbox, uid, gid)
         _become(uid, gid)
     if mode in ("namespaces", "user") and sys.platform == "linux":
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # before the filter: seccomp requires it of an unprivileged process
+        # No setuid program can give privileges back; and seccomp requires this of an unprivileged process.
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _forbid_sockets()
     limits = [("RLIMIT_FSIZE", FILE_SIZE_LIMIT_BYTES), ("RLIMIT_CORE", 0), ("RLIMIT_CPU", cpu_seconds)]
     if maximum_memory_bytes:
@@ -531,7 +532,8 @@ def _enter_namespaces(sandbox):
         _supervise(child)  # never returns
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a supervisor killed outright takes the namespace with it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    # PID 1 from here. A session of its own: the supervisor's process group must be out of reach of kill(0).
+    # PID 1 from here (as for any PID 1, a signal it sends itself without a handler is ignored). A session of its
+    # own: the supervisor's process group must be out of reach of kill(0).
     os.setsid()
     _mount_private_root(sandbox, root)
     os.chdir(sandbox)  # into the tmpfs that now covers it
