@@ -1,14 +1,9 @@
 """
-Checkpoints: save, rotate, resume and load models for every stage.
-
-A checkpoint is a directory `<base_dir>/<stage>_checkpoints/<tag>/step_XXXXXX/` holding
-  model.safetensors           the weights (rank 0 writes them)
-  optim_rank{R}.safetensors   each rank's optimizer-state tensors (sharded optimizers own different state)
-  optim_rank{R}.json          ...and the non-tensor rest of that rank's optimizer state
-  meta.json                   step, model config, user flags, dataloader and loop state, metrics,
-                              tokenizer fingerprint, and the sha256 of every file above
-Everything is written into a temp directory that is renamed into place only when complete, so a
-kill at any instant leaves the previous checkpoint loadable. Nothing is unpickled on load.
+Checkpoints: save, rotate, resume and load models for every stage. A checkpoint is a directory
+`<base_dir>/<stage>_checkpoints/<tag>/step_XXXXXX/`: model.safetensors (rank 0's weights), optim_rank{R}.safetensors
+and .json (each rank's optimizer state: tensors, and the rest), meta.json (step, model config, flags, dataloader and
+loop state, metrics, tokenizer fingerprint, the sha256 of every other file). It is written in a temp directory renamed
+into place when complete, so a kill at any instant leaves the previous checkpoint loadable; nothing is unpickled.
 """
 
 import fcntl
@@ -31,7 +26,7 @@ STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chat
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MODEL_CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
-_warned_about = set()  # step dirs already reported as unusable, so a listing warns once per dir
+_warned_about = set()  # step dirs already reported as unusable: a listing warns once per dir
 _held_locks = []  # file descriptors of checkpoint-dir locks, held for the life of the process
 
 
@@ -49,12 +44,9 @@ def checkpoint_dir(stage, tag):
 
 
 def claim_checkpoint_dir(ckpt_dir):
-    """
-    Take an exclusive lock on a checkpoint directory for the rest of this process (rank 0 does it for the run):
-    two runs writing one model tag would overwrite each other's saves. The lock is an flock, so the kernel drops
-    it when its process dies, and a run after a kill -9 takes over at once; the holder's identity is written into
-    the lock file so the refusal can name it.
-    """
+    """Take an exclusive lock on a checkpoint directory for the rest of this process (rank 0, for the run): two runs
+    writing one model tag would overwrite each other's saves. An flock, so the kernel drops it when its holder dies;
+    the holder's identity is written into the lock file so the refusal can name it."""
     if get_dist_info()[1] != 0:
         return
     ensure_writable(ckpt_dir, "checkpoints")
@@ -120,17 +112,9 @@ def validate_meta(meta):
     return None
 
 
-def _warn_once(step_dir, reason):
-    if step_dir not in _warned_about:
-        _warned_about.add(step_dir)
-        print0(f"warning: skipping checkpoint {step_dir}: {reason}; delete it or restore its files")
-
-
 def list_steps(ckpt_dir):
-    """
-    Steps of the usable checkpoints in ckpt_dir, ascending. Temp dirs of interrupted saves are ignored; a
-    step dir with a missing, unreadable or invalid meta.json is named in a warning and skipped.
-    """
+    """Steps of the usable checkpoints in ckpt_dir, ascending. Temp dirs of interrupted saves are ignored; a step dir
+    with a missing, unreadable or invalid meta.json is named in a warning (once) and skipped."""
     if not os.path.isdir(ckpt_dir):
         return []
     steps = []
@@ -148,8 +132,9 @@ def list_steps(ckpt_dir):
             reason = f"its meta.json is unreadable ({e})"
         if reason is None:
             steps.append(int(m.group(1)))
-        else:
-            _warn_once(step_dir, reason)
+        elif step_dir not in _warned_about:
+            _warned_about.add(step_dir)
+            print0(f"warning: skipping checkpoint {step_dir}: {reason}; delete it or restore its files")
     return sorted(steps)
 
 
@@ -191,15 +176,42 @@ def _unflatten_optimizer_state(tensors, rest):
 
 
 def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
-    """
-    Collective: every rank calls it. Rank 0 writes weights and meta, every rank writes its optimizer
-    shard, then rank 0 renames the finished temp dir into place and prunes old checkpoints.
-    """
+    """Collective: every rank calls it. Rank 0 writes weights and meta, every rank writes its optimizer shard, then
+    rank 0 renames the finished temp dir into place and prunes all but the newest `keep_last`."""
     rank, world_size = dist_rank_world()
     final_dir = os.path.join(ckpt_dir, f"step_{step:06d}")
     tmp_dir = os.path.join(ckpt_dir, f".tmp_step_{step:06d}")
+    barrier = dist.barrier if world_size > 1 else (lambda: None)
+    t0 = time.time()
     try:
-        _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_dir, tmp_dir, rank, world_size)
+        if rank == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a save that was killed
+            os.makedirs(tmp_dir)
+        barrier()
+        if optimizers:
+            tensors, rest = _flatten_optimizer_state(optimizers)
+            save_file(tensors, os.path.join(tmp_dir, f"optim_rank{rank}.safetensors"))
+            with open(os.path.join(tmp_dir, f"optim_rank{rank}.json"), "w") as f:
+                json.dump(rest, f)
+        barrier()
+        if rank == 0:
+            state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+            save_file(state, os.path.join(tmp_dir, "model.safetensors"))
+            meta = dict(meta, step=step, world_size=world_size, saved_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+            meta["files"] = {name: sha256_of(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+            with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=2)
+            for name in os.listdir(tmp_dir):  # make the bytes durable before the rename makes them visible
+                with open(os.path.join(tmp_dir, name), "rb") as f:
+                    os.fsync(f.fileno())
+            if os.path.exists(final_dir):  # re-saving the same step (e.g. after a resume): swap it out
+                shutil.rmtree(final_dir)
+            os.replace(tmp_dir, final_dir)
+            for old in list_steps(ckpt_dir)[:-keep_last] if keep_last and keep_last > 0 else []:  # the newest stays
+                shutil.rmtree(os.path.join(ckpt_dir, f"step_{old:06d}"), ignore_errors=True)
+        barrier()
+        print0(f"saved checkpoint step {step} to {final_dir} ({time.time() - t0:.1f}s)")
     except (OSError, SafetensorError) as e:  # a full disk, a quota, a lost mount: the previous checkpoint survives
         if rank == 0:  # rank 0 owns the temp dir: another rank removing it would break rank 0's half of the save
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -209,50 +221,6 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
         raise UserError(f"could not write checkpoint step {step} to {ckpt_dir} ({reason}); {kept}. "
                         "Free some space, then --resume") from None
     return final_dir
-
-
-def _write_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last, final_dir, tmp_dir, rank, world_size):
-    is_dist = world_size > 1
-    t0 = time.time()
-    if rank == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a save that was killed
-        os.makedirs(tmp_dir)
-    if is_dist:
-        dist.barrier()
-
-    if optimizers:
-        tensors, rest = _flatten_optimizer_state(optimizers)
-        save_file(tensors, os.path.join(tmp_dir, f"optim_rank{rank}.safetensors"))
-        with open(os.path.join(tmp_dir, f"optim_rank{rank}.json"), "w") as f:
-            json.dump(rest, f)
-    if is_dist:
-        dist.barrier()
-
-    if rank == 0:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(state, os.path.join(tmp_dir, "model.safetensors"))
-        meta = dict(meta, step=step, world_size=world_size, saved_at=time.strftime("%Y-%m-%d %H:%M:%S"))
-        meta["files"] = {name: sha256_of(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
-        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        for name in os.listdir(tmp_dir):  # make the bytes durable before the rename makes them visible
-            with open(os.path.join(tmp_dir, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(final_dir):  # re-saving the same step (e.g. after a resume): swap it out
-            shutil.rmtree(final_dir)
-        os.replace(tmp_dir, final_dir)
-        _prune(ckpt_dir, keep_last)
-    if is_dist:
-        dist.barrier()
-    print0(f"saved checkpoint step {step} to {final_dir} ({time.time() - t0:.1f}s)")
-
-
-def _prune(ckpt_dir, keep_last):
-    if not keep_last or keep_last <= 0:
-        return
-    for old in list_steps(ckpt_dir)[:-keep_last]:  # the newest is always among the kept
-        shutil.rmtree(os.path.join(ckpt_dir, f"step_{old:06d}"), ignore_errors=True)
 
 
 # -----------------------------------------------------------------------------
@@ -323,10 +291,7 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
 def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
     """A checkpoint of another shape or tokenizer cannot be resumed: say so before any compute (the tokenizer first:
     another vocabulary also shows as another shape)."""
-    saved_tok = meta.get("tokenizer_hash")
-    if saved_tok and tokenizer_hash and saved_tok != tokenizer_hash:
-        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, tokenizer_hash,
-                                                "train from scratch with another --model-tag"))
+    _check_tokenizer(ckpt_dir, meta, tokenizer_hash, "train from scratch with another --model-tag")
     saved = meta.get("model_config", {})
     if saved != model_config:
         diff = {k: (saved.get(k), model_config.get(k)) for k in set(saved) | set(model_config) if saved.get(k) != model_config.get(k)}
@@ -334,9 +299,12 @@ def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
                         "use the same --depth/--max-seq-len/--components, or another --model-tag")
 
 
-def other_tokenizer_message(ckpt_dir, saved_hash, current_hash, alternative):
-    """A checkpoint trained with another tokenizer than the base dir's: what to do, naming the copy tok_train kept of
-    it when it replaced it, and where the current one goes first (so that swapping back loses neither)."""
+def _check_tokenizer(ckpt_dir, meta, current_hash, alternative):
+    """Refuse a checkpoint trained with another tokenizer than the base dir's, saying what to do: naming the copy
+    tok_train kept of it when it replaced it, and where the current one goes first (so swapping back loses neither)."""
+    saved_hash = meta.get("tokenizer_hash")
+    if not saved_hash or not current_hash or saved_hash == current_hash:
+        return
     from nanochat.tokenizer import get_tokenizer_dir, set_aside_dir
 
     aside, current_aside = set_aside_dir(saved_hash), set_aside_dir(current_hash)
@@ -345,8 +313,8 @@ def other_tokenizer_message(ckpt_dir, saved_hash, current_hash, alternative):
         fix = f"tok_train kept that one in {aside}: {keep_current}, then copy {aside}'s files into {get_tokenizer_dir()}"
     else:
         fix = f"{keep_current}, then put that tokenizer's files in {get_tokenizer_dir()}"
-    return f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; to use it, " \
-           f"{fix}; or {alternative}"
+    raise UserError(f"checkpoint {ckpt_dir} was trained with another tokenizer than the one in {get_tokenizer_dir()}; "
+                    f"to use it, {fix}; or {alternative}")
 
 
 def find_latest_tag(stage):
@@ -366,11 +334,8 @@ def load_model(source, device, phase="eval", model_tag=None, step=None):
 
 
 def check_weights_fit(model_state, model_config, where):
-    """
-    The checkpoint's tensors must be the parameters its model_config describes, name for name and shape for shape,
-    compared on the meta device before the model is built for real: a meta.json that claims a far larger model than
-    its weights is refused in one line instead of trying to allocate that model.
-    """
+    """The checkpoint's tensors must be the parameters its model_config describes, name for name and shape for shape,
+    compared on the meta device: a meta.json that claims a far larger model is refused before allocating it."""
     from nanochat.gpt import GPT
 
     with torch.device("meta"):
@@ -401,8 +366,5 @@ def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train th
     model.load_state_dict(model_state, strict=True)
     model.train(phase == "train")
     tokenizer = get_tokenizer()
-    saved_tok = meta.get("tokenizer_hash")
-    if saved_tok and saved_tok != tokenizer.fingerprint():
-        raise UserError(other_tokenizer_message(ckpt_dir, saved_tok, tokenizer.fingerprint(),
-                                                "use a checkpoint trained with the current one"))
+    _check_tokenizer(ckpt_dir, meta, tokenizer.fingerprint(), "use a checkpoint trained with the current one")
     return model, tokenizer, meta

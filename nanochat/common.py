@@ -1,9 +1,9 @@
 """
-Shared plumbing for every nanochat script: where artifacts live, which device and
-dtype to use, distributed init/teardown under torchrun, seeding, printing, and the
-peak-FLOPs numbers that MFU is measured against.
+Shared plumbing for every nanochat script: where artifacts live, which device and dtype to use, distributed
+init/teardown under torchrun, seeding, printing, and the peak-FLOPs numbers that MFU is measured against.
 """
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -39,11 +39,8 @@ class UserError(Exception):
 
 
 def run_main(main):
-    """
-    Run a script's main(): a UserError or running out of memory becomes a one-line message and exit code 1. Under
-    torchrun the failing rank also tells the others (RankFailureWatch), which stop at once with its message instead of
-    waiting in their next collective; a rank that fails only because a peer died says so instead of a traceback.
-    """
+    """Run a script's main(): a UserError or running out of memory becomes a one-line message and exit code 1. Under
+    torchrun the failing rank tells the others (RankFailureWatch); a rank failing only because a peer died says so."""
     try:
         main()
     except UserError as e:
@@ -117,10 +114,8 @@ def get_base_dir():
 
 
 def ensure_writable(directory, what, fix="point NANOCHAT_BASE_DIR at another directory"):
-    """
-    Prove, before any compute depends on it, that `directory` can be written: a probe file in it, or (when it does
-    not exist yet) in its nearest existing parent, so that checking never leaves an empty directory behind.
-    """
+    """Prove, before any compute depends on it, that `directory` can be written: a probe file in it, or in its nearest
+    existing parent when it does not exist yet (so checking never leaves an empty directory behind)."""
     import tempfile
 
     probe_dir = os.path.abspath(directory)
@@ -174,33 +169,23 @@ def atomic_write_text(path, text):
 # Devices, dtypes, seeding
 
 
-def autodetect_device_type():
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
 def resolve_device_type(device_type=""):
-    """'' means autodetect; otherwise validate the user's choice before any compute."""
+    """'' means autodetect (cuda, then mps, then cpu); otherwise validate the user's choice before any compute."""
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if not device_type:
-        return autodetect_device_type()
+        return "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
     if device_type not in ("cuda", "mps", "cpu"):
         raise UserError(f"--device-type must be cuda, mps or cpu (got {device_type!r})")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device-type=cuda but torch sees no CUDA device; drop the flag to run on what is here")
-    if device_type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+    if device_type == "mps" and not has_mps:
         raise UserError("--device-type=mps but MPS is not available on this machine")
     return device_type
 
 
 def has_fast_bf16(device):
-    """
-    Whether the device multiplies bf16 natively: CUDA SM80+ (A100, H100, ...), or an x86 CPU with AVX512-BF16 or AMX
-    (on a 2-vCPU AMD EPYC with AVX512-BF16 a (2048, 256) x (256, 1024) bf16 matmul runs 4.5x the fp32 rate). Anywhere
-    else (older GPUs, AVX2-only CPUs, MPS) bf16 is emulated or unsupported and slower than fp32.
-    """
+    """Whether the device multiplies bf16 natively: CUDA SM80+, or an x86 CPU with AVX512-BF16 or AMX. Elsewhere (older
+    GPUs, AVX2-only CPUs, MPS) bf16 is emulated or unsupported and slower than fp32."""
     device = torch.device(device)
     if device.type == "cpu":
         return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
@@ -237,16 +222,10 @@ def cpu_flags():
 
 
 def orthogonalization_dtype(device):
-    """
-    The dtype of Muon's Newton-Schulz matmuls: bf16 where the hardware multiplies bf16 natively (CUDA SM80+; x86
-    CPUs with AVX512-BF16 or AMX, where a batch of 256x256 bf16 matmuls runs 2.5x the fp32 rate on a 2-vCPU EPYC),
-    fp32 elsewhere (an AVX2-only CPU emulates bf16 and runs it many times slower than fp32). The iteration only
-    needs singular values near 1, which bf16 gives. NANOCHAT_MUON_DTYPE=float32|bfloat16 overrides.
-    """
-    override = dtype_from_env("NANOCHAT_MUON_DTYPE", ("bfloat16", "bf16", "float32", "fp32"))
-    if override:
-        return override
-    return torch.bfloat16 if has_fast_bf16(device) else torch.float32
+    """The dtype of Muon's Newton-Schulz matmuls: bf16 where has_fast_bf16, else fp32 (the iteration only needs singular
+    values near 1, which bf16 gives). NANOCHAT_MUON_DTYPE=float32|bfloat16 overrides."""
+    return (dtype_from_env("NANOCHAT_MUON_DTYPE", ("bfloat16", "bf16", "float32", "fp32"))
+            or (torch.bfloat16 if has_fast_bf16(device) else torch.float32))
 
 
 _notes_printed = set()
@@ -271,12 +250,9 @@ def describe_gpu(device):
 
 
 def get_compute_dtype(device):
-    """
-    Dtype for activations and the KV cache: bf16 autocast where bf16 matmuls are native (has_fast_bf16: CUDA SM80+, x86
-    CPUs with AVX512-BF16 or AMX), fp32 elsewhere; NANOCHAT_DTYPE overrides, except that
-    bf16 asked of an older GPU (V100, T4, ...: no bf16 tensor cores, and torch.compile cannot emit bf16 kernels for
-    them) falls back to fp32 with a note instead of failing deep inside compile.
-    """
+    """Dtype for activations and the KV cache: bf16 where has_fast_bf16, else fp32. NANOCHAT_DTYPE overrides, except
+    that bf16 asked of an older GPU (no bf16 tensor cores, and torch.compile cannot emit bf16 kernels for it) falls back
+    to fp32 with a note instead of failing deep inside compile."""
     device = torch.device(device)
     requested = dtype_from_env("NANOCHAT_DTYPE", DTYPE_NAMES)
     if requested is None:
@@ -289,36 +265,24 @@ def get_compute_dtype(device):
 
 
 def bound_onednn_caches(capacity=32):
-    """
-    Bound the memory of oneDNN, which runs torch's bf16 matmuls on a CPU. It compiles a kernel for each shape it meets
-    and keeps ~0.7 MiB per shape in two caches of 1024 entries (oneDNN's own and ideep's): a server meets a new shape
-    for every batch size and prompt length, so its memory grew with load (+24 % in bench serve) and stopped only
-    near a gigabyte. 32 entries hold a decode step's shapes (BatchEngine rounds its batch sizes to a few) with room for
-    prefills: measured in bench serve, 64 gave the same tok/s with more memory, 16 a little slower. A process that
-    generates calls this before its first matmul (the caches read the variables once); training meets a few fixed
-    shapes and keeps the defaults. A variable the user set wins.
-    """
+    """Bound the kernel caches of oneDNN (torch's CPU bf16 matmuls): ~0.7 MiB per shape met, in two caches of 1024
+    entries, so a server's memory grew with every new batch size and prompt length. A generating process calls this
+    before its first matmul (the caches read the variables once); a variable the user set wins."""
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))
 
 
 def kv_cache_dtype(device):
-    """
-    What a KV cache stores: the compute dtype, except fp32 on a CPU. torch's CPU attention is 4-7x slower in bf16 than
-    in fp32 when each row brings one new query (measured, d4 shapes: 552 vs 81 us for 16 rows of 100 keys), which is
-    every decode step; keys and values computed in bf16 are stored exactly in fp32, and attention then reads them in
-    fp32 (gpt.CausalSelfAttention casts the queries to the cache's dtype).
-    """
+    """What a KV cache stores: the compute dtype, except fp32 on a CPU, whose attention is several times slower in bf16
+    for one new query per row (every decode step); bf16 keys and values are stored exactly in fp32, and
+    gpt.CausalSelfAttention casts the queries to the cache's dtype."""
     device = torch.device(device)
     return torch.float32 if device.type == "cpu" else get_compute_dtype(device)
 
 
 def compile_choice(flag, device):
-    """
-    Whether to torch.compile the training model: flag "1" / "0", or "auto" (on for CUDA). A device that compile cannot
-    serve falls back to eager with a note rather than failing at the first step: a GPU older than compute capability
-    7.0 (Triton's minimum), or a CPU without the C++ compiler inductor builds its kernels with ($CXX, else g++).
-    """
+    """Whether to torch.compile the training model: flag "1" / "0", or "auto" (on for CUDA). A GPU older than compute
+    capability 7.0 (Triton's minimum) or a CPU without a C++ compiler ($CXX, else g++) runs eager, with a note."""
     device = torch.device(device)
     if flag == "0" or (flag == "auto" and device.type != "cuda"):
         return False
@@ -340,11 +304,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 def compile_backend():
-    """
-    torch.compile's backend: inductor (generated kernels: what a GPU trains with), or with NANOCHAT_COMPILE_BACKEND=
-    aot_eager the same dynamo capture and AOT autograd graphs run on eager kernels, without the C++/Triton code
-    generation that costs minutes on a machine whose compile cache is empty (the test suite uses it).
-    """
+    """torch.compile's backend: inductor, or (NANOCHAT_COMPILE_BACKEND=aot_eager, as the test suite uses) the same
+    graphs on eager kernels, without the code generation that costs minutes with an empty compile cache."""
     backend = os.environ.get("NANOCHAT_COMPILE_BACKEND", "inductor")
     if backend not in COMPILE_BACKENDS:
         raise UserError(f"NANOCHAT_COMPILE_BACKEND must be one of {', '.join(COMPILE_BACKENDS)} (got {backend!r})")
@@ -358,11 +319,8 @@ def compile_model(model):
 
 def inference_threads(device, threads, num_workers=1):
     """torch's intra-op threads for a generating process (chat_web's workers, chat_cli): the flag, else
-    $OMP_NUM_THREADS, else on a CPU one fewer than its cores shared among the workers, and with GPUs the cores shared
-    among the workers. A small model's decode step is many small ops that a second thread barely speeds up (measured on
-    a 2-core CPU: 2 threads 25 % slower at 16 rows in the server; batch-1 decode at d4 the same with 1 or 2 threads when
-    the machine is quiet, and 478 against 921 tok/s with 2 against 1 while another process keeps one core busy), while
-    the server's event loop, the terminal or the rest of the machine need a core."""
+    $OMP_NUM_THREADS, else the cores shared among the workers, on a CPU one fewer (a small model's decode step barely
+    gains from a second thread, while the server's event loop or the terminal need a core)."""
     if threads:
         return threads
     if os.environ.get("OMP_NUM_THREADS"):
@@ -376,11 +334,10 @@ def inference_threads(device, threads, num_workers=1):
 def autocast_for(device, **options):
     """The autocast context for this device's compute dtype: bf16 autocast on CUDA SM80+, a no-op in fp32. options:
     torch.autocast's own (cache_enabled)."""
-    from contextlib import nullcontext
-
     device = torch.device(device)
     dtype = get_compute_dtype(device)
-    return torch.autocast(device_type=device.type, dtype=dtype, **options) if dtype != torch.float32 else nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype, **options) if dtype != torch.float32 else \
+        contextlib.nullcontext()
 
 
 def seed_everything(seed):
@@ -398,10 +355,8 @@ def seed_everything(seed):
 
 
 def compute_init(device_type=""):
-    """
-    Set up device, precision knobs and (under torchrun) the process group.
-    Returns (is_ddp, rank, local_rank, world_size, device).
-    """
+    """Set up device, precision knobs and (under torchrun) the process group: (is_ddp, rank, local_rank, world_size,
+    device)."""
     device_type = resolve_device_type(device_type)
     is_ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
@@ -413,10 +368,8 @@ def compute_init(device_type=""):
         # Several ranks on one CPU must share its cores instead of each spawning one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     if is_ddp and not dist.is_initialized():
-        if device_type == "cuda":
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
+        dist.init_process_group(**(dict(backend="nccl", device_id=device) if device_type == "cuda" else
+                                   dict(backend="gloo")))
         dist.barrier()
         start_failure_watch(rank)
     return is_ddp, rank, local_rank, world_size, device
@@ -429,37 +382,31 @@ def use_cuda_device(device):
     torch.backends.cudnn.allow_tf32 = True
 
 
-def return_freed_memory():
-    """Hand the memory glibc malloc holds free back to the kernel (malloc_trim). Linux/glibc only; a no-op elsewhere."""
+def _glibc(function):
+    """A glibc function, or None off Linux/glibc (the two callers below are no-ops there)."""
     import ctypes
 
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return getattr(ctypes.CDLL("libc.so.6"), function)
     except (OSError, AttributeError):
-        return
+        return None
+
+
+def return_freed_memory():
+    """Hand the memory glibc malloc holds free back to the kernel (malloc_trim)."""
+    if malloc_trim := _glibc("malloc_trim"):
+        malloc_trim(0)
 
 
 def keep_freed_memory_in_process():
-    """
-    Make glibc malloc reuse freed memory instead of returning it to the kernel. By default a tensor of more
-    than a few MB is its own mmap, unmapped when freed, and the top of the heap is trimmed, so every training
-    step page-faults (and zero-fills) its activations anew: 15-75 k faults per CPU step at d4-d6, 5-10 % of
-    the step on a 2-core VM. Peak RSS does not grow, since each step needs that memory again. Linux/glibc only;
-    a no-op elsewhere.
-    """
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    """Make glibc malloc reuse freed memory instead of returning it to the kernel, where every training step would
+    page-fault (and zero-fill) its activations anew. Peak RSS does not grow: each step needs that memory again."""
+    if mallopt := _glibc("mallopt"):
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def compute_cleanup():
@@ -470,14 +417,10 @@ def compute_cleanup():
 
 
 class RankFailureWatch:
-    """
-    One failing rank must not leave the others hanging. NCCL notices a dead peer only at its collective timeout (10
-    minutes and more), and torchrun's agent stops the survivors with a SIGTERM that a training loop takes as "save and
-    stop" and waits out; across nodes nobody stops them at all. So a rank that fails writes its message into the run's
-    key-value store (torchrun's, reached at MASTER_ADDR:MASTER_PORT, which outlives the workers), and every rank polls
-    that key from a daemon thread once a second: when it appears, the rank prints the failing rank's message and exits
-    at once, even from the middle of a collective. The first failure to be written wins.
-    """
+    """One failing rank must not leave the others hanging (NCCL notices a dead peer only at its collective timeout, and
+    torchrun's SIGTERM reads as "save and stop"). A failing rank writes its message into torchrun's key-value store
+    (MASTER_ADDR:MASTER_PORT, which outlives the workers); every rank polls that key once a second from a daemon thread
+    and, when it appears, prints the message and exits at once. The first failure written wins."""
 
     POLL_SECONDS = 1.0
 
@@ -512,10 +455,8 @@ class RankFailureWatch:
     def publish(self, message):
         """Tell every rank that this one failed (unless another rank's failure came first), and stop watching."""
         self.stopped.set()
-        try:
+        with contextlib.suppress(Exception):  # the store may be gone: then the launcher stops the others
             self.store.compare_set(self.key, "", f"rank {self.rank} failed: {message}")
-        except Exception:
-            pass  # the store is gone: the launcher will stop the others
 
     def stop(self):
         self.stopped.set()
@@ -571,36 +512,19 @@ def all_reduce_max(values, device):
 # -----------------------------------------------------------------------------
 # Peak FLOPs for MFU
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets.
-_GPU_PEAK_BF16 = [
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H800", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("A10G", 125e12),
-    ("A10", 125e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-    ("V100", 125e12),
-    ("T4", 65e12),
-]
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets; the first key the
+# device's name contains wins, so longer names come before their prefixes.
+_GPU_PEAK_BF16 = [("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
+                  ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("A10G", 125e12),
+                  ("A10", 125e12), ("L40S", 362e12), ("L4", 121e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
+                  ("V100", 125e12), ("T4", 65e12)]
 
 _peak_cache = {}
 
 
 def measure_matmul_flops(device, dtype=torch.float32, n=2048, seconds=0.25, rounds=2):
-    """
-    FLOP/s of back-to-back n x n matmuls on this device, best of `rounds` windows of ~`seconds` each:
-    the practical peak for devices without a data-sheet entry (CPU, MPS, fp32). base_train and
-    scripts.bench both measure MFU against this one probe.
-    """
+    """FLOP/s of back-to-back n x n matmuls on this device, best of `rounds` windows of ~`seconds` each: the practical
+    peak for devices without a data-sheet entry (CPU, MPS, fp32), which base_train and scripts.bench both use."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)  # its own generator: measuring never moves the training's random stream
     a = torch.randn(n, n, generator=g).to(device, dtype)
@@ -623,22 +547,14 @@ def measure_matmul_flops(device, dtype=torch.float32, n=2048, seconds=0.25, roun
     return best
 
 
-def datasheet_peak_flops(device, dtype):
-    """The vendor's dense bf16 peak for a known CUDA GPU running bf16, else None."""
+def describe_peak_flops(device, dtype, seconds=0.25, rounds=2):
+    """(peak FLOP/s, how it was obtained): the data sheet for bf16 on known GPUs, else the matmul probe (not cached)."""
     device = torch.device(device)
     if device.type == "cuda" and dtype == torch.bfloat16:
         name = torch.cuda.get_device_name(device)
-        for key, flops in _GPU_PEAK_BF16:
-            if key in name:
-                return flops
-    return None
-
-
-def describe_peak_flops(device, dtype, seconds=0.25, rounds=2):
-    """(peak FLOP/s, how it was obtained): the data sheet for bf16 on known GPUs, else the matmul probe (not cached)."""
-    peak = datasheet_peak_flops(device, dtype)
-    if peak:
-        return peak, "data sheet bf16"
+        peak = next((flops for key, flops in _GPU_PEAK_BF16 if key in name), None)
+        if peak:
+            return peak, "data sheet bf16"
     return measure_matmul_flops(device, dtype, seconds=seconds, rounds=rounds), \
         f"measured {str(dtype).replace('torch.', '')} matmul"
 

@@ -1,41 +1,13 @@
 """
-Run model-written Python (HumanEval completions, later maybe tools) in sandboxed child processes, and score it against
-tests with a verdict the code cannot forge. docs/sandbox.md says what is guaranteed, what is not, and what it costs.
-
-Two layers confine each child. The operating system's (`_confine`): where the kernel allows, the code runs
-as another user in its own mount, PID and network namespaces, on a read-only filesystem with a private tmpfs, without
-sockets, with a process limit; the whole namespace dies with the run. Where it allows only part of that, or none of
-it (macOS, a container without user namespaces, not root), a line on stderr says so once, at the first run. Below it,
-the Python guards (`_install_guards`): the child replaces the destructive parts of the standard library
-(processes, file changes outside its directory, sockets, ctypes, lifting its limits) with functions that raise
-PermissionError, which stops the honest mistakes of a small model but not code that sets out to get past them.
-
-Each child is this file run as a script (`python -I -u nanochat/execution.py CONFIG`) in a fresh temporary directory,
-in a session of its own, with a minimal environment, stdin from /dev/null, a wall-clock timeout, a memory limit, and
-its outcome reported on a private pipe, so that nothing it prints can pass for it.
-
-The verdict. Whatever the child process can read or write, the code in it can too: its memory, its pipes, the
-interpreter's frames. A check that runs in the same process as the code can be skipped from inside it (sys.settrace
-can jump over an assert; a thread or hook the code leaves behind can run after the last assert and report for it), and
-the status pipe can be written to directly. So no proof of "the tests passed" can come from the code's process, nonce
-or not. execute_tests() therefore runs the two in different sandboxed processes:
-- the candidate process runs the model's code, then serves calls to its functions: it reads a call (the function's
-  name and plain-data arguments) from a pipe and writes the plain-data result or the exception's type and message;
-- the tests process runs the task's own code (the prompt's helpers, then the test code) with the entry point bound to
-  a stub that sends each call down that pipe and decodes the answer as JSON into plain values (lists, tuples, dicts,
-  sets, strings, numbers, bytes, None), so that no object, method or code of the candidate's ever reaches it;
-- only the tests process holds its status pipe, and it reports success only after the test code ran to its end.
-The candidate process cannot reach the tests process (in "namespaces" mode each has PID, mount and network namespaces
-of its own; in "user" mode both are uid nobody, made non-dumpable by the change of user, so neither can ptrace the
-other or write its memory), so all it can do is answer the calls, answer them wrongly, or not answer (a failure).
-In "guards" mode both run as the caller and can reach each other: there the verdict is not safe either. The price:
-two interpreters per problem, and values must be plain data (an object that compares equal to anything, a common
-reward hack, is refused on the way out, or reduced to its plain value if it subclasses one).
-execute_code() runs one program in one process: its `success` is the program's own report, which code that sets out
-to can fake; use it to run code, not to score it.
+Run model-written Python (HumanEval completions, later maybe tools) in sandboxed child processes. execute_code runs a
+program, whose `success` is its own report (code that sets out to can fake it); execute_tests scores code against tests
+with a verdict the code cannot forge: the tests run in a process of their own and reach the candidate's function over
+a pipe, in plain data only. Each child is confined by the operating system (_confine) and, below that, by Python
+guards (_install_guards). docs/sandbox.md says what each isolation mode guarantees, what it does not, and what it costs.
 """
 
 import builtins
+import contextlib
 import ctypes
 import faulthandler
 import io
@@ -97,10 +69,10 @@ def execute_tests(
     code: str, tests: str, entry_point: str, setup: str = "", timeout: float = 5.0,
     maximum_memory_bytes: int | None = 256 * 1024 * 1024,
 ) -> ExecutionResult:
-    """Score `code` against `tests` with a verdict the code cannot forge (the module docstring says how): `setup` (the
-    task's trusted code, e.g. a prompt's helper functions) then `tests` run in a process of their own, where the name
-    `entry_point` calls the function of that name in the candidate's process. Success means the tests ran to their end.
-    stdout and stderr are the candidate's, then the tests'; the timeout covers both processes."""
+    """Score `code` against `tests` with a verdict the code cannot forge: `setup` (the task's trusted code, e.g. a
+    prompt's helpers) then `tests` run in a process of their own, where `entry_point` calls the function of that name in
+    the candidate's process. Success means the tests ran to their end. stdout and stderr are the candidate's, then the
+    tests'; the timeout covers both processes. Neither process can reach the other except in "guards" mode."""
     mode = isolation_mode()
     deadline = time.monotonic() + timeout
     requests_read, requests_write = os.pipe()  # tests -> candidate: the calls
@@ -197,7 +169,9 @@ def _probe_isolation():
 
 
 class _SandboxChild:
-    """One sandboxed child process, started: its temporary directory, process and output readers."""
+    """One sandboxed child process, started: this file run as a script (`python -I nanochat/execution.py CONFIG`) in a
+    fresh temporary directory and a session of its own, with a minimal environment, stdin from /dev/null, and its
+    outcome reported on a private pipe so that nothing it prints can pass for it."""
 
     def __init__(self, role, mode, files, timeout, maximum_memory_bytes, **settings):
         self.mode = mode
@@ -242,14 +216,10 @@ class _SandboxChild:
         if self.mode == "namespaces":
             # The supervisor outside the namespace kills its PID 1, and with it every process in it, then exits.
             self.process.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(OSError):  # the group is already gone
             os.killpg(self.process.pid, signal.SIGKILL)
-        except OSError:  # the group is already gone
-            pass
         self.process.wait()
         stdout, stderr, status = [_finish_reader(*reader) for reader in self.readers]
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -283,13 +253,11 @@ def _start_reader(stream, limit):
 def _read_capped(stream, limit, chunks):
     # Keep reading past the limit and drop the rest, so the child never blocks on a full pipe.
     kept = 0
-    try:
+    with contextlib.suppress(OSError):
         while chunk := os.read(stream.fileno(), 1 << 16):
             if kept < limit:
                 chunks.append(chunk[: limit - kept])
                 kept += len(chunks[-1])
-    except OSError:
-        pass
 
 
 def _finish_reader(stream, thread, chunks):
@@ -312,26 +280,21 @@ def _child_main(config):
                 files[name] = f.read()
             os.remove(name)  # the code starts in an empty directory
     sys.argv = sys.argv[:1]
-    _confine(config["mode"], os.getcwd(), config["maximum_memory_bytes"], config["cpu_seconds"],
-                    FILE_SIZE_LIMIT_BYTES)  # in "namespaces" mode, only the confined child of a fork returns
+    # In "namespaces" mode, only the confined child of a fork returns from _confine.
+    _confine(config["mode"], os.getcwd(), config["maximum_memory_bytes"], config["cpu_seconds"])
     _install_guards(os.path.realpath(os.getcwd()))
-    status_fd, role = config["status_fd"], config["role"]
-    if role == "program":
-        _report(status_fd, _run(files[CODE_FILENAME], "<sandbox>", _fresh_main()))
-    elif role == "candidate":
-        namespace = _fresh_main()
-        error = _run(files[CODE_FILENAME], "<sandbox>", namespace)
-        _report(status_fd, error)
-        if error is None:
-            _serve_calls(namespace, config["requests_fd"], config["replies_fd"])
-    elif role == "tests":
-        namespace = _fresh_main()
+    role, namespace = config["role"], _fresh_main()
+    if role == "tests":
         error = _run(files[SETUP_FILENAME], "<setup>", namespace)
         if error is None:
             namespace[config["entry_point"]] = _CandidateFunction(config["entry_point"], config["requests_fd"],
                                                                   config["replies_fd"])
             error = _run(files[TESTS_FILENAME], "<tests>", namespace)
-        _report(status_fd, error)
+    else:  # "program" or "candidate": the model's code
+        error = _run(files[CODE_FILENAME], "<sandbox>", namespace)
+    _report(config["status_fd"], error)
+    if role == "candidate" and error is None:
+        _serve_calls(namespace, config["requests_fd"], config["replies_fd"])
 
 
 def _fresh_main():
@@ -353,14 +316,12 @@ def _run(code, filename, namespace):
 
 
 def _report(status_fd, exc):
-    error = None if exc is None else _describe(exc)
+    error = None
+    if exc is not None:
+        message = str(exc)
+        error = (f"{type(exc).__name__}: {message}" if message else type(exc).__name__)[:ERROR_LIMIT_CHARS]
     os.write(status_fd, json.dumps({"error": error, "memory_exceeded": isinstance(exc, MemoryError)}).encode())
     os.close(status_fd)
-
-
-def _describe(exc):
-    message = str(exc)
-    return (f"{type(exc).__name__}: {message}" if message else type(exc).__name__)[:ERROR_LIMIT_CHARS]
 
 
 # -----------------------------------------------------------------------------
@@ -376,7 +337,8 @@ class _CandidateFunction:
         self.__name__ = name
 
     def __call__(self, *args, **kwargs):
-        _send(self.requests_fd, {"function": self.name, "args": _to_message(list(args)), "kwargs": _to_message(kwargs)})
+        _send(self.requests_fd, json.dumps({"function": self.name, "args": _to_message(list(args)),
+                                            "kwargs": _to_message(kwargs)}))
         reply = _receive(self.replies_fd)
         if reply is None:
             raise RuntimeError(f"the candidate's process ended before {self.name}() returned")
@@ -385,10 +347,8 @@ class _CandidateFunction:
             exception = RuntimeError(f"{name}: {message}")
             exception_type = getattr(builtins, name, None)
             if isinstance(exception_type, type) and issubclass(exception_type, Exception):
-                try:
+                with contextlib.suppress(TypeError):  # a type whose constructor wants more (UnicodeDecodeError)
                     exception = exception_type(message)
-                except TypeError:  # a type whose constructor wants more (UnicodeDecodeError)
-                    pass
             raise exception
         return _from_message(reply["value"])
 
@@ -403,7 +363,7 @@ def _serve_calls(namespace, requests_fd, replies_fd):
             reply = json.dumps({"value": _to_message(value)})
         except BaseException as exc:
             reply = json.dumps({"raised": [type(exc).__name__, str(exc)[:ERROR_LIMIT_CHARS]]})
-        _send_encoded(replies_fd, reply)
+        _send(replies_fd, reply)
 
 
 def _to_message(value):
@@ -451,11 +411,7 @@ def _from_message(value):
     raise ValueError(f"unknown value tag {tag!r}")
 
 
-def _send(fd, message):
-    _send_encoded(fd, json.dumps(message))
-
-
-def _send_encoded(fd, text):
+def _send(fd, text):
     data = text.encode()
     data = len(data).to_bytes(4, "big") + data
     while data:
@@ -488,33 +444,13 @@ def _read_exactly(fd, size):
 # -----------------------------------------------------------------------------
 # The operating system's layer: the first
 #
-# Python-level guards cannot stop code that sets out to escape them (gc and frames, io.FileIO, a re-imported posix
-# or ctypes all reach the real system calls), so the sandbox child is also confined by the kernel, in the strongest of
-# three modes this machine allows (isolation_mode() probes them once per process, strongest first):
-#
-# "namespaces" (Linux, as root, or as any user where unprivileged user namespaces are on):
-# - another user: uid nobody when the caller is root; otherwise the caller's own uid in a new user namespace with every
-#   capability dropped (there is no other uid to switch to without privileges);
-# - new mount, PID, network, IPC and UTS namespaces: the whole filesystem read-only; the temporary directory a private
-#   tmpfs of TMPFS_BYTES, the one place it can write; /proc showing only its own processes (not the caller's environ or
-#   memory); no network but a loopback that is down. It runs as PID 1 of its namespace, so when it ends or is killed the
-#   kernel kills every process it started, those that left its session included (and, as for any PID 1, a signal it
-#   sends itself without a handler for it is ignored). It starts in a session of its own;
-# - no sockets: a seccomp filter fails socket() (and io_uring, which can open them) with EPERM, since a Unix socket on
-#   disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; no_new_privs, so a setuid program
-#   cannot give the privileges back; at most PROCESS_LIMIT processes of its user (RLIMIT_NPROC).
-# "user" (root where namespaces are refused, e.g. a container without CAP_SYS_ADMIN; macOS as root): uid nobody,
-#   no_new_privs, the socket filter (Linux), RLIMIT_NPROC. It cannot signal or read the caller or write root's files,
-#   but it can write where anyone may (/tmp), and a child that leaves its process session outlives the run.
-# "guards": the OS adds nothing but the limits below; the Python guards are all there is.
-#
-# Every mode limits memory (RLIMIT_AS/RLIMIT_DATA), CPU time (RLIMIT_CPU, a backstop to the parent's wall-clock
-# timeout), the size of each file written (RLIMIT_FSIZE) and core dumps (RLIMIT_CORE).
-#
-# In "namespaces" mode _confine() forks: the code runs in the child (PID 1 of the new PID namespace) and the process
-# that forked stays outside it as its supervisor: it waits, kills the namespace when the parent sends SIGTERM (at the
-# end of a run, on a timeout, or when the parent dies), and exits with the child's status. System calls go through
-# ctypes: Python 3.11 has no os.unshare, and no version has mount, mount_setattr, capset or seccomp.
+# Python guards cannot stop code that sets out to escape them (gc and frames, io.FileIO, a re-imported posix or ctypes
+# all reach the real system calls), so the kernel confines the child too, in the strongest mode this machine allows
+# (docs/sandbox.md has what each mode gives). In "namespaces" mode _confine() forks: the code runs in the child (PID 1
+# of the new PID namespace, so that every process it starts dies with it) and the process that forked stays outside
+# as its supervisor: it waits, kills the namespace when the parent sends SIGTERM (at the end of a run, on a timeout,
+# or when the parent dies), and exits with the child's status. System calls go through ctypes: Python 3.11 has no
+# os.unshare, and no version has mount, mount_setattr, capset or seccomp.
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -546,9 +482,10 @@ def _sandbox_user():
         return 65534, 65534
 
 
-def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds, file_size_bytes):
+def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds):
     """Confine this process, the sandbox child, before it runs any model-written code; `sandbox` is its working
-    directory. In "namespaces" mode only the forked child returns (see the section's opening comment)."""
+    directory. In "namespaces" mode only the forked child returns (see the section's opening comment). Every mode
+    limits memory, CPU time (a backstop to the parent's wall-clock timeout), each file's size and core dumps."""
     if mode == "namespaces":
         _enter_namespaces(sandbox)
     elif mode == "user":
@@ -556,9 +493,10 @@ def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds, file_size_bytes):
         os.chown(sandbox, uid, gid)
         _become(uid, gid)
     if mode in ("namespaces", "user") and sys.platform == "linux":
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # before the filter: seccomp requires it of an unprivileged process
+        # No setuid program can give privileges back; and seccomp requires this of an unprivileged process.
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _forbid_sockets()
-    limits = [("RLIMIT_FSIZE", file_size_bytes), ("RLIMIT_CORE", 0), ("RLIMIT_CPU", cpu_seconds)]
+    limits = [("RLIMIT_FSIZE", FILE_SIZE_LIMIT_BYTES), ("RLIMIT_CORE", 0), ("RLIMIT_CPU", cpu_seconds)]
     if maximum_memory_bytes:
         limits += [("RLIMIT_AS", maximum_memory_bytes), ("RLIMIT_DATA", maximum_memory_bytes)]
     if mode != "guards":  # in "guards" mode the caller's own processes would count against it
@@ -594,7 +532,8 @@ def _enter_namespaces(sandbox):
         _supervise(child)  # never returns
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a supervisor killed outright takes the namespace with it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    # PID 1 from here. A session of its own: the supervisor's process group must be out of reach of kill(0).
+    # PID 1 from here (as for any PID 1, a signal it sends itself without a handler is ignored). A session of its
+    # own: the supervisor's process group must be out of reach of kill(0).
     os.setsid()
     _mount_private_root(sandbox, root)
     os.chdir(sandbox)  # into the tmpfs that now covers it
@@ -703,8 +642,9 @@ class _SockFprog(ctypes.Structure):
 
 
 def _forbid_sockets():
-    """A seccomp filter: socket() and io_uring_setup() fail with EPERM; a system call of another ABI (i386's int 0x80,
-    x32) kills the process, since there the same numbers mean other calls. Only x86_64 and aarch64 are written here."""
+    """A seccomp filter: socket() and io_uring_setup() (which can open sockets) fail with EPERM, since a Unix socket
+    on disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; a system call of another ABI (i386's
+    int 0x80, x32) kills the process, since there the same numbers mean other calls. Written for x86_64 and aarch64."""
     if sys.platform != "linux" or platform.machine() not in SECCOMP_ARCHITECTURES:
         return
     architecture, sys_socket = SECCOMP_ARCHITECTURES[platform.machine()]
