@@ -9,9 +9,6 @@ import bisect
 
 import torch
 
-# -----------------------------------------------------------------------------
-# The stream of conversations
-
 
 class ConversationStream:
     """Example indices of a task in order, forever (or once, single_pass: then None): (epoch, position) names where
@@ -48,10 +45,6 @@ def _pad_rows(rows, pad_id):
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
     return out
-
-
-# -----------------------------------------------------------------------------
-# Mid-training: packed rows
 
 
 class _StepBatches:
@@ -143,10 +136,6 @@ class PackedConversations(_StepBatches):
                 "tokens_kept": self.tokens_kept, "tokens_padded": self.tokens_padded}
 
 
-# -----------------------------------------------------------------------------
-# SFT: one conversation per row, loss where the mask says
-
-
 class ConversationBatches(_StepBatches):
     """One conversation per row, a step's rows grouped by length into micro-batches of (B, L), L <= T the longest of
     the micro-batch; y is -1 where the render mask is 0 (user text, tool output, structure) and on padding."""
@@ -176,10 +165,6 @@ class ConversationBatches(_StepBatches):
 
     def state_dict(self):
         return {"stream": self.stream.state_dict()}
-
-
-# -----------------------------------------------------------------------------
-# RL: problems by step
 
 
 class ProblemSchedule:

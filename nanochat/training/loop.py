@@ -34,9 +34,6 @@ from nanochat.common import (UserError, all_reduce_max, dist_rank_world, format_
 from nanochat.loss_eval import describe_eval
 from nanochat.report import get_report
 
-# -----------------------------------------------------------------------------
-# Where a run starts
-
 
 @dataclass
 class StartPoint:
@@ -62,10 +59,6 @@ def resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer_hash,
                       meta=meta)
 
 
-# -----------------------------------------------------------------------------
-# Stopping cleanly
-
-
 class StopSignal:
     """
     SIGTERM / SIGINT: save at the next step boundary and exit 0. Launchers often deliver one stop twice (a process-group
@@ -89,10 +82,6 @@ class StopSignal:
     def should_stop(self, device):
         """All ranks must agree, or one would wait forever in the next collective."""
         return all_reduce_max([1.0 if self.requested else 0.0], device)[0] > 0
-
-
-# -----------------------------------------------------------------------------
-# Logging helpers
 
 
 class StepTimer:

@@ -88,20 +88,14 @@ def short_run_lr_scale(num_iterations):
     """How much hotter than the base lrs a run of this many optimizer steps trains: 1 from 700 steps up (every long
     recipe), 2 at 100 and below, log-linear in the step count between (1.56 at 200); the best lr depends on the
     horizon (docs/pretraining.md "Short runs train hotter")."""
-    if num_iterations >= LONG_RUN_STEPS:
-        return 1.0
-    if num_iterations <= SHORT_RUN_STEPS:
-        return SHORT_RUN_LR_SCALE
-    progress = math.log(LONG_RUN_STEPS / num_iterations) / math.log(LONG_RUN_STEPS / SHORT_RUN_STEPS)
-    return SHORT_RUN_LR_SCALE ** progress
+    steps = min(max(num_iterations, SHORT_RUN_STEPS), LONG_RUN_STEPS)
+    return SHORT_RUN_LR_SCALE ** (math.log(LONG_RUN_STEPS / steps) / math.log(LONG_RUN_STEPS / SHORT_RUN_STEPS))
 
 
 def dial_lr_scale(total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
     """What the dial multiplies the base lrs by: the batch rule, times the short-run raise when num_iterations is given."""
-    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
-    if num_iterations is not None:
-        scale *= short_run_lr_scale(num_iterations)
-    return scale
+    return batch_lr_scale(total_batch_size, lr_batch_exponent) * (
+        1.0 if num_iterations is None else short_run_lr_scale(num_iterations))
 
 
 def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
