@@ -306,8 +306,7 @@ class TrainingLoop:
 
     def finish(self, section, data):
         """Write the stage's report section (its own data, then the loop's numbers) and a one-line summary."""
-        stopped_early = self.step < self.num_iterations
-        summary = {"Steps completed": self.step, "Stopped early": stopped_early,
+        summary = {"Steps completed": self.step, "Stopped early": self.step < self.num_iterations,
                    "Total training time": format_duration(self.total_train_time),
                    "Peak memory (MiB)": peak_memory_mib(self.device)}
         for name, value in self.last.items():

@@ -367,8 +367,7 @@ class DistAdamW(torch.optim.Optimizer):
                     key = (p.dtype, p.device, getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0))
                     batches.setdefault(key, []).append(p)
                 for (_, _, lr_mul, wd_mul), params in batches.items():
-                    grads = [_grad(p) for p in params]
-                    _adamw_updates(params, grads, [self.state[p] for p in params],
+                    _adamw_updates(params, [_grad(p) for p in params], [self.state[p] for p in params],
                                    [self.device_step(p) for p in params], group, lr_mul, wd_mul)
             return
 
