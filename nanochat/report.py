@@ -445,8 +445,8 @@ class Report:
             (hourly_price_usd, "price per hour given with --hourly-price")
         wall = end_time - start
         cost = f"${wall / 3600 * price:,.2f} at ${price:,.2f}/h" if price is not None else "none"
-        return [f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to `report generate`)",
-                "", f"Estimated cost: {cost} ({assumption})", ""]
+        return [f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to "
+                "`report generate`)", "", f"Estimated cost: {cost} ({assumption})", ""]
 
     def generate(self, hourly_price_usd=None, copy_to=None):
         """Assemble report.md in the report dir, plus a copy in copy_to (default: the current directory)."""
@@ -459,8 +459,8 @@ class Report:
                      "_No environment header: run `python -m nanochat.report reset` at the start of a run._\n")
 
         bloat = bloat_stats()
-        parts += ["## Bloat", "", f"Code and docs in the repo ({', '.join(BLOAT_EXTENSIONS)}; files git tracks or would "
-                  "track):", ""]
+        extensions = ", ".join(BLOAT_EXTENSIONS)
+        parts += ["## Bloat", "", f"Code and docs in the repo ({extensions}; files git tracks or would track):", ""]
         for label, key in (("Files", "files"), ("Lines", "lines"), ("Characters", "chars"),
                            (f"Tokens (approx., characters / {CHARS_PER_TOKEN})", "tokens")):
             parts.append(f"- {label}: {bloat[key]:,}")
