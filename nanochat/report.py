@@ -1,16 +1,9 @@
 """
-The report card of a training run.
-
-Every stage writes its own section into `<base_dir>/report/` as it finishes (a markdown
-file for people, a JSON file with the raw numbers for us), and the training loops
-append metric curves to `report/curves/<stage>.jsonl`. At the end,
-`python -m nanochat.report generate` assembles `report.md`: the machine and git state
-recorded by `reset`, how much code the repo holds, each stage's section in pipeline
-order, a summary table of the eval metrics, wall-clock time, a cost estimate and PNG
-plots of the curves. Only rank 0 writes; other ranks get a DummyReport that does nothing.
-
-    python -m nanochat.report reset      # at the start of a run (the command line: scripts/report.py)
-    python -m nanochat.report generate   # at the end
+The report card of a training run. Each stage writes its section into `<base_dir>/report/` (markdown for people,
+JSON with the raw numbers) and the loops append curves to `report/curves/<stage>.jsonl`; `python -m nanochat.report
+reset` (at the start) records the machine and git state, and `generate` (at the end) assembles `report.md`: that
+header, the code's size, the sections in pipeline order, a summary table, wall clock, cost and PNG plots.
+Only rank 0 writes; other ranks get a DummyReport that does nothing.
 """
 
 import datetime
@@ -32,28 +25,13 @@ from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, c
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Sections in the order the pipeline produces them; anything else goes after, oldest first.
-PIPELINE_SECTIONS = [
-    "Tokenizer training",
-    "Tokenizer evaluation",
-    "Base model training",
-    "Base model loss",
-    "Base model evaluation",
-    "Chat evaluation base",
-    "Midtraining",
-    "Chat evaluation mid",
-    "Chat SFT",
-    "Chat evaluation sft",
-    "Chat RL",
-    "Chat evaluation rl",
-]
+PIPELINE_SECTIONS = ["Tokenizer training", "Tokenizer evaluation", "Base model training", "Base model loss",
+                     "Base model evaluation", "Chat evaluation base", "Midtraining", "Chat evaluation mid", "Chat SFT",
+                     "Chat evaluation sft", "Chat RL", "Chat evaluation rl"]
 
 # Summary table: which sections feed each column, and which metrics make the rows.
-SUMMARY_COLUMNS = [
-    ("BASE", ["Base model evaluation", "Chat evaluation base"]),
-    ("MID", ["Chat evaluation mid"]),
-    ("SFT", ["Chat evaluation sft"]),
-    ("RL", ["Chat evaluation rl"]),
-]
+SUMMARY_COLUMNS = [("BASE", ["Base model evaluation", "Chat evaluation base"]), ("MID", ["Chat evaluation mid"]),
+                   ("SFT", ["Chat evaluation sft"]), ("RL", ["Chat evaluation rl"])]
 SUMMARY_METRICS = ["CORE", "ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval", "SpellingBee", "SimpleSpelling",
                    "WorldFacts", "WorldQA", "Arithmetic", "Arithmetic calculator use", "Identity", "ChatCORE"]
 
@@ -78,21 +56,13 @@ def slugify(name):
 
 def format_value(value):
     """Numbers as a person wants to read them in a report; everything else as str()."""
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        if value == 0.0:
-            return "0"
-        if abs(value) >= 1e4:
-            return f"{value:,.0f}"
-        if abs(value) < 1e-3:
-            return f"{value:.3e}"
-        return f"{value:.4f}"
-    return str(value)
+    if not isinstance(value, float) or not math.isfinite(value):
+        return str(value)
+    if value == 0.0:
+        return "0"
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.3e}" if abs(value) < 1e-3 else f"{value:.4f}"
 
 
 def _json_default(obj):
@@ -182,10 +152,8 @@ def describe_gpus(gpus):
 
 def render_header(info, start_time):
     git = info["git"]
-    if git["in_repo"]:
-        git_line = f"{git['commit']} on {git['branch']}" + (" (dirty: uncommitted changes)" if git["dirty"] else " (clean)")
-    else:
-        git_line = "not a git repository"
+    git_line = "not a git repository" if not git["in_repo"] else \
+        f"{git['commit']} on {git['branch']}" + (" (dirty: uncommitted changes)" if git["dirty"] else " (clean)")
     lines = [
         "## Environment",
         "",
@@ -289,10 +257,16 @@ def plot_curve(stage, records, path):
     return True
 
 
+def _measured(table):
+    """The summary's metrics and columns that hold a value: only what this run measured (the offline preset has no
+    hub-task rows, a run without RL no RL column)."""
+    metrics = [m for m in SUMMARY_METRICS if any(_is_number(v) for v in table[m].values())]
+    return metrics, [col for col, _ in SUMMARY_COLUMNS if any(_is_number(table[m][col]) for m in metrics)]
+
+
 def plot_summary(table, path):
     """Grouped bars: each metric that has a value, one bar per stage."""
-    metrics = [m for m in SUMMARY_METRICS if any(_is_number(v) for v in table[m].values())]
-    columns = [col for col, _ in SUMMARY_COLUMNS if any(_is_number(table[m][col]) for m in metrics)]
+    metrics, columns = _measured(table)
     if not metrics:
         return False
     fig = _new_figure(max(6, 1.4 * len(metrics)), 3.6)
@@ -317,12 +291,13 @@ def plot_summary(table, path):
 
 def _metric_key(name):
     """'CORE metric', 'core', 'ChatCORE metric', 'arc_easy' -> canonical row names of the summary table."""
-    key = re.sub(r"[^a-z0-9]", "", name.lower())
-    key = re.sub(r"metric$", "", key)
-    for metric in SUMMARY_METRICS:
-        if key == re.sub(r"[^a-z0-9]", "", metric.lower()):
-            return metric
-    return None
+    key = re.sub(r"metric$", "", re.sub(r"[^a-z0-9]", "", name.lower()))
+    return next((m for m in SUMMARY_METRICS if key == re.sub(r"[^a-z0-9]", "", m.lower())), None)
+
+
+def _read_text(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def read_jsonl(path):
@@ -347,6 +322,9 @@ class Report:
         ensure_writable(report_dir, "the report")
         os.makedirs(report_dir, exist_ok=True)
 
+    def path(self, *names):
+        return os.path.join(self.report_dir, *names)
+
     # --- sections ---
 
     def log(self, section, data):
@@ -368,16 +346,16 @@ class Report:
         record = {"section": section, "time": now, "timestamp": _now_iso(now), "data": list(data)}
         os.makedirs(self.report_dir, exist_ok=True)
         # JSON first: a section whose markdown exists always has its numbers beside it.
-        atomic_write_text(os.path.join(self.report_dir, f"{slug}.json"), to_json(record) + "\n")
-        atomic_write_text(os.path.join(self.report_dir, f"{slug}.md"), markdown)
-        return os.path.join(self.report_dir, f"{slug}.md")
+        atomic_write_text(self.path(f"{slug}.json"), to_json(record) + "\n")
+        atomic_write_text(self.path(f"{slug}.md"), markdown)
+        return self.path(f"{slug}.md")
 
     # --- curves ---
 
     def curve_path(self, stage):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", stage):
             raise UserError(f"curve stage name {stage!r} must be letters, digits, '_', '-' or '.' (e.g. 'base_train')")
-        return os.path.join(self.report_dir, CURVES_DIR, f"{stage}.jsonl")
+        return self.path(CURVES_DIR, f"{stage}.jsonl")
 
     def log_curve(self, stage, record):
         """Append one record (e.g. {"step": 10, "train_loss": 3.2}) to curves/<stage>.jsonl."""
@@ -421,8 +399,8 @@ class Report:
         start_time = time.time()
         info = system_info()
         header = {"start_time": start_time, "timestamp": _now_iso(start_time), "system": info}
-        atomic_write_text(os.path.join(self.report_dir, f"{HEADER_NAME}.json"), to_json(header) + "\n")
-        atomic_write_text(os.path.join(self.report_dir, f"{HEADER_NAME}.md"), render_header(info, start_time))
+        atomic_write_text(self.path(f"{HEADER_NAME}.json"), to_json(header) + "\n")
+        atomic_write_text(self.path(f"{HEADER_NAME}.md"), render_header(info, start_time))
         return header
 
     def sections(self):
@@ -433,9 +411,9 @@ class Report:
             slug, ext = os.path.splitext(filename)
             if ext != ".md" or slug == HEADER_NAME or filename == REPORT_NAME:
                 continue
-            record = read_json_object(os.path.join(self.report_dir, f"{slug}.json"))
+            record = read_json_object(self.path(f"{slug}.json"))
             if record is None:
-                record = {"section": slug, "time": os.path.getmtime(os.path.join(self.report_dir, filename)), "data": []}
+                record = {"section": slug, "time": os.path.getmtime(self.path(filename)), "data": []}
             found.append((slug, record.get("section", slug), record))
         found.sort(key=lambda s: (known.get(s[0], len(known)), s[2].get("time", 0.0), s[0]))
         return found
@@ -446,80 +424,51 @@ class Report:
         table = {m: {col: None for col, _ in SUMMARY_COLUMNS} for m in SUMMARY_METRICS}
         for col, names in SUMMARY_COLUMNS:
             for name in names:
-                record = by_slug.get(slugify(name))
-                if record is None:
-                    continue
-                for item in record.get("data", []):
-                    if not isinstance(item, dict):
-                        continue
-                    for key, value in item.items():
-                        metric = _metric_key(str(key))
-                        if metric and _is_number(value):
-                            table[metric][col] = value
+                for item in by_slug.get(slugify(name), {}).get("data", []):
+                    if isinstance(item, dict):
+                        for key, value in item.items():
+                            metric = _metric_key(str(key))
+                            if metric and _is_number(value):
+                                table[metric][col] = value
         return table
 
     def _time_and_cost(self, header, sections, end_time, hourly_price_usd):
         """The report's wall clock (from `report reset`, else the first section) and its estimated cost."""
-        lines = []
-        # Wall clock from reset; without a header, from the first section we have.
         if header is not None:
             start, since = header["start_time"], "`report reset`"
         elif sections:
             start, since = min(r.get("time", end_time) for _, _, r in sections), "the first logged section (no header)"
         else:
-            start, since = None, None
+            return ["Total wall clock time: unknown (nothing logged and no header)", ""]
         gpus = header["system"]["gpus"] if header is not None else gpu_info()
         price, assumption = hourly_price(gpus) if hourly_price_usd is None else \
             (hourly_price_usd, "price per hour given with --hourly-price")
-        if start is not None:
-            wall = end_time - start
-            lines.append(f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to `report generate`)")
-            lines.append("")
-            if price is not None:
-                lines.append(f"Estimated cost: ${wall / 3600 * price:,.2f} at ${price:,.2f}/h ({assumption})")
-            else:
-                lines.append(f"Estimated cost: none ({assumption})")
-        else:
-            lines.append("Total wall clock time: unknown (nothing logged and no header)")
-        lines.append("")
-        return lines
+        wall = end_time - start
+        cost = f"${wall / 3600 * price:,.2f} at ${price:,.2f}/h" if price is not None else "none"
+        return [f"Total wall clock time: {format_duration(wall)} (from {since} at {_now_iso(start)} to "
+                "`report generate`)", "", f"Estimated cost: {cost} ({assumption})", ""]
 
     def generate(self, hourly_price_usd=None, copy_to=None):
         """Assemble report.md in the report dir, plus a copy in copy_to (default: the current directory)."""
         end_time = time.time()
-        header = read_json_object(os.path.join(self.report_dir, f"{HEADER_NAME}.json"))
+        header = read_json_object(self.path(f"{HEADER_NAME}.json"))
         sections = self.sections()
-
         parts = ["# nanochat training report", "", f"Generated: {_now_iso(end_time)}", ""]
-
-        header_md = os.path.join(self.report_dir, f"{HEADER_NAME}.md")
-        if os.path.exists(header_md):
-            with open(header_md, encoding="utf-8") as f:
-                parts.append(f.read())
-        else:
-            parts.append("_No environment header: run `python -m nanochat.report reset` at the start of a run._\n")
+        header_md = self.path(f"{HEADER_NAME}.md")
+        parts.append(_read_text(header_md) if os.path.exists(header_md) else
+                     "_No environment header: run `python -m nanochat.report reset` at the start of a run._\n")
 
         bloat = bloat_stats()
-        parts += [
-            "## Bloat",
-            "",
-            f"Code and docs in the repo ({', '.join(BLOAT_EXTENSIONS)}; files git tracks or would track):",
-            "",
-            f"- Files: {bloat['files']:,}",
-            f"- Lines: {bloat['lines']:,}",
-            f"- Characters: {bloat['chars']:,}",
-            f"- Tokens (approx., characters / {CHARS_PER_TOKEN}): {bloat['tokens']:,}",
-            "",
-        ]
-
-        for slug, _, _ in sections:
-            with open(os.path.join(self.report_dir, f"{slug}.md"), encoding="utf-8") as f:
-                parts.append(f.read())
+        extensions = ", ".join(BLOAT_EXTENSIONS)
+        parts += ["## Bloat", "", f"Code and docs in the repo ({extensions}; files git tracks or would track):", ""]
+        for label, key in (("Files", "files"), ("Lines", "lines"), ("Characters", "chars"),
+                           (f"Tokens (approx., characters / {CHARS_PER_TOKEN})", "tokens")):
+            parts.append(f"- {label}: {bloat[key]:,}")
+        parts.append("")
+        parts += [_read_text(self.path(f"{slug}.md")) for slug, _, _ in sections]
 
         table = self.summary_table(sections)
-        # only what this run measured: the offline preset has no hub-task rows, a run without RL no RL column
-        metrics = [m for m in SUMMARY_METRICS if any(_is_number(v) for v in table[m].values())]
-        columns = [col for col, _ in SUMMARY_COLUMNS if any(_is_number(table[m][col]) for m in metrics)]
+        metrics, columns = _measured(table)
         parts += ["## Summary", ""]
         if metrics:
             parts += ["| Metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
@@ -529,33 +478,25 @@ class Report:
         else:
             parts.append("No evaluation has run yet.")
         parts.append("")
-
         parts += self._time_and_cost(header, sections, end_time, hourly_price_usd)
 
-        plots = []
-        curves_dir = os.path.join(self.report_dir, CURVES_DIR)
-        stages = sorted(f[:-len(".jsonl")] for f in os.listdir(curves_dir) if f.endswith(".jsonl")) if os.path.isdir(curves_dir) else []
-        if plot_summary(table, os.path.join(self.report_dir, "summary.png")):
-            plots.append(("eval metrics", "summary.png"))
-        for stage in stages:
-            name = f"curve-{stage}.png"
-            if plot_curve(stage, self.read_curve(stage), os.path.join(self.report_dir, name)):
-                plots.append((stage, name))
-
-        copy_dir = os.path.abspath(copy_to if copy_to is not None else os.getcwd())
-        same_dir = os.path.realpath(copy_dir) == os.path.realpath(self.report_dir)
+        plots = [("eval metrics", "summary.png")] if plot_summary(table, self.path("summary.png")) else []
+        curves_dir = self.path(CURVES_DIR)
+        names = os.listdir(curves_dir) if os.path.isdir(curves_dir) else []
+        for stage in sorted(f.removesuffix(".jsonl") for f in names if f.endswith(".jsonl")):
+            if plot_curve(stage, self.read_curve(stage), self.path(f"curve-{stage}.png")):
+                plots.append((stage, f"curve-{stage}.png"))
 
         def render(link_prefix):
-            plot_lines = ["## Plots", ""]
-            if not plots:
-                plot_lines.append("_No curves were logged._")
+            plot_lines = ["## Plots", ""] + ([] if plots else ["_No curves were logged._"])
             for title, filename in plots:
                 plot_lines += [f"### {title}", "", f"![{title}]({link_prefix}{filename})", ""]
             return "\n".join(parts + plot_lines).rstrip("\n") + "\n"
 
-        report_path = os.path.join(self.report_dir, REPORT_NAME)
+        report_path = self.path(REPORT_NAME)
         atomic_write_text(report_path, render(""))
-        if not same_dir:
+        copy_dir = os.path.abspath(copy_to if copy_to is not None else os.getcwd())
+        if os.path.realpath(copy_dir) != os.path.realpath(self.report_dir):
             # The copy points at the plots in the report dir, relative to where it lives.
             prefix = os.path.relpath(self.report_dir, copy_dir).replace(os.sep, "/") + "/"
             atomic_write_text(os.path.join(copy_dir, REPORT_NAME), render(prefix))
@@ -575,7 +516,6 @@ def get_report():
     if rank != 0:
         return DummyReport()
     return Report(os.path.join(get_base_dir(), "report"))
-
 
 
 if __name__ == "__main__":  # python -m nanochat.report: the command line is scripts/report.py

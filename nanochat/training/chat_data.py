@@ -1,26 +1,13 @@
 """
-Batches of conversations for the chat stages, deterministic and exactly resumable.
-
-Every rank walks the same global stream of conversations (a task or TaskMixture, cycled epoch after
-epoch) and takes its own share of each optimizer step: micro-batch m of a step goes to rank m % world,
-so a step holds the same rows whether it runs as 2 ranks x 1 micro-batch or 1 rank x 2 micro-batches,
-and 1-rank and 2-rank runs of the same global batch agree. The state (position, epoch, and for packing
-the waiting conversations) is the same on every rank and small, and goes into each checkpoint.
-
-- `PackedConversations` (mid-training): rendered conversations packed best-fit into rows of T+1 tokens
-  that start with BOS. A conversation is never split across rows: one longer than a row is cut at its
-  end, and space no conversation fits is padding, which is never trained on. Loss on every other token.
-- `ConversationBatches` (SFT): one conversation per row, a step's rows grouped by length into its micro-batches,
-  each padded to its longest; the targets are -1 wherever the render mask is 0 (user text, tool output,
-  structure) and on padding.
+Batches of conversations for the chat stages, deterministic and exactly resumable. Every rank walks the same global
+stream of conversations (a task cycled epoch after epoch) and micro-batch m of a step goes to rank m % world, so a step
+holds the same rows on 2 ranks x 1 micro-batch as on 1 rank x 2. The state is the same on every rank, small, and goes
+into each checkpoint. PackedConversations for mid-training, ConversationBatches for SFT, ProblemSchedule for RL.
 """
 
 import bisect
 
 import torch
-
-# -----------------------------------------------------------------------------
-# The stream of conversations
 
 
 class ConversationStream:
@@ -60,24 +47,32 @@ def _pad_rows(rows, pad_id):
     return out
 
 
-# -----------------------------------------------------------------------------
-# Mid-training: packed rows
+class _StepBatches:
+    """Each next() returns this rank's micro-batches of one optimizer step, a list of grad_accum (x, y) pairs.
+    single_pass (evaluation): every conversation once, then rows with nothing to learn, then StopIteration."""
+
+    def __init__(self, task, tokenizer, B, T, grad_accum, rank, world_size, device, state, single_pass):
+        self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
+        self.device = torch.device(device)
+        self.bos = tokenizer.get_bos_token_id()
+        self.stream = ConversationStream(task, tokenizer, T + 1, state.get("stream"), single_pass)
+
+    def __iter__(self):
+        return self
 
 
-class PackedConversations:
+class PackedConversations(_StepBatches):
     """
-    Each next() returns this rank's micro-batches of one optimizer step: a list of grad_accum (x, y) pairs of
-    shape (B, T). Targets are the next tokens, -1 on padding.
+    Rendered conversations packed best-fit into rows of T+1 tokens that start with BOS, (B, T) per micro-batch. One is
+    never split across rows (one longer than a row is cut at its end); space none fits is padding, whose targets are
+    -1; every other token is learned.
     """
 
     def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
                  buffer_size=64, single_pass=False):
-        self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
-        self.device, self.buffer_size = torch.device(device), buffer_size
-        self.bos = tokenizer.get_bos_token_id()
         state = resume_state or {}
-        # single_pass (evaluation): every conversation once, then padding rows, then StopIteration
-        self.stream = ConversationStream(task, tokenizer, T + 1, state.get("stream"), single_pass)
+        super().__init__(task, tokenizer, B, T, grad_accum, rank, world_size, device, state, single_pass)
+        self.buffer_size = buffer_size
         # the buffer holds (length, arrival, example index, ids); arrival numbers keep the order stable
         self.buffer, self.arrival = [], 0
         for index in state.get("buffer", []):
@@ -115,9 +110,6 @@ class PackedConversations:
         self.tokens_padded += padded
         return row + [self.bos] * padded, padded
 
-    def __iter__(self):
-        return self
-
     def __next__(self):
         micro_batches, empty = [], True
         for m in range(self.grad_accum * self.world_size):
@@ -144,26 +136,13 @@ class PackedConversations:
                 "tokens_kept": self.tokens_kept, "tokens_padded": self.tokens_padded}
 
 
-# -----------------------------------------------------------------------------
-# SFT: one conversation per row, loss where the mask says
-
-
-class ConversationBatches:
-    """
-    Each next() returns this rank's micro-batches of one optimizer step: a list of grad_accum (x, y) pairs of
-    shape (B, L) with L <= T the longest conversation of that micro-batch. y is -1 where nothing is learned.
-    """
+class ConversationBatches(_StepBatches):
+    """One conversation per row, a step's rows grouped by length into micro-batches of (B, L), L <= T the longest of
+    the micro-batch; y is -1 where the render mask is 0 (user text, tool output, structure) and on padding."""
 
     def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
                  single_pass=False):
-        self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
-        self.device = torch.device(device)
-        self.bos = tokenizer.get_bos_token_id()
-        # single_pass (evaluation): every conversation once, then rows with nothing to learn, then StopIteration
-        self.stream = ConversationStream(task, tokenizer, T + 1, (resume_state or {}).get("stream"), single_pass)
-
-    def __iter__(self):
-        return self
+        super().__init__(task, tokenizer, B, T, grad_accum, rank, world_size, device, resume_state or {}, single_pass)
 
     def __next__(self):
         micro_steps = self.grad_accum * self.world_size
@@ -186,10 +165,6 @@ class ConversationBatches:
 
     def state_dict(self):
         return {"stream": self.stream.state_dict()}
-
-
-# -----------------------------------------------------------------------------
-# RL: problems by step
 
 
 class ProblemSchedule:

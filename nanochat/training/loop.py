@@ -1,9 +1,8 @@
 """
-The plumbing around a training stage's gradient step, written once for every stage: resume from a
-checkpoint, periodic / final / on-signal saves, eval cadence with timing, the progress line with
-tok/s, MFU and ETA, peak memory, wandb and the report; and base_train's batches, whose device batch is
-halved when a step does not fit (FittingBatches, at the end). The step itself stays in the stage script,
-where a reader sees the micro-batches, the forward and backward passes and the optimizer update:
+The plumbing around a training stage's step, written once for every stage: resume, periodic / final / on-signal
+saves, eval cadence, the progress line (tok/s, MFU, ETA), peak memory, wandb and the report's curve (written with each
+checkpoint, so it never runs ahead of where a resume starts); and base_train's FittingBatches. The step itself stays
+in the stage script:
 
     start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else StartPoint()
     loader = DataLoader(..., resume_state=start.loader_state)
@@ -17,9 +16,6 @@ where a reader sees the micro-batches, the forward and backward passes and the o
         loss = train_step(model, optimizers, [next(loader) for _ in range(grad_accum)], loss_fn, lrm, momentum, ...)
         loop.end_step(loss, t0, lrm=lrm)  # progress line and logs; after a stop signal steps() saves and ends
     loop.finish("Base model training", [...])
-
-The report's curve is kept here and written with each checkpoint (and at the end): a step writes no file, and the
-curve never runs ahead of the checkpoint a resume would start from.
 """
 
 import json
@@ -37,9 +33,6 @@ from nanochat.common import (UserError, all_reduce_max, dist_rank_world, format_
                              is_out_of_memory, peak_memory_mib, print0, set_memory_advice)
 from nanochat.loss_eval import describe_eval
 from nanochat.report import get_report
-
-# -----------------------------------------------------------------------------
-# Where a run starts
 
 
 @dataclass
@@ -66,16 +59,11 @@ def resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer_hash,
                       meta=meta)
 
 
-# -----------------------------------------------------------------------------
-# Stopping cleanly
-
-
 class StopSignal:
     """
-    SIGTERM / SIGINT ask the run to stop: the loop saves at the next step boundary and exits 0.
-    Launchers often deliver one stop twice (a process-group SIGTERM plus the copy `uv run` or
-    torchrun forwards), so repeats are ignored; only a second Ctrl-C while the save is already
-    being written aborts at once (KeyboardInterrupt), for a user who really wants out.
+    SIGTERM / SIGINT: save at the next step boundary and exit 0. Launchers often deliver one stop twice (a process-group
+    SIGTERM plus the copy `uv run` or torchrun forwards), so repeats are ignored; only a second Ctrl-C while the save
+    is being written aborts at once (KeyboardInterrupt).
     """
 
     def __init__(self):
@@ -96,19 +84,6 @@ class StopSignal:
         return all_reduce_max([1.0 if self.requested else 0.0], device)[0] > 0
 
 
-# -----------------------------------------------------------------------------
-# Logging helpers
-
-
-def init_wandb(run, config, project="nanochat"):
-    """The wandb run when --run names one (WANDB_MODE=offline works without network), on rank 0; else None."""
-    if run == "dummy" or dist_rank_world()[0] != 0:
-        return None
-    import wandb
-
-    return wandb.init(project=project, name=run, config=config)
-
-
 class StepTimer:
     """Wall time per step, excluding the first few (compile / warmup) from the ETA."""
 
@@ -125,14 +100,11 @@ class StepTimer:
         measured = self.count - self.skip
         return self.total / measured if measured > 0 else float("nan")
 
-    def eta(self, steps_left):
-        return self.mean() * steps_left
-
 
 def smaller_batch_advice(device_batch_size, total_batch_size):
     """What to try when a micro-batch does not fit: the largest device batch that divides this one, so the global
     batch still splits exactly into micro-steps."""
-    smaller = next((d for d in range(device_batch_size // 2, 0, -1) if device_batch_size % d == 0), None)
+    smaller = smaller_device_batch(device_batch_size, device_batch_size)
     if smaller is None:
         return "--device-batch-size is 1 already; try a shorter --max-seq-len, a smaller --depth, or more GPUs"
     return (f"try --device-batch-size={smaller}; gradient accumulation keeps the global batch (--total-batch-size="
@@ -171,21 +143,14 @@ class RunSettings:
 
 
 class TrainingLoop:
-    """
-    Bookkeeping for one stage's run of `settings.num_iterations` optimizer steps. `loader` is anything with
-    state_dict() (the DataLoader, or a stage's own sampler), saved with every checkpoint; `start` is where the run
-    begins (start_fresh() or resume_from()).
-    """
+    """Bookkeeping for one stage's run of `settings.num_iterations` optimizer steps. `loader`: anything with
+    state_dict(), saved with every checkpoint; `start`: StartPoint() or resume_from()'s."""
 
     def __init__(self, settings, model, optimizers, loader, start, device, autocast):
-        s = settings
-        self.name, self.ckpt_dir, self.num_iterations = s.name, s.ckpt_dir, s.num_iterations
+        self.settings = s = settings
+        self.num_iterations, self.meta = s.num_iterations, s.meta
         self.model, self.optimizers, self.loader = model, optimizers, loader
         self.device, self.autocast = device, autocast
-        self.user_config, self.model_config, self.tokenizer_hash = s.user_config, s.model_config, s.tokenizer_hash
-        self.tokens_per_step, self.flops_per_token = s.tokens_per_step, s.flops_per_token
-        self.save_every, self.keep_last = s.save_every, s.keep_last
-        self.meta = s.meta
         if start.step > s.num_iterations:  # its lr schedule would run past its end, into negative lrs
             raise UserError(f"this run's {s.num_iterations} steps (--num-iterations) end before step {start.step}, where "
                             f"{s.ckpt_dir} resumes; give --num-iterations of at least {start.step}")
@@ -201,7 +166,11 @@ class TrainingLoop:
         self.timer = StepTimer()
         self.report = get_report()
         self.curve = []  # records for the report's curve since the last checkpoint (write_curve)
-        self.wandb = init_wandb(s.run, s.user_config)
+        self.wandb = None  # on rank 0 when --run names a wandb run (WANDB_MODE=offline works without network)
+        if s.run != "dummy" and dist_rank_world()[0] == 0:
+            import wandb
+
+            self.wandb = wandb.init(project="nanochat", name=s.run, config=s.user_config)
         batch = s.user_config["device_batch_size"]
         set_memory_advice(f"{s.name} (depth {model.config.n_layer}, --device-batch-size={batch})",
                           smaller_batch_advice(batch, s.user_config["total_batch_size"]))
@@ -215,20 +184,20 @@ class TrainingLoop:
         preset filled (presets.fill_from_preset)."""
         lrs = " ".join(f"{k} {v:.4g}" for k, v in self.meta.get("lrs", {}).items())
         resume = f" | resuming at step {self.start_step}" if self.start_step else ""
-        preset = self.user_config.get("preset")
+        preset = self.settings.user_config.get("preset")
         print0(f"{summary}{' | ' + lrs if lrs else ''}{resume}{' | ' + preset if preset else ''}")
 
     # -- the iteration -------------------------------------------------------------------
 
     def steps(self):
         """
-        Yield start..num_iterations. Before yielding a step that is due a checkpoint (every save_every, and
-        the last) it saves, so a failing eval never loses the model. After a step that a stop signal
-        arrived during, it saves that step and ends.
+        Yield start..num_iterations. Before yielding a step due a checkpoint (every save_every, and the last) it saves,
+        so a failing eval never loses the model. After a step that a stop signal arrived during, it saves and ends.
         """
+        every = self.settings.save_every
         while True:
-            if self.step > self.start_step and (self.step == self.num_iterations or
-                                                (self.save_every > 0 and self.step % self.save_every == 0)):
+            due = self.step == self.num_iterations or (every > 0 and self.step % every == 0)
+            if self.step > self.start_step and due:
                 self.save()
             yielded = self.step
             yield self.step
@@ -241,10 +210,9 @@ class TrainingLoop:
 
     def due(self, every, at_zero=True, at_ends=False):
         """
-        True if a periodic job with this period runs at the current step: every `every` steps and at the last step.
-        Never at the step a run resumed from (it ran before that checkpoint), except the last: its checkpoint is
-        written before the final evaluations, so a run killed during them redoes them on --resume. at_zero=False skips
-        step 0. every <= 0 means never, or with at_ends=True only at the first and the last step.
+        Whether a job of this period runs at the current step: every `every` steps and at the last. Never at the step a
+        run resumed from (it ran before that checkpoint), except the last (saved before its final evaluations, which a
+        resume redoes). at_zero=False skips step 0; every <= 0: never, or with at_ends only at the first and last step.
         """
         if self.step == self.start_step and 0 < self.start_step < self.num_iterations:
             return False
@@ -255,10 +223,8 @@ class TrainingLoop:
         return self.step == self.num_iterations or self.step % every == 0
 
     def evaluate(self, name, fn, fmt="{:.4f}"):
-        """
-        Run fn() in eval mode under autocast, time it, print and log it, remember the last and best. fn returns a
-        number, or (number, tokens, ran_out) from loss_eval, whose reach is printed too.
-        """
+        """Run fn() in eval mode under autocast, time it, print and log it, remember the last and best. fn returns a
+        number, or (number, tokens, ran_out) from loss_eval, whose reach is printed too."""
         t0 = time.time()
         self.model.eval()
         with self.autocast:
@@ -275,13 +241,11 @@ class TrainingLoop:
         return value
 
     def end_step(self, loss, t0, lrm=None, tokens=None, **extra):
-        """
-        After an optimizer step that began at perf_counter() t0: check the loss, time, print, log. tokens: positions
-        the step's forward passes processed on every rank, for stages whose steps differ (default: tokens_per_step).
-        """
+        """After an optimizer step that began at perf_counter() t0: check the loss, time, print, log. tokens: positions
+        the step's forward passes processed on every rank, for stages whose steps differ (default: tokens_per_step)."""
         if not math.isfinite(loss):
             raise UserError(f"loss is {loss} at step {self.step}; stopping without saving. The last good checkpoint is in "
-                            f"{self.ckpt_dir}; lower the learning rates or check the data, then --resume")
+                            f"{self.settings.ckpt_dir}; lower the learning rates or check the data, then --resume")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -298,14 +262,14 @@ class TrainingLoop:
             record[key] = value
             parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
         parts.append(f"{dt * 1000:.0f} ms")
-        tokens = tokens or self.tokens_per_step
+        tokens = tokens or self.settings.tokens_per_step
         if tokens:
             record["tok_per_sec"] = tokens / dt
             parts.append(f"{record['tok_per_sec']:,.0f} tok/s")
         if tokens and self.peak_flops:
-            record["mfu"] = 100 * self.flops_per_token * tokens / dt / self.peak_flops
+            record["mfu"] = 100 * self.settings.flops_per_token * tokens / dt / self.peak_flops
             parts.append(f"MFU {record['mfu']:.1f}%")
-        parts.append(f"ETA {format_duration(self.timer.eta(self.num_iterations - self.step))}")
+        parts.append(f"ETA {format_duration(self.timer.mean() * (self.num_iterations - self.step))}")
         print0(" | ".join(parts))
         if self.wandb:
             self.wandb.log({"step": self.step, **{"train/" + k.removeprefix("train_"): v for k, v in record.items() if k != "step"}})
@@ -313,22 +277,21 @@ class TrainingLoop:
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def loop_state(self):
-        return {"total_train_time": self.total_train_time, "last": self.last, "best": self.best}
-
     def save(self):
+        s = self.settings
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             raise UserError(f"weights are not finite at step {self.step}; not saving over the last good checkpoint in "
-                            f"{self.ckpt_dir}. Lower the learning rates, then --resume")
-        meta = {"model_config": self.model_config, "user_config": self.user_config, "num_iterations": self.num_iterations,
+                            f"{s.ckpt_dir}. Lower the learning rates, then --resume")
+        meta = {"model_config": s.model_config, "user_config": s.user_config, "num_iterations": self.num_iterations,
                 "finished": self.step >= self.num_iterations,
-                "tokenizer_hash": self.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
-                "loop_state": self.loop_state(), **self.meta}
+                "tokenizer_hash": s.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
+                "loop_state": {"total_train_time": self.total_train_time, "last": self.last, "best": self.best},
+                **self.meta}
         self.write_curve()  # first: a checkpoint always has its steps in the curve
         self.stopper.saving = True
         t0 = time.time()
         try:
-            save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizers, meta, keep_last=self.keep_last)
+            save_checkpoint(s.ckpt_dir, self.step, self.model, self.optimizers, meta, keep_last=s.keep_last)
         finally:
             self.stopper.saving = False
         self.save_seconds = time.time() - t0
@@ -336,25 +299,24 @@ class TrainingLoop:
     def write_curve(self):
         """Append the records kept since the last write to the report's curve (rank 0's report; others have none)."""
         for record in self.curve:
-            self.report.log_curve(self.name, record)
+            self.report.log_curve(self.settings.name, record)
         self.curve = []
 
     # -- the end -------------------------------------------------------------------------
 
     def finish(self, section, data):
         """Write the stage's report section (its own data, then the loop's numbers) and a one-line summary."""
-        stopped_early = self.step < self.num_iterations
-        summary = {"Steps completed": self.step, "Stopped early": stopped_early,
+        summary = {"Steps completed": self.step, "Stopped early": self.step < self.num_iterations,
                    "Total training time": format_duration(self.total_train_time),
                    "Peak memory (MiB)": peak_memory_mib(self.device)}
         for name, value in self.last.items():
             summary[f"Final {name}"] = value
             summary[f"Minimum {name}"] = self.best[name]
         self.write_curve()
-        self.report.log(section=section, data=[self.user_config, *data, summary])
+        self.report.log(section=section, data=[self.settings.user_config, *data, summary])
         evals = " | ".join(f"{name} {value:.4f}" for name, value in self.last.items())
         print0(f"done: {self.step}/{self.num_iterations} steps in {format_duration(self.total_train_time)}"
-               + (f" | {evals}" if evals else "") + f" | checkpoint {self.ckpt_dir}")
+               + (f" | {evals}" if evals else "") + f" | checkpoint {self.settings.ckpt_dir}")
         if self.wandb:
             self.wandb.finish()
 
@@ -363,7 +325,8 @@ class TrainingLoop:
 # base_train's batches: a device batch that does not fit, halved with the global batch kept
 
 GUARDED_STEPS = 3  # the first optimizer steps of a process allocate everything it will need (activations, states)
-# NANOCHAT_SIMULATE_OOM_ROWS=N or N@S: more than N rows do not fit, from the S-th step of the process (default 0) on
+# NANOCHAT_SIMULATE_OOM_ROWS=N or N@S: more than N rows do not fit, from the S-th step of the process (default 0) on;
+# a rehearsal of a smaller card (the tests' stand-in for one, on the CPU)
 _simulated = os.environ.get("NANOCHAT_SIMULATE_OOM_ROWS", "")
 SIMULATED_LIMIT = int(_simulated.split("@")[0]) if _simulated else None
 SIMULATED_FROM_STEP = int(_simulated.split("@")[1]) if "@" in _simulated else 0
@@ -398,14 +361,10 @@ def device_memory(device):
 
 class FittingBatches:
     """
-    base_train's training batches, one optimizer step's micro-batches at a time (next_step), from a data stream built
-    by make_loader(device_batch_size, resume_state). A smaller card does not stop the run: when some rank runs out of
-    memory in the first steps of a process, every rank learns it before the optimizers move (every_rank_fitted), and
-    shrink() halves the device batch and rewinds the stream to where the step began, so the step is taken again with
-    twice the micro-steps: the same rows in the same optimizer steps, the run a run started at the smaller device batch
-    would be. Only when one row does not fit does the run stop, with one line naming the depth and the memory.
-    NANOCHAT_SIMULATE_OOM_ROWS=N makes the device "run out of memory" on any micro-batch of more than N rows (0: on
-    every one): a rehearsal of a smaller card (the tests' stand-in for one, on the CPU).
+    base_train's batches, one optimizer step's micro-batches at a time (next_step), from make_loader(device_batch_size,
+    resume_state). When some rank runs out of memory in the first steps, every rank learns it before the optimizers
+    move (every_rank_fitted), and shrink() halves the device batch and rewinds the stream to where the step began: the
+    same rows in the same optimizer steps, with twice the micro-steps. Only a row that does not fit stops the run.
     """
 
     def __init__(self, make_loader, device_batch_size, total_batch_size, seq_len, world_size, depth, device,
@@ -414,7 +373,6 @@ class FittingBatches:
         self.predicted_peak = predicted_peak  # device batch -> the memory model's peak in bytes, or None
         self.rows_per_step = total_batch_size // (seq_len * world_size)
         self.device_batch_size = device_batch_size
-        self.shrunk_from = None  # the device batch the run asked for, once it has had to shrink
         self.loader = make_loader(device_batch_size, resume_state)
         self.steps_taken = 0
         self.step_start = None  # in a guarded step, the stream's state where it began: a retry starts there again
@@ -472,7 +430,6 @@ class FittingBatches:
                f"batch, and so the run, are unchanged")
         self.loader.close()
         self.loader = self.make_loader(smaller, self.step_start)
-        self.shrunk_from = self.shrunk_from or self.device_batch_size
         self.device_batch_size = smaller
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

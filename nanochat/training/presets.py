@@ -1,14 +1,9 @@
 """
-What a stage runs with when a flag is not given: a preset picked by the device.
-
-    gpu   (a CUDA device)   the GPU recipe's sizes: a d20, 2^19-token steps of 2048-token rows, evaluations of
-                            millions of tokens, epochs of the chat data; speedrun.sh's gpu preset changes some of
-                            them (d24 at 10 tokens per parameter, device batch 16, 500 problems per eval task)
-    cpu   (anything else)   the offline CPU pipeline's: a d4 on 256-token rows, 2048-token steps, a few hundred steps
-                            per stage, evaluations of tens of thousands of tokens; minutes per stage on 2 cores
-
-speedrun.sh's cpu preset passes the same numbers explicitly (a test keeps the two in step). A flag given on the
-command line always wins; a stage prints which preset filled the rest.
+What a stage runs with when a flag is not given: a preset picked by the device. gpu (a CUDA device): the GPU recipe's
+sizes (a d20, 2^19-token steps of 2048-token rows, evaluations of millions of tokens, epochs of the chat data);
+cpu (anything else): the offline CPU pipeline's (a d4 on 256-token rows, 2048-token steps, a few hundred steps per
+stage; minutes per stage on 2 cores). speedrun.sh's cpu preset passes the same numbers explicitly (a test keeps them
+in step), its gpu preset changes some. A flag given on the command line always wins; a stage prints what it filled.
 """
 
 from nanochat.common import resolve_device_type

@@ -1,10 +1,7 @@
 """
-The math every training stage shares: the depth dial (model shape, learning rates, weight decay and
-token budget from one number), the optimizers, gradient-accumulation arithmetic, and one optimizer step for the
-stages whose step has nothing else in it (train_step: mid_train, chat_sft, chat_rl and the tools; base_train spells
-its step out in its loop, with the retry of a device batch that does not fit). The schedules and the update of both
-optimizers are nanochat.training.optim's; the plumbing around the step (resume, checkpoints, evals, progress, logs,
-the batches of a step that may not fit) is nanochat.training.loop; a stage script holds only its recipe.
+The math every training stage shares: the depth dial (model shape, learning rates, weight decay and token budget from
+one number), the optimizers' setup, gradient-accumulation arithmetic, and train_step, one optimizer step for the stages
+whose step has nothing else in it (base_train spells its step out, with the retry of a device batch that does not fit).
 """
 
 import math
@@ -75,55 +72,35 @@ def model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio=64, hea
 
 
 def batch_lr_scale(total_batch_size, exponent=0.0):
-    """
-    How the base learning rates (tuned at 2^19 tokens per step) change with the batch size: lr *= (batch/2^19)^exponent.
-    The common square-root rule (exponent 0.5) leaves small-batch runs badly undertrained. Measured on the CPU preset
-    (d4, 200 steps of 2,048 tokens, built-in corpus; docs/pretraining.md "The depth dial at small batch"): val_bpb 1.22 with
-    exponent 0.5, 0.73 with 0.25, 0.54 with 0, so the default keeps the base lrs at every batch size (exponent 0);
-    every rule agrees at 2^19, so the GPU recipe is unchanged.
-    """
+    """How the base lrs (tuned at 2^19 tokens per step) change with the batch: lr *= (batch/2^19)^exponent. The default
+    0 keeps them at every batch size: the square-root rule leaves small-batch runs badly undertrained (measured in
+    docs/pretraining.md "The depth dial at small batch")."""
     return (total_batch_size / REFERENCE_BATCH) ** exponent
 
 
 def default_weight_decay(depth, total_batch_size=REFERENCE_BATCH):
-    """
-    Weight decay on Muon matrices: 0.2 at depth 12 and 2^19 tokens per step, proportional to 1/depth^2, and shrunk
-    with the square root of the batch (decay is applied per step, and small batches take many more steps per token).
-    On the CPU preset the unscaled 1/depth^2 value (1.8 at d4) cost 0.05-0.07 val_bpb against 0 or 0.2.
-    """
+    """Weight decay on Muon matrices: 0.2 at depth 12 and 2^19 tokens per step, proportional to 1/depth^2, and shrunk
+    with the square root of the batch (decay is applied per step, and small batches take many more steps per token)."""
     return BASE_WEIGHT_DECAY * (BASE_DEPTH / depth) ** 2 * (total_batch_size / REFERENCE_BATCH) ** 0.5
 
 
 def short_run_lr_scale(num_iterations):
-    """
-    How much hotter than the base lrs a run of this many optimizer steps trains: 1 from 700 steps up, 2 at 100 steps
-    and below, log-linear in the step count between (1.56 at 200 steps). The best lr depends on the horizon: measured
-    with `bench quality` (docs/pretraining.md "The depth dial at small batch"), 1x the base lrs is 11 % worse than 2x in a 100-step
-    d6 run (built-in corpus) and 2x is 2 % worse than 1x in a 700-step d4 run of Brown; 4x is worse again at 100 steps,
-    and 1.56x beats both 1x and 2x at 200 steps. Every recipe of 700 steps or more, the GPU speedrun's and the CPU
-    preset's base_train included, keeps the base lrs.
-    """
-    if num_iterations >= LONG_RUN_STEPS:
-        return 1.0
-    if num_iterations <= SHORT_RUN_STEPS:
-        return SHORT_RUN_LR_SCALE
-    progress = math.log(LONG_RUN_STEPS / num_iterations) / math.log(LONG_RUN_STEPS / SHORT_RUN_STEPS)
-    return SHORT_RUN_LR_SCALE ** progress
+    """How much hotter than the base lrs a run of this many optimizer steps trains: 1 from 700 steps up (every long
+    recipe), 2 at 100 and below, log-linear in the step count between (1.56 at 200); the best lr depends on the
+    horizon (docs/pretraining.md "Short runs train hotter")."""
+    steps = min(max(num_iterations, SHORT_RUN_STEPS), LONG_RUN_STEPS)
+    return SHORT_RUN_LR_SCALE ** (math.log(LONG_RUN_STEPS / steps) / math.log(LONG_RUN_STEPS / SHORT_RUN_STEPS))
 
 
 def dial_lr_scale(total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
     """What the dial multiplies the base lrs by: the batch rule, times the short-run raise when num_iterations is given."""
-    scale = batch_lr_scale(total_batch_size, lr_batch_exponent)
-    if num_iterations is not None:
-        scale *= short_run_lr_scale(num_iterations)
-    return scale
+    return batch_lr_scale(total_batch_size, lr_batch_exponent) * (
+        1.0 if num_iterations is None else short_run_lr_scale(num_iterations))
 
 
 def dial_lrs(depth, total_batch_size, lr_batch_exponent=0.0, num_iterations=None):
-    """
-    The three learning rates and Muon's weight decay the dial gives a model of this depth at this batch size,
-    raised for a short run when num_iterations is given (the chat stages, which set theirs by --init-lr-frac, do not).
-    """
+    """The three learning rates and Muon's weight decay the dial gives a model of this depth at this batch size, raised
+    for a short run when num_iterations is given (the chat stages, which set theirs by --init-lr-frac, do not)."""
     scale = dial_lr_scale(total_batch_size, lr_batch_exponent, num_iterations)
     return {**{name: lr * scale for name, lr in BASE_LRS.items()},
             "weight_decay": default_weight_decay(depth, total_batch_size)}
@@ -133,9 +110,8 @@ def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio
                  lr_batch_exponent=0.0, embedding_lr=None, unembedding_lr=None, matrix_lr=None, weight_decay=None,
                  num_iterations=None, target_flops=None, target_param_data_ratio=20.0, short_run_lrs=True, components=()):
     """
-    The whole run from (depth, batch): model shape, the three learning rates (base lrs scaled to this batch and,
-    with short_run_lrs, raised for a run under 700 steps), Muon weight decay and the number of steps. Any lr / decay
-    given explicitly wins over the dial; the token budget is the first of num_iterations, target_flops,
+    The whole run from (depth, batch): model shape, the dial's lrs (raised for a short run with short_run_lrs) and
+    Muon weight decay, each unless given, and the steps: the first of num_iterations, target_flops,
     target_param_data_ratio (tokens per parameter) given. `components`: optional model components to switch on.
     """
     config = model_config_for_depth(depth, vocab_size, sequence_len, aspect_ratio, head_dim, n_kv_head, components)
@@ -230,17 +206,15 @@ def optimizer_components_of(optimizers):
 
 def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None):
     """
-    One optimizer step: forward + backward of loss_fn(model, batch) / divisor for each micro-batch, then the
-    scheduled optimizer update. The default divisor, the number of micro-batches, makes the step's objective
-    the mean of their mean losses (base training); a stage that weighs tokens differently passes a loss sum
-    and its own divisor (SFT: supervised tokens of the whole step, per rank). The gradients summed here are
-    this rank's; the sharded optimizers average them across ranks. Returns the objective averaged over ranks.
+    One optimizer step: forward + backward of loss_fn(model, batch) / divisor per micro-batch, then the scheduled
+    update. The default divisor (the number of micro-batches) makes the objective the mean of their mean losses; a
+    stage that weighs tokens differently passes a loss sum and its own divisor (SFT: the step's supervised tokens per
+    rank). The sharded optimizers average the gradients across ranks. Returns the objective averaged over ranks.
     """
     divisor = len(micro_batches) if divisor is None else divisor
     device = next(model.parameters()).device
-    # The losses are summed on the device and read once, after the optimizer's work is queued: reading one after its
-    # backward would make the host wait for the device there, with nothing queued behind it, and the device would then
-    # wait for the host to launch the optimizer's kernels one by one.
+    # summed on the device and read once, after the optimizer's work is queued: a read after each backward would make
+    # the host wait for the device, which would then wait for the host to launch the optimizer's kernels one by one
     total = torch.zeros((), dtype=torch.float32, device=device)
     for batch in micro_batches:
         with autocast:
@@ -263,9 +237,9 @@ def greedy_samples(model, tokenizer, prompts, max_tokens=16):
 
 
 def config_dict(config):
-    """A GPTConfig as the plain dict stored in checkpoint meta. Components that are off are left out, so a checkpoint
-    of the plain model has the same meta as before components existed (and a missing one reads as off); so is the
-    value embeddings' placement when there are none, and an exact-math variant at its default (gpt.VARIANT_DEFAULTS)."""
+    """A GPTConfig as the plain dict of checkpoint meta, leaving out components that are off, the value embeddings'
+    placement when there are none and exact-math variants at their default (gpt.VARIANT_DEFAULTS): a plain model's
+    meta is the same as before they existed, and a missing one reads as off."""
     return {name: value for name, value in asdict(config).items() if not (name in COMPONENTS and value is False)
             and not (name == "value_embed_layers" and not config.value_embeds)
             and not (name in VARIANT_DEFAULTS and value == VARIANT_DEFAULTS[name])}

@@ -1,7 +1,6 @@
 """
-What the chat stages (mid_train, chat_sft, chat_rl) share outside their loop: the flags every stage
-takes, their validation before any compute (base_train uses it too), and the start of a stage: the
-checkpoint it builds on, its optimizers and learning rates, its own output directory, and resuming.
+What the chat stages (mid_train, chat_sft, chat_rl) share outside their loop: their flags and the validation before
+any compute (base_train's too), and a stage's start: its input checkpoint, optimizers, lrs, output dir, resuming.
 """
 
 import math
@@ -23,10 +22,9 @@ from nanochat.training.time_budget import (GUESS_MFU, BudgetClock, clock, durati
 
 def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
     """
-    The flags of a chat stage. stage: its name in presets.PRESETS, whose flags default to the device's preset (the
-    script calls presets.fill_from_preset after parsing); source: the stage it starts from by default; batch_unit: what
-    a batch counts; conversation_data: the stage trains on a mixture of conversations (mid, SFT), with its row length
-    and validation.
+    The flags of a chat stage. stage: its name in presets.PRESETS (None defaults: the device's preset fills them after
+    parsing); source: the stage it starts from by default; batch_unit: what a batch counts; conversation_data: it
+    trains on a mixture of conversations (mid, SFT), with a row length and validation.
     """
     p = parser
 
@@ -69,9 +67,8 @@ def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
 def add_optimization_flags(parser, weight_decay, warmdown_ratio):
     """Per-group lrs (-1: from the depth dial), Muon weight decay and the lr schedule's shape: every training script's."""
     p = parser
-    p.add_argument("--embedding-lr", type=float, default=-1.0, help="-1 = from the depth dial")
-    p.add_argument("--unembedding-lr", type=float, default=-1.0, help="-1 = from the depth dial")
-    p.add_argument("--matrix-lr", type=float, default=-1.0, help="-1 = from the depth dial")
+    for group in ("embedding", "unembedding", "matrix"):
+        p.add_argument(f"--{group}-lr", type=float, default=-1.0, help="-1 = from the depth dial")
     p.add_argument("--weight-decay", type=float, default=weight_decay, help="Muon weight decay (-1 = from the depth dial)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps warming the lr up linearly")
     p.add_argument("--warmdown-ratio", type=float, default=warmdown_ratio, help="fraction of steps decaying it linearly")
@@ -163,10 +160,8 @@ STAGE_FIXED_FLAGS = ["source", "seed", "device_batch_size", "total_batch_size", 
 
 
 def output_dir(stage, args):
-    """
-    (input tag, the stage's checkpoint dir): the dir under --out-tag, else under the input's tag, claimed for this run
-    (one run per tag; proven writable). --resume with neither tag goes on with this stage's latest run.
-    """
+    """(input tag, the stage's checkpoint dir): under --out-tag, else under the input's tag, claimed for this run (one
+    run per tag; proven writable). --resume with neither tag goes on with this stage's latest run."""
     if args.resume:  # a run of this stage goes on: its input is not read again
         out_tag = args.out_tag or args.model_tag or find_latest_tag(stage)
         tag = args.model_tag or out_tag
@@ -185,10 +180,8 @@ def output_dir(stage, args):
 
 def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
                tokens_per_step=None, budget=None):
-    """
-    The TrainingLoop of a chat stage, wired from its flags (checkpoints, wandb) and its model. tokens_per_step: fixed
-    (mid), or None when each step reports its own count to end_step (SFT, RL); budget: its BudgetClock (stage_budget).
-    """
+    """The TrainingLoop of a chat stage, from its flags and model. tokens_per_step: fixed (mid), or None when each step
+    reports its own count to end_step (SFT, RL); budget: its BudgetClock (stage_budget)."""
     settings = RunSettings(name, ckpt_dir, num_iterations, vars(args).copy(), config_dict(model.config),
                            tokenizer.fingerprint(), tokens_per_step, model.estimate_flops(), args.save_every,
                            args.keep_last, args.run,
@@ -198,10 +191,8 @@ def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, 
 
 
 def stage_steps(loop, eval_every, eval_name, evaluate):
-    """
-    A chat stage's steps: loop.steps() with its one evaluation (every eval_every steps, and at the first and the last
-    step), ending after the last step's evaluation instead of yielding a step past the last one.
-    """
+    """A chat stage's steps: loop.steps() with its one evaluation (every eval_every steps, and at the first and last),
+    ending after the last step's evaluation instead of yielding a step past the last one."""
     for step in loop.steps():
         if loop.due(eval_every, at_ends=True):
             loop.evaluate(eval_name, evaluate)
@@ -210,16 +201,12 @@ def stage_steps(loop, eval_every, eval_name, evaluate):
         yield step
 
 
-RESUME_FIX = "drop --resume to start this stage, or check -g / --out-tag"
-INPUT_FIX = "train that stage first, or check -i / -g"
-
-
 def starting_checkpoint(args, tag, ckpt_dir):
     """(dir, step, what to do if it is empty) of the checkpoint a stage's model comes from: its own latest one on
     --resume (the input's weights would be replaced anyway, and it may be gone), else the input's."""
     if args.resume:
-        return ckpt_dir, None, RESUME_FIX
-    return checkpoint_dir(args.source, tag), args.step, INPUT_FIX
+        return ckpt_dir, None, "drop --resume to start this stage, or check -g / --out-tag"
+    return checkpoint_dir(args.source, tag), args.step, "train that stage first, or check -i / -g"
 
 
 def input_config(args, tag, ckpt_dir):
@@ -230,12 +217,8 @@ def input_config(args, tag, ckpt_dir):
 
 
 def start_stage(args, tag, ckpt_dir, device):
-    """
-    The model the stage trains (the input checkpoint, or this stage's own latest one with --resume), its
-    optimizers at the dial's lrs for its depth times --init-lr-frac (with the Muon options the input was trained with),
-    and where the loop starts.
-    Returns (model, tokenizer, optimizers, lrs, start).
-    """
+    """(model, tokenizer, optimizers, lrs, start): the model from the input checkpoint (or this stage's latest with
+    --resume), its optimizers at the dial's lrs times --init-lr-frac with the input's Muon options, where it starts."""
     source_dir, step, fix = starting_checkpoint(args, tag, ckpt_dir)
     model, tokenizer, meta = load_model_from_dir(source_dir, device, phase="train", step=step, fix=fix)
     model_config = config_dict(model.config)
@@ -255,10 +238,9 @@ def start_stage(args, tag, ckpt_dir, device):
 
 def stage_budget(args, start, model, device, world_size, step_tokens, eval_tokens, eval_name):
     """
-    A chat stage's --time-budget (the BudgetClock, whose calibrate_at is None without one): a resume follows the plan
-    its checkpoint saved; a new run plans the steps that fit, from a guess at seconds per step (step_tokens, the
-    tokens a step's forward and backward passes see on all ranks, at GUESS_MFU of the device's peak FLOP/s; eval_tokens
-    likewise, forward only), set again from measured steps a tenth of the way in. Sets args.num_iterations.
+    A chat stage's --time-budget as a BudgetClock (calibrate_at None without one); sets args.num_iterations. A resume
+    follows its checkpoint's plan; a new run plans the steps that fit from a guess at seconds per step (step_tokens on
+    all ranks, forward and backward, at GUESS_MFU of peak; eval_tokens forward only), set again from measured steps.
     """
     saved = (start.meta or {}).get("time_plan")
     if saved:
