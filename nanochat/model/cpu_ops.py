@@ -1,21 +1,9 @@
 """
-Hand-written autograd Functions for training the GPT on a CPU in fp32.
-
-On a CPU, the elementwise parts of a transformer step are bound by memory traffic, not by
-arithmetic: autograd's generic chains (rms_norm as pow, mean, rsqrt, mul; square() through
-PowBackward; rotary slicing that scatters into zero-filled buffers; the full (B*T, V) logits)
-pass over memory 2-4x more often than needed, and those passes cost as much as a good part of
-the matmuls. Each Function below does the same math in fewer passes, with its backward written
-out by hand (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -> 2.0 ms,
-relu^2 16.5 -> 7.2 ms as its own Function, less again fused into the MLP).
-
-gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` / `cpu_fp32_training`), except the
-chunked loss and the block-causal attention, which also run under CPU autocast with bf16 matmuls (`cpu_training_loss`,
-`cpu_training_attention`); everywhere else (CUDA, bf16 autocast on a CPU for the rest) the plain torch expressions run
-and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too, so the plain path a GPU takes can be run
-and tested anywhere. The results equal the plain math up to float rounding, and tests/test_gpt.py checks every
-Function's loss and gradients against it. Model constants (norm eps, softcap) come in as arguments, so this module knows
-nothing of the model.
+Hand-written autograd Functions for training the GPT on a CPU: gpt.py's math in fewer passes over memory, which bounds
+a CPU step's elementwise work (measurements: dev/log68/model.md). gpt.py calls them for CPU fp32 tensors outside
+autocast (`is_cpu_fp32`), the chunked loss and the block-causal attention also under CPU autocast; NANOCHAT_CPU_OPS=0
+turns them off, so the GPU's plain path runs anywhere. tests/test_gpt.py checks each against the plain math. Model
+constants (norm eps, softcap) come in as arguments: this module knows nothing of the model.
 """
 
 import os
@@ -45,9 +33,8 @@ def cpu_fp32_training(*tensors):
 
 
 def cpu_training_attention(q, k, v):
-    """Where block_causal_attention applies: CPU training of q, k, v in fp32, or under CPU autocast (its matmuls then
-    run in the autocast dtype, the softmax and the score gradients in fp32, as flash attention keeps them; torch's CPU
-    flash attention in bf16 took 10 ms fwd+bwd for one d4 layer, this 4). Not when compiling: that is the GPU's path."""
+    """Where block_causal_attention applies: CPU training of q, k, v in fp32, or under CPU autocast (matmuls in its
+    dtype, softmax and score gradients in fp32, as flash attention keeps them). Not when compiling: the GPU's path."""
     if torch.is_autocast_enabled("cpu"):
         fits = all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.get_autocast_dtype("cpu")) for t in (q, k, v))
         return fits and enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
@@ -122,11 +109,9 @@ class _RotaryNorm(torch.autograd.Function):
 
 class _ReluSquaredMLP(torch.autograd.Function):
     """
-    The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C)
-    hidden activation run in place: relu overwrites the matmul output, and in backward the 2 of
-    d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r.
-    Allocating a fresh (N, 4C) tensor per pass cost 4-5x more than the in-place pass (cold memory).
-    Saves r and r^2, the same two tensors autograd would keep.
+    The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C) hidden activation
+    run in place (a fresh tensor per pass lands on cold memory): relu overwrites the matmul output, and in backward the
+    2 of d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r. Saves r and r^2.
     """
 
     @staticmethod
@@ -153,15 +138,11 @@ ATTENTION_BLOCK = 128  # query rows per block in the CPU training attention belo
 
 class _BlockCausalAttention(torch.autograd.Function):
     """
-    Causal softmax(q k^T / sqrt(D)) v for CPU training, by blocks of ATTENTION_BLOCK queries:
-    block i attends to keys [0, end_i) only, so the score matrices cover the lower triangle plus the
-    diagonal blocks (5/8 of the full T x T at T=512, 3/4 at T=256), and every product is one large bmm.
-    With a sliding window (query t sees keys (t - window, t]) block i starts at its first query's
-    lowest key instead of 0, so the blocks left of the band are skipped too.
-    The probabilities are kept for backward. Measured fwd+bwd against torch's CPU flash attention
-    (B=8, D=128): 19.1 vs 21.9 ms at T=256, H=2; 79 vs 105 ms at T=512, H=3. Needs n_kv_head == n_head.
-    In bf16 the products run in bf16 and the softmax, its probabilities and the score gradients in fp32 (each product's
-    result is rounded to bf16 first: CPU matmuls have no fp32 output for bf16 inputs).
+    Causal softmax(q k^T / sqrt(D)) v for CPU training, by blocks of ATTENTION_BLOCK queries: block i attends to keys
+    [0, end_i) only (the lower triangle plus the diagonal blocks), each product one large bmm; with a sliding window
+    (query t sees keys (t - window, t]) the blocks left of the band are skipped too. The probabilities are kept for
+    backward. Needs n_kv_head == n_head. In bf16 the products run in bf16 (rounded: CPU matmuls have no fp32 output for
+    bf16 inputs) and the softmax, its probabilities and the score gradients in fp32.
 
         dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(D)     dK += dS^T Q / sqrt(D)
     """
@@ -299,80 +280,67 @@ LOSS_CHUNK_ROWS = 512  # rows of logits per chunk in the chunked loss: (512, V) 
 
 class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """
-    Summed cross-entropy of softcapped logits, ignoring targets of -1:
+    sum_i CE(s * tanh(x_i @ W^T / s), t_i) over x (N, C), W (V, C), t (N,) with -1 ignored, s = softcap: lm_head ->
+    softcap -> F.cross_entropy without the (N, V) logits ever existing at once. LOSS_CHUNK_ROWS rows at a time, the
+    loss and d(loss)/d(logits) are made while the chunk is in cache and go straight into d/dx and d/dW, in the forward;
+    backward only scales them by the incoming scalar.
 
-        sum_i  CE(s * tanh(x_i @ W^T / s), t_i)        x (N, C), W (V, C), t (N,), s = softcap
-
-    the same math as lm_head -> softcap -> F.cross_entropy, but the (N, V) logits never exist all
-    at once: LOSS_CHUNK_ROWS rows at a time, the chunk's logits are computed, softcapped and turned
-    into the loss and into d(loss)/d(logits) while they are still in cache, and that gradient goes
-    straight into d/dx (the chunk's rows) and d/dW (accumulated). So the gradients are computed in
-    the forward pass, with the same matmuls autograd would run; backward only scales them by the
-    incoming gradient, a scalar since the output is a sum.
-
-    The softcap goes through a sigmoid, tanh(u) = 2 sigmoid(2u) - 1, because torch's CPU tanh is
-    3-4x slower than its sigmoid (4.8 vs 1.3 ms on a 512 x 4096 chunk). With q = sigmoid(2 l / s)
-    the softcapped logit is c = s (2q - 1), and since a softmax ignores a constant shift, every
-    quantity can use c' = 2 s q = c + s instead:
+    The softcap goes through a sigmoid, tanh(u) = 2 sigmoid(2u) - 1 (torch's CPU tanh is 3-4x slower). With
+    q = sigmoid(2 l / s), c = s (2q - 1), and as a softmax ignores a shift every quantity uses c' = 2 s q = c + s:
 
         loss_i = log(sum_v exp(c'_iv)) - c'_i,t_i      dL/dc = softmax(c') - onehot(t)      dc/dl = 4 q (1 - q)
 
-    0 < c' < 2s = 30, so exp(c') cannot overflow and the softmax needs no max-subtraction. The
-    scalings 2/s and 4 ride along in the matmuls (addmm's alpha), and each chunk reuses the same
-    two buffers, so no pass over the chunk lands on freshly allocated (cold) memory.
+    0 < c' < 2s, so exp(c') cannot overflow and needs no max-subtraction. 2/s and 4 ride in the matmuls' alpha, and
+    each chunk reuses two buffers, so no pass lands on cold memory.
     """
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, matmul_dtype):
         with torch.autocast("cpu", enabled=False):  # every cast below is explicit
-            return _ChunkedSoftcapCrossEntropy._forward(ctx, x, weight, targets, softcap, matmul_dtype)
-
-    @staticmethod
-    def _forward(ctx, x, weight, targets, softcap, matmul_dtype):
-        s = softcap
-        n_rows, vocab = x.size(0), weight.size(0)
-        chunk = min(LOSS_CHUNK_ROWS, n_rows)
-        total = x.new_zeros((), dtype=torch.float32)
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.zeros_like(weight)
-        # the softcap, softmax and loss in fp32 whatever x's dtype (a bf16 residual stream under autocast)
-        q_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
-        probs_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
-        # Under autocast the three matmuls take bf16 operands, as lm_head and its backward would: the logits are
-        # rounded to bf16 before the softcap, d(logits) before it meets the weights; the rest stays fp32.
-        low = (x.dtype, weight.dtype, matmul_dtype) != (torch.float32,) * 3
-        weight_mm = weight.to(matmul_dtype) if low else weight
-        for start in range(0, n_rows, chunk):
-            rows = slice(start, start + chunk)
-            xc, tc = x[rows], targets[rows]
-            q, probs = q_buffer[:xc.size(0)], probs_buffer[:xc.size(0)]
-            valid = tc != -1
-            safe_targets = tc.clamp(min=0).unsqueeze(1)
-            if low:
-                xc = xc.to(matmul_dtype)
-                q.copy_(torch.mm(xc, weight_mm.t())).mul_(2 / s).sigmoid_()
-            else:
-                torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: q's old values ignored
-            torch.mul(q, 2 * s, out=probs).exp_()
-            sum_exp = probs.sum(dim=1, keepdim=True)
-            picked = q.gather(1, safe_targets).mul_(2 * s)
-            total += torch.where(valid, (sum_exp.log() - picked).squeeze(1), 0.0).sum()
-            # d(loss)/d(logits), built in place in `probs`: softmax - onehot, zero on ignored rows, times q (1 - q);
-            # the remaining factor 4 is the alpha of the two matmuls below.
-            grad = probs.div_(sum_exp)
-            grad.scatter_add_(1, safe_targets, -valid.to(grad.dtype).unsqueeze(1))
-            if not valid.all():
-                grad.mul_(valid.unsqueeze(1))
-            grad.mul_(q).addcmul_(grad, q, value=-1.0)
-            if low:
-                grad_mm = grad.to(matmul_dtype)
-                torch.mul(torch.mm(grad_mm, weight_mm), 4.0, out=grad_x[rows])
-                grad_weight.add_(torch.mm(grad_mm.t(), xc), alpha=4.0)
-            else:
-                torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
-                grad_weight.addmm_(grad.t(), xc, alpha=4.0)
-        ctx.save_for_backward(grad_x, grad_weight)
-        return total
+            s = softcap
+            n_rows, vocab = x.size(0), weight.size(0)
+            chunk = min(LOSS_CHUNK_ROWS, n_rows)
+            total = x.new_zeros((), dtype=torch.float32)
+            grad_x = torch.empty_like(x)
+            grad_weight = torch.zeros_like(weight)
+            # the softcap, softmax and loss in fp32 whatever x's dtype (a bf16 residual stream under autocast)
+            q_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
+            probs_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
+            # Under autocast the three matmuls take bf16 operands, as lm_head and its backward would: the logits are
+            # rounded to bf16 before the softcap, d(logits) before it meets the weights; the rest stays fp32.
+            low = (x.dtype, weight.dtype, matmul_dtype) != (torch.float32,) * 3
+            weight_mm = weight.to(matmul_dtype) if low else weight
+            for start in range(0, n_rows, chunk):
+                rows = slice(start, start + chunk)
+                xc, tc = x[rows], targets[rows]
+                q, probs = q_buffer[:xc.size(0)], probs_buffer[:xc.size(0)]
+                valid = tc != -1
+                safe_targets = tc.clamp(min=0).unsqueeze(1)
+                if low:
+                    xc = xc.to(matmul_dtype)
+                    q.copy_(torch.mm(xc, weight_mm.t())).mul_(2 / s).sigmoid_()
+                else:
+                    torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: old q unused
+                torch.mul(q, 2 * s, out=probs).exp_()
+                sum_exp = probs.sum(dim=1, keepdim=True)
+                picked = q.gather(1, safe_targets).mul_(2 * s)
+                total += torch.where(valid, (sum_exp.log() - picked).squeeze(1), 0.0).sum()
+                # d(loss)/d(logits), in place in `probs`: softmax - onehot, zero on ignored rows, times q (1 - q); the
+                # remaining factor 4 is the alpha of the two matmuls below
+                grad = probs.div_(sum_exp)
+                grad.scatter_add_(1, safe_targets, -valid.to(grad.dtype).unsqueeze(1))
+                if not valid.all():
+                    grad.mul_(valid.unsqueeze(1))
+                grad.mul_(q).addcmul_(grad, q, value=-1.0)
+                if low:
+                    grad_mm = grad.to(matmul_dtype)
+                    torch.mul(torch.mm(grad_mm, weight_mm), 4.0, out=grad_x[rows])
+                    grad_weight.add_(torch.mm(grad_mm.t(), xc), alpha=4.0)
+                else:
+                    torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
+                    grad_weight.addmm_(grad.t(), xc, alpha=4.0)
+            ctx.save_for_backward(grad_x, grad_weight)
+            return total
 
     @staticmethod
     def backward(ctx, grad_total):
@@ -381,11 +349,11 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# Entry points used by gpt.py
-
-
-def rms_norm(x, eps):
-    return _RMSNorm.apply(x, eps)
+# Entry points used by gpt.py (the Functions above give the math)
+rms_norm = _RMSNorm.apply
+relu_squared_mlp = _ReluSquaredMLP.apply
+gated_add = _GatedAdd.apply  # (B, T, H, D) v and ve, (B, T, H) logits
+smear = _Smear.apply  # (B, T, C) x, (B, T, 1) logits, a one-element lam
 
 
 def rotary_norm(x, cos, sin, eps):
@@ -393,8 +361,9 @@ def rotary_norm(x, cos, sin, eps):
     return _RotaryNorm.apply(x, cos, sin, eps)
 
 
-def relu_squared_mlp(x, w_fc, w_proj):
-    return _ReluSquaredMLP.apply(x, w_fc, w_proj)
+def residual_mix(x, x0, a, b):
+    """a * x + b * x0 for same-shape x, x0 and 0-dim a, b."""
+    return _ResidualMix.apply(x, x0, a, b)
 
 
 def block_causal_attention(q, k, v, window=None):
@@ -409,23 +378,8 @@ def block_causal_attention(q, k, v, window=None):
         return _BlockCausalAttention.apply(q.to(low), k.to(low), v.to(low), window)
 
 
-def gated_add(v, ve, logits, scale):
-    """v + scale * sigmoid(logits)[..., None] * ve for (B, T, H, D) v and ve and (B, T, H) logits."""
-    return _GatedAdd.apply(v, ve, logits, scale)
-
-
-def residual_mix(x, x0, a, b):
-    """a * x + b * x0 for same-shape x, x0 and 0-dim a, b."""
-    return _ResidualMix.apply(x, x0, a, b)
-
-
-def smear(x, logits, lam):
-    """x_t + lam * sigmoid(logits_t) * x_(t-1) for (B, T, C) x, (B, T, 1) logits and a one-element lam; x_0 unchanged."""
-    return _Smear.apply(x, logits, lam)
-
-
 def softcap_cross_entropy_sum(x, weight, targets, softcap):
-    """sum_i CE(softcap * tanh(x_i W^T / softcap), t_i) over rows x (N, C), targets (N,) with -1 ignored; the matmuls
-    in the CPU autocast dtype when autocast is on."""
+    """The chunked softcap loss of rows x (N, C), targets (N,) with -1 ignored; the matmuls in the CPU autocast dtype
+    when autocast is on."""
     matmul_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     return _ChunkedSoftcapCrossEntropy.apply(x, weight, targets, softcap, matmul_dtype)
