@@ -438,7 +438,6 @@ class GPT(nn.Module):
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                                                      / head_dim))
         angles = torch.outer(torch.arange(self.cos.size(1), device=device, dtype=torch.float32), inv_freq)
-
         dtype = get_compute_dtype(device)
         cos, sin = angles.cos(), angles.sin()
         if self.config.rotary_bf16:  # the values another project's tables had (an imported checkpoint's exact math)
@@ -583,7 +582,6 @@ class GPT(nn.Module):
             elif c.residual_scalars and torch.compiler.is_compiling():
                 # Recomputed in the backward, not kept: compiled, the partitioner saved every layer's mix beside the
                 # two tensors it is made from, one (B, T, C) a layer (dev/log68/model.md); the recompute is one pass.
-
                 x = checkpoint(residual_mix, x, x0, self.resid_lambdas[i], self.x0_lambdas[i], use_reentrant=False)
             elif c.residual_scalars:
                 x = residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
@@ -612,8 +610,6 @@ class GPT(nn.Module):
         flat_targets = targets.reshape(-1) if targets is not None else None
 
         # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
-
-
         if targets is not None and loss_reduction != "none" and c.logit_softcap is not None \
                 and cpu_ops.cpu_training_loss(x, self.lm_head.weight):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)

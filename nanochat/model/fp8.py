@@ -248,7 +248,6 @@ def convert_to_fp8(module):
     """Replace every bias-free nn.Linear (exactly that type) below `module` (not itself) by an Fp8Linear holding the
     same weight Parameter, so param groups and state_dict keys do not change. Returns how many were converted."""
     # id(old) -> (old, new): a Linear under two names becomes one Fp8Linear; old kept alive so its id is not reused
-
     converted = {}
 
     def visit(parent):
