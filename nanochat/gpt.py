@@ -107,10 +107,9 @@ class GPTConfig:
         if self.value_embed_layers not in VALUE_EMBED_LAYERS and explicit_layers(self.value_embed_layers, self.n_layer) is None:
             raise ValueError(f"GPTConfig.value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)} or a comma "
                              f"list of layer indices below n_layer (got {self.value_embed_layers!r})")
-        for name in ("rope_theta", "qk_scale", "ve_gate_scale") + (("norm_eps",) if self.norm_eps is not None else ()) \
-                + (("logit_softcap",) if self.logit_softcap is not None else ()):
+        for name in ("rope_theta", "qk_scale", "ve_gate_scale", "norm_eps", "logit_softcap"):
             value = getattr(self, name)
-            if not is_positive_number(value):
+            if not is_positive_number(value) and not (value is None and name in ("norm_eps", "logit_softcap")):
                 raise ValueError(f"GPTConfig.{name} must be a positive number (got {value!r:.60})")
         if self.backout_layer is not None and (isinstance(self.backout_layer, bool) or not isinstance(self.backout_layer, int)
                                                or not 0 <= self.backout_layer < self.n_layer):
@@ -310,7 +309,7 @@ class CausalSelfAttention(nn.Module):
             q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
-        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_training_attention(q, k, v):
+        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_training((q, k, v)):
             y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
         else:
             mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
@@ -559,17 +558,14 @@ class GPT(nn.Module):
         With a kv_cache, each row continues from its own length, attends to its cache, and the cache advances by T.
         """
         B, T = idx.shape
-        if kv_cache is not None:
-            positions = kv_cache.positions(T)  # (B, T): each row continues from its own length
-            if kv_cache.max_position(T) > self.cos.size(1):
-                raise ValueError(f"position {kv_cache.max_position(T)} is beyond the rotary table ({self.cos.size(1)} "
-                                 "positions)")
-            cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
-        else:
-            if T > self.cos.size(1):
-                raise ValueError(f"position {T} is beyond the rotary table ({self.cos.size(1)} positions)")
+        end = T if kv_cache is None else kv_cache.max_position(T)
+        if end > self.cos.size(1):
+            raise ValueError(f"position {end} is beyond the rotary table ({self.cos.size(1)} positions)")
+        if kv_cache is None:
             cos, sin = self.cos[:, :T], self.sin[:, :T]
-
+        else:
+            positions = kv_cache.positions(T)  # (B, T): each row continues from its own length
+            cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
         c = self.config
         x = self.transformer.wte(idx)
         x = norm(x.to(activation_dtype(x, self.lm_head.weight.dtype)), c.norm_eps)
@@ -611,7 +607,7 @@ class GPT(nn.Module):
 
         # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
         if targets is not None and loss_reduction != "none" and c.logit_softcap is not None \
-                and cpu_ops.cpu_training_loss(x, self.lm_head.weight):
+                and cpu_ops.cpu_training((x,), (self.lm_head.weight,)):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
             if targets is None:

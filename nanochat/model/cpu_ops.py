@@ -27,31 +27,16 @@ def is_cpu_fp32(x):
             and enabled())
 
 
-def cpu_fp32_training(*tensors):
-    """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
-    return all(is_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def cpu_training_attention(q, k, v):
-    """Where block_causal_attention applies: CPU training of q, k, v in fp32, or under CPU autocast (matmuls in its
-    dtype, softmax and score gradients in fp32, as flash attention keeps them). Not when compiling: the GPU's path."""
-    if torch.is_autocast_enabled("cpu"):
-        fits = all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.get_autocast_dtype("cpu")) for t in (q, k, v))
-        return fits and enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-            and any(t.requires_grad for t in (q, k, v))
-    return cpu_fp32_training(q, k, v)
-
-
-def cpu_training_loss(x, weight):
-    """Where the chunked softcap loss applies: CPU training with fp32 activations and head, in fp32 or under CPU
-    autocast (its matmuls then run in the autocast dtype, as lm_head's would)."""
+def cpu_training(activations, weights=()):
+    """Where the training-only Functions apply (block attention, chunked loss): CPU tensors on their way to a backward,
+    activations in fp32, or under CPU autocast in fp32 or its dtype (the matmuls then run in it, softmax and loss in
+    fp32), weights in fp32. Not a compiled autocast model: that is the GPU's path, fused by the compiler."""
     autocast = torch.is_autocast_enabled("cpu")
-    if autocast and torch.compiler.is_compiling():
-        return False  # a compiled autocast model is the GPU's path: the plain loss, fused by the compiler
-    # under autocast the residual stream, and so x, is in its dtype (gpt.activation_dtype); the head stays fp32
-    x_dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
-    fits = x.device.type == weight.device.type == "cpu" and x.dtype in x_dtypes and weight.dtype == torch.float32
-    return fits and enabled() and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
+    fits = all(t.device.type == "cpu" and t.dtype in dtypes for t in activations) \
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
+    return fits and enabled() and torch.is_grad_enabled() and not (autocast and torch.compiler.is_compiling()) \
+        and any(t.requires_grad for t in (*activations, *weights))
 
 
 def _rotate(x, cos, sin, out):
