@@ -28,8 +28,8 @@ GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (ch
 # The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
 COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout", "sliding_window")
 VALUE_EMBED_LAYERS = ("lower_half", "alternating")  # GPTConfig.value_embed_layers, besides an explicit "0,2,5" list
-# Exact-math options (GPTConfig, below): other projects' variants of this model, which scripts.import_model sets to
-# reproduce a checkpoint's logits. Their defaults are this model, and a checkpoint's meta leaves a default out.
+# Exact-math options (GPTConfig): other projects' variants of this model, set by scripts.import_model; at their
+# defaults (this model) a checkpoint's meta leaves them out.
 VARIANT_DEFAULTS = {"rope_theta": ROPE_THETA, "rotary_bf16": False, "norm_eps": NORM_EPS, "qk_scale": 1.0,
                     "logit_softcap": LOGIT_SOFTCAP, "ve_gate_channels": GATE_CHANNELS, "ve_gate_scale": 2.0,
                     "smear_gate_channels": GATE_CHANNELS, "backout_layer": None, "attention_windows": None}
@@ -316,8 +316,7 @@ class CausalSelfAttention(nn.Module):
             if mask is not None and kv_cache is None and q.is_cuda and torch.compiler.is_compiling():
                 y = flex_band_attention(q, k, v, self.window)
             else:
-                # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
-                # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
+                # enable_gqa: transformers' repeat_kv grouping without materialising repeated k/v (faster on CPU too)
                 with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext(), attention_backends(q):
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                                        enable_gqa=self.n_kv_head != self.n_head)
@@ -357,8 +356,7 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        # Passing _weight skips nn.Embedding's own random init: init_weights() sets it anyway, and a
-        # normal_() on the meta device makes torch import torch._dynamo, seconds of startup for nothing.
+        # _weight skips nn.Embedding's random init (init_weights sets it): on meta, normal_() imports torch._dynamo
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd)),
             "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
@@ -541,8 +539,7 @@ class GPT(nn.Module):
         if kv_cache is None and cpu_ops.is_cpu_fp32(x):
             return cpu_ops.smear(x, self.smear_gate(x[..., :channels]), self.smear_lambda)
         if kv_cache is None:
-            # the first position unchanged and the others read their predecessor through slices of x: a shifted copy
-            # of x (zeros first) would be one more (B, T, C) tensor kept for the backward
+            # slices of x, not a shifted copy: that would be one more (B, T, C) tensor kept for the backward
             gate = torch.sigmoid(self.smear_gate(x[:, 1:, :channels]))
             return torch.cat((x[:, :1], x[:, 1:] + lam * gate * x[:, :-1]), dim=1)
         previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
@@ -583,7 +580,6 @@ class GPT(nn.Module):
                 x = residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             value_embed = self.value_embeds[str(i)](idx).to(x.dtype) if has_value_embed(c, i) else None
             if self.checkpoint_activations and kv_cache is None and torch.is_grad_enabled():
-                # the block's activations are recomputed in the backward from its input, not kept from the forward
                 x = checkpoint(block, x, cos, sin, None, value_embed, use_reentrant=False)
             else:
                 x = block(x, cos, sin, kv_cache, value_embed)
@@ -613,8 +609,7 @@ class GPT(nn.Module):
             if targets is None:
                 return self._softcap_logits(x)
             rows = x.view(B * T, -1)
-            # A CPU evaluation takes the same math in the chunked loss's row chunks: the full (B*T, V) logits and
-            # their temporaries cost ~200 MB of peak RSS at the CPU preset, as much as training itself.
+            # a CPU evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
             chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
             losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],
                                                 ignore_index=-1, reduction="none") for i in range(0, B * T, chunk)])

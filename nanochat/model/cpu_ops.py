@@ -69,11 +69,9 @@ class _RMSNorm(torch.autograd.Function):
 
 class _RotaryNorm(torch.autograd.Function):
     """
-    y = R(x) * r: rotation R by position, then RMSNorm. A rotation keeps every pair's length, so
-    r = (mean(x^2) + eps)^-1/2 comes from x itself, and the output is written straight into a
-    (B, H, T, D) buffer, which saves attention a transposing copy. With m = mean(g * y) per row,
-
-        dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m          (R^T: the rotation by -theta)
+    y = R(x) * r: rotation R by position, then RMSNorm; a rotation keeps lengths, so r = (mean(x^2) + eps)^-1/2 comes
+    from x. The output is written into a (B, H, T, D) buffer, saving attention a transposing copy. With m = mean(g * y):
+    dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m, R^T the rotation by -theta.
     """
 
     @staticmethod
@@ -190,11 +188,8 @@ class _BlockCausalAttention(torch.autograd.Function):
 
 
 class _GatedAdd(torch.autograd.Function):
-    """
-    out = v + scale * sigmoid(logits) * ve: a value embedding joining attention's (B, T, H, D) values through its
-    (B, T, H) gate. One pass forward where autograd takes two (and a temporary), and backward reads grad once for
-    each of d(ve) = grad * gate and d(logits) = rowsum(grad * ve) * gate (1 - gate / scale); d(v) is grad itself.
-    """
+    """out = v + scale * sigmoid(logits) * ve for (B, T, H, D) v, ve and (B, T, H) logits, in one pass where autograd
+    takes two; d(ve) = grad * gate, d(logits) = rowsum(grad * ve) * gate (1 - gate / scale), d(v) = grad."""
 
     @staticmethod
     def forward(ctx, v, ve, logits, scale):
@@ -211,11 +206,8 @@ class _GatedAdd(torch.autograd.Function):
 
 
 class _ResidualMix(torch.autograd.Function):
-    """
-    out = a * x + b * x0 with a, b 0-dim tensors (the residual scalars before a block). Forward in two passes where
-    autograd takes three, and backward without autograd's two (N, C) temporaries for the scalars' gradients: they are
-    dot products, da = <grad, x>, db = <grad, x0>.
-    """
+    """out = a * x + b * x0 with 0-dim a, b, in two passes where autograd takes three; da = <grad, x>, db = <grad, x0>
+    as dot products, without autograd's two (N, C) temporaries."""
 
     @staticmethod
     def forward(ctx, x, x0, a, b):
@@ -232,11 +224,8 @@ class _ResidualMix(torch.autograd.Function):
 
 
 class _Smear(torch.autograd.Function):
-    """
-    out_t = x_t + lam * sigmoid(logits_t) * x_(t-1) along dim 1 of (B, T, C) x, the first position unchanged (smear:
-    each token's embedding gets a gated share of the previous one's). Forward is a copy and one pass over T - 1 rows,
-    with no shifted copy of x; backward reads grad once more for d(x) and once for d(logits) and d(lam).
-    """
+    """out_t = x_t + lam * sigmoid(logits_t) * x_(t-1) for (B, T, C) x, (B, T, 1) logits, a one-element lam, x_0
+    unchanged: a copy and one pass over T - 1 rows, no shifted copy of x."""
 
     @staticmethod
     def forward(ctx, x, logits, lam):
@@ -337,8 +326,8 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 # Entry points used by gpt.py (the Functions above give the math)
 rms_norm = _RMSNorm.apply
 relu_squared_mlp = _ReluSquaredMLP.apply
-gated_add = _GatedAdd.apply  # (B, T, H, D) v and ve, (B, T, H) logits
-smear = _Smear.apply  # (B, T, C) x, (B, T, 1) logits, a one-element lam
+gated_add = _GatedAdd.apply
+smear = _Smear.apply
 
 
 def rotary_norm(x, cos, sin, eps):

@@ -294,11 +294,9 @@ def check_tokenizer_matches(hf_tokenizer, tokenizer):
             raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
 
 
-# The chat format of tokenizer.render_conversation / render_for_completion as a Jinja template:
-#   <|bos|> then per turn  <|user_start|>text<|user_end|>  or  <|assistant_start|>content<|assistant_end|>
-# A leading system message is merged into the first user turn as system + "\n\n" + user. Assistant content is a
-# string, or parts: text, python (<|python_start|>..<|python_end|>), python_output (<|output_start|>..<|output_end|>).
-# add_generation_prompt drops a final assistant message and primes <|assistant_start|>, like render_for_completion.
+# tokenizer.render_conversation / render_for_completion as a Jinja template: a leading system message merged into the
+# first user turn (system + "\n\n" + user); add_generation_prompt drops a final assistant message and primes
+# <|assistant_start|>.
 CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 {%- if content is string -%}{{- content -}}
 {%- else -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}
