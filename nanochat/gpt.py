@@ -447,13 +447,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def prepare_for_inference(self):
-        """
-        For a model that will only generate, on a CPU (a no-op elsewhere). Not for training or saving: on a bf16 CPU
+        """For a model that will only generate, on a CPU (a no-op elsewhere). Not for training or saving: on a bf16 CPU
         the fp32 weights are gone. Each attention's c_q, c_k, c_v (and gate, zero-padded to n_embd inputs) become
         views into one stacked matrix, one matmul where a batch-1 decode step pays a fixed cost per op. Under bf16
         autocast every linear's weight is stored in bf16 once (the values autocast would make on every call) and
-        oneDNN's per-shape kernel caches are bounded (dev/log68/model.md). Norms and scalars stay fp32.
-        """
+        oneDNN's per-shape kernel caches are bounded (dev/log68/model.md). Norms and scalars stay fp32."""
         device = self.get_device()
         if device.type != "cpu":
             return self
@@ -494,11 +492,9 @@ class GPT(nn.Module):
 
     def setup_optimizers(self, unembedding_lr, embedding_lr, matrix_lr, weight_decay=0.0, adam_betas=(0.8, 0.95),
                          scalar_lr=0.005):
-        """
-        (adamw_groups, muon_groups) at the depth dial's lrs (this module may not import the optimizers). AdamW: lm_head,
-        and the embedding tables at embedding_lr, both scaled by (n_embd/768)^-0.5, and the components' scalars and
-        gates at scalar_lr; Muon: the 2-D block matrices, a group per shape. Each group records initial_lr.
-        """
+        """(adamw_groups, muon_groups) at the depth dial's lrs (this module may not import the optimizers). AdamW:
+        lm_head, and the embedding tables at embedding_lr, both scaled by (n_embd/768)^-0.5, and the components'
+        scalars and gates at scalar_lr; Muon: the 2-D block matrices, a group per shape. Each records initial_lr."""
         adamw_scale = (self.config.n_embd / 768) ** -0.5
         c = self.config
         embeddings = [table.weight for table in self.embedding_tables()]
@@ -548,12 +544,10 @@ class GPT(nn.Module):
         return x + lam * gate * previous
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
-        """
-        idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size), or with logits_at, a (B,) tensor of
+        """idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size), or with logits_at, a (B,) tensor of
         positions, (B, 1, vocab_size) (a prefill needs one position's). With targets (B, T): cross-entropy ignoring -1,
         reduced by "mean" (over valid targets; 0 if none), "sum", or "none" ((B, T), 0 where ignored).
-        With a kv_cache, each row continues from its own length, attends to its cache, and the cache advances by T.
-        """
+        With a kv_cache, each row continues from its own length, attends to its cache, and the cache advances by T."""
         B, T = idx.shape
         end = T if kv_cache is None else kv_cache.max_position(T)
         if end > self.cos.size(1):

@@ -68,11 +68,9 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class _RotaryNorm(torch.autograd.Function):
-    """
-    y = R(x) * r: rotation R by position, then RMSNorm; a rotation keeps lengths, so r = (mean(x^2) + eps)^-1/2 comes
+    """y = R(x) * r: rotation R by position, then RMSNorm; a rotation keeps lengths, so r = (mean(x^2) + eps)^-1/2 comes
     from x. The output is written into a (B, H, T, D) buffer, saving attention a transposing copy. With m = mean(g * y):
-    dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m, R^T the rotation by -theta.
-    """
+    dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m, R^T the rotation by -theta."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, eps):
@@ -91,11 +89,9 @@ class _RotaryNorm(torch.autograd.Function):
 
 
 class _ReluSquaredMLP(torch.autograd.Function):
-    """
-    The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C) hidden activation
+    """The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C) hidden activation
     run in place (a fresh tensor per pass lands on cold memory): relu overwrites the matmul output, and in backward the
-    2 of d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r. Saves r and r^2.
-    """
+    2 of d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r. Saves r and r^2."""
 
     @staticmethod
     def forward(ctx, x, w_fc, w_proj):

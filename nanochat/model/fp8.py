@@ -97,11 +97,9 @@ def _mm_abt(a, a_inv, b, b_inv, out_dtype, native, fast_accum):
 
 
 def _forward_body(x, weight, out_dtype, native, keep_for_backward):
-    """
-    y = x @ W^T for 2-D x (M, K) and W (N, K). Returns (y, x^T, x_inv, W^T, w_inv): the fp8 transposes backward needs
+    """y = x @ W^T for 2-D x (M, K) and W (N, K). Returns (y, x^T, x_inv, W^T, w_inv): the fp8 transposes backward needs
     (empty when nothing will backpropagate). Autocast off: it would recast the emulated fp32 matmul to bf16, and CPU
-    _scaled_mm's inner matmuls too.
-    """
+    _scaled_mm's inner matmuls too."""
     with torch.autocast(x.device.type, enabled=False):
         x_scale, w_scale = fp8_scale(x, E4M3), fp8_scale(weight, E4M3)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
@@ -135,13 +133,11 @@ _COMPILED_BODIES = {}
 
 
 def _run_body(body, device, *args):
-    """
-    body(*args), torch.compile'd where the device type is in FUSED_DEVICE_TYPES, one graph for every layer's shapes
+    """body(*args), torch.compile'd where the device type is in FUSED_DEVICE_TYPES, one graph for every layer's shapes
     (far from Dynamo's 8 recompiles): dynamic=True without duck sizing (equal sizes on the first call, like a square
     layer's K and N, would become one symbol), the weight as a plain tensor (a Parameter's shape is static), and one
     calling context (eager autograd calls with ADInplaceOrView and autocast on, a compiled graph without; the guards
-    would see the difference).
-    """
+    would see the difference)."""
     if device.type not in FUSED_DEVICE_TYPES:
         return body(*args)
     if body not in _COMPILED_BODIES:
@@ -209,11 +205,9 @@ fp8_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp8_linear(x, weight, native=None):
-    """
-    F.linear(x, weight) (no bias) with fp8 matmuls in forward and backward; the output dtype follows autocast as
+    """F.linear(x, weight) (no bias) with fp8 matmuls in forward and backward; the output dtype follows autocast as
     F.linear's does. native: None = the device's choice, True / False force _scaled_mm / the emulation (tests compare
-    the two on a CPU). Shapes or dtypes _scaled_mm cannot take run plain F.linear.
-    """
+    the two on a CPU). Shapes or dtypes _scaled_mm cannot take run plain F.linear."""
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     in_features, out_features = x.shape[-1], weight.shape[0]
