@@ -20,13 +20,11 @@ import torch
 from nanochat.checkpoint_manager import (STAGE_DIRS, TAG_RE, checkpoint_dir, list_steps, load_meta, save_checkpoint,
                                          sha256_of)
 from nanochat.common import UserError, get_base_dir, print0
-from nanochat.gpt import GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed, shape_problem
+from nanochat.gpt import COMPONENTS, GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed, shape_problem
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 
 KARPATHY_FORMAT, TRANSFORMERS_FORMAT, RECIPE_FORMAT = "karpathy/nanochat", "transformers NanoChat", "nanochat export (recipe)"
 MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
-
-
 # the reference's short windows by sequence_len, a third and a quarter with its FA3-tile rounding as written
 _HALF, _THIRD, _QUARTER = (lambda n: n // 2), (lambda n: -(-n // 3 // 128) * 128), (lambda n: -(-n // 4 // 128) * 128)
 # The math of each era of karpathy/nanochat's gpt.py beyond what its files say, keyed by the date it took effect.
@@ -327,10 +325,9 @@ def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
     if era == "2025-10" and (ve_layers or smear or backout):
         raise UserError(f"{model_path} has value embeddings or smear/backout parameters but its model_config has no "
                         "window_pattern: no era of karpathy/nanochat had both, so this model cannot be reproduced")
-    fields = dict(sequence_len=mc["sequence_len"], vocab_size=vocab_size, n_layer=n_layer, n_head=mc["n_head"],
-                  n_kv_head=mc["n_kv_head"], n_embd=mc["n_embd"], residual_scalars=residual, smear=smear, backout=backout,
-                  rope_theta=numbers["rope_theta"], rotary_bf16=numbers["rotary_bf16"], norm_eps=None,
-                  qk_scale=numbers["qk_scale"], logit_softcap=numbers["logit_softcap"])
+    fields = dict({name: mc[name] for name in KARPATHY_CONFIG_FIELDS}, residual_scalars=residual, smear=smear,
+                  backout=backout, norm_eps=None,
+                  **{name: numbers[name] for name in ("rope_theta", "rotary_bf16", "qk_scale", "logit_softcap")})
     if ve_layers:
         gate_shape = state[f"transformer.h.{ve_layers[0]}.attn.ve_gate.weight"].shape
         fields.update(value_embeds=True, value_embed_layers=",".join(map(str, ve_layers)),
@@ -462,9 +459,8 @@ def read_transformers(model_dir):
     elif model_type == "nanochat_recipe":
         windows = hf.get("attention_windows") or [0] * n_layer  # GPTConfig checks what is in it
         ve_layers = hf.get("value_embed_layers") or []
-        fields = dict(shape, value_embeds=bool(hf.get("value_embeds")),
-                      residual_scalars=bool(hf.get("residual_scalars")), smear=bool(hf.get("smear")),
-                      backout=bool(hf.get("backout")), rope_theta=as_float(hf.get("rope_theta", 10000.0)),
+        fields = dict(shape, **{name: bool(hf.get(name)) for name in COMPONENTS if name != "sliding_window"},
+                      rope_theta=as_float(hf.get("rope_theta", 10000.0)),
                       rotary_bf16=bool(hf.get("rotary_bf16", False)), norm_eps=hf.get("rms_norm_eps", 1e-6),
                       qk_scale=as_float(hf.get("qk_scale", 1.0)), logit_softcap=hf.get("final_logit_softcapping", 15.0),
                       ve_gate_channels=hf.get("ve_gate_channels", hf.get("gate_channels", 32)),
