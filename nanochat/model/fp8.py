@@ -44,12 +44,8 @@ def cast_to_fp8(t, scale, dtype, transposed=False):
     # amax * scale often lands one fp32 ulp above FP8_MAX, and the cast is not promised to saturate
     # (e5m2 overflows to inf), hence the clamp
     scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
-    if transposed:
-        q = torch.empty(t.t().shape, dtype=dtype, device=t.device)
-        q.t().copy_(scaled)
-    else:
-        q = torch.empty(t.shape, dtype=dtype, device=t.device)
-        q.copy_(scaled)  # not scaled.to(dtype): that keeps the layout of a transposed or expanded t
+    q = torch.empty(t.t().shape if transposed else t.shape, dtype=dtype, device=t.device)
+    (q.t() if transposed else q).copy_(scaled)  # not scaled.to(dtype): that keeps a transposed or expanded t's layout
     return q
 
 
