@@ -591,17 +591,16 @@ class GPT(nn.Module):
             if T == 1:  # a decode step: its one position, whatever logits_at says (no gather: a few us of a sub-ms step)
                 return self._softcap_logits(x)
             return self._softcap_logits(x[torch.arange(B, device=x.device), logits_at][:, None])
-        if targets is not None and loss_reduction not in ("mean", "sum", "none"):
+        if targets is None:
+            return self._softcap_logits(x)
+        if loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
-        flat_targets = targets.reshape(-1) if targets is not None else None
-
+        flat_targets = targets.reshape(-1)
         # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
-        if targets is not None and loss_reduction != "none" and c.logit_softcap is not None \
+        if loss_reduction != "none" and c.logit_softcap is not None \
                 and cpu_ops.cpu_training((x,), (self.lm_head.weight,)):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
-            if targets is None:
-                return self._softcap_logits(x)
             rows = x.view(B * T, -1)
             # a CPU evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
             chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
