@@ -1,45 +1,10 @@
 """
-The GPT model: a decoder-only transformer that trains fast on one dial (depth) and runs
-everywhere scaled_dot_product_attention does (CUDA, MPS, CPU).
-
-    tokens -> wte -> RMSNorm -> n_layer x Block -> RMSNorm -> lm_head -> softcap -> fp32 logits
-    Block:  x + attn(norm(x)),  then  x + mlp(norm(x))       (pre-norm, no biases anywhere)
-    attn:   rotary on split halves -> QK-norm -> grouped-query attention (n_kv_head <= n_head)
-    mlp:    4x expansion with relu(x)**2
-
-Every norm is parameter-free, so the only parameters are the embedding, the lm_head and the
-2-D matrices inside the blocks. The math is written to equal, for the same weights, the
-NanoChat model built into Hugging Face transformers (NanoChatForCausalLM), and the state-dict
-names follow the original nanochat checkpoint layout (model/hf_export.py maps one onto the other).
-
-The model is built on the meta device and then materialised and initialised explicitly, which is
-what `build_model(config, device)` at the bottom of this file does:
-
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.init_weights()
-
-Components of the reference project's later recipe are options of GPTConfig, all off by default (off is the
-model above, which is what transformers' NanoChat describes); each starts as the identity, or nearly so:
-
-    value_embeds       on the lower half of the layers a per-token embedding is added to attention's values,
-                       v += 2 sigmoid(W x[:32]) * ve[token], one gate per kv head (value_embed_layers below)
-    residual_scalars   before block i: x <- resid_lambdas[i] * x + x0_lambdas[i] * x0, x0 the normed embedding
-    smear              each position's embedding gets a gated share of the previous token's:
-                       e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1)
-    backout            before the final norm: x <- x - backout_lambda * (the residual after layer n_layer // 2)
-    sliding_window     every layer but the last and every fourth one below it attends only to the last
-                       sequence_len // 2 positions (itself included): less attention work at long context. Compiled
-                       (torch.compile, a GPU's training path) it runs as FlexAttention with a block mask that skips
-                       the blocks outside the band; on the CPU training path cpu_ops' block attention skips them;
-                       anywhere else (eager, decoding with the KV cache) it is SDPA with a boolean band mask.
-
-Inference goes through `forward(idx, kv_cache=rows)` with rows of the batching engine's cache
-(engine.RowView, or StaticDecodeView for a captured decode step): independent sequences at their own lengths.
-The cache gives each row's positions, writes the rows' new keys and values and returns what each row attends to
-with its mask, keeps the last token's embedding for smear, and advances by the tokens consumed. `logits_at` asks for
-one position's logits per row, as a prefill needs.
+The GPT model: token embedding -> RMSNorm -> n_layer pre-norm blocks (attention with rotary on split halves, QK-norm
+and grouped-query heads; a 4x relu^2 MLP) -> RMSNorm -> untied lm_head -> softcap -> fp32 logits. Norms have no
+parameters and linears no biases. For the same weights it equals transformers' NanoChatForCausalLM, with the original
+nanochat state-dict names. Built on the meta device, then materialised and initialised (`build_model`). The recipe
+components (GPTConfig) are off by default and start at or near the identity. Inference: `forward(idx, kv_cache=rows)`
+with rows of the engine's cache (each row at its own length).
 """
 
 import math
@@ -63,20 +28,16 @@ GATE_CHANNELS = 32  # the leading residual channels a component's gate reads (ch
 # The optional components, in GPTConfig; False everywhere is the model transformers' NanoChat describes.
 COMPONENTS = ("value_embeds", "residual_scalars", "smear", "backout", "sliding_window")
 VALUE_EMBED_LAYERS = ("lower_half", "alternating")  # GPTConfig.value_embed_layers, besides an explicit "0,2,5" list
-# Exact-math options (GPTConfig, below): other projects' variants of this model, which scripts.import_model sets to
-# reproduce a checkpoint's logits. Their defaults are this model, and a checkpoint's meta leaves a default out.
+# Exact-math options (GPTConfig): other projects' variants of this model, set by scripts.import_model; at their
+# defaults (this model) a checkpoint's meta leaves them out.
 VARIANT_DEFAULTS = {"rope_theta": ROPE_THETA, "rotary_bf16": False, "norm_eps": NORM_EPS, "qk_scale": 1.0,
                     "logit_softcap": LOGIT_SOFTCAP, "ve_gate_channels": GATE_CHANNELS, "ve_gate_scale": 2.0,
                     "smear_gate_channels": GATE_CHANNELS, "backout_layer": None, "attention_windows": None}
 # GPTConfig fields a checkpoint's model_config may leave out (a missing one reads as the plain model's / the old default)
 OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",) + tuple(VARIANT_DEFAULTS)
-# The largest shapes a GPTConfig takes. A checkpoint's meta.json or an imported config is a file anyone may write, and
-# GPT(config) trusts its shapes: n_layer 10^6 spent minutes building blocks before any check, n_embd 2^40 overflowed in
-# torch. The bounds are generous: several times the largest public models of this kind (Llama 3.1 405B: 126 layers,
-# width 16,384, 128 heads, a 128K context; Gemma 3: 262,144 tokens), far past nanochat's (d32: 32 layers, width 2,048,
-# a 2,048-token context). The context's is the tightest, because the rotary tables are built up front for
-# ROTARY_LENGTH_FACTOR times it, whatever the weights: at 2^18 positions and head_dim 128, 1.3 GB. The worst case
-# within every bound builds on the meta device in about half a second.
+# The largest shapes a GPTConfig takes: a meta.json or imported config is a file anyone may write, and GPT(config)
+# trusts its shapes. Several times the largest public models of this kind; the context's bound is the tightest, as the
+# rotary tables are built for ROTARY_LENGTH_FACTOR times it (dev/log68/model.md).
 SHAPE_LIMITS = {"sequence_len": 2**18, "vocab_size": 2**20, "n_layer": 1024, "n_head": 2**16, "n_kv_head": 2**16,
                 "n_embd": 2**16, "ve_gate_channels": 2**16, "smear_gate_channels": 2**16}
 
@@ -108,17 +69,15 @@ class GPTConfig:
     n_head: int = 6
     n_kv_head: int = 6
     n_embd: int = 768
-    # components of the reference project's later recipe (module docstring); off = the model above
-    value_embeds: bool = False
-    residual_scalars: bool = False
-    smear: bool = False
-    backout: bool = False
-    sliding_window: bool = False
-    # Where value embeddings sit: "lower_half" (layers below n_layer // 2, at least layer 0), or "alternating" (the
-    # last layer and every second one below it), where checkpoints saved before this field existed have them. On the
-    # last layer a value embedding lets the final attention copy a context token straight to the output: at seed 43
-    # the CPU speedrun's base model then echoed the subject for "X borders ..." (dev/LOG.md, "Where the
-    # value embeddings sit").
+    # components of the reference project's later recipe; off = the plain model above
+    value_embeds: bool = False  # v += 2 sigmoid(W x[:32]) * ve[token] on some layers, a gate per kv head
+    residual_scalars: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0, x0 the embedding
+    smear: bool = False  # e_t += smear_lambda * sigmoid(w . e_t[:32]) * e_(t-1)
+    backout: bool = False  # before the final norm: x -= backout_lambda * (the residual after layer n_layer // 2)
+    sliding_window: bool = False  # most layers see only the last sequence_len // 2 positions (attention_window)
+    # Where value embeddings sit: "lower_half" (layers below n_layer // 2, at least layer 0), or "alternating" (the last
+    # layer and every second one below it: checkpoints from before this field). On the last layer the final attention
+    # can copy a context token straight to the output (dev/LOG.md, "Where the value embeddings sit").
     value_embed_layers: str = "lower_half"
     # Exact-math variants (VARIANT_DEFAULTS; docs/import.md), for imported checkpoints:
     rope_theta: float = ROPE_THETA
@@ -142,19 +101,16 @@ class GPTConfig:
             problem = shape_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(problem)
-        for name in COMPONENTS:
+        for name in COMPONENTS + ("rotary_bf16",):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be true or false (got {getattr(self, name)!r})")
         if self.value_embed_layers not in VALUE_EMBED_LAYERS and explicit_layers(self.value_embed_layers, self.n_layer) is None:
             raise ValueError(f"GPTConfig.value_embed_layers must be one of {', '.join(VALUE_EMBED_LAYERS)} or a comma "
                              f"list of layer indices below n_layer (got {self.value_embed_layers!r})")
-        for name in ("rope_theta", "qk_scale", "ve_gate_scale") + (("norm_eps",) if self.norm_eps is not None else ()) \
-                + (("logit_softcap",) if self.logit_softcap is not None else ()):
+        for name in ("rope_theta", "qk_scale", "ve_gate_scale", "norm_eps", "logit_softcap"):
             value = getattr(self, name)
-            if not is_positive_number(value):
+            if not is_positive_number(value) and not (value is None and name in ("norm_eps", "logit_softcap")):
                 raise ValueError(f"GPTConfig.{name} must be a positive number (got {value!r:.60})")
-        if not isinstance(self.rotary_bf16, bool):
-            raise ValueError(f"GPTConfig.rotary_bf16 must be true or false (got {self.rotary_bf16!r})")
         if self.backout_layer is not None and (isinstance(self.backout_layer, bool) or not isinstance(self.backout_layer, int)
                                                or not 0 <= self.backout_layer < self.n_layer):
             raise ValueError(f"GPTConfig.backout_layer must be a layer index below n_layer or null (got {self.backout_layer!r})")
@@ -175,9 +131,8 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# The blocks. On a CPU in fp32 the elementwise pieces run as the hand-written autograd Functions of
-# cpu_ops (same math, fewer passes over memory); elsewhere (CUDA, any autocast, NANOCHAT_CPU_OPS=0)
-# the plain torch expressions below run.
+# The blocks. On a CPU in fp32 the elementwise pieces run as cpu_ops' autograd Functions (same math, fewer passes over
+# memory); elsewhere (CUDA, any autocast, NANOCHAT_CPU_OPS=0) the plain torch expressions below.
 
 
 def norm(x, eps=NORM_EPS):
@@ -185,9 +140,9 @@ def norm(x, eps=NORM_EPS):
     machine epsilon of x's dtype (GPTConfig.norm_eps). The result keeps x's dtype (the kernel sums in fp32)."""
     if cpu_ops.is_cpu_fp32(x):
         return cpu_ops.rms_norm(x, torch.finfo(x.dtype).eps if eps is None else eps)
-    # CUDA's autocast lists rms_norm among the ops it runs in fp32: a bf16 residual stream would come out of every norm
-    # as fp32, and its backward would save that fp32 copy (CPU autocast leaves rms_norm alone, so only a GPU showed it)
-    with outside_autocast(x):
+    # CUDA's autocast runs rms_norm in fp32: a bf16 residual stream would come out of every norm as fp32, and its
+    # backward would save that fp32 copy
+    with torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext():
         return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
@@ -196,31 +151,22 @@ def residual_mix(x, x0, resid_lambda, x0_lambda):
     return resid_lambda * x + x0_lambda * x0
 
 
-def outside_autocast(x):
-    """A context in which ops on x run in x's own dtype: autocast off where it is on for x's device, else nothing."""
-    return torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext()
-
 
 def activation_dtype(x, weights_dtype):
-    """The dtype the residual stream runs in: autocast's where it is on for x's device (bf16 on a GPU), else the
-    matmuls' weights'. An embedding lookup returns its table's dtype, which autocast leaves alone (and a table stored
-    in bf16 meets fp32 weights when autocast is off); cast to this, every activation from the embedding on has the
-    dtype of the matmuls' outputs."""
+    """The dtype the residual stream runs in: autocast's where it is on for x's device, else the matmuls' weights'.
+    An embedding lookup keeps its table's dtype (autocast leaves lookups alone), so the embedding is cast to this."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weights_dtype
 
 
 def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
-    """
-    Rotary embedding, then RMSNorm (the QK-norm), of (B, T, H, D) queries or keys. The first and second
-    halves of D form the pairs (not interleaved), and the sign convention is the one transformers'
-    NanoChat uses: first half gets +x2*sin, second half gets -x1*sin. cpu_ops' fused version takes the norm before
-    rotating, which only a length-preserving rotation allows: not bf16-rounded tables (exact_rotation=False).
-    """
+    """Rotary embedding (split halves, transformers' NanoChat's signs), then RMSNorm (the QK-norm), of (B, T, H, D) q
+    or k. cpu_ops' fused version norms before rotating, which needs an exact rotation: not bf16-rounded tables."""
     if cpu_ops.is_cpu_fp32(x) and exact_rotation:
         return cpu_ops.rotary_norm(x, cos, sin, torch.finfo(x.dtype).eps if eps is None else eps)
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
     return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1), eps)
+
 
 def explicit_layers(text, n_layer):
     """The layer indices of a value_embed_layers like "1,3,5" (sorted, distinct, each below n_layer), else None."""
@@ -254,11 +200,8 @@ def config_from_dict(fields):
 
 
 def attention_window(config, layer_idx):
-    """
-    How many positions (itself included) a query of this layer sees, or None for all of them. With sliding_window
-    the last layer and every fourth one below it keep full attention (the short layers' reach adds up through
-    them) and the others see the last sequence_len // 2 positions.
-    """
+    """How many positions (itself included) a query of this layer sees, or None for all. With sliding_window the last
+    layer and every fourth below it see all, the others the last sequence_len // 2."""
     if config.attention_windows is not None:
         return config.attention_windows[layer_idx] or None
     if not config.sliding_window or (config.n_layer - 1 - layer_idx) % 4 == 0:
@@ -267,11 +210,8 @@ def attention_window(config, layer_idx):
 
 
 def band_mask(n_queries, n_keys, window, device):
-    """
-    Boolean (n_queries, n_keys) mask, True = may attend, for the last n_queries positions of n_keys: causal, and
-    within `window` positions when window is not None. None when no window cuts and either nothing is cached
-    (is_causal gives it) or there is one query (it sees every key): the common cases need no mask.
-    """
+    """Boolean (n_queries, n_keys) mask, True = may attend, for the last n_queries positions of n_keys: causal, and
+    within `window` when not None. None when no window cuts and nothing is cached or there is one query."""
     prefix = n_keys - n_queries
     if (window is None or window >= n_keys) and (prefix == 0 or n_queries == 1):
         return None
@@ -283,9 +223,8 @@ def band_mask(n_queries, n_keys, window, device):
     return allowed
 
 
-# Attention kernels for inference on CUDA: all but cuDNN's. cuDNN builds an execution plan per sequence length (tens of
-# ms each: measured on an H100, torch 2.11, a d12 decode step 50-70 ms against 7.7 ms at a length it had seen), and
-# inference meets a new length at every decoded token and every prompt. Training keeps cuDNN (one length, planned once).
+# Attention kernels for inference on CUDA: all but cuDNN's, which plans per sequence length (tens of ms each), and
+# inference meets a new length at every token (dev/log68/model.md). Training keeps cuDNN (one length, planned once).
 SHAPE_FREE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -297,12 +236,9 @@ def attention_backends(q):
 
 
 def flex_band_attention(q, k, v, window):
-    """
-    Causal attention of (B, H, T, D) q and (B, H_kv, T, D) k, v within `window` positions, by FlexAttention: blocks
-    entirely outside the band are skipped, which is where sliding windows save time. Meant for the compiled CUDA
-    path: the block mask is built inside the graph every step (a cheap pass over T x T, no Python-side cache for
-    dynamo to guard on), and eager FlexAttention would materialise the full score matrix.
-    """
+    """Causal attention of (B, H, T, D) q and (B, H_kv, T, D) k, v within `window`, by FlexAttention, skipping blocks
+    outside the band. For the compiled path only (eager FlexAttention materialises the scores); the block mask is built
+    inside the graph every step, leaving dynamo no Python-side cache to guard on."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def in_band(batch, head, q_idx, kv_idx):
@@ -338,9 +274,8 @@ class CausalSelfAttention(nn.Module):
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         exact = not self.rotary_bf16
         if self.inference_weight is not None and not torch.is_grad_enabled():
-            # one matmul for q, k, v and the gate (GPT.prepare_for_inference), and one rotary + QK-norm for q and
-            # k side by side: at batch 1 a decode step is a few dozen tiny ops, each paying a fixed cost. Only without
-            # grad: a backward through it would never reach c_q, c_k, c_v.
+            # one matmul for q, k, v and the gate (GPT.prepare_for_inference), one rotary + QK-norm for q and k side by
+            # side. Only without grad: a backward through it would never reach c_q, c_k, c_v.
             out = F.linear(x, self.inference_weight)
             qk = out[..., :(H + H_kv) * D].view(B, T, H + H_kv, D)
             v = out[..., (H + H_kv) * D:(H + 2 * H_kv) * D].view(B, T, H_kv, D)
@@ -374,15 +309,14 @@ class CausalSelfAttention(nn.Module):
             q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
-        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_training_attention(q, k, v):
+        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_training((q, k, v)):
             y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
         else:
             mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
             if mask is not None and kv_cache is None and q.is_cuda and torch.compiler.is_compiling():
                 y = flex_band_attention(q, k, v, self.window)
             else:
-                # enable_gqa lets query head h read kv head h // (n_head/n_kv_head), the same grouping as
-                # transformers' repeat_kv, without materialising repeated k/v (measured faster on CPU too).
+                # enable_gqa: transformers' repeat_kv grouping without materialising repeated k/v (faster on CPU too)
                 with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext(), attention_backends(q):
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                                        enable_gqa=self.n_kv_head != self.n_head)
@@ -414,8 +348,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
         x = x + self.attn(norm(x, self.eps), cos, sin, kv_cache, value_embed)
-        x = x + self.mlp(norm(x, self.eps))
-        return x
+        return x + self.mlp(norm(x, self.eps))
 
 
 class GPT(nn.Module):
@@ -423,8 +356,7 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        # Passing _weight skips nn.Embedding's own random init: init_weights() sets it anyway, and a
-        # normal_() on the meta device makes torch import torch._dynamo, seconds of startup for nothing.
+        # _weight skips nn.Embedding's random init (init_weights sets it): on meta, normal_() imports torch._dynamo
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd)),
             "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
@@ -443,9 +375,8 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.empty(1))
         if config.backout:
             self.backout_lambda = nn.Parameter(torch.empty(1))
-        # Activation checkpointing (base_train --checkpoint-activations): a training choice, not part of the model,
-        # so not in the config or a checkpoint. Each block keeps only its input for the backward and runs its forward
-        # again there: one block's activations alive at a time instead of every block's, for a third more compute.
+        # base_train --checkpoint-activations: a training choice, so not in the config or a checkpoint. Each block keeps
+        # only its input and reruns its forward in the backward: one block's activations alive, a third more compute.
         self.checkpoint_activations = False
         # Rotary tables are derived, not learned: non-persistent, filled by init_rotary().
         head_dim = config.n_embd // config.n_head
@@ -455,16 +386,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """
-        Fill every parameter and the rotary tables (call after to_empty). The init:
-          wte         normal, std 1 (it is RMS-normalised right away, so only direction matters)
-          lm_head     normal, std 0.001 (start near uniform predictions)
-          c_q, c_k, c_v, c_fc   uniform with std n_embd^-0.5 (bound sqrt(3) * n_embd^-0.5)
-          attn.c_proj, mlp.c_proj   zero, so every block starts as the identity on the residual stream
-        and, for the optional components, a start at (or next to) the identity:
-          value_embeds  uniform like c_v, their gates zero (gate 1)     resid_lambdas 1, x0_lambdas 0
-          smear_gate zero, smear_lambda 0                               backout_lambda 0
-        """
+        """Fill every parameter and the rotary tables (after to_empty). wte ~ N(0, 1) (normed right away), lm_head
+        ~ N(0, 0.001) (near-uniform predictions), c_q/c_k/c_v/c_fc and value embeddings uniform with std n_embd^-0.5;
+        both c_proj zero, so every block starts as the identity, and the components at (or next to) the identity."""
         nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=1.0)
         nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
         bound = math.sqrt(3.0) * self.config.n_embd ** -0.5
@@ -476,9 +400,8 @@ class GPT(nn.Module):
             if hasattr(block.attn, "ve_gate"):
                 nn.init.zeros_(block.attn.ve_gate.weight)
         c = self.config
-        if c.value_embeds:
-            for embedding in self.value_embeds.values():
-                nn.init.uniform_(embedding.weight, -bound, bound)
+        for embedding in self.embedding_tables()[1:]:  # the value embeddings
+            nn.init.uniform_(embedding.weight, -bound, bound)
         if c.residual_scalars:
             nn.init.ones_(self.resid_lambdas)
             nn.init.zeros_(self.x0_lambdas)
@@ -490,18 +413,17 @@ class GPT(nn.Module):
         self.store_embeddings_in_compute_dtype()
         self.init_rotary()
 
+    def embedding_tables(self):
+        """wte and the value embeddings: tables read by lookup."""
+        return [self.transformer.wte] + (list(self.value_embeds.values()) if self.config.value_embeds else [])
+
     def store_embeddings_in_compute_dtype(self):
-        """
-        Keep wte and the value-embedding tables in the compute dtype where it is bf16 (a GPU, a CPU with AVX512-BF16),
-        as the reference project does. They are looked up, not multiplied, so autocast never casts them, and in fp32
-        they cost 16 bytes a parameter (weights, gradients, AdamW's two moments) against 8: at d24 the 13 tables hold
-        654 M parameters, ~5 GB more than bf16. AdamW still does its arithmetic in fp32 (torch's fused kernel).
-        """
+        """Keep the embedding tables in the compute dtype where it is bf16, as the reference does: autocast never casts
+        a lookup, and in fp32 they cost 16 bytes a parameter against 8 (dev/log68/model.md). AdamW's math stays fp32."""
         dtype = get_compute_dtype(self.get_device())
         if dtype == torch.float32:
             return
-        tables = [self.transformer.wte] + (list(self.value_embeds.values()) if self.config.value_embeds else [])
-        for table in tables:
+        for table in self.embedding_tables():
             table.weight.data = table.weight.data.to(dtype)
 
     @torch.no_grad()
@@ -509,12 +431,10 @@ class GPT(nn.Module):
         """(Re)compute the rotary cos/sin tables on the model's device, stored in the compute dtype."""
         device = self.get_device()
         head_dim = self.config.n_embd // self.config.n_head
-        rotary_len = self.cos.size(1)
         # Same arithmetic as transformers: inv_freq = theta^-(2i/d), angles = position * inv_freq in fp32.
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                                                      / head_dim))
-        positions = torch.arange(rotary_len, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
+        angles = torch.outer(torch.arange(self.cos.size(1), device=device, dtype=torch.float32), inv_freq)
         dtype = get_compute_dtype(device)
         cos, sin = angles.cos(), angles.sin()
         if self.config.rotary_bf16:  # the values another project's tables had (an imported checkpoint's exact math)
@@ -527,22 +447,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def prepare_for_inference(self):
-        """
-        For a model that will only generate, on a CPU (a no-op elsewhere, where it is not measured). Not for training
-        or saving: on a bf16 CPU the fp32 weights are gone (a forward with grad enabled takes the separate weights, so
-        gradients stay right, but in bf16).
-          - Each attention's c_q, c_k, c_v (and value-embedding gate, zero-padded to n_embd inputs) stacked into one
-            matrix, so q, k, v and the gate come from one matmul: a batch-1 decode step of a small model is a few
-            dozen tiny ops, each paying a fixed cost (3-4 matmuls -> 1 per layer took a d4 step from ~1.13 to ~0.93 ms).
-            The separate weights become views into it, so each value is still held once.
-          - On a CPU that computes in bf16 autocast, every linear's weight stored in bf16 once. Autocast otherwise
-            casts each fp32 weight on every call, so a batch-1 decode step read the weights three times (fp32 in,
-            bf16 out, bf16 in) and ran slower than fp32, and a server's memory grew with the copies. The stored
-            values are the ones autocast would make, so the outputs stay those of the fp32 weights under autocast.
-            It also bounds oneDNN's per-shape kernel caches (common.bound_onednn_caches), which a generating process
-            fills with a new shape per batch size and prompt length.
-        Norms and scalars stay fp32 (the embedding tables are already in the compute dtype: init_weights).
-        """
+        """For a model that will only generate, on a CPU (a no-op elsewhere). Not for training or saving: on a bf16 CPU
+        the fp32 weights are gone. Each attention's c_q, c_k, c_v (and gate, zero-padded to n_embd inputs) become
+        views into one stacked matrix, one matmul where a batch-1 decode step pays a fixed cost per op. Under bf16
+        autocast every linear's weight is stored in bf16 once (the values autocast would make on every call) and
+        oneDNN's per-shape kernel caches are bounded (dev/log68/model.md). Norms and scalars stay fp32."""
         device = self.get_device()
         if device.type != "cpu":
             return self
@@ -568,24 +477,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def embedding_params(self):
-        """Parameters read by lookup (wte, value embeddings): they cost no FLOPs, so scaling laws leave them out."""
-        tables = [self.transformer.wte] + (list(self.value_embeds.values()) if self.config.value_embeds else [])
-        return sum(t.weight.numel() for t in tables)
+        """Parameters read by lookup: they cost no FLOPs, so scaling laws leave them out."""
+        return sum(t.weight.numel() for t in self.embedding_tables())
 
     def estimate_flops(self):
-        """
-        Training FLOPs per token (forward + backward):
-
-            6 * (num_params - embedding params)  +  12 * n_layer * n_head * head_dim * sequence_len
-
-        A matmul weight costs 2 FLOPs per token forward and 4 backward, hence 6 per parameter;
-        the embeddings (wte, value embeddings) are lookups, not matmuls, so they are left out (lm_head is a
-        matmul and counts; a component's scalars count 6 each, a slight overcount of their elementwise work).
-        Attention adds two matmuls per layer that have no parameters, QK^T and AV, each
-        2 * n_head * head_dim * T FLOPs per token forward (counted over the full T, not the
-        causal half), times 3 for forward + backward: 12 * n_head * head_dim * T per layer, where a
-        sliding-window layer counts its window instead of T.
-        """
+        """Training FLOPs per token: 6 per non-embedding parameter (2 forward, 4 backward; a component's scalars
+        overcount slightly), plus QK^T and AV, 12 * n_head * head_dim * T per layer over the full T (not the causal
+        half), a sliding-window layer's window instead of T."""
         c = self.config
         head_dim = c.n_embd // c.n_head
         matmul_params = self.num_params() - self.embedding_params()
@@ -594,16 +492,12 @@ class GPT(nn.Module):
 
     def setup_optimizers(self, unembedding_lr, embedding_lr, matrix_lr, weight_decay=0.0, adam_betas=(0.8, 0.95),
                          scalar_lr=0.005):
-        """
-        Parameter groups for the two optimizers (this module may not import them), at the lrs the depth dial
-        chose (training.depth_recipe): returns (adamw_groups, muon_groups). AdamW gets lm_head and wte (and the
-        value embeddings with wte's lr), each with its own lr scaled by (n_embd/768)^-0.5, and the components'
-        scalars and gates at scalar_lr; Muon gets the 2-D block matrices, one group per distinct shape.
-        Every group also records initial_lr so lr schedules can scale from it.
-        """
+        """(adamw_groups, muon_groups) at the depth dial's lrs (this module may not import the optimizers). AdamW:
+        lm_head, and the embedding tables at embedding_lr, both scaled by (n_embd/768)^-0.5, and the components'
+        scalars and gates at scalar_lr; Muon: the 2-D block matrices, a group per shape. Each records initial_lr."""
         adamw_scale = (self.config.n_embd / 768) ** -0.5
         c = self.config
-        embeddings = [self.transformer.wte.weight] + ([e.weight for e in self.value_embeds.values()] if c.value_embeds else [])
+        embeddings = [table.weight for table in self.embedding_tables()]
         gates = [block.attn.ve_gate.weight for block in self.transformer.h if hasattr(block.attn, "ve_gate")]
         scalars = gates + ([self.resid_lambdas, self.x0_lambdas] if c.residual_scalars else []) \
             + ([self.smear_gate.weight, self.smear_lambda] if c.smear else []) + ([self.backout_lambda] if c.backout else [])
@@ -641,8 +535,7 @@ class GPT(nn.Module):
         if kv_cache is None and cpu_ops.is_cpu_fp32(x):
             return cpu_ops.smear(x, self.smear_gate(x[..., :channels]), self.smear_lambda)
         if kv_cache is None:
-            # the first position unchanged and the others read their predecessor through slices of x: a shifted copy
-            # of x (zeros first) would be one more (B, T, C) tensor kept for the backward
+            # slices of x, not a shifted copy: that would be one more (B, T, C) tensor kept for the backward
             gate = torch.sigmoid(self.smear_gate(x[:, 1:, :channels]))
             return torch.cat((x[:, :1], x[:, 1:] + lam * gate * x[:, :-1]), dim=1)
         previous = kv_cache.swap_last_embedding(x).to(x.dtype)  # zeros for a row with nothing cached
@@ -651,27 +544,19 @@ class GPT(nn.Module):
         return x + lam * gate * previous
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
-        """
-        idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size), or with logits_at, a (B,) tensor of
-        positions, only those: (B, 1, vocab_size) (a prefill needs the last position's, and the head over every
-        position of a prompt would cost a quarter of a small model's prefill). With targets (B, T):
-        cross-entropy ignoring -1, reduced by "mean" (over valid targets; 0 if there are none),
-        "sum", or "none" (a (B, T) tensor, 0 where ignored).
-        With a kv_cache, each row's new tokens continue from its own length, attend to what the row has cached plus
-        causally among themselves, and the cache advances by T.
-        """
+        """idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size), or with logits_at, a (B,) tensor of
+        positions, (B, 1, vocab_size) (a prefill needs one position's). With targets (B, T): cross-entropy ignoring -1,
+        reduced by "mean" (over valid targets; 0 if none), "sum", or "none" ((B, T), 0 where ignored).
+        With a kv_cache, each row continues from its own length, attends to its cache, and the cache advances by T."""
         B, T = idx.shape
-        if kv_cache is not None:
-            positions = kv_cache.positions(T)  # (B, T): each row continues from its own length
-            if kv_cache.max_position(T) > self.cos.size(1):
-                raise ValueError(f"position {kv_cache.max_position(T)} is beyond the rotary table ({self.cos.size(1)} "
-                                 "positions)")
-            cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
-        else:
-            if T > self.cos.size(1):
-                raise ValueError(f"position {T} is beyond the rotary table ({self.cos.size(1)} positions)")
+        end = T if kv_cache is None else kv_cache.max_position(T)
+        if end > self.cos.size(1):
+            raise ValueError(f"position {end} is beyond the rotary table ({self.cos.size(1)} positions)")
+        if kv_cache is None:
             cos, sin = self.cos[:, :T], self.sin[:, :T]
-
+        else:
+            positions = kv_cache.positions(T)  # (B, T): each row continues from its own length
+            cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
         c = self.config
         x = self.transformer.wte(idx)
         x = norm(x.to(activation_dtype(x, self.lm_head.weight.dtype)), c.norm_eps)
@@ -682,15 +567,13 @@ class GPT(nn.Module):
             if c.residual_scalars and cpu_ops.is_cpu_fp32(x):
                 x = cpu_ops.residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             elif c.residual_scalars and torch.compiler.is_compiling():
-                # Recomputed in the backward rather than kept: compiled, the partitioner saved every layer's mix for
-                # its norm's backward beside the two tensors it is made from (both kept anyway), one (B, T, C) a
-                # layer: 2.2 GiB of the d24 step's 57 on an H200. The recompute is one fused elementwise pass.
+                # Recomputed in the backward, not kept: compiled, the partitioner saved every layer's mix beside the
+                # two tensors it is made from, one (B, T, C) a layer (dev/log68/model.md); the recompute is one pass.
                 x = checkpoint(residual_mix, x, x0, self.resid_lambdas[i], self.x0_lambdas[i], use_reentrant=False)
             elif c.residual_scalars:
                 x = residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             value_embed = self.value_embeds[str(i)](idx).to(x.dtype) if has_value_embed(c, i) else None
             if self.checkpoint_activations and kv_cache is None and torch.is_grad_enabled():
-                # the block's activations are recomputed in the backward from its input, not kept from the forward
                 x = checkpoint(block, x, cos, sin, None, value_embed, use_reentrant=False)
             else:
                 x = block(x, cos, sin, kv_cache, value_embed)
@@ -708,22 +591,18 @@ class GPT(nn.Module):
             if T == 1:  # a decode step: its one position, whatever logits_at says (no gather: a few us of a sub-ms step)
                 return self._softcap_logits(x)
             return self._softcap_logits(x[torch.arange(B, device=x.device), logits_at][:, None])
-        if targets is not None and loss_reduction not in ("mean", "sum", "none"):
+        if targets is None:
+            return self._softcap_logits(x)
+        if loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
-        flat_targets = targets.reshape(-1) if targets is not None else None
-
-        # CPU training (fp32, or bf16 autocast): the loss in chunks, never holding the full (B*T, V) logits (memory-bound
-        # on a CPU).
-        # Anywhere else the plain path runs: on a GPU torch.compile fuses it, and inference needs the logits.
-        if targets is not None and loss_reduction != "none" and c.logit_softcap is not None \
-                and cpu_ops.cpu_training_loss(x, self.lm_head.weight):
+        flat_targets = targets.reshape(-1)
+        # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
+        if loss_reduction != "none" and c.logit_softcap is not None \
+                and cpu_ops.cpu_training((x,), (self.lm_head.weight,)):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
-            if targets is None:
-                return self._softcap_logits(x)
             rows = x.view(B * T, -1)
-            # A CPU evaluation takes the same math in the chunked loss's row chunks: the full (B*T, V) logits and
-            # their temporaries cost ~200 MB of peak RSS at the CPU preset, as much as training itself.
+            # a CPU evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
             chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
             losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],
                                                 ignore_index=-1, reduction="none") for i in range(0, B * T, chunk)])

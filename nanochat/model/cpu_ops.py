@@ -1,21 +1,9 @@
 """
-Hand-written autograd Functions for training the GPT on a CPU in fp32.
-
-On a CPU, the elementwise parts of a transformer step are bound by memory traffic, not by
-arithmetic: autograd's generic chains (rms_norm as pow, mean, rsqrt, mul; square() through
-PowBackward; rotary slicing that scatters into zero-filled buffers; the full (B*T, V) logits)
-pass over memory 2-4x more often than needed, and those passes cost as much as a good part of
-the matmuls. Each Function below does the same math in fewer passes, with its backward written
-out by hand (measured fwd+bwd at d4 shapes: rms_norm 3.9 -> 1.3 ms, rotary 3.6 -> 2.0 ms,
-relu^2 16.5 -> 7.2 ms as its own Function, less again fused into the MLP).
-
-gpt.py calls these only for CPU fp32 tensors outside autocast (see `is_cpu_fp32` / `cpu_fp32_training`), except the
-chunked loss and the block-causal attention, which also run under CPU autocast with bf16 matmuls (`cpu_training_loss`,
-`cpu_training_attention`); everywhere else (CUDA, bf16 autocast on a CPU for the rest) the plain torch expressions run
-and torch.compile fuses them. NANOCHAT_CPU_OPS=0 turns them off on a CPU too, so the plain path a GPU takes can be run
-and tested anywhere. The results equal the plain math up to float rounding, and tests/test_gpt.py checks every
-Function's loss and gradients against it. Model constants (norm eps, softcap) come in as arguments, so this module knows
-nothing of the model.
+Hand-written autograd Functions for training the GPT on a CPU: gpt.py's math in fewer passes over memory, which bounds
+a CPU step's elementwise work (measurements: dev/log68/model.md). gpt.py calls them for CPU fp32 tensors outside
+autocast (`is_cpu_fp32`), the chunked loss and the block-causal attention also under CPU autocast; NANOCHAT_CPU_OPS=0
+turns them off, so the GPU's plain path runs anywhere. tests/test_gpt.py checks each against the plain math. Model
+constants (norm eps, softcap) come in as arguments: this module knows nothing of the model.
 """
 
 import os
@@ -39,32 +27,16 @@ def is_cpu_fp32(x):
             and enabled())
 
 
-def cpu_fp32_training(*tensors):
-    """CPU fp32 tensors on their way to a backward pass: where the training-only Functions below apply."""
-    return all(is_cpu_fp32(t) for t in tensors) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def cpu_training_attention(q, k, v):
-    """Where block_causal_attention applies: CPU training of q, k, v in fp32, or under CPU autocast (its matmuls then
-    run in the autocast dtype, the softmax and the score gradients in fp32, as flash attention keeps them; torch's CPU
-    flash attention in bf16 took 10 ms fwd+bwd for one d4 layer, this 4). Not when compiling: that is the GPU's path."""
-    if torch.is_autocast_enabled("cpu"):
-        fits = all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.get_autocast_dtype("cpu")) for t in (q, k, v))
-        return fits and enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-            and any(t.requires_grad for t in (q, k, v))
-    return cpu_fp32_training(q, k, v)
-
-
-def cpu_training_loss(x, weight):
-    """Where the chunked softcap loss applies: CPU training with fp32 activations and head, in fp32 or under CPU
-    autocast (its matmuls then run in the autocast dtype, as lm_head's would)."""
+def cpu_training(activations, weights=()):
+    """Where the training-only Functions apply (block attention, chunked loss): CPU tensors on their way to a backward,
+    activations in fp32, or under CPU autocast in fp32 or its dtype (the matmuls then run in it, softmax and loss in
+    fp32), weights in fp32. Not a compiled autocast model: that is the GPU's path, fused by the compiler."""
     autocast = torch.is_autocast_enabled("cpu")
-    if autocast and torch.compiler.is_compiling():
-        return False  # a compiled autocast model is the GPU's path: the plain loss, fused by the compiler
-    # under autocast the residual stream, and so x, is in its dtype (gpt.activation_dtype); the head stays fp32
-    x_dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
-    fits = x.device.type == weight.device.type == "cpu" and x.dtype in x_dtypes and weight.dtype == torch.float32
-    return fits and enabled() and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
+    fits = all(t.device.type == "cpu" and t.dtype in dtypes for t in activations) \
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
+    return fits and enabled() and torch.is_grad_enabled() and not (autocast and torch.compiler.is_compiling()) \
+        and any(t.requires_grad for t in (*activations, *weights))
 
 
 def _rotate(x, cos, sin, out):
@@ -96,13 +68,9 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class _RotaryNorm(torch.autograd.Function):
-    """
-    y = R(x) * r: rotation R by position, then RMSNorm. A rotation keeps every pair's length, so
-    r = (mean(x^2) + eps)^-1/2 comes from x itself, and the output is written straight into a
-    (B, H, T, D) buffer, which saves attention a transposing copy. With m = mean(g * y) per row,
-
-        dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m          (R^T: the rotation by -theta)
-    """
+    """y = R(x) * r: rotation R by position, then RMSNorm; a rotation keeps lengths, so r = (mean(x^2) + eps)^-1/2 comes
+    from x. The output is written into a (B, H, T, D) buffer, saving attention a transposing copy. With m = mean(g * y):
+    dx = R^T(r * (g - y * m)) = r * R^T(g) - x * r^2 * m, R^T the rotation by -theta."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, eps):
@@ -121,13 +89,9 @@ class _RotaryNorm(torch.autograd.Function):
 
 
 class _ReluSquaredMLP(torch.autograd.Function):
-    """
-    The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C)
-    hidden activation run in place: relu overwrites the matmul output, and in backward the 2 of
-    d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r.
-    Allocating a fresh (N, 4C) tensor per pass cost 4-5x more than the in-place pass (cold memory).
-    Saves r and r^2, the same two tensors autograd would keep.
-    """
+    """The whole MLP, out = relu(x W1^T)^2 W2^T, so that its two elementwise passes over the (N, 4C) hidden activation
+    run in place (a fresh tensor per pass lands on cold memory): relu overwrites the matmul output, and in backward the
+    2 of d(r^2) = 2 r dr rides in the matmul (alpha) and the relu mask comes from multiplying by r. Saves r and r^2."""
 
     @staticmethod
     def forward(ctx, x, w_fc, w_proj):
@@ -153,15 +117,11 @@ ATTENTION_BLOCK = 128  # query rows per block in the CPU training attention belo
 
 class _BlockCausalAttention(torch.autograd.Function):
     """
-    Causal softmax(q k^T / sqrt(D)) v for CPU training, by blocks of ATTENTION_BLOCK queries:
-    block i attends to keys [0, end_i) only, so the score matrices cover the lower triangle plus the
-    diagonal blocks (5/8 of the full T x T at T=512, 3/4 at T=256), and every product is one large bmm.
-    With a sliding window (query t sees keys (t - window, t]) block i starts at its first query's
-    lowest key instead of 0, so the blocks left of the band are skipped too.
-    The probabilities are kept for backward. Measured fwd+bwd against torch's CPU flash attention
-    (B=8, D=128): 19.1 vs 21.9 ms at T=256, H=2; 79 vs 105 ms at T=512, H=3. Needs n_kv_head == n_head.
-    In bf16 the products run in bf16 and the softmax, its probabilities and the score gradients in fp32 (each product's
-    result is rounded to bf16 first: CPU matmuls have no fp32 output for bf16 inputs).
+    Causal softmax(q k^T / sqrt(D)) v for CPU training, by blocks of ATTENTION_BLOCK queries: block i attends to keys
+    [0, end_i) only (the lower triangle plus the diagonal blocks), each product one large bmm; with a sliding window
+    (query t sees keys (t - window, t]) the blocks left of the band are skipped too. The probabilities are kept for
+    backward. Needs n_kv_head == n_head. In bf16 the products run in bf16 (rounded: CPU matmuls have no fp32 output for
+    bf16 inputs) and the softmax, its probabilities and the score gradients in fp32.
 
         dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))     dQ = dS K / sqrt(D)     dK += dS^T Q / sqrt(D)
     """
@@ -224,11 +184,8 @@ class _BlockCausalAttention(torch.autograd.Function):
 
 
 class _GatedAdd(torch.autograd.Function):
-    """
-    out = v + scale * sigmoid(logits) * ve: a value embedding joining attention's (B, T, H, D) values through its
-    (B, T, H) gate. One pass forward where autograd takes two (and a temporary), and backward reads grad once for
-    each of d(ve) = grad * gate and d(logits) = rowsum(grad * ve) * gate (1 - gate / scale); d(v) is grad itself.
-    """
+    """out = v + scale * sigmoid(logits) * ve for (B, T, H, D) v, ve and (B, T, H) logits, in one pass where autograd
+    takes two; d(ve) = grad * gate, d(logits) = rowsum(grad * ve) * gate (1 - gate / scale), d(v) = grad."""
 
     @staticmethod
     def forward(ctx, v, ve, logits, scale):
@@ -245,11 +202,8 @@ class _GatedAdd(torch.autograd.Function):
 
 
 class _ResidualMix(torch.autograd.Function):
-    """
-    out = a * x + b * x0 with a, b 0-dim tensors (the residual scalars before a block). Forward in two passes where
-    autograd takes three, and backward without autograd's two (N, C) temporaries for the scalars' gradients: they are
-    dot products, da = <grad, x>, db = <grad, x0>.
-    """
+    """out = a * x + b * x0 with 0-dim a, b, in two passes where autograd takes three; da = <grad, x>, db = <grad, x0>
+    as dot products, without autograd's two (N, C) temporaries."""
 
     @staticmethod
     def forward(ctx, x, x0, a, b):
@@ -266,11 +220,8 @@ class _ResidualMix(torch.autograd.Function):
 
 
 class _Smear(torch.autograd.Function):
-    """
-    out_t = x_t + lam * sigmoid(logits_t) * x_(t-1) along dim 1 of (B, T, C) x, the first position unchanged (smear:
-    each token's embedding gets a gated share of the previous one's). Forward is a copy and one pass over T - 1 rows,
-    with no shifted copy of x; backward reads grad once more for d(x) and once for d(logits) and d(lam).
-    """
+    """out_t = x_t + lam * sigmoid(logits_t) * x_(t-1) for (B, T, C) x, (B, T, 1) logits, a one-element lam, x_0
+    unchanged: a copy and one pass over T - 1 rows, no shifted copy of x."""
 
     @staticmethod
     def forward(ctx, x, logits, lam):
@@ -299,80 +250,67 @@ LOSS_CHUNK_ROWS = 512  # rows of logits per chunk in the chunked loss: (512, V) 
 
 class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
     """
-    Summed cross-entropy of softcapped logits, ignoring targets of -1:
+    sum_i CE(s * tanh(x_i @ W^T / s), t_i) over x (N, C), W (V, C), t (N,) with -1 ignored, s = softcap: lm_head ->
+    softcap -> F.cross_entropy without the (N, V) logits ever existing at once. LOSS_CHUNK_ROWS rows at a time, the
+    loss and d(loss)/d(logits) are made while the chunk is in cache and go straight into d/dx and d/dW, in the forward;
+    backward only scales them by the incoming scalar.
 
-        sum_i  CE(s * tanh(x_i @ W^T / s), t_i)        x (N, C), W (V, C), t (N,), s = softcap
-
-    the same math as lm_head -> softcap -> F.cross_entropy, but the (N, V) logits never exist all
-    at once: LOSS_CHUNK_ROWS rows at a time, the chunk's logits are computed, softcapped and turned
-    into the loss and into d(loss)/d(logits) while they are still in cache, and that gradient goes
-    straight into d/dx (the chunk's rows) and d/dW (accumulated). So the gradients are computed in
-    the forward pass, with the same matmuls autograd would run; backward only scales them by the
-    incoming gradient, a scalar since the output is a sum.
-
-    The softcap goes through a sigmoid, tanh(u) = 2 sigmoid(2u) - 1, because torch's CPU tanh is
-    3-4x slower than its sigmoid (4.8 vs 1.3 ms on a 512 x 4096 chunk). With q = sigmoid(2 l / s)
-    the softcapped logit is c = s (2q - 1), and since a softmax ignores a constant shift, every
-    quantity can use c' = 2 s q = c + s instead:
+    The softcap goes through a sigmoid, tanh(u) = 2 sigmoid(2u) - 1 (torch's CPU tanh is 3-4x slower). With
+    q = sigmoid(2 l / s), c = s (2q - 1), and as a softmax ignores a shift every quantity uses c' = 2 s q = c + s:
 
         loss_i = log(sum_v exp(c'_iv)) - c'_i,t_i      dL/dc = softmax(c') - onehot(t)      dc/dl = 4 q (1 - q)
 
-    0 < c' < 2s = 30, so exp(c') cannot overflow and the softmax needs no max-subtraction. The
-    scalings 2/s and 4 ride along in the matmuls (addmm's alpha), and each chunk reuses the same
-    two buffers, so no pass over the chunk lands on freshly allocated (cold) memory.
+    0 < c' < 2s, so exp(c') cannot overflow and needs no max-subtraction. 2/s and 4 ride in the matmuls' alpha, and
+    each chunk reuses two buffers, so no pass lands on cold memory.
     """
 
     @staticmethod
     def forward(ctx, x, weight, targets, softcap, matmul_dtype):
         with torch.autocast("cpu", enabled=False):  # every cast below is explicit
-            return _ChunkedSoftcapCrossEntropy._forward(ctx, x, weight, targets, softcap, matmul_dtype)
-
-    @staticmethod
-    def _forward(ctx, x, weight, targets, softcap, matmul_dtype):
-        s = softcap
-        n_rows, vocab = x.size(0), weight.size(0)
-        chunk = min(LOSS_CHUNK_ROWS, n_rows)
-        total = x.new_zeros((), dtype=torch.float32)
-        grad_x = torch.empty_like(x)
-        grad_weight = torch.zeros_like(weight)
-        # the softcap, softmax and loss in fp32 whatever x's dtype (a bf16 residual stream under autocast)
-        q_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
-        probs_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
-        # Under autocast the three matmuls take bf16 operands, as lm_head and its backward would: the logits are
-        # rounded to bf16 before the softcap, d(logits) before it meets the weights; the rest stays fp32.
-        low = (x.dtype, weight.dtype, matmul_dtype) != (torch.float32,) * 3
-        weight_mm = weight.to(matmul_dtype) if low else weight
-        for start in range(0, n_rows, chunk):
-            rows = slice(start, start + chunk)
-            xc, tc = x[rows], targets[rows]
-            q, probs = q_buffer[:xc.size(0)], probs_buffer[:xc.size(0)]
-            valid = tc != -1
-            safe_targets = tc.clamp(min=0).unsqueeze(1)
-            if low:
-                xc = xc.to(matmul_dtype)
-                q.copy_(torch.mm(xc, weight_mm.t())).mul_(2 / s).sigmoid_()
-            else:
-                torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: q's old values ignored
-            torch.mul(q, 2 * s, out=probs).exp_()
-            sum_exp = probs.sum(dim=1, keepdim=True)
-            picked = q.gather(1, safe_targets).mul_(2 * s)
-            total += torch.where(valid, (sum_exp.log() - picked).squeeze(1), 0.0).sum()
-            # d(loss)/d(logits), built in place in `probs`: softmax - onehot, zero on ignored rows, times q (1 - q);
-            # the remaining factor 4 is the alpha of the two matmuls below.
-            grad = probs.div_(sum_exp)
-            grad.scatter_add_(1, safe_targets, -valid.to(grad.dtype).unsqueeze(1))
-            if not valid.all():
-                grad.mul_(valid.unsqueeze(1))
-            grad.mul_(q).addcmul_(grad, q, value=-1.0)
-            if low:
-                grad_mm = grad.to(matmul_dtype)
-                torch.mul(torch.mm(grad_mm, weight_mm), 4.0, out=grad_x[rows])
-                grad_weight.add_(torch.mm(grad_mm.t(), xc), alpha=4.0)
-            else:
-                torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
-                grad_weight.addmm_(grad.t(), xc, alpha=4.0)
-        ctx.save_for_backward(grad_x, grad_weight)
-        return total
+            s = softcap
+            n_rows, vocab = x.size(0), weight.size(0)
+            chunk = min(LOSS_CHUNK_ROWS, n_rows)
+            total = x.new_zeros((), dtype=torch.float32)
+            grad_x = torch.empty_like(x)
+            grad_weight = torch.zeros_like(weight)
+            # the softcap, softmax and loss in fp32 whatever x's dtype (a bf16 residual stream under autocast)
+            q_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
+            probs_buffer = x.new_empty(chunk, vocab, dtype=torch.float32)
+            # Under autocast the three matmuls take bf16 operands, as lm_head and its backward would: the logits are
+            # rounded to bf16 before the softcap, d(logits) before it meets the weights; the rest stays fp32.
+            low = (x.dtype, weight.dtype, matmul_dtype) != (torch.float32,) * 3
+            weight_mm = weight.to(matmul_dtype) if low else weight
+            for start in range(0, n_rows, chunk):
+                rows = slice(start, start + chunk)
+                xc, tc = x[rows], targets[rows]
+                q, probs = q_buffer[:xc.size(0)], probs_buffer[:xc.size(0)]
+                valid = tc != -1
+                safe_targets = tc.clamp(min=0).unsqueeze(1)
+                if low:
+                    xc = xc.to(matmul_dtype)
+                    q.copy_(torch.mm(xc, weight_mm.t())).mul_(2 / s).sigmoid_()
+                else:
+                    torch.addmm(q, xc, weight.t(), beta=0, alpha=2 / s, out=q).sigmoid_()  # beta=0: old q unused
+                torch.mul(q, 2 * s, out=probs).exp_()
+                sum_exp = probs.sum(dim=1, keepdim=True)
+                picked = q.gather(1, safe_targets).mul_(2 * s)
+                total += torch.where(valid, (sum_exp.log() - picked).squeeze(1), 0.0).sum()
+                # d(loss)/d(logits), in place in `probs`: softmax - onehot, zero on ignored rows, times q (1 - q); the
+                # remaining factor 4 is the alpha of the two matmuls below
+                grad = probs.div_(sum_exp)
+                grad.scatter_add_(1, safe_targets, -valid.to(grad.dtype).unsqueeze(1))
+                if not valid.all():
+                    grad.mul_(valid.unsqueeze(1))
+                grad.mul_(q).addcmul_(grad, q, value=-1.0)
+                if low:
+                    grad_mm = grad.to(matmul_dtype)
+                    torch.mul(torch.mm(grad_mm, weight_mm), 4.0, out=grad_x[rows])
+                    grad_weight.add_(torch.mm(grad_mm.t(), xc), alpha=4.0)
+                else:
+                    torch.addmm(grad_x[rows], grad, weight, beta=0, alpha=4.0, out=grad_x[rows])
+                    grad_weight.addmm_(grad.t(), xc, alpha=4.0)
+            ctx.save_for_backward(grad_x, grad_weight)
+            return total
 
     @staticmethod
     def backward(ctx, grad_total):
@@ -381,11 +319,11 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# Entry points used by gpt.py
-
-
-def rms_norm(x, eps):
-    return _RMSNorm.apply(x, eps)
+# Entry points used by gpt.py (the Functions above give the math)
+rms_norm = _RMSNorm.apply
+relu_squared_mlp = _ReluSquaredMLP.apply
+gated_add = _GatedAdd.apply
+smear = _Smear.apply
 
 
 def rotary_norm(x, cos, sin, eps):
@@ -393,8 +331,9 @@ def rotary_norm(x, cos, sin, eps):
     return _RotaryNorm.apply(x, cos, sin, eps)
 
 
-def relu_squared_mlp(x, w_fc, w_proj):
-    return _ReluSquaredMLP.apply(x, w_fc, w_proj)
+def residual_mix(x, x0, a, b):
+    """a * x + b * x0 for same-shape x, x0 and 0-dim a, b."""
+    return _ResidualMix.apply(x, x0, a, b)
 
 
 def block_causal_attention(q, k, v, window=None):
@@ -409,23 +348,8 @@ def block_causal_attention(q, k, v, window=None):
         return _BlockCausalAttention.apply(q.to(low), k.to(low), v.to(low), window)
 
 
-def gated_add(v, ve, logits, scale):
-    """v + scale * sigmoid(logits)[..., None] * ve for (B, T, H, D) v and ve and (B, T, H) logits."""
-    return _GatedAdd.apply(v, ve, logits, scale)
-
-
-def residual_mix(x, x0, a, b):
-    """a * x + b * x0 for same-shape x, x0 and 0-dim a, b."""
-    return _ResidualMix.apply(x, x0, a, b)
-
-
-def smear(x, logits, lam):
-    """x_t + lam * sigmoid(logits_t) * x_(t-1) for (B, T, C) x, (B, T, 1) logits and a one-element lam; x_0 unchanged."""
-    return _Smear.apply(x, logits, lam)
-
-
 def softcap_cross_entropy_sum(x, weight, targets, softcap):
-    """sum_i CE(softcap * tanh(x_i W^T / softcap), t_i) over rows x (N, C), targets (N,) with -1 ignored; the matmuls
-    in the CPU autocast dtype when autocast is on."""
+    """The chunked softcap loss of rows x (N, C), targets (N,) with -1 ignored; the matmuls in the CPU autocast dtype
+    when autocast is on."""
     matmul_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     return _ChunkedSoftcapCrossEntropy.apply(x, weight, targets, softcap, matmul_dtype)

@@ -1,58 +1,16 @@
 """
-FP8 matmuls for training: a drop-in `Fp8Linear` for the bias-free nn.Linear layers of the blocks.
-
-All three matmuls of a linear layer run with fp8 operands, each tensor scaled per tensor from its
-own current absolute maximum ("tensorwise" dynamic scaling):
-
-    forward    y      = x      @ W^T       x, W  in float8_e4m3fn (more mantissa, enough range)
-    backward   grad_x = grad_y @ W         grad_y in float8_e5m2 (gradients need the wider range)
-               grad_W = grad_y^T @ x
-
-    quantize:  scale = FP8_MAX[dtype] / max(amax(|t|), AMAX_FLOOR)        (fp32)
-               q     = clamp(t * scale, -FP8_MAX, FP8_MAX) -> fp8,  kept with inv_scale = 1 / scale
-
-Layouts. An H100/H200's fp8 GEMM (cuBLASLt, what torch._scaled_mm calls on sm90) multiplies only a
-row-major first operand by a column-major second one: both operands must be contiguous along the
-dimension the product sums over. Each of x, W and grad_y is summed over along one dimension in one
-product and along the other in another, so each is needed in both layouts: three transposed fp8
-tensors per layer are unavoidable. They are written by the quantising cast itself (it writes its fp8
-output in whichever layout is asked for), never copied from an fp8 tensor afterwards: the forward
-writes x^T and W^T next to x and W, and saves only the transposed ones for backward (activations
-kept for backward still take one byte per element); the backward writes grad_y in both layouts.
-
-One opaque op for torch.compile. The forward and the backward are torch.library custom ops
-(nanochat::fp8_linear, nanochat::fp8_linear_backward) with shape functions and an autograd formula,
-so a compiled model sees one node per linear in its forward graph and one in its backward graph, and
-Dynamo never traces the quantisation (the autograd.Function it replaced was traced, forward and
-backward, once per layer: the likely cause of the 184 s first compiled step measured at d24). Inside the op, on CUDA, the body (amax, scale, casts, _scaled_mm) runs torch.compile'd on
-its own, as modded-nanogpt's does: inductor fuses the quantisations into a few kernels that read the
-bf16 inputs and write fp8, the fp32 product t * scale staying in registers (on the CPU, inductor makes
-the whole forward quantisation one kernel before _scaled_mm). Run eagerly (the CPU by default, or with
-FUSED_DEVICE_TYPES emptied) the same math takes a kernel per op and an fp32 temporary.
-
-Accumulation follows modded-nanogpt's fp8 matmul (the speedrun record holder): the forward runs with
-use_fast_accum=True (Hopper's faster, less precise fp8 accumulation), both backward products with
-use_fast_accum=False, where the gradients' precision matters more. Outputs and grad_x come in the
-activation dtype (bf16 under autocast), grad_W in the weight's dtype.
-
-Where it runs: `torch._scaled_mm` is the native op, used on CUDA from compute capability 8.9 (Ada,
-Hopper). Everywhere else (CPU, MPS, older CUDA) the same quantization is done and the matmul is
-emulated: both operands are dequantized to fp32 and multiplied in fp32, which gives the numbers
-_scaled_mm gives up to fp32 rounding (where the scales are applied, accumulation order). That is
-for checking the numerics of fp8 training, not for speed. The CPU does run _scaled_mm in this torch,
-but as a reference kernel (measured 64 s for a 2048 x 256 x 1024 product that fp32 does in 16 ms),
-so it is used there only when asked for (native=True: the tests compare it with the emulation). It
-also accepts operands in any layout, so the tests check the H100's layout rule themselves.
-A device that cannot even hold fp8 tensors falls back to a plain F.linear.
-
-Calls that _scaled_mm cannot take on CUDA fall back to a plain F.linear, on every device alike so a
-CPU test sees what an H100 does: any of the token count (leading dims of x flattened), in_features
-or out_features not a multiple of 16 (each of the three is the inner dim of one of the three
-matmuls), or x/W dtypes other than fp32/bf16/fp16. Tiny test models and small gate layers take
-that path.
-
-Call `fp8_available(device)` once before torch.compile: it probes the device and caches the
-answer, so the compiled forward only reads a dict.
+FP8 matmuls for training: `Fp8Linear`, a drop-in for the blocks' bias-free nn.Linear. All three matmuls of a layer take
+fp8 operands, each scaled per tensor from its current amax (scale = FP8_MAX / amax, fp32): x and W in e4m3 forward,
+grad_y in e5m2 backward (gradients need the wider range). As in modded-nanogpt, the forward accumulates fast
+(use_fast_accum) and the two backward products precisely; outputs and grad_x in the activation dtype, grad_W in the
+weight's. An H100's fp8 GEMM takes a row-major first and a column-major second operand, so each of x, W and grad_y is
+needed in both layouts: the quantising cast writes each transpose itself, never copying fp8 data, and the forward saves
+only the transposed ones. Forward and backward are torch.library custom ops, one opaque node each for torch.compile
+(Dynamo never traces the quantisation), whose bodies run torch.compile'd on CUDA so the casts fuse.
+`torch._scaled_mm` runs on CUDA from sm89; elsewhere the matmul is emulated in fp32 (equal up to fp32 rounding: for
+checking numerics; the CPU's _scaled_mm is a slow reference kernel, used only with native=True, and ignores layouts).
+Shapes with a token count, in_features or out_features not a multiple of 16, or other dtypes, run plain F.linear on
+every device, as does a device that cannot hold fp8. Call `fp8_available(device)` before torch.compile: it caches.
 """
 
 import torch
@@ -64,17 +22,12 @@ from nanochat.common import compile_backend
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
-# Floor on amax so an all-zero tensor (zero-initialised projections) gets a finite scale:
-# FP8_MAX / float32 tiny would overflow to inf and turn 0 * scale into NaN.
-AMAX_FLOOR = 1e-12
+AMAX_FLOOR = 1e-12  # an all-zero tensor (a zero-initialised projection) still gets a finite scale, not inf and NaN
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
-# Device types whose op bodies run torch.compile'd (see the module docstring). A set, so a benchmark can empty it to
-# time the unfused body and a test can add "cpu" to run the compiled body on the CPU.
+# Device types whose op bodies run torch.compile'd: a benchmark may empty it, a test add "cpu".
 FUSED_DEVICE_TYPES = {"cuda"}
-
-# ("native" | "emulated" | None) per device, filled by _device_mode.
-_DEVICE_MODE = {}
+_DEVICE_MODE = {}  # ("native" | "emulated" | None) per device, filled by _device_mode
 
 
 def fp8_scale(t, dtype):
@@ -85,21 +38,14 @@ def fp8_scale(t, dtype):
 
 
 def cast_to_fp8(t, scale, dtype, transposed=False):
-    """
-    t * scale, saturated and rounded to the fp8 dtype. The result is row-major (contiguous): of t, or with
-    transposed=True of a 2-D t's t^T, written in that layout by the cast itself (a copy_ into a tensor laid out for
-    it), so no transposed copy of fp8 data is ever made. The product is taken in fp32 so it is rounded once, to fp8.
-    """
+    """t * scale (in fp32, so rounded once), saturated and cast to the fp8 dtype, row-major: of t, or with
+    transposed=True of a 2-D t's t^T, written in that layout by the cast itself (no transposed copy of fp8 data)."""
     fp8_max = FP8_MAX[dtype]
     # amax * scale often lands one fp32 ulp above FP8_MAX, and the cast is not promised to saturate
     # (e5m2 overflows to inf), hence the clamp
     scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
-    if transposed:
-        q = torch.empty(t.t().shape, dtype=dtype, device=t.device)
-        q.t().copy_(scaled)
-    else:
-        q = torch.empty(t.shape, dtype=dtype, device=t.device)
-        q.copy_(scaled)  # not scaled.to(dtype): that keeps the layout of a transposed or expanded t
+    q = torch.empty(t.t().shape if transposed else t.shape, dtype=dtype, device=t.device)
+    (q.t() if transposed else q).copy_(scaled)  # not scaled.to(dtype): that keeps a transposed or expanded t's layout
     return q
 
 
@@ -114,15 +60,10 @@ def dequantize(q, inv_scale, dtype=torch.float32):
     return (q.float() * inv_scale).to(dtype)
 
 
-def _device_key(device):
+def _device_mode(device):
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _device_mode(device):
-    device = _device_key(device)
     if device in _DEVICE_MODE:
         return _DEVICE_MODE[device]
     mode = None
@@ -145,22 +86,16 @@ def fp8_available(device):
 
 
 def _mm_abt(a, a_inv, b, b_inv, out_dtype, native, fast_accum):
-    """
-    a @ b^T for row-major fp8 a (M, K) and b (N, K): b.t() is then column-major, the layout _scaled_mm wants for its
-    second operand on an H100, so every product here is set up as this one and needs no copy.
-    """
+    """a @ b^T for row-major fp8 a (M, K) and b (N, K): b.t() is column-major, as an H100's _scaled_mm wants it."""
     if native:
         return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
     return (dequantize(a, a_inv) @ dequantize(b, b_inv).t()).to(out_dtype)
 
 
 def _forward_body(x, weight, out_dtype, native, keep_for_backward):
-    """
-    y = x @ W^T for 2-D x (M, K) and W (N, K). Returns (y, x^T, x_inv, W^T, w_inv): the fp8 transposes that backward
-    needs, written while x and W are being quantised anyway (empty when nothing will backpropagate).
-    Autocast is switched off: it would recast the emulated fp32 matmul to bf16, and CPU _scaled_mm, whose kernel calls
-    matmuls that autocast still sees, then also accumulates at bf16 precision even with out_dtype=float32.
-    """
+    """y = x @ W^T for 2-D x (M, K) and W (N, K). Returns (y, x^T, x_inv, W^T, w_inv): the fp8 transposes backward needs
+    (empty when nothing will backpropagate). Autocast off: it would recast the emulated fp32 matmul to bf16, and CPU
+    _scaled_mm's inner matmuls too."""
     with torch.autocast(x.device.type, enabled=False):
         x_scale, w_scale = fp8_scale(x, E4M3), fp8_scale(weight, E4M3)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
@@ -194,16 +129,11 @@ _COMPILED_BODIES = {}
 
 
 def _run_body(body, device, *args):
-    """
-    body(*args), torch.compile'd where the device type is in FUSED_DEVICE_TYPES. One graph is meant to serve every
-    layer's shapes (and eval's token counts), so that a model compiles each body once per combination of its flags
-    rather than once per shape, far from Dynamo's limit of 8 recompiles per function: dynamic=True, without duck
-    sizing (which would make sizes that happen to be equal on the first call, like a square layer's K and N, one
-    symbol, and recompile when they differ), the weight as a plain tensor (Dynamo keeps a Parameter's shape static),
-    and one context to call it in: an eager model's autograd calls the op with the ADInplaceOrView dispatch key active
-    and autocast on, a compiled model's graph without either, and Dynamo's guards, which see both, would compile again.
-    (The bodies switch autocast off themselves; grad mode is off below autograd either way.)
-    """
+    """body(*args), torch.compile'd where the device type is in FUSED_DEVICE_TYPES, one graph for every layer's shapes
+    (far from Dynamo's 8 recompiles): dynamic=True without duck sizing (equal sizes on the first call, like a square
+    layer's K and N, would become one symbol), the weight as a plain tensor (a Parameter's shape is static), and one
+    calling context (eager autograd calls with ADInplaceOrView and autocast on, a compiled graph without; the guards
+    would see the difference)."""
     if device.type not in FUSED_DEVICE_TYPES:
         return body(*args)
     if body not in _COMPILED_BODIES:
@@ -271,13 +201,9 @@ fp8_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp8_linear(x, weight, native=None):
-    """
-    F.linear(x, weight) (no bias) with fp8 matmuls in forward and backward. native: None = the device's
-    choice (_scaled_mm on an fp8 GPU, else the emulation); True / False force _scaled_mm / the
-    emulation, which is how the tests compare the two paths on a CPU.
-    The output dtype follows autocast like F.linear does: the autocast dtype when autocast is on
-    for x's device, else x.dtype. Shapes or dtypes _scaled_mm cannot take run plain F.linear.
-    """
+    """F.linear(x, weight) (no bias) with fp8 matmuls in forward and backward; the output dtype follows autocast as
+    F.linear's does. native: None = the device's choice, True / False force _scaled_mm / the emulation (tests compare
+    the two on a CPU). Shapes or dtypes _scaled_mm cannot take run plain F.linear."""
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     in_features, out_features = x.shape[-1], weight.shape[0]
@@ -309,13 +235,9 @@ class Fp8Linear(nn.Linear):
 
 
 def convert_to_fp8(module):
-    """
-    Replace every bias-free nn.Linear (exactly that type) below `module` by an Fp8Linear holding the
-    same weight Parameter object, so param groups built before or after, and state_dict keys, do not
-    change. `module` itself is not replaced (it has no parent here). Returns how many were converted.
-    """
-    # id(old) -> (old, new): a Linear registered under two names becomes one Fp8Linear; old is kept
-    # alive in the value so its id cannot be reused by a module created during the walk
+    """Replace every bias-free nn.Linear (exactly that type) below `module` (not itself) by an Fp8Linear holding the
+    same weight Parameter, so param groups and state_dict keys do not change. Returns how many were converted."""
+    # id(old) -> (old, new): a Linear under two names becomes one Fp8Linear; old kept alive so its id is not reused
     converted = {}
 
     def visit(parent):

@@ -1,13 +1,8 @@
 """
-Export a nanochat checkpoint as a Hugging Face directory that `transformers` loads with its built-in
-NanoChat architecture (AutoModelForCausalLM) and a `tokenizers` tokenizer (AutoTokenizer), giving the
-same logits and the same token ids as our model and tokenizer.
-
-The files it writes, and what it refuses before writing any (what transformers cannot represent: an unknown config
-field, an extra parameter, an unconvertible tokenizer; the directory appears only when complete), are docs/export.md.
-A model with a recipe component (gpt.COMPONENTS) has no place in transformers' NanoChat: its export writes our own
-modeling code (nanochat/model/hf_recipe_model.py, as modeling_nanochat_recipe.py) with our parameter names, and
-config.json points auto_map at it, so it loads with trust_remote_code=True.
+Export a checkpoint as a Hugging Face directory that transformers loads with its built-in NanoChat architecture and a
+`tokenizers` tokenizer, with our logits and token ids (files and refusals: docs/export.md). A model with a recipe
+component has no place in NanoChat: its export ships our modeling code (hf_recipe_model.py, as
+modeling_nanochat_recipe.py) under auto_map, loaded with trust_remote_code=True.
 """
 
 import dataclasses
@@ -53,11 +48,8 @@ TOKENIZER_PROBES = [
 
 
 def raw_model_config(ckpt_dir, step=None):
-    """
-    The model_config in the meta.json of `step` (default: the newest step directory), read as plain JSON, or None
-    when there is none to read. The checkpoint manager skips a checkpoint whose config has fields it does not know,
-    so without this look the export would say "no checkpoint" instead of naming what it cannot represent.
-    """
+    """The model_config in the meta.json of `step` (default: the newest), as plain JSON, or None: the checkpoint manager
+    skips a config with unknown fields, and the export must name them rather than say "no checkpoint"."""
     names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
     steps = [int(m.group(1)) for m in map(STEP_DIR_RE.match, names) if m]
     if step is None:
@@ -69,11 +61,8 @@ def raw_model_config(ckpt_dir, step=None):
 
 
 def check_representable(model_config):
-    """
-    Raise UserError naming the first thing in a checkpoint's model config (a dict, as in meta.json) that
-    transformers' NanoChat cannot represent. Runs before the model is built: a config from a newer nanochat
-    with extra features must be refused with their names, not fail while loading.
-    """
+    """Raise UserError naming the first thing in a checkpoint's model config (a dict, as in meta.json) that
+    transformers' NanoChat cannot represent, before the model is built."""
     known_fields = [field.name for field in dataclasses.fields(GPTConfig)]
     unknown = [name for name in model_config if name not in known_fields]
     if unknown:
@@ -86,9 +75,7 @@ def check_representable(model_config):
         config_from_dict(model_config)
     except ValueError as e:
         raise UserError(f"cannot export: {e}") from None
-    # Everything a valid GPTConfig can express maps onto NanoChat: grouped-query attention (repeat_kv uses the
-    # same head grouping as our enable_gqa), head_dim = n_embd/n_head (even, as rotary needs), and any
-    # sequence_len (its rotary embedding is computed for whatever positions it is given).
+    # Everything else a valid GPTConfig expresses maps onto NanoChat (GQA groups heads alike, any sequence_len).
 
 
 # Our parameter names -> transformers' NanoChat names: the two outside the blocks, and a block's linears (model_import
@@ -117,17 +104,9 @@ def uses_components(config):
         getattr(config, name) != default for name, default in VARIANT_DEFAULTS.items() if name not in NANOCHAT_VARIANTS)
 
 
-def norm_eps_for_export(config):
-    """RMSNorm's eps as a number: the default (None) is torch's fp32 machine epsilon, which both models' fp32 norm uses."""
-    return torch.finfo(torch.float32).eps if config.norm_eps is None else config.norm_eps
-
-
 def hf_state_dict(model, vocab_size, dtype):
-    """
-    The model's weights under transformers' names (our own names for a model with components, which our modeling code
-    keeps), on the CPU in `dtype`, with every per-token table (embedding, lm_head, value embeddings) cut to the
-    tokenizer's `vocab_size` (rows past it are padding no token id can reach).
-    """
+    """The weights under transformers' names (ours for a model with components), on the CPU in `dtype`, each per-token
+    table cut to the tokenizer's `vocab_size` (rows past it are padding no token id reaches)."""
     if model.config.vocab_size < vocab_size:
         raise UserError(f"cannot export: the model has {model.config.vocab_size} token rows but the tokenizer "
                         f"has {vocab_size} ids; this checkpoint was trained with another tokenizer")
@@ -157,7 +136,8 @@ def hf_model_config(config, bos_id, eos_id, vocab_size, dtype_name):
         "head_dim": config.n_embd // config.n_head,
         "max_position_embeddings": config.sequence_len,
         "hidden_act": "relu2",
-        "rms_norm_eps": norm_eps_for_export(config),
+        # a number: None is torch's default, the fp32 machine epsilon in both models' fp32 norm
+        "rms_norm_eps": torch.finfo(torch.float32).eps if config.norm_eps is None else config.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "final_logit_softcapping": config.logit_softcap,
         "attention_bias": False,
@@ -217,11 +197,8 @@ def hf_generation_config(bos_id, eos_id, use_cache=True):
 
 
 def byte_to_unicode():
-    """
-    The byte-level alphabet `tokenizers` uses (GPT-2's): every byte gets a printable character, so BPE tokens
-    are strings. Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7F-0xA0, 0xAD)
-    take the characters from U+0100 on, in byte order.
-    """
+    """GPT-2's byte-level alphabet, as `tokenizers` uses it: printable Latin-1 bytes stand for themselves, the other 68
+    take the characters from U+0100 on, in byte order."""
     printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1))
     printable |= set(range(ord("®"), ord("ÿ") + 1))
     others = iter(range(256, 512))  # the next character from U+0100 on, for each byte that is not printable
@@ -229,10 +206,8 @@ def byte_to_unicode():
 
 
 def bpe_parts(token, ranks, max_rank):
-    """
-    tiktoken's BPE on `token` using only merges ranked below max_rank: repeatedly join the adjacent pair whose
-    concatenation has the lowest rank (leftmost on ties) until no such pair is left.
-    """
+    """tiktoken's BPE on `token` with the merges ranked below max_rank: join the lowest-ranked adjacent pair (leftmost
+    on ties) until none is left."""
     parts = [token[i:i + 1] for i in range(len(token))]
     while True:
         best_rank, best_index = None, None
@@ -246,11 +221,8 @@ def bpe_parts(token, ranks, max_rank):
 
 
 def merges_from_ranks(mergeable_ranks):
-    """
-    The BPE merge list, in rank order, that rebuilds every multi-byte token the way tiktoken reaches it: BPE on a
-    token's own bytes with the merges ranked below it must end in exactly two parts, and joining those two is
-    that token's merge. A vocabulary where this fails was not made by BPE merges and cannot be converted.
-    """
+    """The BPE merge list, in rank order: BPE on a token's bytes with the merges ranked below it must end in exactly two
+    parts, whose join is its merge; a vocabulary where this fails was not made by BPE merges."""
     missing_bytes = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
     if missing_bytes:
         raise UserError(f"cannot export the tokenizer: it lacks {len(missing_bytes)} of the 256 single-byte tokens")
@@ -267,11 +239,8 @@ def merges_from_ranks(mergeable_ranks):
 
 
 def build_hf_tokenizer(tokenizer):
-    """
-    A `tokenizers.Tokenizer` that encodes text to the same ids as our tiktoken encoding: our split regex,
-    then bytes -> byte-level characters, then BPE with whole-piece lookup first (as tiktoken does), and the
-    nine special tokens as added tokens at our ids. No normalizer and no post-processor: nothing is added.
-    """
+    """A `tokenizers.Tokenizer` with our ids: our split regex, the byte-level alphabet, BPE with whole-piece lookup
+    first (as tiktoken), the nine specials as added tokens at our ids; no normalizer, no post-processor."""
     try:
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
@@ -325,11 +294,9 @@ def check_tokenizer_matches(hf_tokenizer, tokenizer):
             raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
 
 
-# The chat format of tokenizer.render_conversation / render_for_completion as a Jinja template:
-#   <|bos|> then per turn  <|user_start|>text<|user_end|>  or  <|assistant_start|>content<|assistant_end|>
-# A leading system message is merged into the first user turn as system + "\n\n" + user. Assistant content is a
-# string, or parts: text, python (<|python_start|>..<|python_end|>), python_output (<|output_start|>..<|output_end|>).
-# add_generation_prompt drops a final assistant message and primes <|assistant_start|>, like render_for_completion.
+# tokenizer.render_conversation / render_for_completion as a Jinja template: a leading system message merged into the
+# first user turn (system + "\n\n" + user); add_generation_prompt drops a final assistant message and primes
+# <|assistant_start|>.
 CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 {%- if content is string -%}{{- content -}}
 {%- else -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}
@@ -398,11 +365,8 @@ def hf_tokenizer_config(sequence_len):
 
 
 def check_output_dir(out_dir):
-    """
-    The directory the export goes to: --out, a symbolic link resolved to its target (the export replaces the empty
-    directory it names, and a link itself cannot be replaced by one), which must be new or empty, and writable. Said
-    before the checkpoint is read.
-    """
+    """--out with a link resolved to its target (the export replaces the empty directory it names, which a link cannot
+    be), new or empty, and writable; said before the checkpoint is read."""
     out_dir = os.path.realpath(out_dir)
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise UserError(f"--out {out_dir} already exists and is not empty; choose a new directory or remove it first")
@@ -420,11 +384,8 @@ def format_size(num_bytes):
 
 
 def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
-    """
-    Write everything into a temp dir next to out_dir, then rename it into place: never a partial export. The rename
-    takes out_dir's name in one step where it is free or an empty directory, and fails on anything else: a file
-    written into out_dir meanwhile stays as it is, and the export is refused in one line with nothing left of it.
-    """
+    """Write everything into a temp dir next to out_dir, then rename it into place: never a partial export. The rename
+    fails if out_dir is no longer free or empty, and then nothing of the export is left."""
     from safetensors.torch import save_file
 
     parent = os.path.dirname(out_dir)
@@ -452,10 +413,8 @@ def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
 
 
 def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="float32", device="cpu"):
-    """
-    Export the checkpoint (source, model_tag, step) to out_dir, printing what is done.
-    Every check runs before anything is written. Returns {file name: size in bytes}.
-    """
+    """Export the checkpoint (source, model_tag, step) to out_dir, every check before anything is written. Returns
+    {file name: size in bytes}."""
     t0 = time.time()
     if dtype_name not in EXPORT_DTYPES:
         raise UserError(f"--dtype must be one of {sorted(EXPORT_DTYPES)} (got {dtype_name!r})")

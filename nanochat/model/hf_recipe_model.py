@@ -1,13 +1,8 @@
 """
-The modeling code an export ships when its model uses a recipe component (gpt.COMPONENTS) that transformers' built-in
-NanoChat has no place for. nanochat.model.hf_export copies this file into the export directory as
-modeling_nanochat_recipe.py and points config.json's auto_map at it, so that
-
-    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-
-builds this model. It imports only torch and transformers (it runs without nanochat installed), keeps our
-parameter names, and writes out the same math as nanochat.gpt's plain path. It has no KV cache: generate() feeds
-the whole sequence every step (use_cache is off), which is slower but needs nothing beyond the forward pass.
+The modeling code an export ships (as modeling_nanochat_recipe.py, under config.json's auto_map, loaded with
+trust_remote_code=True) when its model has a recipe component transformers' NanoChat has no place for. It imports only
+torch and transformers, keeps our parameter names and writes out nanochat.gpt's plain-path math. No KV cache:
+generate() feeds the whole sequence every step (use_cache is off).
 """
 
 import torch

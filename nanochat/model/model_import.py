@@ -1,20 +1,10 @@
 """
-Bring your model: a checkpoint of karpathy/nanochat (any public era) or a transformers NanoChat directory (our own
-export_hf output included) becomes an ordinary checkpoint of ours that gives the same logits.
-
-What is read, and how (nothing is unpickled except through a restricted unpickler):
-    karpathy/nanochat   model_XXXXXX.pt (torch.load, weights_only=True), meta_XXXXXX.json (its model_config),
-                        tokenizer.pkl (a pickled tiktoken Encoding: read by an unpickler that builds nothing but a
-                        plain record of the encoding's four fields and refuses any other class before it runs)
-    transformers        config.json (model_type nanochat, or nanochat_recipe from our export_hf), *.safetensors,
-                        tokenizer.json (a byte-level BPE, turned back into tiktoken ranks and checked on probe texts)
-
-The reference project's model changed over time in ways its files do not all record. Its components (value
-embeddings, residual lambdas, smear, backout) and their sizes are read off the state dict; the numbers below are
-what each era's forward did besides (ERAS), and become GPTConfig's exact-math options. The state dict and
-model_config narrow the era down (era_candidates); a `--era` outside what they allow is refused. A checkpoint that
-looks like January's may also be of 2-8 March 2026: its training config (the meta's user_config) settles it when it
-lacks fields every script of those days saved (then it is January's), and otherwise `--era` must say which.
+Bring your model: a karpathy/nanochat checkpoint of any public era (model_XXXXXX.pt read with weights_only=True, its
+meta_XXXXXX.json, a tokenizer.pkl read by an unpickler that accepts only a tiktoken Encoding's state) or a transformers
+NanoChat directory (config.json, safetensors, tokenizer.json; our export_hf's included) becomes an ordinary checkpoint
+of ours with the same logits. The reference's components and their sizes are read off the state dict; what each era's
+forward did besides (ERAS) becomes GPTConfig's exact-math options. The files narrow the era down (era_candidates); a
+January-looking checkpoint may be of 2-8 March 2026, which its training config or `--era` settles.
 """
 
 import dataclasses
@@ -30,25 +20,13 @@ import torch
 from nanochat.checkpoint_manager import (STAGE_DIRS, TAG_RE, checkpoint_dir, list_steps, load_meta, save_checkpoint,
                                          sha256_of)
 from nanochat.common import UserError, get_base_dir, print0
-from nanochat.gpt import GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed, shape_problem
+from nanochat.gpt import COMPONENTS, GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed, shape_problem
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 
 KARPATHY_FORMAT, TRANSFORMERS_FORMAT, RECIPE_FORMAT = "karpathy/nanochat", "transformers NanoChat", "nanochat export (recipe)"
 MODEL_FILE_RE = re.compile(r"^model_(\d+)\.pt$")
-
-
-def _short_window_half(seq_len):
-    return seq_len // 2
-
-
-def _short_window_third(seq_len):
-    return -(-seq_len // 3 // 128) * 128  # the reference's FA3-tile rounding, reproduced as written
-
-
-def _short_window_quarter(seq_len):
-    return -(-seq_len // 4 // 128) * 128
-
-
+# the reference's short windows by sequence_len, a third and a quarter with its FA3-tile rounding as written
+_HALF, _THIRD, _QUARTER = (lambda n: n // 2), (lambda n: -(-n // 3 // 128) * 128), (lambda n: -(-n // 4 // 128) * 128)
 # The math of each era of karpathy/nanochat's gpt.py beyond what its files say, keyed by the date it took effect.
 # Every era: RMSNorm with torch's default eps, rotary on split halves, QK-norm, ReLU^2, untied head, fp32 logits.
 ERA_FIELDS = ("summary", "rope_theta", "rotary_bf16", "qk_scale", "logit_softcap", "ve_gate_scale", "short_window", "backout")
@@ -58,15 +36,14 @@ ERAS = {era: dict(zip(ERA_FIELDS, row)) for era, row in {
     "2025-10": ("the October 2025 release (plain GPT; a vocab padded to 64 from December)", 1e4, True, 1.0, 15.0, 2.0,
                 None, None),
     "2026-01": ("January 2026 (window_pattern, residual lambdas, value embeddings with a 0..2 gate)", 1e4, True, 1.0, 15.0,
-                2.0, _short_window_half, None),
-    "2026-03-02": ("2-3 March 2026 (January's model with logit softcap 20)", 1e4, True, 1.0, 20.0, 2.0,
-                   _short_window_half, None),
-    "2026-03-04": ("4-8 March 2026 (softcap 20, rotary tables in the compute dtype)", 1e4, False, 1.0, 20.0, 2.0,
-                   _short_window_half, None),
+                2.0, _HALF, None),
+    "2026-03-02": ("2-3 March 2026 (January's model with logit softcap 20)", 1e4, True, 1.0, 20.0, 2.0, _HALF, None),
+    "2026-03-04": ("4-8 March 2026 (softcap 20, rotary tables in the compute dtype)", 1e4, False, 1.0, 20.0, 2.0, _HALF,
+                   None),
     "2026-03-09": ("9-13 March 2026 (rope theta 100k, q/k x1.15, a 0..3 value-embedding gate on 12 channels)", 1e5, False,
-                   1.15, 15.0, 3.0, _short_window_third, None),
+                   1.15, 15.0, 3.0, _THIRD, None),
     "2026-03-14": ("from 14 March 2026 (smear, backout, q/k x1.2, quarter-context short windows)", 1e5, False, 1.2, 15.0,
-                   3.0, _short_window_quarter, lambda n_layer: n_layer // 2),
+                   3.0, _QUARTER, lambda n_layer: n_layer // 2),
 }.items()}
 KARPATHY_CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
 LOOKS_LIKE_JANUARY = ("2026-01", "2026-03-02", "2026-03-04")  # same parameters, same model_config; other math
@@ -85,9 +62,8 @@ MARCH_2_TO_8_USER_CONFIGS = (
                "load_optimizer", "matrix_lr", "max_seq_len", "mmlu_epochs", "model_step", "model_tag", "num_iterations",
                "run", "total_batch_size", "unembedding_lr", "warmdown_ratio", "warmup_ratio"}),
 )
-# Where a checkpoint folder's tokenizer.pkl may be, best first, relative to the folder: beside it, in its tokenizer/,
-# one folder up, and in a base dir's tokenizer/ (<base>/<stage>_checkpoints/<tag>/). Local folders and hub repos
-# are searched alike (tokenizer_candidates).
+# Where a checkpoint folder's tokenizer.pkl may be, best first: beside it, in its tokenizer/, one folder up, and in a
+# base dir's tokenizer/ (<base>/<stage>_checkpoints/<tag>/); local folders and hub repos alike (tokenizer_candidates).
 TOKENIZER_SEARCH = ("tokenizer.pkl", "tokenizer/tokenizer.pkl", "../tokenizer.pkl", "../tokenizer/tokenizer.pkl",
                     "../../tokenizer/tokenizer.pkl")
 
@@ -97,13 +73,8 @@ TOKENIZER_SEARCH = ("tokenizer.pkl", "tokenizer/tokenizer.pkl", "../tokenizer.pk
 
 
 def load_torch_weights(path):
-    """
-    A state dict of tensors from a torch.save file, with weights_only=True (no code runs). Read whole, not mapped:
-    torch.load(mmap=True) slices each tensor out of the mapped file by the length the pickle gives it and never compares
-    that with its record's, so a record cut short was read on into the next records' bytes; read, every record's size
-    is checked. Reading holds the file's bytes in memory, which the fp32 weights the import makes (to_our_state) match
-    or double anyway.
-    """
+    """A state dict of tensors from a torch.save file, with weights_only=True (no code runs). Read whole, not mapped:
+    torch.load(mmap=True) does not check a record's size against the pickle's: a short record read on into the next."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, a short record, not a torch file, a pickle weights_only refuses
@@ -354,10 +325,9 @@ def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
     if era == "2025-10" and (ve_layers or smear or backout):
         raise UserError(f"{model_path} has value embeddings or smear/backout parameters but its model_config has no "
                         "window_pattern: no era of karpathy/nanochat had both, so this model cannot be reproduced")
-    fields = dict(sequence_len=mc["sequence_len"], vocab_size=vocab_size, n_layer=n_layer, n_head=mc["n_head"],
-                  n_kv_head=mc["n_kv_head"], n_embd=mc["n_embd"], residual_scalars=residual, smear=smear, backout=backout,
-                  rope_theta=numbers["rope_theta"], rotary_bf16=numbers["rotary_bf16"], norm_eps=None,
-                  qk_scale=numbers["qk_scale"], logit_softcap=numbers["logit_softcap"])
+    fields = dict({name: mc[name] for name in KARPATHY_CONFIG_FIELDS}, residual_scalars=residual, smear=smear,
+                  backout=backout, norm_eps=None,
+                  **{name: numbers[name] for name in ("rope_theta", "rotary_bf16", "qk_scale", "logit_softcap")})
     if ve_layers:
         gate_shape = state[f"transformer.h.{ve_layers[0]}.attn.ve_gate.weight"].shape
         fields.update(value_embeds=True, value_embed_layers=",".join(map(str, ve_layers)),
@@ -416,9 +386,8 @@ def hf_name_to_ours(name):
 
 
 def safetensors_files(model_dir):
-    """The weight files of a transformers directory: those its model.safetensors.index.json names, else every
-    .safetensors file there. An index comes with the model (from a hub repo, say), so each file it names must be a
-    plain path inside model_dir: a '../' or absolute path would import any .safetensors file on this machine."""
+    """The weight files of a transformers directory: those its model.safetensors.index.json names (each a plain path
+    inside model_dir: an index comes with the model), else every .safetensors file there."""
     from nanochat.data.hub import local_path_in
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -455,12 +424,11 @@ def read_transformers(model_dir):
     vocab_size = tokenizer.get_vocab_size()
     try:
         n_embd, n_layer, n_head = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-        n_kv_head = hf.get("num_key_value_heads") or n_head
-        sequence_len = hf["max_position_embeddings"]
+        shape = dict(sequence_len=hf["max_position_embeddings"], vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                     n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd)
     except KeyError as e:
         raise UserError(f"{config_path} lacks {e.args[0]}") from None
-    check_shapes(dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                      n_kv_head=n_kv_head, n_embd=n_embd), config_path)
+    check_shapes(shape, config_path)
     if model_type == "nanochat":
         problems = []
         if hf.get("hidden_act", "relu2") != "relu2":
@@ -485,17 +453,14 @@ def read_transformers(model_dir):
                 raise UserError(f"{weight_paths[0]}: parameter {name} has no place in nanochat's model")
             renamed[ours] = tensor
         state = renamed
-        fields = dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                      n_kv_head=n_kv_head, n_embd=n_embd, rope_theta=as_float(rope.get("rope_theta", 10000.0)),
+        fields = dict(shape, rope_theta=as_float(rope.get("rope_theta", 10000.0)),
                       norm_eps=hf.get("rms_norm_eps", 1e-6), logit_softcap=hf.get("final_logit_softcapping", 15.0))
         fmt = TRANSFORMERS_FORMAT
     elif model_type == "nanochat_recipe":
         windows = hf.get("attention_windows") or [0] * n_layer  # GPTConfig checks what is in it
         ve_layers = hf.get("value_embed_layers") or []
-        fields = dict(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                      n_kv_head=n_kv_head, n_embd=n_embd, value_embeds=bool(hf.get("value_embeds")),
-                      residual_scalars=bool(hf.get("residual_scalars")), smear=bool(hf.get("smear")),
-                      backout=bool(hf.get("backout")), rope_theta=as_float(hf.get("rope_theta", 10000.0)),
+        fields = dict(shape, **{name: bool(hf.get(name)) for name in COMPONENTS if name != "sliding_window"},
+                      rope_theta=as_float(hf.get("rope_theta", 10000.0)),
                       rotary_bf16=bool(hf.get("rotary_bf16", False)), norm_eps=hf.get("rms_norm_eps", 1e-6),
                       qk_scale=as_float(hf.get("qk_scale", 1.0)), logit_softcap=hf.get("final_logit_softcapping", 15.0),
                       ve_gate_channels=hf.get("ve_gate_channels", hf.get("gate_channels", 32)),
@@ -631,10 +596,9 @@ def default_tag(directory, repo):
 
 
 def target_checkpoint(stage, model_tag, directory, repo):
-    """(tag, checkpoint dir, a note or ''). Our base dir defaults to the reference's (~/.cache/nanochat) with the same
-    stage folders, so the default target can be the source folder itself, or another folder of karpathy/nanochat's
-    files: the import then goes to TAG-imported beside it (an explicit --model-tag there is refused), and the
-    reference's folder is left as it is."""
+    """(tag, checkpoint dir, a note or ''). Our base dir defaults to the reference's, so the default target may be a
+    folder of karpathy/nanochat's files: the import then goes to TAG-imported beside it (an explicit --model-tag there
+    is refused), leaving the reference's folder as it is."""
     tag = model_tag or default_tag(directory, repo)
     ckpt_dir = checkpoint_dir(stage, tag)
     theirs = os.path.isdir(ckpt_dir) and (os.path.realpath(ckpt_dir) == os.path.realpath(directory)
@@ -649,9 +613,8 @@ def target_checkpoint(stage, model_tag, directory, repo):
 
 
 def base_dir_tokenizer(tokenizer):
-    """The base dir's tokenizer, if it has one (it must be `tokenizer`), else None: ours is to be written. A base dir
-    of karpathy/nanochat (ours by default) has its tokenizer.pkl there and none of our files: ours goes beside it
-    when it is the same tokenizer, and the reference's files are left as they are."""
+    """The base dir's tokenizer, if it has one (it must be `tokenizer`), else None: ours is to be written, beside a
+    karpathy/nanochat tokenizer.pkl there when it is the same tokenizer."""
     tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
     ours = [os.path.join(tokenizer_dir, name) for name in ("tokenizer.json", "tokenizer.tiktoken")]
     if not os.path.exists(tokenizer_dir):
