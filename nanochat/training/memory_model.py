@@ -87,23 +87,6 @@ class StepSpec:
                                       self.num_kv_heads, self.model_components)
 
 
-def spec_for_device(device_type, depth, seq_len, vocab_size, aspect_ratio=64, head_dim=128, num_kv_heads=None,
-                    model_components=(), optimizer_components=(), fp8=False, checkpoint_activations=False,
-                    compiled=None, dtype=None):
-    """The spec of base_train's step on a device of this type: on CUDA compiled (compile_choice's default), on a CPU
-    eager with its fused Functions; in the device's compute dtype (get_compute_dtype), or bf16 for a GPU not here."""
-    from nanochat.common import get_compute_dtype
-    from nanochat.model import cpu_ops
-
-    if dtype is None:
-        here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
-        dtype = str(get_compute_dtype(torch.device(device_type))).split(".")[-1] if here else "bfloat16"
-    compiled = device_type == "cuda" if compiled is None else compiled
-    return StepSpec(depth, seq_len, vocab_size, aspect_ratio, head_dim, num_kv_heads, tuple(model_components),
-                    tuple(optimizer_components), dtype, bool(fp8), bool(checkpoint_activations), bool(compiled),
-                    cpu_ops=device_type == "cpu" and not compiled and cpu_ops.enabled(), device_type=device_type)
-
-
 # -----------------------------------------------------------------------------
 # Counting the bytes alive
 
