@@ -150,7 +150,7 @@ def storage_bytes(tensors):
 @contextlib.contextmanager
 def traced_as(spec):
     """The process set up to run spec's step on fake CPU tensors as its device runs it (the compute dtype, the CPU's
-    Functions), its optimizers as one process's: a rank of several would wait in a collective fake tensors never reach."""
+    Functions), its optimizers as one process's (a rank of several would wait in a collective that never comes)."""
     import nanochat.training.optim as optim
 
     env = {"NANOCHAT_DTYPE": spec.dtype, "NANOCHAT_CPU_OPS": "1" if spec.cpu_ops else "0"}
@@ -179,17 +179,9 @@ def autocast_of(spec):
 # The parameters, the optimizer state, the gradients: the whole model, exactly
 
 
-@dataclass
-class StaticMemory:
-    parameters: int
-    optimizer_state: int
-    gradients: int
-    optimizer_peak: int  # alive at the optimizer step's peak: all of the above and its temporaries
-
-
 def trace_static(spec):
-    """The whole model's parameters, optimizer state and gradients, and the peak of its optimizer step (the second of
-    two, with the state there)."""
+    """(parameters, optimizer state, gradients, the optimizer step's peak) of the whole model, in bytes: the peak of the
+    second of two steps, with the state there, and its temporaries."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from nanochat.training.optim import apply_schedules, muon_momentum
@@ -216,7 +208,7 @@ def trace_static(spec):
         parameters = storage_bytes(params) + storage_bytes(model.buffers())  # the rotary tables are buffers
         # step counts on the device and anything else the optimizers keep besides the per-parameter state
         kept = live.total - parameters
-        return StaticMemory(parameters, max(storage_bytes(state), kept), gradients, optimizer_peak)
+        return parameters, max(storage_bytes(state), kept), gradients, optimizer_peak
 
 
 # -----------------------------------------------------------------------------
@@ -487,9 +479,7 @@ def trace_profile(spec, whole=False):
         layer_lines = [acts.layers[0]] + [acts.layers[first_of_kind[kind]] for kind in kinds[1:]]
     kept_fixed = acts.rest[0] + sum(f for f, _ in layer_lines)
     kept_per_row = acts.rest[1] + sum(p for _, p in layer_lines)
-    return StepProfile(spec, static.parameters, static.optimizer_state, static.gradients, static.optimizer_peak,
-                       kept_fixed, kept_per_row, acts.extra[0], acts.extra[1], acts.tail[0], acts.tail[1],
-                       time.time() - started)
+    return StepProfile(spec, *static, kept_fixed, kept_per_row, *acts.extra, *acts.tail, time.time() - started)
 
 
 def cache_key(spec):

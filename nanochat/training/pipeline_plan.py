@@ -277,8 +277,6 @@ def describe(plan):
     from nanochat.common import format_duration
     from nanochat.training.time_budget import clock
 
-    memory = os.environ.get("NANOCHAT_GPU_MEMORY")
-
     lines = [f"plan | speedrun in {format_duration(plan.budget_seconds)} from {clock(plan.started_at)}, ending by "
              f"{clock(plan.deadline)} | {plan.machine}: a step of the {plan.preset} preset's base model takes "
              f"{plan.speed:.2f}x the reference's | least budget here {format_duration(plan.minimum_seconds)}, the "
@@ -292,7 +290,7 @@ def describe(plan):
         else:
             what = f"{s.seconds:.0f} s"
         lines.append(f"plan | {s.name:<14} {what}")
-    if memory:
+    if memory := os.environ.get("NANOCHAT_GPU_MEMORY"):
         lines.append(f"plan | memory         NANOCHAT_GPU_MEMORY={memory}: base_train fits its depth, device batch and "
                      f"activation checkpointing to it (its plan gives the predicted peak), the process capped to it on "
                      f"a bigger GPU")
@@ -417,7 +415,7 @@ def cmd_plan(args):
                              base_chat_eval=args.base_chat_eval)
             break
         except BudgetTooShort as short:
-            # near the minimum a refusal waits for a second probe, the faster deciding: a VM's speed drifts (PROBE_NOISE)
+            # near the minimum a refusal waits for a second probe, the faster deciding (a VM's speed drifts)
             if attempt == 2 or args.dry_run or args.preset == "gpu" or budget < short.minimum / 2:
                 raise UserError(str(short)) from None
             print(f"plan | {duration_label(budget)} is short of {format_duration(short.minimum)} at {speed:.2f}x "

@@ -53,8 +53,7 @@ def parse_duration(text, flag="--time-budget"):
 
 def duration_label(seconds):
     """A budget as a short name for a model tag: 5400 -> '1h30m', 90 -> '1m30s', 300 -> '5m'."""
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
+    hours, rest = divmod(round(seconds), 3600)
     minutes, secs = divmod(rest, 60)
     return "".join(f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v) or "0s"
 
@@ -99,8 +98,8 @@ class ScalingLaw:
         return self.E + self.A * scaling_params ** -self.alpha + self.B * tokens ** -self.beta
 
 
-# The GPU law is the reference project's compute-optimal runs, with alpha = beta and B = A * 10.5^alpha (N and D scale
-# alike there); the CPU laws are our miniseries' fits (BENCHMARKS.md "Scaling laws for --time-budget"; dev/log68/plan.md)
+# The GPU law: the reference project's compute-optimal runs, alpha = beta and B = A * 10.5^alpha (N and D scale alike
+# there); the CPU laws: our miniseries' fits (BENCHMARKS.md "Scaling laws for --time-budget"; dev/log68/plan.md)
 REFERENCE_RATIO, REFERENCE_ALPHA, REFERENCE_A = 10.5, 0.255, 21.232
 LAWS = {
     "gpu-reference": ScalingLaw(
@@ -332,7 +331,7 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint
     """
     Seconds per optimizer step of base_train at this depth and device batch on random tokens: after a warm-up step, as
     many as fit in about `seconds` (2 to 6, one count for every rank), a micro-batch and the update timed apart. Running
-    out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective, so none waits in one.
+    out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective: none waits in one.
     """
     from nanochat.gpt import build_model
     from nanochat.model.fp8 import convert_to_fp8
@@ -423,17 +422,17 @@ def machine_signature(shape, device):
 def read_measurements(signature, device):
     """{depth: (device batch, seconds per step)} an earlier probe measured under this signature: read by rank 0 and
     sent to every rank, so that all of them probe the same depths."""
-    from nanochat.common import dist_rank_world, get_base_dir
+    from nanochat.common import dist_rank_world, get_base_dir, read_json_object
 
     found = {}
     rank, world_size = dist_rank_world()
     if rank == 0:
+        record = read_json_object(os.path.join(get_base_dir(), PROBE_FILE)) or {}  # none yet, or unreadable: measure
         try:
-            with open(os.path.join(get_base_dir(), PROBE_FILE), encoding="utf-8") as f:
-                found = {int(d): (int(m["device_batch_size"]), float(m["step_seconds"]))
-                         for d, m in json.load(f).get(signature, {}).items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            found = {}  # none yet, or unreadable: measure again
+            found = {int(d): (int(m["device_batch_size"]), float(m["step_seconds"]))
+                     for d, m in record.get(signature, {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            found = {}  # unreadable: measure again
     if world_size > 1:
         box = [found]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -567,8 +566,7 @@ def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eva
     now = all_reduce_max([time.time()], device)[0]
     end_seconds = END_SECONDS.get(device.type, 2.0) + 1.0  # + the final save of a small model, until one is measured
     seconds = started_at + budget_seconds - now - START_SECONDS - end_seconds - eval_seconds
-    n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every,
-                              save_seconds=1.0))
+    n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every, save_seconds=1.0))
     calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
     return RunPlan(budget_seconds=budget_seconds, started_at=started_at, law="", depth=depth, aspect_ratio=0, head_dim=0,
                 device_batch_size=device_batch_size, grad_accum=grad_accum, total_batch_size=total_batch_size,
