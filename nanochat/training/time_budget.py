@@ -100,12 +100,10 @@ class ScalingLaw:
 
 # The GPU law: the reference project's compute-optimal runs, alpha = beta and B = A * 10.5^alpha (N and D scale alike
 # there); the CPU laws: our miniseries' fits (BENCHMARKS.md "Scaling laws for --time-budget"; dev/log68/plan.md)
-REFERENCE_RATIO, REFERENCE_ALPHA, REFERENCE_A = 10.5, 0.255, 21.232
 LAWS = {
     "gpu-reference": ScalingLaw(
         "gpu-reference", "the reference project's compute-optimal runs (its data, tokenizer and recipe), ~10.5 tok/param",
-        E=0.5229, A=REFERENCE_A, alpha=REFERENCE_ALPHA, B=REFERENCE_A * REFERENCE_RATIO ** REFERENCE_ALPHA,
-        beta=REFERENCE_ALPHA, aspect_ratio=64, head_dim=128),
+        E=0.5229, A=21.232, alpha=0.255, B=21.232 * 10.5 ** 0.255, beta=0.255, aspect_ratio=64, head_dim=128),
     "cpu-builtin": ScalingLaw("cpu-builtin", "16 CPU miniseries runs on the built-in corpus, d2-d8, 2.5e12-8e13 FLOPs",
                               E=0.2056, A=3775.88, alpha=0.836, B=9573.91, beta=0.836, aspect_ratio=32, head_dim=32),
     "cpu-brown": ScalingLaw("cpu-brown", "12 CPU miniseries runs on the Brown corpus, d2-d6, 2.5e12-2.5e13 FLOPs",
@@ -457,9 +455,8 @@ def write_measurements(signature, measurements):
 
 def guess_depth(law, shape, device, budget_seconds):
     """Where the probe starts: the depth the law prefers if this device trains at GUESS_MFU of its peak FLOP/s."""
-    # a CPU's peak is measured, by each rank apart: the fastest rank's figure, so that every rank starts its walk at the
-    # same depth and makes the same collectives (ranks that started apart deadlocked, one in the probe's all-reduce,
-    # the other already comparing plans)
+    # the fastest rank's peak (a CPU's is measured by each rank apart): every rank must start its walk at the same depth
+    # and make the same collectives (dev/log68/plan.md)
     peak = all_reduce_max([get_peak_flops(device)], device)[0]
     flops_per_second = GUESS_MFU.get(device.type, 0.4) * peak * shape.world_size
     best = None
@@ -630,8 +627,7 @@ class BudgetClock:
              plan.save_seconds if loop.save_seconds is None else loop.save_seconds, time.time()], loop.device)
         if not math.isfinite(step_seconds):
             step_seconds = plan.step_seconds
-        # a measured checkpoint replaces the estimate, for the saves to come and the final one (a 30 s run on a CPU
-        # saves in 0.02 s, not the 0.3 s guessed: ten saves guessed would end it 10 % early)
+        # a measured checkpoint replaces the estimate, for the saves to come and the final one (dev/log68/plan.md)
         plan.end_seconds, plan.save_seconds = plan.end_seconds - plan.save_seconds + save_seconds, save_seconds
         n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step,
                            save_every=plan.save_every, save_seconds=plan.save_seconds)
@@ -668,8 +664,7 @@ class BudgetClock:
                 "Scaling law": self.plan.law, "Predicted val bpb": round(self.plan.predicted_bpb, 4)}
 
 
-def plan_dict(plan):
-    return asdict(plan)
+plan_dict = asdict  # a RunPlan as the checkpoints' 'time_plan'
 
 
 def plan_from_dict(fields):
