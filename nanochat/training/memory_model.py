@@ -92,11 +92,9 @@ class StepSpec:
 
 
 class LiveBytes(TorchDispatchMode):
-    """
-    The bytes of every tensor storage alive (each storage once, uncounted as it dies), with the peak since reset_peak();
-    each carries the `owner` set when it was allocated. A read of a value on the host (.item(), bool(t)) answers 1:
-    fake tensors have no value, and the step's only such read (the CPU loss's "are all targets valid") is true.
-    """
+    """The bytes of every tensor storage alive (each once, uncounted as it dies; each with the `owner` set when it was
+    allocated), with the peak since reset_peak(). A read of a value on the host (.item(), bool(t)) answers 1: fake
+    tensors have none, and the step's only such read (the CPU loss's "are all targets valid") is true."""
 
     READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 
@@ -318,12 +316,9 @@ def trace_eager_activations(config, spec):
 
 
 def trace_compiled_activations(config, spec):
-    """
-    Activations of the compiled step: the model goes through Dynamo and AOT autograd with inductor's decompositions and
-    partitioner on fake tensors, and what the forward graph hands to the backward is counted, each tensor once, by the
-    layer its op belongs to (the graph's module paths; an op between two blocks belongs to the block after it) and as
-    per row of the batch when it depends on the tokens. Nothing is compiled into kernels.
-    """
+    """Activations of the compiled step: through Dynamo and AOT autograd with inductor's decompositions and partitioner
+    on fake tensors (no kernels), what the forward graph hands to the backward, each tensor once, by the layer its op
+    belongs to (between two blocks: the one after) and per row of the batch where it depends on the tokens."""
     import torch._dynamo
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._inductor.compile_fx import partition_fn
@@ -537,11 +532,9 @@ def fits(memory, limit):
 
 
 def fit_step(spec, limit, rows_per_step, largest=None, checkpoint=None):
-    """
-    The largest device batch that divides the rows a step takes (at most `largest`) and whose predicted peak is within
+    """The largest device batch dividing the rows a step takes (at most `largest`) whose predicted peak is within
     MEMORY_SHARE of `limit` bytes: without activation checkpointing where one row fits so, else with it (checkpoint
-    None: that choice; True / False: only that way). None when not even one row fits.
-    """
+    None: that choice; True / False: only that way). None when not even one row fits."""
     choices = [False, True] if checkpoint is None else [bool(checkpoint)]
     batches = [b for b in range(min(largest or rows_per_step, rows_per_step), 0, -1) if rows_per_step % b == 0]
     for checkpointed in choices:
@@ -574,11 +567,9 @@ def describe_fit(memory, checkpointed, limit, label=""):
 
 
 def device_memory_limit(device, given=None, given_label=""):
-    """
-    (bytes, the same in words) a step on `device` must fit in, or (None, "") where nothing says: on CUDA the card's free
-    memory, or `given` bytes (named `given_label`) where less, the process then capped to it so that a bigger card runs
-    as the one planned for; elsewhere (a CPU) `given`, planned for but not enforced.
-    """
+    """(bytes, the same in words) a step on `device` must fit in, or (None, "") where nothing says: on CUDA the card's
+    free memory, or `given` bytes (named `given_label`) where less, the process then capped to it so that a bigger card
+    runs as the one planned for; elsewhere (a CPU) `given`, planned for but not enforced."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)

@@ -145,11 +145,8 @@ def steps_in(reference, name, seconds, speed):
 
 
 def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True):
-    """
-    The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
-    times as slow as the reference. BudgetTooShort when the budget cannot hold the minimum, naming this machine's
-    minimum and the preset's time here.
-    """
+    """The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
+    times as slow as the reference; BudgetTooShort when the budget cannot hold the stages' floors."""
     from nanochat.common import format_duration
     from nanochat.training.time_budget import duration_label
 
@@ -319,11 +316,9 @@ def report_section(plan):
 
 
 def stage_flags(plan, name, now, measured=None):
-    """
-    The flags a stage gets as it starts: its planned seconds scaled by the time left against the time planned for it
+    """The flags a stage gets as it starts: its planned seconds scaled by the time left against the time planned for it
     and those after it (a late start shares the loss, an early one the gain), never below its minimum; "skip:..." for
-    a stage that does not run. A stage given flags before (a resumed speedrun) gets the same ones.
-    """
+    a stage that does not run. A stage given flags before (a resumed speedrun) gets the same ones."""
     if name in plan.decided:
         return plan.decided[name]
     reference = REFERENCE[plan.preset]

@@ -326,11 +326,9 @@ class ProbeOutOfMemory(Exception):
 
 
 def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint_activations=False):
-    """
-    Seconds per optimizer step of base_train at this depth and device batch on random tokens: after a warm-up step, as
+    """Seconds per optimizer step of base_train at this depth and device batch on random tokens: after a warm-up, as
     many as fit in about `seconds` (2 to 6, one count for every rank), a micro-batch and the update timed apart. Running
-    out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective: none waits in one.
-    """
+    out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective (none waits)."""
     from nanochat.gpt import build_model
     from nanochat.model.fp8 import convert_to_fp8
     from nanochat.training.recipe import build_optimizers
@@ -555,10 +553,8 @@ def plan_pretraining(law, shape, budget_seconds, started_at, device, autocast, d
 
 def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eval_every, warmdown_ratio, depth,
                      total_batch_size, device_batch_size, grad_accum, device, save_every=-1):
-    """
-    A chat stage's plan: only the steps that fit in the budget at a guessed step time (the chat stages' lrs do not
-    depend on the step count: a rough guess only moves the calibration). Every rank plans from the same clock.
-    """
+    """A chat stage's plan: only the steps that fit in the budget at a guessed step time (the chat stages' lrs do not
+    depend on the step count: a rough guess only moves the calibration). Every rank plans from the same clock."""
     started_at = -all_reduce_max([-started_at], device)[0]
     now = all_reduce_max([time.time()], device)[0]
     end_seconds = END_SECONDS.get(device.type, 2.0) + 1.0  # + the final save of a small model, until one is measured
@@ -603,12 +599,10 @@ def memory_line(plan, label=""):
 
 
 class BudgetClock:
-    """
-    Keeps a budgeted run on time: twice before the lr warmdown (a tenth and half of the way in) the run's own seconds
+    """Keeps a budgeted run on time: twice before the lr warmdown (a tenth and half of the way in) the run's own seconds
     per step (since the last calibration: a machine that slows down mid-run is caught) and per evaluation replace the
     estimates and set the step count for the rest of the budget. Only the process that made the plan calibrates (a
-    resumed run follows its checkpoint's plan); with no plan it does nothing.
-    """
+    resumed run follows its checkpoint's plan); with no plan it does nothing."""
 
     def __init__(self, plan, active, warmdown_ratio, eval_name="val_bpb"):
         self.plan, self.active, self.warmdown_ratio, self.eval_name = plan, active, warmdown_ratio, eval_name
