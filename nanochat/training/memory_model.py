@@ -414,7 +414,7 @@ class StepMemory:
     activations: int  # kept by the forward for the backward (and the batch)
     extra: int  # on top of those at the forward and backward's peak
     peak: int
-    phase: str  # where the peak falls: "forward and backward" or "optimizer step"
+    phase: str  # where the peak falls: "forward and backward", "end of the backward" or "optimizer step"
 
 
 @dataclass
@@ -438,9 +438,8 @@ class StepProfile:
         before = self.parameters + self.optimizer_state
         kept = int(self.kept_fixed + self.kept_per_row * b)
         extra = int(max(0.0, self.extra_fixed + self.extra_per_row * b))
-        forward_backward = before + kept + extra
         tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * b))
-        candidates = [(forward_backward, "forward and backward"), (tail, "end of the backward"),
+        candidates = [(before + kept + extra, "forward and backward"), (tail, "end of the backward"),
                       (self.optimizer_peak, "optimizer step")]
         peak, phase = max(candidates, key=lambda c: c[0])
         return StepMemory(b, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
