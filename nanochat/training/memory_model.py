@@ -1,41 +1,9 @@
 """
-The memory of one training step of base_train, predicted before it runs and without the device it will run on, so
-that a plan can choose a model, a device batch and activation checkpointing that fit a card (base_train, and through
-it nanochat.training.time_budget; docs/time_budget.md "Your card's memory").
-
-What is predicted: the peak of the bytes of every tensor alive during one optimizer step (what a GPU's
-torch.cuda.max_memory_allocated counts), and what makes it up: the parameters, the optimizer state, the gradients, the
-activations the forward keeps for the backward, and what comes on top of those at the peak.
-
-How: the real step runs on fake tensors (torch's FakeTensorMode: shapes and dtypes, no data, no device), on the CPU
-standing in for a GPU (bf16 autocast and the plain torch path a GPU takes, NANOCHAT_CPU_OPS=0), or as this CPU runs it:
-  - the parameters, the optimizer state and the gradients exactly: the whole model is built and takes two optimizer
-    steps on gradients of the parameters' own dtypes; the bytes alive op by op through the second step (LiveBytes) give
-    the optimizer step's own peak, with its temporaries (Muon's stacked matrices and its Newton-Schulz products).
-  - the activations of a compiled step (what a GPU trains: torch.compile's inductor) from the graphs inductor gets:
-    the step goes through Dynamo and AOT autograd with inductor's own decompositions and partitioner, which decide what
-    the forward keeps for the backward and what the backward recomputes; the forward graph's outputs are those
-    tensors. On an H200 the compiled step's peak fell at the end of the forward, with nothing the backward allocated
-    alive yet (dev/gpu_results/2026-11-28_h200_profiles_2fc4048: the blocks alive at the peak were all allocated by
-    the forward; the backward's first gradients are written over buffers it frees), so that is the peak taken:
-    the memory before the step plus what is kept. Inductor's CPU code adds the logits' gradient in fp32 there
-    (measured: bench.memory_model predict --compile=1). With activation checkpointing one block's activations may
-    come on top instead, alive again while its backward recomputes them.
-  - the activations of an eager step (a CPU's default, a GPU's --compile=0, the time budget's probe) op by op: the bytes
-    alive as each op allocates and as each tensor dies; the peak of the forward and backward, and what the end of the
-    forward holds, are read off.
-Only a few layers are traced, at the real width, sequence length and vocabulary: the first layer, then one layer of
-each kind the others are (with or without a value embedding, with or without a sliding window). What each layer keeps is
-attributed to it (the forward graph's module paths; hooks on the blocks in an eager step), and the model's other layers
-are counted as copies of the one of their kind. How the activations grow with the device batch comes from the
-graph (what depends on the tokens, compiled) or from two batch sizes (eager).
-
-What it leaves out (the plan keeps MEMORY_SHARE of the memory for it): the caching allocator's fragmentation (free
-blocks it holds but cannot hand out), the CUDA context and the kernels' workspaces (cuBLAS, cuDNN), NCCL's buffers, the
-temporaries inside one op (an eager op's own scratch, the emulated fp8 matmul's fp32 copies), a compiled backward's
-temporaries beyond the forward's (inductor writes most gradients over buffers it frees), and for a rank of several the
-optimizer state each shards (the prediction is for one process holding all of it: an overestimate). Measured against
-the real step: `python -m bench.memory_model predict` (the CPU) and the H200's peaks (BENCHMARKS.md).
+The memory of one base_train step, predicted before it runs and without its device: the peak of the bytes alive in one
+optimizer step (what torch.cuda.max_memory_allocated counts) and its parts, so that a plan can choose a model, a device
+batch and activation checkpointing that fit a card. The real step runs on fake tensors on the CPU standing in for the
+device; a few layers are traced and the others counted as copies. How, and what it leaves out: docs/time_budget.md
+"Your card's memory"; measured against the real step: `python -m bench.memory_model predict`.
 """
 
 import contextlib
@@ -48,6 +16,7 @@ import re
 import time
 import weakref
 from dataclasses import asdict, dataclass, replace
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,9 +25,8 @@ from torch.utils._pytree import tree_leaves
 from nanochat.common import UserError
 
 GIB, MIB = 2**30, 2**20
-# The plan fits the predicted peak into this share of the memory it has: the rest is for what the prediction leaves out
-# (the module docstring): on a GPU the caching allocator reserves ~5-10 % more than it hands out in a training loop, the
-# CUDA context and cuBLAS/cuDNN workspaces take a few hundred MB outside it.
+# The plan fits the predicted peak into this share of the memory: the rest is for what the prediction leaves out (the
+# caching allocator's ~5-10 % in a training loop, the CUDA context and cuBLAS/cuDNN workspaces, a few hundred MB)
 MEMORY_SHARE = 0.9
 CACHE_FILE = "memory_model.json"  # in the base dir: profiles traced before, keyed by everything they depend on
 # The sources whose code decides a step's memory: a profile traced under other sources is traced again
@@ -119,35 +87,14 @@ class StepSpec:
                                       self.num_kv_heads, self.model_components)
 
 
-def spec_for_device(device_type, depth, seq_len, vocab_size, aspect_ratio=64, head_dim=128, num_kv_heads=None,
-                    model_components=(), optimizer_components=(), fp8=False, checkpoint_activations=False,
-                    compiled=None, dtype=None):
-    """The spec of base_train's step on a device of this type: on CUDA compiled (compile_choice's default), on a CPU
-    eager with its fused Functions; in the device's compute dtype (get_compute_dtype), or bf16 for a GPU not here."""
-    from nanochat.common import get_compute_dtype
-    from nanochat.model import cpu_ops
-
-    if dtype is None:
-        here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
-        dtype = str(get_compute_dtype(torch.device(device_type))).split(".")[-1] if here else "bfloat16"
-    compiled = device_type == "cuda" if compiled is None else compiled
-    return StepSpec(depth, seq_len, vocab_size, aspect_ratio, head_dim, num_kv_heads, tuple(model_components),
-                    tuple(optimizer_components), dtype, bool(fp8), bool(checkpoint_activations), bool(compiled),
-                    cpu_ops=device_type == "cpu" and not compiled and cpu_ops.enabled(), device_type=device_type)
-
-
 # -----------------------------------------------------------------------------
 # Counting the bytes alive
 
 
 class LiveBytes(TorchDispatchMode):
-    """
-    The bytes of every tensor storage alive, counted as each op's outputs appear and as their storages die (a weak
-    reference to each), with the peak since reset_peak(). A storage is counted once however many views share it; each
-    carries the `owner` set when it was allocated (which part of the model made it). Works on fake and real tensors.
-    A read of a value on the host (.item(), bool(t)) answers 1: on fake tensors there is no value, and the step's only
-    such read (the CPU loss's "are all targets valid") is true in pretraining.
-    """
+    """The bytes of every tensor storage alive (each once, uncounted as it dies; each with the `owner` set when it was
+    allocated), with the peak since reset_peak(). A read of a value on the host (.item(), bool(t)) answers 1: fake
+    tensors have none, and the step's only such read (the CPU loss's "are all targets valid") is true."""
 
     READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 
@@ -156,7 +103,7 @@ class LiveBytes(TorchDispatchMode):
         self.alive = {}  # id(storage) -> (bytes, owner)
         self.refs = {}  # id(storage) -> weak reference, whose callback uncounts it
         self.total = self.peak = 0
-        self.owner = ("static",)
+        self.owner = "static"
 
     def reset_peak(self):
         self.peak = self.total
@@ -200,25 +147,13 @@ def storage_bytes(tensors):
 
 @contextlib.contextmanager
 def traced_as(spec):
-    """The process set up to run spec's step on fake CPU tensors the way its device runs it: the compute dtype and the
-    CPU's Functions by their environment switches, and the optimizers as one process's (a rank of several would wait
-    in a collective that fake tensors never reach). Everything is put back after."""
+    """The process set up to run spec's step on fake CPU tensors as its device runs it (the compute dtype, the CPU's
+    Functions), its optimizers as one process's (a rank of several would wait in a collective that never comes)."""
     import nanochat.training.optim as optim
 
-    saved = {name: os.environ.get(name) for name in ("NANOCHAT_DTYPE", "NANOCHAT_CPU_OPS")}
-    rank_world = optim.dist_rank_world
-    os.environ["NANOCHAT_DTYPE"] = spec.dtype
-    os.environ["NANOCHAT_CPU_OPS"] = "1" if spec.cpu_ops else "0"
-    optim.dist_rank_world = lambda: (0, 1)
-    try:
+    env = {"NANOCHAT_DTYPE": spec.dtype, "NANOCHAT_CPU_OPS": "1" if spec.cpu_ops else "0"}
+    with mock.patch.dict(os.environ, env), mock.patch.object(optim, "dist_rank_world", lambda: (0, 1)):
         yield
-    finally:
-        optim.dist_rank_world = rank_world
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def fake_model(config, spec):
@@ -242,17 +177,9 @@ def autocast_of(spec):
 # The parameters, the optimizer state, the gradients: the whole model, exactly
 
 
-@dataclass
-class StaticMemory:
-    parameters: int
-    optimizer_state: int
-    gradients: int
-    optimizer_peak: int  # alive at the optimizer step's peak: all of the above and its temporaries
-
-
 def trace_static(spec):
-    """The whole model's parameters, optimizer state and gradients, and the peak of its optimizer step (the second of
-    two, with the state there), on fake tensors."""
+    """(parameters, optimizer state, gradients, the optimizer step's peak) of the whole model, in bytes: the peak of the
+    second of two steps, with the state there, and its temporaries."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from nanochat.training.optim import apply_schedules, muon_momentum
@@ -279,7 +206,7 @@ def trace_static(spec):
         parameters = storage_bytes(params) + storage_bytes(model.buffers())  # the rotary tables are buffers
         # step counts on the device and anything else the optimizers keep besides the per-parameter state
         kept = live.total - parameters
-        return StaticMemory(parameters, max(storage_bytes(state), kept), gradients, optimizer_peak)
+        return parameters, max(storage_bytes(state), kept), gradients, optimizer_peak
 
 
 # -----------------------------------------------------------------------------
@@ -323,18 +250,6 @@ class Activations:
     tail: tuple  # eager only: the backward's end (every gradient made) beyond the state and the gradients
 
 
-def layer_of(owner, n_layer):
-    """The layer an eager allocation belongs to (LiveBytes' owner): inside block i, block i; between two blocks, the
-    block after them (its residual mix, its value embedding's lookup); before the first block and after the last,
-    none: the rest (the embedding, the head, the loss)."""
-    kind, *index = owner
-    if kind == "layer":
-        return index[0]
-    if kind == "after" and index[0] + 1 < n_layer:
-        return index[0] + 1
-    return None
-
-
 def trace_eager(config, spec, batch):
     """One eager forward and backward of `config`'s model at this device batch, on fake tensors: the bytes each layer
     (and the rest) keeps at the end of the forward, the state before the step, the peak of the forward and backward,
@@ -347,9 +262,12 @@ def trace_eager(config, spec, batch):
         targets = torch.zeros((batch, spec.seq_len), dtype=torch.long)
         before = live.total
         blocks = list(model.transformer.h)
+        # an allocation belongs to its block, or between two blocks to the one after them (its residual mix, its value
+        # embedding's lookup); before the first block and after the last to the rest (the embedding, the head, the loss)
         for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda m, args, i=i: setattr(live, "owner", ("layer", i)))
-            block.register_forward_hook(lambda m, args, out, i=i: setattr(live, "owner", ("after", i)))
+            block.register_forward_pre_hook(lambda m, args, i=i: setattr(live, "owner", i))
+            block.register_forward_hook(
+                lambda m, args, out, i=i: setattr(live, "owner", i + 1 if i + 1 < len(blocks) else "rest"))
         block_params = [p for block in blocks for p in block.parameters()]
         marks = {"waiting": len(block_params)}
 
@@ -361,7 +279,7 @@ def trace_eager(config, spec, batch):
 
         for p in block_params:
             p.register_post_accumulate_grad_hook(gradient_made)
-        live.owner = ("rest",)
+        live.owner = "rest"
         live.reset_peak()
         with autocast_of(spec):
             loss = model(idx, targets)
@@ -370,15 +288,8 @@ def trace_eager(config, spec, batch):
         tail_peak = live.peak if "peak_before_tail" in marks else live.total
         fb_peak = max(marks.get("peak_before_tail", 0), live.peak)
         gradients = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        layers, rest = [0] * config.n_layer, 0
-        for owner, nbytes in at_forward_end.items():
-            if owner == ("static",):  # the parameters and the batch, there before the step
-                continue
-            index = layer_of(owner, config.n_layer)
-            if index is None:
-                rest += nbytes
-            else:
-                layers[index] += nbytes
+        # the parameters and the batch ("static") were there before the step
+        layers, rest = [at_forward_end.get(i, 0) for i in range(len(blocks))], at_forward_end.get("rest", 0)
         kept = sum(layers) + rest
         return {"before": before, "layers": layers, "rest": rest, "tail": tail_peak, "gradients": gradients,
                 "extra": fb_peak - before - kept}
@@ -405,12 +316,9 @@ def trace_eager_activations(config, spec):
 
 
 def trace_compiled_activations(config, spec):
-    """
-    Activations of the compiled step: the model goes through Dynamo and AOT autograd with inductor's decompositions and
-    partitioner on fake tensors, and what the forward graph hands to the backward is counted, each tensor once, by the
-    layer its op belongs to (the graph's module paths; an op between two blocks belongs to the block after it) and as
-    per row of the batch when it depends on the tokens. Nothing is compiled into kernels.
-    """
+    """Activations of the compiled step: through Dynamo and AOT autograd with inductor's decompositions and partitioner
+    on fake tensors (no kernels), what the forward graph hands to the backward, each tensor once, by the layer its op
+    belongs to (between two blocks: the one after) and per row of the batch where it depends on the tokens."""
     import torch._dynamo
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._inductor.compile_fx import partition_fn
@@ -439,23 +347,20 @@ def trace_compiled_activations(config, spec):
         with autocast_of(spec):
             compiled(idx, targets)
     torch._dynamo.reset()
-    forward = graphs["forward"]
-    nodes = list(forward.graph.nodes)
+    nodes = list(graphs["forward"].graph.nodes)
     # what depends on the tokens grows with the batch; the rest (weights cast to bf16, rotary tables) does not
     per_row_nodes = set()
     for node in nodes:
         value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dtype == torch.long \
-                and tuple(value.shape) == (batch, spec.seq_len):
-            per_row_nodes.add(node)
-        elif any(arg in per_row_nodes for arg in node.all_input_nodes):
+        tokens = node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dtype == torch.long \
+            and tuple(value.shape) == (batch, spec.seq_len)
+        if tokens or any(arg in per_row_nodes for arg in node.all_input_nodes):
             per_row_nodes.add(node)
     layer_at = [module_layer(node) for node in nodes]
-    spans = {}
+    spans = {}  # layer -> [its first op's position, its last's]
     for position, layer in enumerate(layer_at):
         if layer is not None:
-            first, last = spans.get(layer, (position, position))
-            spans[layer] = (min(first, position), max(last, position))
+            spans.setdefault(layer, [position, position])[1] = position
     n_layer = config.n_layer
 
     def owner(position):
@@ -479,11 +384,8 @@ def trace_compiled_activations(config, spec):
         seen.add(id(value.untyped_storage()))
         nbytes = value.untyped_storage().nbytes()
         layer = owner(position_of[node])
-        bucket = rest if layer is None else layers[layer]
-        if node in per_row_nodes:
-            bucket[1] += nbytes / batch
-        else:
-            bucket[0] += nbytes
+        per_row = node in per_row_nodes
+        (rest if layer is None else layers[layer])[per_row] += nbytes / batch if per_row else nbytes
     rest[1] += 2 * spec.seq_len * 8  # the batch itself: two (b, T) int64 tensors
     return Activations([tuple(x) for x in layers], tuple(rest), (0, 0), (0, 0))
 
@@ -512,7 +414,7 @@ class StepMemory:
     activations: int  # kept by the forward for the backward (and the batch)
     extra: int  # on top of those at the forward and backward's peak
     peak: int
-    phase: str  # where the peak falls: "forward and backward" or "optimizer step"
+    phase: str  # where the peak falls: "forward and backward", "end of the backward" or "optimizer step"
 
 
 @dataclass
@@ -536,17 +438,16 @@ class StepProfile:
         before = self.parameters + self.optimizer_state
         kept = int(self.kept_fixed + self.kept_per_row * b)
         extra = int(max(0.0, self.extra_fixed + self.extra_per_row * b))
-        forward_backward = before + kept + extra
         tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * b))
-        candidates = [(forward_backward, "forward and backward"), (tail, "end of the backward"),
+        candidates = [(before + kept + extra, "forward and backward"), (tail, "end of the backward"),
                       (self.optimizer_peak, "optimizer step")]
         peak, phase = max(candidates, key=lambda c: c[0])
         return StepMemory(b, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
 
 
 def trace_profile(spec, whole=False):
-    """Trace spec's step (module docstring): a few seconds, most of it in Dynamo and AOT autograd for a compiled step.
-    whole=True traces every layer (what the few traced layers stand for, to check them against)."""
+    """Trace spec's step: a few seconds, most of it in Dynamo and AOT autograd for a compiled step. whole=True traces
+    every layer (what the few traced layers stand for, to check them against)."""
     started = time.time()
     config = spec.model_config()
     static = trace_static(spec)
@@ -555,16 +456,12 @@ def trace_profile(spec, whole=False):
     small = config if traced is None else reduced_config(config, traced)
     if spec.compiled:
         acts = trace_compiled_activations(small, spec)
-        # What comes on top of the kept tensors, measured rather than traced (inductor decides it in code generation):
-        # on a CPU the generated backward first writes the logits' gradient in fp32, one (b T, vocab) buffer beside
-        # everything kept (bench.memory_model predict --compile=1: the peak exactly that much above the kept set);
-        # CUDA's does not (the H200's peak fell at the end of the forward, nothing of the backward's alive)
+        # On top of the kept tensors, measured rather than traced (inductor decides it in code generation; dev/log68/
+        # plan.md): on a CPU the backward first writes the logits' gradient in fp32 beside everything kept; CUDA's not
         on_top = [(0, 4 * spec.seq_len * spec.vocab_size)] if spec.device_type == "cpu" else []
-        if spec.checkpoint_activations:
-            # a checkpointed block's activations are alive again while its backward recomputes them: the largest
-            # layer's, as the same step without checkpointing keeps them
-            plain = trace_compiled_activations(small, replace(spec, checkpoint_activations=False))
-            on_top += plain.layers
+        if spec.checkpoint_activations:  # a block's activations alive again while its backward recomputes them:
+            # the largest layer's, as the same step without checkpointing keeps them
+            on_top += trace_compiled_activations(small, replace(spec, checkpoint_activations=False)).layers
         acts.extra = max(on_top, key=lambda line: (line[1], line[0]), default=(0, 0))
     else:
         acts = trace_eager_activations(small, spec)
@@ -576,9 +473,7 @@ def trace_profile(spec, whole=False):
         layer_lines = [acts.layers[0]] + [acts.layers[first_of_kind[kind]] for kind in kinds[1:]]
     kept_fixed = acts.rest[0] + sum(f for f, _ in layer_lines)
     kept_per_row = acts.rest[1] + sum(p for _, p in layer_lines)
-    return StepProfile(spec, static.parameters, static.optimizer_state, static.gradients, static.optimizer_peak,
-                       kept_fixed, kept_per_row, acts.extra[0], acts.extra[1], acts.tail[0], acts.tail[1],
-                       time.time() - started)
+    return StepProfile(spec, *static, kept_fixed, kept_per_row, *acts.extra, *acts.tail, time.time() - started)
 
 
 def cache_key(spec):
@@ -636,17 +531,13 @@ def fits(memory, limit):
 
 
 def fit_step(spec, limit, rows_per_step, largest=None, checkpoint=None):
-    """
-    The largest device batch that divides the rows a step takes (at most `largest`) and whose predicted peak is within
+    """The largest device batch dividing the rows a step takes (at most `largest`) whose predicted peak is within
     MEMORY_SHARE of `limit` bytes: without activation checkpointing where one row fits so, else with it (checkpoint
-    None: that choice; True / False: only that way). None when not even one row fits.
-    """
+    None: that choice; True / False: only that way). None when not even one row fits."""
     choices = [False, True] if checkpoint is None else [bool(checkpoint)]
     batches = [b for b in range(min(largest or rows_per_step, rows_per_step), 0, -1) if rows_per_step % b == 0]
     for checkpointed in choices:
         this = replace(spec, checkpoint_activations=checkpointed)
-        if not fits(predict(this, 1), limit):
-            continue
         for b in batches:  # the peak grows with the batch: the first that fits is the largest
             memory = predict(this, b)
             if fits(memory, limit):
@@ -675,12 +566,9 @@ def describe_fit(memory, checkpointed, limit, label=""):
 
 
 def device_memory_limit(device, given=None, given_label=""):
-    """
-    (bytes, the same in words) a training step on `device` must fit in, or (None, "") where nothing says: on CUDA the
-    card's free memory, or `given` bytes (named `given_label`, e.g. "NANOCHAT_GPU_MEMORY=24GiB") where that is less,
-    and then the process is capped to it (torch.cuda.set_per_process_memory_fraction), so that a bigger card runs as
-    the one planned for; elsewhere (a CPU) `given`, planned for but not enforced.
-    """
+    """(bytes, the same in words) a step on `device` must fit in, or (None, "") where nothing says: on CUDA the card's
+    free memory, or `given` bytes (named `given_label`) where less, the process then capped to it so that a bigger card
+    runs as the one planned for; elsewhere (a CPU) `given`, planned for but not enforced."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)

@@ -1,31 +1,10 @@
 """
-The speedrun to one time budget, planned as a whole: `NANOCHAT_TIME_BUDGET=5m bash speedrun.sh`.
-
-Before any stage runs, the plan measures this machine (a few steps of the preset's base model, as base_train's own
-probe takes them) and prices every stage from what the same stages cost on the machine the preset was measured on,
-scaled by how much slower or faster this one is. Then it decides, for the best chat model in the budget:
-  1. what must run: the data, the tokenizer, the three training stages, the final evaluation, the report;
-  2. which other evaluations run (while together they take at most EVAL_SHARE of the budget, in priority order),
-     and the report card says which were skipped;
-  3. how the training time is shared: chat_sft first gets the steps it needs (what the user talks to), mid_train a
-     few, and base_train the rest, each at least its minimum; a budget whose training time cannot hold the minimums
-     is refused in one line, with this machine's minimum and the preset's time here.
-With NANOCHAT_GPU_MEMORY (e.g. 24GiB) the memory is checked here, before any work, and the plan says what it does:
-base_train, which inherits it, fits its depth, device batch and activation checkpointing to it (time_budget, its plan
-line gives the predicted peak) and caps a bigger card to it.
-While the speedrun runs, each stage asks for its flags as it starts (the `flags` command below): a stage that starts
-late or early shares what is left with the stages after it in the planned proportions, never below its minimum, and an
-optional evaluation is dropped when the run is late. Every training stage takes its seconds as `--time-budget` (its own
-calibration measures its steps and ends it on time, warmdown intact): base_train all that the stages after it need,
-mid_train and chat_sft their planned seconds, less when the run is late and more when it is early. The decisions are
-written into the plan as they are made, so a resumed speedrun runs the same stages with the same flags.
-
-    python -m scripts.speedrun_plan plan 5m --preset cpu --started-at EPOCH   # measure, decide, print, save: cmd_plan
-    python -m scripts.speedrun_plan flags chat_sft                             # a stage's flags, as it starts: cmd_flags
-
-docs/time_budget.md tells it for users; the reference costs are BENCHMARKS.md's ("The whole speedrun to a budget").
+The speedrun to one time budget, planned as a whole (`NANOCHAT_TIME_BUDGET=5m bash speedrun.sh`): before any stage
+runs, a probe of this machine prices every stage from what it cost on the preset's reference machine, and the plan
+decides what runs, which evaluations fit and how the training time is shared; each stage then asks for its flags as it
+starts (`python -m scripts.speedrun_plan flags STAGE`: cmd_flags), sharing a late or early start with the stages after
+it. For users, and where the costs come from: docs/time_budget.md "The whole speedrun to a budget".
 """
-
 import json
 import math
 import os
@@ -34,25 +13,18 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-# Each stage of the speedrun asks for its flags in a process of its own: that path imports no torch (1-2 s a start on
-# a CPU, which the plan would otherwise have to price per stage); measuring and printing the plan import what they need.
+# A stage's flags are asked for in a process of its own: that path imports no torch (1-2 s a start on a CPU)
 
 PLAN_FILE = "speedrun_plan.json"  # in the base dir
 TIMES_FILE = "speedrun_times.txt"  # beside it: speedrun.sh's seconds for each stage that ran
 EVAL_SHARE = 0.1  # at the preset's time or more, the evaluations besides the final one take at most this much of it
 MARGIN = 0.03  # of the budget, kept back when planning for what the estimates miss (a stage's start-up that runs long)
 BASE_MARGIN = 0.01  # what base_train leaves when it starts: by then the time before it is measured, not estimated
-# Of the training time chat_sft (and chat_rl) may take, between its floor and its need: the chat model is what the
-# user talks to, and on a dev world this share beat giving base_train more steps (dev/LOG.md, 2026-12-01).
-SFT_SHARE = 0.4
-# The least budget is stated this much above what the probe says (rounded up to 10 s), so that a budget the speedrun
-# named is not refused by the next one: a VM's speed drifts by up to a quarter over minutes (dev/LOG.md, 2026-12-01).
-# Near the minimum a refusal also waits for a second probe (cmd_plan).
-PROBE_NOISE = 1.25
+SFT_SHARE = 0.4  # of the training time chat_sft (and chat_rl) may take, between its floor and its need
+PROBE_NOISE = 1.25  # the least budget is stated this much above the probe's (a VM's speed drifts over minutes)
 
-# What each stage costs on the machine the cpu preset was measured on (2-vCPU AMD EPYC with AVX512-BF16, torch 2.15,
-# bf16 autocast, 2026-11-27; BENCHMARKS.md "The whole speedrun to a budget"): seconds, and for the training stages
-# seconds a step and the start-up, evaluations and saves around the steps. REFERENCE_PROBE is what the probe below
+# What each stage costs on the machine the cpu preset was measured on (dev/log68/plan.md): seconds, and for the training
+# stages seconds a step and the start-up, evaluations and saves around the steps; probe_seconds is what the probe below
 # measured there for a step of the preset's base model: a machine whose probe takes twice as long pays twice as much.
 REFERENCE = {
     "cpu": {
@@ -61,19 +33,16 @@ REFERENCE = {
         "fixed": {"data": 2.0, "tok_train": 2.5, "report": 2.5},
         "evals": {"tok_eval": 2.0, "base_loss": 3.5, "base_eval": 7.0, "chat_eval base": 3.5, "chat_eval mid": 7.0,
                   "chat_eval sft": 6.5, "chat_eval rl": 7.0},
-        # name: (seconds a step, start-up and the rest, fewest steps, the steps it needs). The fewest: below them the
-        # chat model stops answering held-out questions; the needs: where more steps stop paying (mid_train's only
-        # once base_train has its preset's steps; chat_sft's past 175 fit its own wordings and lose new ones). The
-        # pipelines that found them: dev/LOG.md, 2026-12-01.
+        # name: (seconds a step, start-up and the rest, fewest steps, the steps it needs): below the fewest the chat
+        # model stops answering held-out questions; past the need more steps stop paying (dev/log68/plan.md)
         "train": {"base_train": (0.155, 9.0, 220, None), "mid_train": (0.35, 4.0, 20, 30),
                   "chat_sft": (0.17, 4.0, 80, 175), "chat_rl": (2.0, 8.0, 10, 30)},
         # the preset's own steps, for its time here
         "preset_steps": {"base_train": 700, "mid_train": 60, "chat_sft": 300, "chat_rl": 30},
         "preset_extra": 12.0,  # the preset's periodic evaluations, samples and checkpoints in base_train
     },
-    # Not measured on a GPU yet (no GPU node has run a budgeted speedrun): guesses for one 8xH100 node from the
-    # reference project's published run, which only set the proportions; base_train chooses its depth by its law and
-    # the chat stages measure their own steps (--time-budget), so what these miss moves the split, not the end time.
+    # Not measured on a GPU yet: guesses for one 8xH100 node from the reference project's published run, which only
+    # set the proportions (base_train and the chat stages measure their own steps: a miss moves the split, not the end)
     "gpu": {
         "probe_seconds": None,
         "fixed": {"data": 60.0, "tok_train": 90.0, "report": 5.0},
@@ -85,8 +54,8 @@ REFERENCE = {
         "preset_extra": 600.0,
     },
 }
-# Which evaluations a budget keeps first: the final one always; then the base model's val bpb, its fact recall, CORE,
-# the mid-trained model, the tokenizer's compression
+# Which evaluations a budget keeps first (the final one always): the base model's val bpb, its fact recall, CORE, the
+# mid-trained model, the tokenizer's compression
 OPTIONAL_EVALS = ["base_loss", "chat_eval base", "base_eval", "chat_eval mid", "tok_eval"]
 ORDER = ["data", "tok_train", "tok_eval", "base_train", "base_loss", "base_eval", "chat_eval base", "mid_train",
          "chat_eval mid", "chat_sft", "chat_eval sft", "chat_rl", "chat_eval rl", "report"]
@@ -117,9 +86,8 @@ class SpeedrunPlan:
     decided: dict = field(default_factory=dict)  # stage -> the flags it was given as it started
     resumed: int = 0
     dry_run: bool = False  # made for DRY_RUN=1: printed, never measured, never in a report
-    # The stages besides training took this times their planned seconds: measured from the data and the tokenizer as
-    # base_train starts, and applied to the evaluations and the report after it. The probe prices a training step, and
-    # these do not follow it: fp32 on a CPU with bf16 doubles the probe, not the tokenizer's or chat_eval's seconds.
+    # The stages besides training took this times their planned seconds (measure_host_factor): the probe prices a
+    # training step, and fp32 on a CPU with bf16 doubles it, not the tokenizer's or chat_eval's seconds
     host_factor: float = 1.0
 
     @property
@@ -177,11 +145,8 @@ def steps_in(reference, name, seconds, speed):
 
 
 def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True):
-    """
-    The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
-    times as slow as the reference. BudgetTooShort when the budget cannot hold the minimum, naming this machine's
-    minimum and the preset's time here.
-    """
+    """The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
+    times as slow as the reference; BudgetTooShort when the budget cannot hold the stages' floors."""
     from nanochat.common import format_duration
     from nanochat.training.time_budget import duration_label
 
@@ -232,17 +197,16 @@ def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=Fa
     # mid_train pays only where base_train keeps its preset's steps beside it (below, its seconds buy more base steps)
     rest = available - eval_time - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())
     base_preset = train_seconds(reference, "base_train", preset_steps["base_train"], speed)
-    with_mid = rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) >= base_preset
-    if with_mid:
+    mid_seconds = train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed)
+    if rest - mid_seconds >= base_preset:
         steps["mid_train"] = train_ref["mid_train"][3]
         # and chat_sft its preset's steps too, where base_train still keeps its own (the preset's arithmetic)
         more = train_seconds(reference, "chat_sft", preset_steps["chat_sft"], speed) - \
             train_seconds(reference, "chat_sft", steps["chat_sft"], speed)
-        if rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) - more >= base_preset:
+        if rest - mid_seconds - more >= base_preset:
             rest -= more
             steps["chat_sft"] = preset_steps["chat_sft"]
-        mid_eval = speed * reference["evals"]["chat_eval mid"]
-        if rest - train_seconds(reference, "mid_train", train_ref["mid_train"][3], speed) - mid_eval >= base_preset:
+        if rest - mid_seconds - speed * reference["evals"]["chat_eval mid"] >= base_preset:
             consider("chat_eval mid")
         else:
             stages["chat_eval mid"] = Stage("chat_eval mid", "eval", 0.0, run=False,
@@ -310,8 +274,6 @@ def describe(plan):
     from nanochat.common import format_duration
     from nanochat.training.time_budget import clock
 
-    memory = os.environ.get("NANOCHAT_GPU_MEMORY")
-
     lines = [f"plan | speedrun in {format_duration(plan.budget_seconds)} from {clock(plan.started_at)}, ending by "
              f"{clock(plan.deadline)} | {plan.machine}: a step of the {plan.preset} preset's base model takes "
              f"{plan.speed:.2f}x the reference's | least budget here {format_duration(plan.minimum_seconds)}, the "
@@ -325,7 +287,7 @@ def describe(plan):
         else:
             what = f"{s.seconds:.0f} s"
         lines.append(f"plan | {s.name:<14} {what}")
-    if memory:
+    if memory := os.environ.get("NANOCHAT_GPU_MEMORY"):
         lines.append(f"plan | memory         NANOCHAT_GPU_MEMORY={memory}: base_train fits its depth, device batch and "
                      f"activation checkpointing to it (its plan gives the predicted peak), the process capped to it on "
                      f"a bigger GPU")
@@ -354,12 +316,9 @@ def report_section(plan):
 
 
 def stage_flags(plan, name, now, measured=None):
-    """
-    The flags a stage gets as it starts: its planned seconds or steps scaled by how the time left compares with the
-    time the plan gives this stage and those after it (a late start shares the loss, an early one the gain), never
-    below its minimum; "skip:..." for an evaluation that does not run. A stage that was given flags before (a resumed
-    speedrun) gets the same ones.
-    """
+    """The flags a stage gets as it starts: its planned seconds scaled by the time left against the time planned for it
+    and those after it (a late start shares the loss, an early one the gain), never below its minimum; "skip:..." for
+    a stage that does not run. A stage given flags before (a resumed speedrun) gets the same ones."""
     if name in plan.decided:
         return plan.decided[name]
     reference = REFERENCE[plan.preset]
@@ -370,21 +329,21 @@ def stage_flags(plan, name, now, measured=None):
     planned = sum(planned_seconds(plan, s) for s in plan.stages[at:])
     left = plan.deadline - now - MARGIN * plan.budget_seconds * (1 - at / len(plan.stages))
     factor = 1.0 if plan.dry_run or planned <= 0 else max(0.0, left / planned)  # a dry run spends no time
-    if not stage.run and stage.kind == "train":
-        flags = ["skip:" + stage.why]
+    if not stage.run:
+        flags = ["skip:" + (stage.why or "")]
     elif stage.kind == "eval":
-        flags = ["skip:" + (stage.why or "")] if not stage.run else \
-            ["skip: the run was late (%.0f s behind its plan)" % ((1 - factor) * planned)] if factor < 0.95 else []
-    elif stage.kind == "train" and name == "base_train":  # all that the stages after it do not need, early or late
-        after = sum(planned_seconds(plan, s) for s in plan.stages[at + 1:])
-        seconds = stage.seconds if plan.dry_run else plan.deadline - now - after - BASE_MARGIN * plan.budget_seconds
-        seconds = max(seconds, train_seconds(reference, name, reference["train"][name][2], plan.speed))
-        flags = [f"--time-budget={seconds:.0f}s"]
-    elif stage.kind == "train":  # its planned seconds scaled with the time left (never below its floor's): its own
-        # --time-budget then measures its steps, so a step that costs more or less than the probe priced it (a chat
-        # step is not a base step: fp32 SFT ran 10 % faster than priced) neither ends the run early nor late
-        seconds = max(stage.seconds * factor, train_seconds(reference, name, reference["train"][name][2], plan.speed))
-        flags = [f"--time-budget={seconds:.0f}s"]
+        flags = ["skip: the run was late (%.0f s behind its plan)" % ((1 - factor) * planned)] if factor < 0.95 else []
+    elif stage.kind == "train":
+        # base_train all that the stages after it do not need, early or late; the others their planned seconds scaled
+        # with the time left. Their own --time-budget then measures their steps, so a step that costs more or less
+        # than the probe priced it (fp32 SFT ran 10 % faster) neither ends the run early nor late
+        if name == "base_train":
+            after = sum(planned_seconds(plan, s) for s in plan.stages[at + 1:])
+            seconds = stage.seconds if plan.dry_run else plan.deadline - now - after - BASE_MARGIN * plan.budget_seconds
+        else:
+            seconds = stage.seconds * factor
+        floor = train_seconds(reference, name, reference["train"][name][2], plan.speed)
+        flags = [f"--time-budget={max(seconds, floor):.0f}s"]
     else:
         flags = []
     if name == "chat_sft" and not plan.stage("mid_train").run:
@@ -413,12 +372,6 @@ def load(path):
         sys.exit(f"error: no speedrun plan to follow in {path} ({e}); run speedrun.sh with NANOCHAT_TIME_BUDGET again")
     fields["stages"] = [Stage(**s) for s in fields["stages"]]
     return SpeedrunPlan(**fields)
-
-
-def log_to_report(plan):
-    from nanochat.report import get_report
-
-    get_report().log("Speedrun plan", report_section(plan))
 
 
 def cmd_plan(args):
@@ -457,8 +410,7 @@ def cmd_plan(args):
                              base_chat_eval=args.base_chat_eval)
             break
         except BudgetTooShort as short:
-            # Near the minimum a refusal waits for a second probe, the faster deciding: a VM's speed drifts (probes
-            # minutes apart: 1.04-1.27x the reference), and the minimum the last speedrun named must not be refused
+            # near the minimum a refusal waits for a second probe, the faster deciding (a VM's speed drifts)
             if attempt == 2 or args.dry_run or args.preset == "gpu" or budget < short.minimum / 2:
                 raise UserError(str(short)) from None
             print(f"plan | {duration_label(budget)} is short of {format_duration(short.minimum)} at {speed:.2f}x "
@@ -476,7 +428,9 @@ def cmd_flags(args):
     flags = stage_flags(plan, args.stage, time.time(), read_stage_times(times))
     save(plan, args.plan_file)
     if args.stage == "report" and not plan.dry_run:  # the report card says what each stage was given
-        log_to_report(plan)
+        from nanochat.report import get_report
+
+        get_report().log("Speedrun plan", report_section(plan))
     if flags and flags[0].startswith("skip:"):
         print(f"speedrun: {args.stage} {flags[0][len('skip:'):].strip() or 'skipped'}", file=sys.stderr)
     print(" ".join(flags))

@@ -1,25 +1,8 @@
 """
-Training to a wall-clock budget. `base_train --time-budget=4h` measures this machine, picks the depth and the number
-of training tokens that a scaling law predicts to give the lowest val bpb in that time, and plans the run so that the
-process ends on time; mid_train and chat_sft take a budget too (their steps only), and speedrun.sh splits one budget
-over its stages. docs/time_budget.md tells it for users.
-
-How a plan is made:
-1. The law. val bpb = E + A / N^alpha + B / D^beta after D training tokens of a model with N scaling parameters (those
-   that cost FLOPs), trained to the end of its lr schedule. The project ships fits (LAWS): at CPU scale the
-   miniseries' isoflop runs on the built-in corpus and on Brown, at GPU scale the reference project's published
-   compute-optimal runs; --scaling-law=FILE takes a user's own miniseries fit (its scaling_law.json).
-2. The memory. With a memory to fit in (a GPU's, or NANOCHAT_GPU_MEMORY), the memory model
-   (nanochat.training.memory_model) predicts each candidate depth's peak before anything runs: the largest device
-   batch that fits, else activation checkpointing, else the depth is passed over.
-3. The probe. A few optimizer steps of a candidate depth on random tokens, at the run's batch geometry and device batch
-   (halving on running out of memory, for the probe's own eager steps), give its seconds per step. Depths are tried
-   outward from the law's guess for this device until the predicted val bpb stops improving, within PROBE_SECONDS.
-4. The choice. For each measured depth: the time left for steps (the budget, less what has run, the evaluations, the
-   final checkpoint and the end of the process), so many steps, so many tokens, the law's val bpb; the lowest wins.
-5. Calibration. A tenth and half of the way in, before the lr warmdown begins, the measured seconds per step and per
-   evaluation replace the estimates and the number of steps is set for the rest of the budget, so the warmdown still
-   ends on the last step. The plan is saved in every checkpoint, and a resume follows it as it stands.
+Training to a wall-clock budget: `base_train --time-budget=4h` probes a few depths on this machine (each fitted to the
+card's memory by the memory model first), picks the depth and tokens a scaling law predicts to give the lowest val bpb
+in that time, and calibrates the step count twice before the lr warmdown so that the process ends on time; mid_train
+and chat_sft plan their steps only. How, for users: docs/time_budget.md; the whole speedrun: pipeline_plan.
 """
 
 import functools
@@ -44,8 +27,7 @@ SECOND_CALIBRATION = 0.5  # least), and again half of the way in or just before 
 COMPILE_SECONDS = {"cuda": 60.0, "cpu": 30.0}  # a guess at torch.compile's first steps, until calibration measures them
 GUESS_MFU = {"cuda": 0.35, "cpu": 0.45}  # the fraction of peak FLOP/s where the probe starts looking
 START_SECONDS = 2.0  # after the plan, before the first step: the model, the data stream, the peak-FLOPs probe
-END_SECONDS = {"cuda": 2.0, "cpu": 1.0}  # after the last step and its save: the report, wandb, the exit (~0.3 s on a
-# CPU without wandb; CUDA's teardown is longer)
+END_SECONDS = {"cuda": 2.0, "cpu": 1.0}  # after the last step and its save: the report, wandb, the exit
 SAVE_BYTES_PER_SECOND = 1e9  # a checkpoint's weights and optimizer state onto local disk
 MAX_DEPTH = 64
 
@@ -71,8 +53,7 @@ def parse_duration(text, flag="--time-budget"):
 
 def duration_label(seconds):
     """A budget as a short name for a model tag: 5400 -> '1h30m', 90 -> '1m30s', 300 -> '5m'."""
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
+    hours, rest = divmod(round(seconds), 3600)
     minutes, secs = divmod(rest, 60)
     return "".join(f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v) or "0s"
 
@@ -117,21 +98,12 @@ class ScalingLaw:
         return self.E + self.A * scaling_params ** -self.alpha + self.B * tokens ** -self.beta
 
 
-# The reference project's compute-optimal isoflop runs (karpathy/nanochat dev/LOG.md, 2026-01: 1e18..1e19 FLOPs, d12-d20
-# at 2^19-token steps of 2048-token rows, its climbmix data, scaling parameters counted as here): val bpb 0.8972, 0.8616,
-# 0.8293, 0.7999 at 111 M, 168 M, 251 M, 382 M parameters on 10.3-11.2 tokens each. With its finding that N and D
-# scale alike (one tokens-per-parameter ratio, ~10.5, at every budget), those points fix L(N, D) with alpha = beta and
-# B = A * 10.5^alpha; the fit passes within 0.0002 bpb of each. Until a GPU miniseries of ours replaces it.
-REFERENCE_RATIO, REFERENCE_ALPHA, REFERENCE_A = 10.5, 0.255, 21.232
+# The GPU law: the reference project's compute-optimal runs, alpha = beta and B = A * 10.5^alpha (N and D scale alike
+# there); the CPU laws: our miniseries' fits (BENCHMARKS.md "Scaling laws for --time-budget"; dev/log68/plan.md)
 LAWS = {
     "gpu-reference": ScalingLaw(
         "gpu-reference", "the reference project's compute-optimal runs (its data, tokenizer and recipe), ~10.5 tok/param",
-        E=0.5229, A=REFERENCE_A, alpha=REFERENCE_ALPHA, B=REFERENCE_A * REFERENCE_RATIO ** REFERENCE_ALPHA,
-        beta=REFERENCE_ALPHA, aspect_ratio=64, head_dim=128),
-    # The CPU miniseries of the default recipe (base_train's components) at n_embd 32 x depth, heads of 32, 256-token
-    # rows, 2,048-token steps, a 4,096-token vocabulary, each run's final val bpb (BENCHMARKS.md "Scaling laws for
-    # --time-budget"): on the built-in corpus (6 MB) 16 runs, d2-d8 at 2.5e12-8e13 FLOPs (the 8e13 runs read it 1.2-11
-    # times, as a long CPU run does), rmse 0.016 bpb; on Brown 12 runs, d2-d6 at 2.5e12-2.5e13, rmse 0.021 bpb.
+        E=0.5229, A=21.232, alpha=0.255, B=21.232 * 10.5 ** 0.255, beta=0.255, aspect_ratio=64, head_dim=128),
     "cpu-builtin": ScalingLaw("cpu-builtin", "16 CPU miniseries runs on the built-in corpus, d2-d8, 2.5e12-8e13 FLOPs",
                               E=0.2056, A=3775.88, alpha=0.836, B=9573.91, beta=0.836, aspect_ratio=32, head_dim=32),
     "cpu-brown": ScalingLaw("cpu-brown", "12 CPU miniseries runs on the Brown corpus, d2-d6, 2.5e12-2.5e13 FLOPs",
@@ -169,9 +141,8 @@ def law_for(spec, device_type, data_source):
 
 @dataclass
 class RunPlan:
-    """What one budgeted training run decided before its first step: base_train's depth, device batch and steps
-    (plan_pretraining), or a chat stage's steps (plan_stage_steps). Saved in every checkpoint's meta.json as
-    'time_plan'; the whole speedrun's plan is pipeline_plan.SpeedrunPlan."""
+    """What one budgeted run decided before its first step: base_train's depth, device batch and steps, or a chat
+    stage's steps. Saved in every checkpoint's meta.json as 'time_plan'."""
     budget_seconds: float
     started_at: float  # epoch seconds the stage began: the budget ends at started_at + budget_seconds
     law: str
@@ -230,18 +201,24 @@ class RunShape:
 
 
 def step_spec(depth, shape, checkpoint_activations=False):
-    """The memory model's spec of base_train's step at this depth, on shape's device."""
-    from nanochat.training.memory_model import spec_for_device
+    """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (bf16 for a
+    GPU not here); an eager step on a CPU runs its fused Functions where they are on."""
+    from nanochat.common import get_compute_dtype
+    from nanochat.model import cpu_ops
+    from nanochat.training.memory_model import StepSpec
 
-    return spec_for_device(shape.device_type, depth, shape.seq_len, shape.vocab_size, shape.aspect_ratio,
-                           shape.head_dim, shape.num_kv_heads, shape.model_components, shape.optimizer_components,
-                           shape.fp8, checkpoint_activations, compiled=shape.compiled)
+    device_type = shape.device_type
+    here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
+    dtype = str(get_compute_dtype(torch.device(device_type))).split(".")[-1] if here else "bfloat16"
+    return StepSpec(depth, shape.seq_len, shape.vocab_size, shape.aspect_ratio, shape.head_dim, shape.num_kv_heads,
+                    tuple(shape.model_components), tuple(shape.optimizer_components), dtype, bool(shape.fp8),
+                    bool(checkpoint_activations), bool(shape.compiled), device_type=device_type,
+                    cpu_ops=device_type == "cpu" and not shape.compiled and cpu_ops.enabled())
 
 
 def plan_memory(depth, shape):
-    """The device batch and checkpointing of this depth's step within shape.memory_limit (memory_model.fit_step): the
-    largest device batch that divides each rank's rows per step, up to shape.max_device_batch; None if one row does not
-    fit even with activation checkpointing (where the shape leaves that to the plan)."""
+    """This depth's device batch and checkpointing within shape.memory_limit (memory_model.fit_step, up to
+    shape.max_device_batch); None if one row does not fit."""
     from nanochat.training.memory_model import fit_step
 
     rows_per_step = shape.total_batch_size // (shape.seq_len * shape.world_size)
@@ -306,18 +283,6 @@ def steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, first=0, sav
     return n
 
 
-def estimate_seconds(recipe, shape, device_batch, step_seconds, device):
-    """(one evaluation, one checkpoint, the end of the run) in seconds, from the probe's step time: an evaluation is a
-    forward pass, about a third of a step's work per token, over each rank's share of --eval-tokens; a checkpoint is
-    the weights and optimizer state (~3x the weights); the end is the final checkpoint, the samples and the exit."""
-    micro_seconds = step_seconds / (shape.total_batch_size // (device_batch * shape.seq_len * shape.world_size))
-    eval_batches = max(1, shape.eval_tokens // (device_batch * shape.seq_len * shape.world_size))
-    eval_seconds = 0.5 + eval_batches * micro_seconds / 3
-    save_seconds = 0.3 + 12 * recipe.num_params / shape.world_size / SAVE_BYTES_PER_SECOND
-    sample_seconds = (3.0 if device.type == "cuda" else 1.0) if shape.sample_at_end else 0.0
-    return eval_seconds, save_seconds, save_seconds + sample_seconds + END_SECONDS.get(device.type, 2.0)
-
-
 @dataclass
 class Candidate:
     depth: int
@@ -334,10 +299,17 @@ class Candidate:
 
 
 def forecast(candidate, law, shape, deadline, now, device):
-    """Fill in the candidate's steps and predicted val bpb, for a run whose first step comes after `now`."""
+    """Fill in the candidate's steps and predicted val bpb, for a run whose first step comes after `now`, and from its
+    step time the seconds of an evaluation (a forward pass, a third of a step's work per token, over each rank's share
+    of --eval-tokens), of a checkpoint (the weights and optimizer state, ~3x the weights) and of the run's end (the
+    final checkpoint, the samples, the exit)."""
     recipe = meta_recipe(candidate.depth, shape)
-    candidate.eval_seconds, candidate.save_seconds, candidate.end_seconds = estimate_seconds(
-        recipe, shape, candidate.device_batch_size, candidate.step_seconds, device)
+    micro_batch_tokens = candidate.device_batch_size * shape.seq_len * shape.world_size
+    micro_seconds = candidate.step_seconds / (shape.total_batch_size // micro_batch_tokens)
+    candidate.eval_seconds = 0.5 + max(1, shape.eval_tokens // micro_batch_tokens) * micro_seconds / 3
+    candidate.save_seconds = 0.3 + 12 * recipe.num_params / shape.world_size / SAVE_BYTES_PER_SECOND
+    sample_seconds = (3.0 if device.type == "cuda" else 1.0) if shape.sample_at_end else 0.0
+    candidate.end_seconds = candidate.save_seconds + sample_seconds + END_SECONDS.get(device.type, 2.0)
     seconds = deadline - now - START_SECONDS - shape.compile_seconds - candidate.end_seconds - candidate.eval_seconds
     candidate.num_iterations = steps_that_fit(seconds, candidate.step_seconds, candidate.eval_seconds, shape.eval_every,
                                               save_every=shape.save_every, save_seconds=candidate.save_seconds)
@@ -354,19 +326,14 @@ class ProbeOutOfMemory(Exception):
 
 
 def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint_activations=False):
-    """
-    Seconds per optimizer step of base_train at this depth and device batch, on random tokens: a warm-up step, then as
-    many timed steps as fit in about `seconds` (2 to 6, one count for every rank, taken from the warm-up), each
-    micro-batch's forward/backward and the optimizer update timed apart (a step is grad_accum micro-batches and one
-    update). Running out of memory anywhere raises ProbeOutOfMemory on every rank, before any collective of the
-    optimizers, so no rank is left waiting in one.
-    """
+    """Seconds per optimizer step of base_train at this depth and device batch on random tokens: after a warm-up, as
+    many as fit in about `seconds` (2 to 6, one count for every rank), a micro-batch and the update timed apart. Running
+    out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective (none waits)."""
     from nanochat.gpt import build_model
     from nanochat.model.fp8 import convert_to_fp8
     from nanochat.training.recipe import build_optimizers
 
-    def agreed(work):
-        """work() on every rank; a rank that runs out of memory makes every rank raise ProbeOutOfMemory."""
+    def agreed(work):  # a rank that runs out of memory in work() makes every rank raise ProbeOutOfMemory
         failed, result = False, None
         try:
             result = work()
@@ -451,17 +418,17 @@ def machine_signature(shape, device):
 def read_measurements(signature, device):
     """{depth: (device batch, seconds per step)} an earlier probe measured under this signature: read by rank 0 and
     sent to every rank, so that all of them probe the same depths."""
-    from nanochat.common import dist_rank_world, get_base_dir
+    from nanochat.common import dist_rank_world, get_base_dir, read_json_object
 
     found = {}
     rank, world_size = dist_rank_world()
     if rank == 0:
+        record = read_json_object(os.path.join(get_base_dir(), PROBE_FILE)) or {}  # none yet, or unreadable: measure
         try:
-            with open(os.path.join(get_base_dir(), PROBE_FILE), encoding="utf-8") as f:
-                found = {int(d): (int(m["device_batch_size"]), float(m["step_seconds"]))
-                         for d, m in json.load(f).get(signature, {}).items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            found = {}  # none yet, or unreadable: measure again
+            found = {int(d): (int(m["device_batch_size"]), float(m["step_seconds"]))
+                     for d, m in record.get(signature, {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            found = {}  # unreadable: measure again
     if world_size > 1:
         box = [found]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -486,9 +453,8 @@ def write_measurements(signature, measurements):
 
 def guess_depth(law, shape, device, budget_seconds):
     """Where the probe starts: the depth the law prefers if this device trains at GUESS_MFU of its peak FLOP/s."""
-    # a CPU's peak is measured, by each rank apart: the fastest rank's figure, so that every rank starts its walk at the
-    # same depth and makes the same collectives (ranks that started apart deadlocked, one in the probe's all-reduce,
-    # the other already comparing plans)
+    # the fastest rank's peak (a CPU's is measured by each rank apart): every rank must start its walk at the same depth
+    # and make the same collectives (dev/log68/plan.md)
     peak = all_reduce_max([get_peak_flops(device)], device)[0]
     flops_per_second = GUESS_MFU.get(device.type, 0.4) * peak * shape.world_size
     best = None
@@ -504,8 +470,8 @@ def guess_depth(law, shape, device, budget_seconds):
 
 
 def plan_pretraining(law, shape, budget_seconds, started_at, device, autocast, depth=None, warmdown_ratio=0.4):
-    """base_train's plan: probe and choose the depth and the tokens (module docstring); every rank returns the same
-    plan. `depth`: only the tokens are planned."""
+    """base_train's plan: probe and choose the depth and the tokens; every rank returns the same plan. `depth`: only
+    the tokens are planned."""
     now = lambda: all_reduce_max([time.time()], device)[0]  # noqa: E731 -- every rank decides on the same clock
     started_at = -all_reduce_max([-started_at], device)[0]  # the earliest rank's start
     deadline = started_at + budget_seconds
@@ -587,17 +553,13 @@ def plan_pretraining(law, shape, budget_seconds, started_at, device, autocast, d
 
 def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eval_every, warmdown_ratio, depth,
                      total_batch_size, device_batch_size, grad_accum, device, save_every=-1):
-    """
-    A chat stage's plan: no depth to choose, only the steps that fit in the budget at a guessed step time (the chat
-    stages' lrs do not depend on the step count, so a rough guess only moves where the calibration comes). Every rank
-    plans from the same clock (the earliest start, the latest now), so every rank makes the same plan.
-    """
+    """A chat stage's plan: only the steps that fit in the budget at a guessed step time (the chat stages' lrs do not
+    depend on the step count: a rough guess only moves the calibration). Every rank plans from the same clock."""
     started_at = -all_reduce_max([-started_at], device)[0]
     now = all_reduce_max([time.time()], device)[0]
     end_seconds = END_SECONDS.get(device.type, 2.0) + 1.0  # + the final save of a small model, until one is measured
     seconds = started_at + budget_seconds - now - START_SECONDS - end_seconds - eval_seconds
-    n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every,
-                              save_seconds=1.0))
+    n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every, save_seconds=1.0))
     calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
     return RunPlan(budget_seconds=budget_seconds, started_at=started_at, law="", depth=depth, aspect_ratio=0, head_dim=0,
                 device_batch_size=device_batch_size, grad_accum=grad_accum, total_batch_size=total_batch_size,
@@ -637,13 +599,10 @@ def memory_line(plan, label=""):
 
 
 class BudgetClock:
-    """
-    Keeps a budgeted run on time: twice before the lr warmdown (a tenth and half of the way in), the run's own seconds
-    per step (since the last calibration: a machine that slows down mid-run is caught at the second) and per evaluation
-    replace the estimates, and the step count is set for the rest of the budget. The warmdown begins after both, so it
-    still ends on the last step. Only the process that made the plan calibrates: a resumed run follows the plan it finds
-    in the checkpoint. With no plan (a run without a budget) it does nothing.
-    """
+    """Keeps a budgeted run on time: twice before the lr warmdown (a tenth and half of the way in) the run's own seconds
+    per step (since the last calibration: a machine that slows down mid-run is caught) and per evaluation replace the
+    estimates and set the step count for the rest of the budget. Only the process that made the plan calibrates (a
+    resumed run follows its checkpoint's plan); with no plan it does nothing."""
 
     def __init__(self, plan, active, warmdown_ratio, eval_name="val_bpb"):
         self.plan, self.active, self.warmdown_ratio, self.eval_name = plan, active, warmdown_ratio, eval_name
@@ -662,8 +621,7 @@ class BudgetClock:
              plan.save_seconds if loop.save_seconds is None else loop.save_seconds, time.time()], loop.device)
         if not math.isfinite(step_seconds):
             step_seconds = plan.step_seconds
-        # a measured checkpoint replaces the estimate, for the saves to come and the final one (a 30 s run on a CPU
-        # saves in 0.02 s, not the 0.3 s guessed: ten saves guessed would end it 10 % early)
+        # a measured checkpoint replaces the estimate, for the saves to come and the final one (dev/log68/plan.md)
         plan.end_seconds, plan.save_seconds = plan.end_seconds - plan.save_seconds + save_seconds, save_seconds
         n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step,
                            save_every=plan.save_every, save_seconds=plan.save_seconds)
@@ -700,8 +658,7 @@ class BudgetClock:
                 "Scaling law": self.plan.law, "Predicted val bpb": round(self.plan.predicted_bpb, 4)}
 
 
-def plan_dict(plan):
-    return asdict(plan)
+plan_dict = asdict  # a RunPlan as the checkpoints' 'time_plan'
 
 
 def plan_from_dict(fields):
