@@ -16,7 +16,6 @@ import re
 import time
 import weakref
 from dataclasses import asdict, dataclass, replace
-from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -152,8 +151,18 @@ def traced_as(spec):
     import nanochat.training.optim as optim
 
     env = {"NANOCHAT_DTYPE": spec.dtype, "NANOCHAT_CPU_OPS": "1" if spec.cpu_ops else "0"}
-    with mock.patch.dict(os.environ, env), mock.patch.object(optim, "dist_rank_world", lambda: (0, 1)):
+    saved, rank_world = {name: os.environ.get(name) for name in env}, optim.dist_rank_world
+    os.environ.update(env)  # only these two are put back after: other threads may read the environment meanwhile
+    optim.dist_rank_world = lambda: (0, 1)
+    try:
         yield
+    finally:
+        optim.dist_rank_world = rank_world
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def fake_model(config, spec):
