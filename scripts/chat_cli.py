@@ -21,9 +21,8 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine, Sampling
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, SEED_MODULUS, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE,
-                                   MarkupWriter, RequestError, check_number, fit_conversation, fit_text, generate_replies,
-                                   model_summary, prompt_budget)
-from nanochat.serving.events import Finish, Piece
+                                   Finish, MarkupWriter, Piece, RequestError, check_number, fit_conversation, fit_text,
+                                   generate_replies, model_summary, prompt_budget)
 
 
 def parse_args(argv=None):

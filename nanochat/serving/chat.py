@@ -1,18 +1,8 @@
 """
-Talking to a trained model: what chat_cli and chat_web share.
-
-    messages = validate_messages(request["messages"])          # RequestError names the field and the reason
-    prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
-    for event in generate_replies(engine, prompt.ids, Sampling(temperature=0.6, top_k=50, max_tokens=64)):
-        ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
-
-The OpenAI API's requests and responses are nanochat/serving/openai_api.py; Piece, Finish and the other events of a
-reply are nanochat/serving/events.py.
-A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
-wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
-so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
-A conversation longer than the model's context loses its oldest turns (and says so) instead of failing, in chat_cli
-and the UI's endpoint; the OpenAI API takes it whole or refuses it (whole_conversation), as OpenAI's does.
+A chat's messages: what chat_cli and chat_web share (request limits, validation, tool-call markup, a conversation
+fitted to the context, a reply's text as the model writes it), and the events of a reply and the messages of the
+worker pipe (workers.py). A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a
+calculator call the model wrote) and "python_output" (the calculator's answer); each Piece carries its part's kind.
 """
 
 import math
@@ -21,7 +11,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanochat.engine import StreamDecoder
-from nanochat.serving.events import Finish, Piece
 
 # -----------------------------------------------------------------------------
 # Limits on what a client may ask for. They keep one request from holding a worker for long or filling memory;
@@ -322,6 +311,151 @@ def fit_text(tokenizer, text, max_prompt_tokens):
     kept = ids[len(ids) - (max_prompt_tokens - 1):]
     note = f"kept only the last {len(kept)} of the text's {len(ids)} tokens to fit the model's context"
     return Prompt([tokenizer.get_bos_token_id()] + kept, [], note)
+
+
+# -----------------------------------------------------------------------------
+# The events of a reply and the messages of the worker pipe (workers.py): a dataclass each, pickled down the
+# pipe and matched by type. Server -> worker: Add, Score, Cancel, Stop; worker -> server: Ready or Failure at
+# start, then Events; a request's events: Admitted, Token, Piece, Finish, Scored, Failure, Ended last.
+
+
+# -----------------------------------------------------------------------------
+# The server to a worker
+
+
+@dataclass
+class Add:
+    """Decode a request's replies: one Sampling a reply (Sampling.per_sample), chat markup or plain completion text.
+    owner: the number of the client that asked (ClientShare.number): its rows share decode steps with other clients'."""
+
+    key: int
+    prompt_ids: list
+    samplings: list
+    chat: bool
+    owner: int = 0
+
+
+@dataclass
+class Score:
+    """Score prompts (their tokens' log probabilities, `top` alternatives each), a slice between two decode steps; for
+    each Sampling, also the one token that follows each prompt (a max_tokens 1 request needs no decode step)."""
+
+    key: int
+    prompts: list
+    top: int
+    samplings: list
+
+
+@dataclass
+class Cancel:
+    """Withdraw a request (its client left): its rows are freed, its unscored slices never run."""
+
+    key: int
+
+
+@dataclass
+class Stop:
+    """End the worker process."""
+
+
+# -----------------------------------------------------------------------------
+# A worker to the server
+
+
+@dataclass
+class Ready:
+    """The model is loaded: what it is (chat.model_info), the rows its engine batches, its KV cache's bytes, and what
+    its decode step was measured to cost (DecodeCost.summary; "" with one row, which nobody shares)."""
+
+    info: dict
+    rows: int
+    cache_bytes: int
+    decode_cost: str = ""
+
+
+@dataclass
+class Occupancy:
+    """A worker's batch, for /stats: its rows, those decoding and those waiting for one, the decode steps that carried
+    more than one row, and the row-steps a row waited because clients shared the step."""
+
+    rows: int
+    active: int = 0
+    waiting: int = 0
+    shared_steps: int = 0
+    rows_passed_by: int = 0
+
+
+@dataclass
+class Events:
+    """The new events of some requests [(key, [event, ...])], and the worker's Occupancy."""
+
+    ready: list
+    occupancy: Occupancy
+
+
+# -----------------------------------------------------------------------------
+# The events of one request
+
+
+@dataclass
+class Admitted:
+    """A request's samples have rows of the batch: it no longer counts against the queue timeout."""
+
+
+@dataclass
+class Token:
+    """A reply's token with its log probability and the most likely alternatives [(id, log p)], for a request that
+    asked for logprobs (sent before the text it adds)."""
+
+    index: int
+    token: int
+    logprob: float
+    top: list
+
+
+@dataclass
+class Piece:
+    """Text a reply adds."""
+
+    index: int  # which sample
+    kind: str  # "text", "python" or "python_output"
+    text: str  # may be "" when a tool part begins
+
+
+@dataclass
+class Finish:
+    """A reply is complete."""
+
+    index: int
+    reason: str  # "stop" (end of turn, stop string) or "length" (max_tokens or the context ran out)
+    completion_tokens: int  # tokens generated for this reply, the one that ended it included
+    parts: list  # the whole reply as parts
+
+
+@dataclass
+class Scored:
+    """A prompt's tokens' log probabilities: ((log p or None, ((id, log p), ...)), ...) a token, for /v1/completions'
+    echo."""
+
+    index: int
+    tokens: tuple
+
+
+@dataclass
+class Failure:
+    """What could not be done, and why: a request (its worker failed or exited, or the server is stopping: an error
+    event, a 500 or a 503; Ended follows), or at a worker's start its model's loading (the server stops)."""
+
+    reason: str
+
+
+@dataclass
+class Ended:
+    """A request's last event, with what it cost (for the server's log and /stats)."""
+
+    tokens: int
+    seconds: float
+    replies_finished: int
 
 
 # -----------------------------------------------------------------------------

@@ -1,40 +1,973 @@
 """
-The chat server behind `python -m scripts.chat_web`: the FastAPI app over a pool of worker processes
-(nanochat/serving/workers.py), with the browser UI, its streaming endpoint, the OpenAI API
-(nanochat/serving/openai_api.py), /health and /stats, and the API keys that guard them; then what keeps it serving
-under hostile load: a bound on open connections that a flood of idle sockets or of clients that never read cannot
-fill, replies judged by what their clients take, a client past the bound told to retry rather than cut off, a
-file-descriptor limit raised to what the system allows, and checks on every request that a web page in the user's
-browser cannot pass (a JSON body, and a Host header naming this server, which DNS rebinding cannot fake). What one
-client may hold of the workers is workers.WorkerPool's.
+The HTTP side of chat_web: the FastAPI app over a pool of worker processes (workers.py), the browser UI and its
+endpoint, /health and /stats, the API keys, the OpenAI API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`)
+and vLLM's tokenizer endpoints, every field read or refused with a 400 that names it; then the defences against
+hostile load: bounded connections, stalled readers, Host and JSON checks (docs/serving.md has the story).
 """
 
 import asyncio
+import codecs
+import dataclasses
 import fcntl
 import hmac
 import ipaddress
+import json
 import os
 import re
 import resource
+import secrets
 import socket
 import struct
 import termios
+import threading
 import time
+import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanochat.common import UserError, print0
-from nanochat.serving.chat import RequestError, fit_conversation, prompt_budget, validate_messages
-from nanochat.serving.events import Failure, Finish, Piece
-from nanochat.serving.openai_api import (CLIENT_SCOPE_KEY, SSE_HEADERS, ClientGone, HTTPProblem, OpenAIRoutes,
-                                         check_bool, check_model, client_of, openai_error, openai_usage, read_json_body,
-                                         read_sampling, sse, until_disconnect)
+from nanochat.engine import Sampling
+from nanochat.serving.chat import (MAX_TOKENS_RANGE, MAX_TOTAL_CHARS, MODEL_MARKUP, NUM_SAMPLES_RANGE, READABLE_MARKUP,
+                                   SEED_MODULUS, TEMPERATURE_RANGE, TOP_K_RANGE, TOP_P_RANGE, TURN_TOKENS, Failure,
+                                   Finish, MarkupWriter, Piece, RequestError, Token, check_number, fit_conversation,
+                                   prompt_budget, validate_messages, whole_conversation)
 from nanochat.serving.workers import NoWorkerAlive, QueueTimeout, ServerStopping
+
+MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 100  # OpenAI allows 4 and vLLM any number; harnesses add their own end string
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_CHOICES = 64  # prompts x n of one /v1/completions request: what one reply may hold
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the request has none, as in OpenAI's API and vLLM's
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+PENALTY_RANGE, BIAS_RANGE = (-2.0, 2.0), (-100.0, 100.0)
+CHAT_TOP_LOGPROBS, COMPLETION_LOGPROBS = 20, 5  # the most alternatives per token each endpoint gives, as OpenAI's
+
+# The fields each endpoint reads. A field OpenAI defines that asks for what this model cannot do is refused (REFUSED);
+# an unknown field is refused too; a null field is absent. user, metadata, service_tier, prompt_cache_key,
+# safety_identifier and parallel_tool_calls change nothing here, and are accepted as such (docs/serving.md).
+COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "max_tokens", "stream", "stream_options", "stop", "seed",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
+                               "tools", "tool_choice", "parallel_tool_calls", "response_format", "modalities",
+                               "prompt_cache_key", "safety_identifier", "nanochat_markup"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"}
+REFUSED = {
+    "functions": "this model calls no user tools", "function_call": "this model calls no user tools",
+    "audio": "this model reads and writes text only", "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model has no hidden reasoning to tune", "verbosity": "this model has no verbosity setting",
+    "web_search_options": "this server does not search the web",
+}
+
+
+# -----------------------------------------------------------------------------
+# Requests
+
+
+class HTTPProblem(Exception):
+    def __init__(self, status, message, kind="invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+MODEL_ALIASES = ("nanochat",)  # what a client may call the one served model besides its id (docs/serving.md)
+
+
+def served_names(model_id):
+    return (model_id,) + MODEL_ALIASES
+
+
+def check_model(body, model_id):
+    """A request's model: absent, or the served model's id or an alias; any other name is the API's 404."""
+    if "model" not in body:
+        return
+    name = body["model"]
+    if not isinstance(name, str):
+        raise RequestError("model", f"must be a string: the served model's id ({model_id!r}) or {MODEL_ALIASES[0]!r}")
+    if name not in served_names(model_id):
+        raise HTTPProblem(404, f"model {name!r:.100} is not served here; this server serves {model_id!r} (also "
+                          f"called {MODEL_ALIASES[0]!r})", param="model", code="model_not_found")
+
+
+async def read_json_body(request):
+    size, chunks = 0, []
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise HTTPProblem(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # cut off mid-body: nobody to answer, and one line in the log rather than a traceback
+        print0(f"a client left in the middle of its request's body ({size} bytes in)")
+        raise ClientGone() from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HTTPProblem(400, f"request body is not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(body, dict):
+        raise HTTPProblem(400, "request body must be a JSON object")
+    return {name: value for name, value in body.items() if value is not None}  # null is how clients say "absent"
+
+
+CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has several keys
+
+
+def client_of(request):
+    """Who a request comes from, for what one client may hold (workers.CLIENT_SHARE): its key where the server has
+    several (RequireKey names it in the scope), else its peer address; an IPv6 peer by its /64, which is what one
+    host is usually given (it could otherwise be a thousand clients)."""
+    return request.scope.get(CLIENT_SCOPE_KEY) or peer_identity((request.scope.get("client") or ("",))[0])
+
+
+def peer_identity(host):
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a Unix socket's path, or no address at all
+        return host
+    if address.version == 6 and address.ipv4_mapped:
+        return str(address.ipv4_mapped)
+    if address.version == 6 and not address.is_loopback:
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
+def check_fields(body, known, endpoint):
+    for name in body:
+        if name not in known:
+            raise RequestError(name, REFUSED.get(name) or f"is not a field of the {endpoint} request this server "
+                               "reads (docs/serving.md lists every field)")
+
+
+def check_bool(body, name):
+    if name in body and not isinstance(body[name], bool):
+        raise RequestError(name, "must be true or false")
+    return body.get(name, False)
+
+
+def check_chat_extras(body):
+    """The chat fields that ask for what this model cannot do, refused, or that say nothing, accepted."""
+    tools = body.get("tools", [])
+    if not isinstance(tools, list):
+        raise RequestError("tools", "must be a list")
+    if tools:
+        raise RequestError("tools", "this model calls no user tools (its only tool is its own calculator)")
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        raise RequestError("tool_choice", "this model calls no user tools: only \"none\" or \"auto\" (with no tools)")
+    response_format = body.get("response_format", {"type": "text"})
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind in ("json_object", "json_schema"):
+        raise RequestError("response_format", f"{kind}: this model cannot be held to JSON output; ask for text")
+    if kind != "text":
+        raise RequestError("response_format", "must be {\"type\": \"text\"}")
+    if check_bool(body, "store"):
+        raise RequestError("store", "this server keeps no completions")
+    if body.get("modalities", ["text"]) != ["text"]:
+        raise RequestError("modalities", "this model writes text only: [\"text\"]")
+    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier"):
+        if name in body and not isinstance(body[name], str):
+            raise RequestError(name, "must be a string")
+    if not isinstance(body.get("metadata", {}), dict):
+        raise RequestError("metadata", "must be an object")
+    check_bool(body, "parallel_tool_calls")
+
+
+def validate_stop(value):
+    """The OpenAI API's stop: None, a string or a list of strings -> a list of non-empty strings."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop", "must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(stops)})")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise RequestError("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters (got {len(s)})")
+    return stops
+
+
+def validate_seed(value):
+    """None (a fresh random seed) or any integer, folded into the range torch accepts; 1.0 reads as 1, as in every
+    other integer field (check_number)."""
+    if value is None:
+        return secrets.randbelow(SEED_MODULUS)  # not the random module: a library may have seeded it
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError("seed", f"must be an integer (got {value!r:.40})")
+    return value % SEED_MODULUS
+
+
+def validate_logit_bias(value, vocab_size):
+    """{"token id": bias in [-100, 100]} -> {id: bias}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise RequestError("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias entries")
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10 and int(key) < vocab_size):
+            raise RequestError("logit_bias", f"{key!r:.20} is not a token id of this model (0 to {vocab_size - 1})")
+        bias[int(key)] = check_number(f"logit_bias[{key}]", number, *BIAS_RANGE)
+    return bias or None
+
+
+def read_sampling(body, temperature, top_k, max_tokens, vocab_size=None, min_tokens=1):
+    """
+    The sampling fields of a request body, each checked against the limits: temperature, top_p, max_tokens (or
+    max_completion_tokens), n, seed, stop, the penalties and logit_bias, plus top_k. Absent fields take the defaults
+    given; top_p defaults to 1 (off), n to 1, seed to a fresh random one. min_tokens: 0 where a request may ask for
+    no reply (a completion that only scores its prompt).
+    """
+    def given(name, default):
+        value = body.get(name)
+        return default if value is None else value
+
+    temperature = check_number("temperature", given("temperature", temperature), *TEMPERATURE_RANGE)
+    top_k = check_number("top_k", given("top_k", top_k), *TOP_K_RANGE, integer=True)
+    top_p = check_number("top_p", given("top_p", 1.0), *TOP_P_RANGE)
+    if top_p == 0:  # a nucleus of no mass would hold no token: the limit is the most likely one
+        top_k, top_p = 1, 1.0
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = check_number(max_field, given(max_field, max_tokens), min_tokens, MAX_TOKENS_RANGE[1], integer=True)
+    num_samples = check_number("n", given("n", 1), *NUM_SAMPLES_RANGE, integer=True)
+    penalties = [check_number(name, given(name, 0.0), *PENALTY_RANGE) for name in ("presence_penalty", "frequency_penalty")]
+    return Sampling(temperature=temperature, top_k=top_k, top_p=None if top_p == 1 else top_p, max_tokens=max_tokens,
+                    seed=validate_seed(body.get("seed")), presence_penalty=penalties[0], frequency_penalty=penalties[1],
+                    logit_bias=validate_logit_bias(body.get("logit_bias"), vocab_size or 2**31),
+                    num_samples=num_samples, stop=validate_stop(body.get("stop")))
+
+
+def reply_length_given(body):
+    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+
+
+def reply_length_field(body):
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def reply_room(body, max_tokens, prompt_tokens, context, what):
+    """A reply's max_tokens for a prompt of prompt_tokens: one the client gave must fit the context with the prompt (a
+    400 context_length_exceeded otherwise, as vLLM answers); the default yields to the context."""
+    room = context - prompt_tokens
+    if not reply_length_given(body):
+        return min(max_tokens, room)
+    if max_tokens > room:
+        raise RequestError(reply_length_field(body), f"this model's context is {context} tokens and {what} take {prompt_tokens}: at most "
+                           f"{room} tokens of reply fit (got {max_tokens})", code="context_length_exceeded")
+    return max_tokens
+
+
+def read_stream_options(body):
+    """Whether a streamed reply ends with a usage chunk: stream_options.include_usage (only with stream true)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise RequestError("stream_options", "is only allowed with \"stream\": true")
+    if not isinstance(options, dict) or not set(options) <= {"include_usage", "include_obfuscation"}:
+        raise RequestError("stream_options", "must be {\"include_usage\": true or false}")
+    if check_bool(options, "include_obfuscation"):
+        raise RequestError("stream_options.include_obfuscation", "this server does not pad its stream chunks: false, or "
+                           "leave it out")
+    return check_bool(options, "include_usage")
+
+
+def read_prompts(value, tokenizer):
+    """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of such lists -> [(ids, text)],
+    text None for token ids. Each is checked: ids of this vocabulary, at most MAX_PROMPTS, MAX_TOTAL_CHARS of text."""
+    vocab = tokenizer.get_vocab_size()
+    is_ids = lambda v: isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)  # noqa: E731
+    if isinstance(value, str) or (is_ids(value) and value):
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or is_ids(p) for p in value):
+        items = value
+    else:
+        raise RequestError("prompt", "must be a string, a list of strings, a list of token ids, or a list of lists of them")
+    if len(items) > MAX_PROMPTS:
+        raise RequestError("prompt", f"at most {MAX_PROMPTS} prompts per request (got {len(items)})")
+    if sum(len(p) for p in items if isinstance(p, str)) > MAX_TOTAL_CHARS:
+        raise RequestError("prompt", f"at most {MAX_TOTAL_CHARS} characters of prompts together")
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            prompts.append((tokenizer.encode(item), item))
+            continue
+        bad = next((t for t in item if not 0 <= t < vocab), None)
+        if bad is not None or not item:
+            raise RequestError(f"prompt[{i}]", f"token ids must be 0 to {vocab - 1} (got {bad})" if item else "is empty")
+        prompts.append((list(item), None))
+    return prompts
+
+
+# -----------------------------------------------------------------------------
+# Replies: the API's shapes
+
+
+def openai_error(message, kind, param=None, code=None):
+    """The API's error shape, so its clients show the message."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def openai_usage(prompt_tokens, completion_tokens):
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def openai_head(model_id, completion_id, created):
+    """What every response and chunk of one completion repeats."""
+    return {"id": completion_id, "created": created, "model": model_id, "system_fingerprint": None}
+
+
+def openai_completion(head, replies, usage):
+    """A whole chat completion; replies: (content, finish_reason, logprobs or None) per choice."""
+    choices = [{"index": i, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
+                "logprobs": logprobs} for i, (content, reason, logprobs) in enumerate(replies)]
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+
+
+def openai_chunk(head, index, delta, finish_reason=None, logprobs=None):
+    """One streamed chunk: a delta of choice `index` (its role first, then content), or its finish reason."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def openai_usage_chunk(head, usage, kind="chat.completion.chunk"):
+    """The last chunk of a stream that asked for stream_options.include_usage."""
+    return {**head, "object": kind, "choices": [], "usage": usage}
+
+
+def openai_model_card(model_id, created, context):
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "nanochat", "context_length": context,
+            "max_model_len": context}
+
+
+def sse(payload):
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class TokenTable:
+    """
+    Every token's bytes and its text as the tokenizer decodes it alone ("<|python_start|>" for a special one; a token
+    that holds part of a UTF-8 character reads U+FFFD), read once when the server starts: a long prompt's logprobs name
+    thousands of tokens and their alternatives, and decoding each one on the event loop stalled every other client.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        enc = tokenizer.enc
+        self.bytes = [token_bytes(enc, i) for i in range(enc.n_vocab)]
+        self.byte_values = [tuple(b) for b in self.bytes]  # a chat logprob's "bytes", one per token (chat_logprob)
+        self.text = [b.decode("utf-8", errors="replace") for b in self.bytes]
+        self.special = special_ids(tokenizer)
+
+
+def token_bytes(enc, token):
+    try:
+        return enc.decode_single_token_bytes(token)
+    except KeyError:  # an id no token has (some tiktoken vocabularies have gaps): never sampled, never sent
+        return b""
+
+
+def chat_logprob(table, token, logprob, top):
+    """
+    One token of a chat reply's logprobs.content, with its alternatives: `bytes` are the token's own. Tuples, not lists
+    (the same JSON): the garbage collector stops tracking a tuple or dict of plain values, and a reply with n 8, 2,000
+    tokens and 20 alternatives holds ~700,000 of them, which every full collection walked on the event loop (~1 s, a
+    few times a reply) while they were lists.
+    """
+    def entry(t, lp):
+        return {"token": table.text[t], "logprob": lp, "bytes": table.byte_values[t]}
+    return {**entry(token, logprob), "top_logprobs": tuple(entry(t, lp) for t, lp in top)}
+
+
+class CompletionLogprobs:
+    """A completion choice's logprobs in OpenAI's shape: tokens, token_logprobs, top_logprobs and text_offset, built
+    token by token; take() gives what came since the last take. text_offset is where a token's text begins in the
+    choice's text, in characters: the tokens' bytes decoded as they come, so a token that ends in the middle of a
+    character points at that character, and the offsets index the text the reply returns."""
+
+    def __init__(self, table):
+        self.table, self.offset = table, 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.fields = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.taken = 0
+
+    def add(self, token, logprob, top, in_text=True):
+        """in_text: the token's text is part of the choice's text (not a special token that ended the reply)."""
+        text = self.table.text
+        self.fields["tokens"].append(text[token])
+        self.fields["token_logprobs"].append(logprob)
+        self.fields["top_logprobs"].append(None if logprob is None else {text[t]: lp for t, lp in top})
+        self.fields["text_offset"].append(self.offset)
+        if in_text:
+            self.offset += len(self.decoder.decode(self.table.bytes[token]))
+
+    def whole(self):
+        return self.fields
+
+    def take(self):
+        new = {name: values[self.taken:] for name, values in self.fields.items()}
+        self.taken = len(self.fields["tokens"])
+        return new
+
+
+# -----------------------------------------------------------------------------
+# The endpoints
+
+
+class OpenAIRoutes:
+    """The API's endpoints over a pool of workers (nanochat/serving/workers.py). defaults: temperature, top_k and max_tokens of
+    requests that omit them."""
+
+    def __init__(self, pool, tokenizer, model_info, defaults):
+        self.pool, self.tokenizer, self.defaults = pool, tokenizer, defaults
+        self.context, self.model_id = model_info["context"], model_info["id"]
+        self.bos = tokenizer.get_bos_token_id()
+        self.table = TokenTable(tokenizer)
+
+    def mount(self, app):
+        app.post("/v1/chat/completions")(self.chat_completion)
+        app.post("/v1/completions")(self.completion)
+        app.get("/v1/models")(self.models)
+        app.get("/v1/models/{name}")(self.model)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        app.get("/tokenizer_info")(self.tokenizer_info)
+
+    def failed(self, failure):
+        """A whole reply that did not complete: 503 when the server is stopping, else 500 (a worker failed)."""
+        status = 503 if self.pool.stopping else 500
+        return JSONResponse(openai_error(failure or "generation was cancelled", "server_error"), status_code=status)
+
+    def read_common(self, body, endpoint, fields):
+        check_fields(body, fields, endpoint)
+        check_model(body, self.model_id)
+        check_bool(body, "stream")
+        return read_stream_options(body)
+
+    # -- chat --------------------------------------------------------------------------------
+
+    async def chat_completion(self, request: Request):
+        """POST /v1/chat/completions: the whole reply at once, or streamed."""
+        body = await read_json_body(request)
+        include_usage = self.read_common(body, "chat completions", CHAT_FIELDS)
+        check_chat_extras(body)
+        markup = check_bool(body, "nanochat_markup")
+        messages = validate_messages(body.get("messages"), markup=markup)
+        d = self.defaults
+        sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"], self.tokenizer.get_vocab_size())
+        if check_bool(body, "logprobs"):
+            sampling.logprobs = check_number("top_logprobs", body.get("top_logprobs", 0), 0, CHAT_TOP_LOGPROBS, integer=True)
+        elif "top_logprobs" in body:
+            raise RequestError("top_logprobs", "needs \"logprobs\": true")
+        # tokenizing up to MAX_TOTAL_CHARS takes milliseconds: off the event loop. An API client keeps its own context,
+        # so its messages go in whole or not at all (a 400 context_length_exceeded).
+        prompt = await asyncio.to_thread(whole_conversation, self.tokenizer, messages, self.context)
+        sampling.max_tokens = reply_room(body, sampling.max_tokens, len(prompt.ids), self.context, "the messages")
+        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling, client=client_of(request)))
+        head = openai_head(self.model_id, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+        replies = ChatReplies(self.table, sampling.num_samples, MODEL_MARKUP if markup else READABLE_MARKUP,
+                              sampling.logprobs is not None)
+        if body.get("stream"):
+            return StreamingResponse(self.chat_stream(generation, prompt, head, replies, include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        failure = await collect(request, [generation], lambda _, events: replies.take(events))
+        if failure or len(replies.finished) < sampling.num_samples:
+            return self.failed(failure)
+        tokens = sum(f.completion_tokens for f in replies.finished.values())
+        return await json_reply(openai_completion(head, replies.whole(), openai_usage(len(prompt.ids), tokens)))
+
+    async def chat_stream(self, generation, prompt, head, replies, include_usage):
+        def render():
+            out = []
+            for index, text, reason, logprobs in replies.deltas():  # the text, then the finish with no delta
+                if text or logprobs and logprobs["content"]:
+                    out.append(sse(openai_chunk(head, index, {"content": text}, None, logprobs)))
+                if reason:
+                    out.append(sse(openai_chunk(head, index, {}, reason)))
+            return out
+
+        def end():
+            tokens = sum(f.completion_tokens for f in replies.finished.values())
+            return [sse(openai_usage_chunk(head, openai_usage(len(prompt.ids), tokens)))] if include_usage else []
+
+        start = [sse(openai_chunk(head, i, {"role": "assistant", "content": ""})) for i in range(replies.n)]
+        async for text in stream_events([generation], lambda _, events: replies.take(events), render, end, start):
+            yield text
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def completion(self, request: Request):
+        """POST /v1/completions: for each prompt, n replies (or none, with max_tokens 0), the prompt echoed if asked,
+        with logprobs of the prompt and of the reply."""
+        body = await read_json_body(request)
+        include_usage = self.read_common(body, "completions", COMPLETION_FIELDS)
+        if body.get("suffix", "") != "":
+            raise RequestError("suffix", "this model does not fill in the middle")
+        best_of = body.get("best_of", 1)
+        if isinstance(best_of, bool) or best_of != 1:
+            raise RequestError("best_of", f"only 1: ask for n replies and choose among them (got {best_of!r:.20})")
+        echo = check_bool(body, "echo")
+        d = self.defaults
+        sampling = read_sampling(body, d["temperature"], d["top_k"], COMPLETION_MAX_TOKENS,
+                                 self.tokenizer.get_vocab_size(), min_tokens=0)
+        if "logprobs" in body:
+            sampling.logprobs = check_number("logprobs", body["logprobs"], 0, COMPLETION_LOGPROBS, integer=True)
+        scoring = echo and sampling.logprobs is not None
+        one_token = scoring and sampling.max_tokens == 1 and not sampling.stop  # drawn from the scoring pass
+        if sampling.max_tokens == 0 and sampling.num_samples > 1:
+            raise RequestError("n", "a prompt scored with max_tokens 0 has one answer: n copies would only repeat it "
+                               "(ask with n 1)")
+        prompts = await asyncio.to_thread(read_prompts, body.get("prompt"), self.tokenizer)
+        if len(prompts) * sampling.num_samples > MAX_CHOICES:
+            raise RequestError("n", f"prompts x n may be at most {MAX_CHOICES} choices in one reply (got "
+                               f"{len(prompts)} x {sampling.num_samples})")
+        model_prompts, limits = [], []
+        for i, (ids, _) in enumerate(prompts):
+            field = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+            ids = self.read_after_bos(body, ids, 0 if sampling.max_tokens == 0 or one_token else
+                                      sampling.max_tokens if reply_length_given(body) else 1, field)
+            model_prompts.append(ids)
+            limits.append(sampling.max_tokens if sampling.max_tokens == 0 or one_token else
+                          reply_room(body, sampling.max_tokens, len(ids), self.context, field))
+        head = openai_head(self.model_id, f"cmpl-{uuid.uuid4().hex}", int(time.time()))
+        choices = Completions(self.table, prompts, model_prompts, sampling, echo)
+        if scoring:  # the prompts' log probabilities, in slices between decode steps; a one-token reply drawn from them
+            scored, drawn = await until_disconnect(request, self.pool.score(
+                model_prompts, sampling.logprobs, sampling.per_sample() if one_token else [], client_of(request)))
+            await in_reply_thread(choices.add_scores, scored, drawn)  # thousands of entries: off the event loop
+        generations = []
+        try:
+            for ids, limit in ([] if choices.done() else zip(model_prompts, limits)):
+                generations.append(await until_disconnect(request, self.pool.submit(
+                    ids, dataclasses.replace(sampling, max_tokens=limit), chat=False, client=client_of(request))))
+        except BaseException:  # the rest will not be asked for: free the rows of those that were
+            for generation in generations:
+                generation.cancel()
+            raise
+        if body.get("stream"):
+            return StreamingResponse(self.completion_stream(generations, choices, head, include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        failure = await collect(request, generations, choices.take)
+        if failure or not choices.done():
+            return self.failed(failure)
+        return await json_reply({**head, "object": "text_completion", "choices": choices.whole(),
+                                 "usage": choices.usage()})
+
+    def read_after_bos(self, body, ids, room, field):
+        """
+        A completion prompt as the model reads it: after a <|bos|> (how every training document began; not echoed),
+        unless it begins with one, or the <|bos|> would leave the prompt and `room` tokens of reply no longer fitting
+        the context: then as sent (its first token has no log probability). So a client that counts its prompt's
+        tokens against max_model_len is never refused for a token it did not send.
+        """
+        with_bos = ids if ids[:1] == [self.bos] else [self.bos] + ids
+        ids = with_bos if len(with_bos) + room <= self.context else ids
+        if len(ids) + room > self.context:  # the reply asked for is at fault where the prompt alone would fit
+            field = reply_length_field(body) if len(ids) < self.context and room > 1 else field
+            raise RequestError(field, f"this model's context is {self.context} tokens and the prompt takes {len(ids)}"
+                               + (f", with {room} of reply asked for" if room else ""), code="context_length_exceeded")
+        return ids
+
+    async def completion_stream(self, generations, choices, head, include_usage):
+        def render():
+            return [sse({**head, "object": "text_completion", "choices": [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]})
+                for index, text, reason, logprobs in choices.deltas()]
+
+        def end():
+            return [sse(openai_usage_chunk(head, choices.usage(), "text_completion"))] if include_usage else []
+
+        start = await in_reply_thread(render)  # echoed prompts and their scores, one-token replies: off the event loop
+        async for text in stream_events(generations, choices.take, render, end, start):
+            yield text
+
+    # -- the model and its tokenizer -------------------------------------------------------------
+
+    async def models(self):
+        return {"object": "list", "data": [openai_model_card(self.model_id, int(self.pool.started), self.context)]}
+
+    async def model(self, name: str):
+        check_model({"model": name}, self.model_id)
+        return openai_model_card(self.model_id, int(self.pool.started), self.context)
+
+    async def tokenize(self, request: Request):
+        """
+        POST /tokenize (vLLM's): {"prompt": text, "add_special_tokens": true} or {"messages": [...],
+        "add_generation_prompt": true, "add_special_tokens": false} -> ids. As in vLLM, special tokens spelled in the
+        prompt are special here; add_special_tokens puts <|bos|> first (a conversation's template writes its own, so
+        there it defaults to false); add_generation_prompt ends a conversation with <|assistant_start|>, and without it
+        the conversation may end with the assistant's turn. Any length the request body allows (a remote tokenizer
+        reads whole documents), tokenized off the event loop.
+        """
+        body = await read_json_body(request)
+        check_fields(body, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"}, "tokenize")
+        check_model(body, self.model_id)
+        if "messages" in body:
+            if "prompt" in body:
+                raise RequestError("prompt", "give prompt or messages, not both")
+            for_reply = check_bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
+            messages = validate_messages(body["messages"], for_reply=for_reply)
+            conversation = {"messages": messages}
+            bos = [self.bos] if check_bool(body, "add_special_tokens") else []
+
+            def tokens():
+                if for_reply:
+                    return bos + self.tokenizer.render_for_completion(conversation)
+                return bos + self.tokenizer.render_conversation(conversation, max_tokens=None)[0]
+        elif isinstance(body.get("prompt"), str):
+            if "add_generation_prompt" in body:
+                raise RequestError("add_generation_prompt", "is for messages; a prompt is tokenized as it is")
+            bos = [self.bos] if check_bool({"add_special_tokens": True, **body}, "add_special_tokens") else []
+            specials = self.tokenizer.get_special_tokens()
+
+            def tokens():
+                return bos + self.tokenizer.enc.encode(body["prompt"], allowed_special=specials)
+        else:
+            raise RequestError("prompt", "must be a string (or give messages)")
+        ids = await in_reply_thread(tokens)  # a 1 MB prompt is ~990,000 ids: encoded, then written, off the loop
+        return await json_reply({"count": len(ids), "max_model_len": self.context, "tokens": ids})
+
+    async def detokenize(self, request: Request):
+        """POST /detokenize (vLLM's): {"tokens": ids} -> {"prompt": text}, as many ids as the request body holds."""
+        body = await read_json_body(request)
+        check_fields(body, {"model", "tokens"}, "detokenize")
+        check_model(body, self.model_id)
+        ids, vocab = body.get("tokens"), self.tokenizer.get_vocab_size()
+
+        def decode():  # checked and decoded off the event loop: the body may hold ~990,000 ids
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                    for t in ids):
+                raise RequestError("tokens", f"must be a list of token ids, 0 to {vocab - 1}")
+            return self.tokenizer.decode(ids)
+
+        return await json_reply({"prompt": await in_reply_thread(decode)})
+
+    async def tokenizer_info(self):
+        """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
+        from nanochat.model.hf_export import CHAT_TEMPLATE
+
+        return {"tokenizer_class": "nanochat", "bos_token": "<|bos|>", "eos_token": "<|bos|>", "pad_token": None,
+                "model_max_length": self.context, "vocab_size": self.tokenizer.get_vocab_size(),
+                "special_tokens": sorted(self.tokenizer.get_special_tokens()), "chat_template": CHAT_TEMPLATE}
+
+
+async def stream_events(generations, take, render, end, start):
+    """
+    A streamed reply, as SSE text: `start` chunks, then for every batch of events of any of the generations (as they
+    come, interleaved), take(generation index, events) -> a failure or None, and render() -> the chunks of what is
+    new; at the end the end() chunks and [DONE], or after a failure its error event. The generations are cancelled
+    when the stream stops, for whatever reason (the client left).
+    """
+    merged = asyncio.Queue()
+
+    async def forward(index, generation):
+        async for events in generation.event_batches():
+            await merged.put((index, events))
+        await merged.put((index, None))
+
+    tasks = [asyncio.create_task(forward(i, g)) for i, g in enumerate(generations)]
+    try:
+        if start:
+            yield "".join(start)
+        running = len(generations)
+        while running:
+            index, events = await merged.get()
+            if events is None:
+                running -= 1
+                continue
+            failure, out = take(index, events), render()
+            if failure:  # a stopping server, a worker that failed: the error, and the end a client waits for
+                yield "".join(out) + sse(openai_error(failure, "server_error")) + "data: [DONE]\n\n"
+                return
+            if out:
+                yield "".join(out)
+        yield "".join(end()) + "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for generation in generations:
+            generation.cancel()
+
+
+# -----------------------------------------------------------------------------
+# Whole replies as JSON, off the event loop
+#
+# A reply can hold tens of megabytes (990,000 token ids from /tokenize; a chat reply with n 8, 2,000 tokens and 20
+# alternatives each: 19.6 MiB). Built on the event loop, by FastAPI's encoder or one json.dumps, it held every other
+# client for seconds (/health waited 13 s). So a reply is written in pieces, each a json.dumps of at most a few hundred
+# KB: a small one at once on the event loop, and once that has taken INLINE_SECONDS, the rest in REPLY_THREAD, which
+# hands Python's lock back between pieces. One thread, not a pool: writing JSON is the interpreter's work, so more
+# threads would only take more turns from the event loop (the server's Python runs on one core however many there are).
+
+
+
+def lower_priority():
+    """The reply thread yields the CPU to the workers' decode steps (Linux's nice is per thread): a client's megabyte
+    replies then take the time that decoding leaves, not a share of the cores taken from everyone's streams."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # a system without per-thread priorities: the same thread, at the same priority
+        pass
+
+
+REPLY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanochat-replies", initializer=lower_priority)
+INLINE_SECONDS = 0.002
+# what one json.dumps writes of a long list or string: ~100 KB at most (a chat token with 20 alternatives is ~1.3 KB)
+SLICE_OF_OBJECTS = 64  # items of a list of objects or lists
+SLICE_OF_VALUES = 4096  # items of a list of numbers or strings
+SLICE_OF_TEXT = 65536  # characters
+
+
+def json_pieces(value):
+    """value as compact JSON (what Starlette's JSONResponse writes), in pieces: objects and short lists of objects are
+    walked, long lists and strings written a slice at a time."""
+    if isinstance(value, dict):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ("," if i else "") + json.dumps(key, ensure_ascii=False) + ":"
+            yield from json_pieces(item)
+        yield "}"
+    elif isinstance(value, list) and value:
+        nested = isinstance(value[0], (dict, list)) or isinstance(value[-1], (dict, list))
+        if nested and len(value) <= SLICE_OF_OBJECTS:  # a few big items (a reply's choices): each its own pieces
+            yield "["
+            for i, item in enumerate(value):
+                yield "," if i else ""
+                yield from json_pieces(item)
+            yield "]"
+            return
+        step = SLICE_OF_OBJECTS if nested else SLICE_OF_VALUES
+        yield "["
+        for start in range(0, len(value), step):
+            yield ("," if start else "") + json.dumps(value[start:start + step], ensure_ascii=False,
+                                                      separators=(",", ":"))[1:-1]
+        yield "]"
+    elif isinstance(value, str) and len(value) > SLICE_OF_TEXT:
+        yield '"'
+        for start in range(0, len(value), SLICE_OF_TEXT):
+            yield json.dumps(value[start:start + SLICE_OF_TEXT], ensure_ascii=False)[1:-1]
+        yield '"'
+    else:
+        yield json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+async def in_reply_thread(function, *args):
+    """function(*args) in REPLY_THREAD: work on a reply's Python objects that can take seconds."""
+    return await asyncio.get_running_loop().run_in_executor(REPLY_THREAD, function, *args)
+
+
+async def json_reply(payload, status_code=200):
+    """The payload as a JSON response, written on the event loop while it is small, in REPLY_THREAD once it is not."""
+    pieces, written, started = json_pieces(payload), [], time.perf_counter()
+    for piece in pieces:
+        written.append(piece)
+        if time.perf_counter() - started > INLINE_SECONDS:
+            def write_the_rest():  # the same generator, taken up where the event loop left it
+                written.extend(pieces)
+                return "".join(written).encode()
+            body = await in_reply_thread(write_the_rest)
+            break
+    else:
+        body = "".join(written).encode()
+    return Response(body, status_code=status_code, media_type="application/json")
+
+
+class ClientGone(Exception):
+    """The client left while its request waited for a row: it was withdrawn."""
+
+
+async def until_disconnect(request, awaitable):
+    """The awaitable's result, unless the client leaves first: then it is cancelled (a request waiting for a row is
+    withdrawn before it is ever prefilled) and ClientGone raised."""
+    task, watcher = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def disconnected(request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(request, generations, take):
+    """Feed whole replies' events to take(i, events) (which returns a failure message or None) while watching the
+    connection: a client that leaves cancels them. Returns the first failure, if any."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, generations))
+
+    async def one(i, generation):
+        async for events in generation.event_batches():
+            failure = take(i, events)
+            if failure:
+                return failure
+        return None
+
+    try:
+        failures = await asyncio.gather(*[one(i, generation) for i, generation in enumerate(generations)])
+    finally:
+        watcher.cancel()
+        for generation in generations:
+            generation.cancel()
+    return next((f for f in failures if f), None)
+
+
+async def cancel_on_disconnect(request, generations):
+    """For replies sent in one piece: watch the connection while they are written, stop them if the client leaves."""
+    await disconnected(request)
+    for generation in generations:
+        generation.cancel()
+
+
+class ChatReplies:
+    """The n replies of a chat request as their events come in: content as readable text (or markup), logprobs,
+    finish reasons; deltas() gives what is new since the last call, for a stream."""
+
+    def __init__(self, table, n, markup, logprobs):
+        self.table, self.n, self.logprobs = table, n, logprobs
+        self.writers = [MarkupWriter(markup) for _ in range(n)]
+        # what content.logprobs leaves out: the token that ends the turn, and in readable text the markers
+        tokenizer = table.tokenizer
+        self.left_out = table.special if markup is READABLE_MARKUP else \
+            {tokenizer.encode_special(t) for t in TURN_TOKENS}
+        self.text = [""] * n
+        self.entries = [[] for _ in range(n)]
+        self.finished = {}
+        self.new = {}  # index -> [text, reason, logprob entries] since the last deltas()
+
+    def take(self, events):
+        failure = None
+        for event in events:
+            if isinstance(event, Token):
+                if event.token not in self.left_out:
+                    entry = chat_logprob(self.table, event.token, event.logprob, event.top)
+                    self.entries[event.index].append(entry)
+                    self._new(event.index)[2].append(entry)
+            elif isinstance(event, Piece):
+                text = self.writers[event.index].write(event.kind, event.text)
+                self.text[event.index] += text
+                self._new(event.index)[0] += text
+            elif isinstance(event, Finish):
+                text = self.writers[event.index].close()
+                self.text[event.index] += text
+                new = self._new(event.index)
+                new[0], new[1] = new[0] + text, event.reason
+                self.finished[event.index] = event
+            elif isinstance(event, Failure):
+                failure = event.reason
+        return failure
+
+    def _new(self, index):
+        return self.new.setdefault(index, ["", None, []])
+
+    def deltas(self):
+        out = [(index, text, reason, {"content": entries, "refusal": None} if self.logprobs else None)
+               for index, (text, reason, entries) in sorted(self.new.items())]
+        self.new = {}
+        return out
+
+    def whole(self):
+        return [(self.text[i], self.finished[i].reason,
+                 {"content": self.entries[i], "refusal": None} if self.logprobs else None) for i in range(self.n)]
+
+
+class Completions:
+    """
+    The choices of a /v1/completions request (n per prompt, choice i * n + j for sample j of prompt i) as its parts come
+    in: the echoed prompt and its scores, the reply's pieces, tokens and finish; deltas() gives what is new, for a stream.
+    """
+
+    def __init__(self, table, prompts, model_prompts, sampling, echo):
+        self.table, self.sampling, self.n = table, sampling, sampling.num_samples
+        self.prompts, self.model_prompts, self.echo = prompts, model_prompts, echo
+        count = len(prompts) * self.n
+        self.text, self.reason = [""] * count, [None] * count
+        self.logprobs = [CompletionLogprobs(table) for _ in range(count)] if sampling.logprobs is not None else None
+        self.completion_tokens = 0
+        self.new = {}  # choice -> text since the last deltas()
+        if echo:
+            for i, (ids, text) in enumerate(prompts):
+                for j in range(self.n):
+                    self._add_text(i * self.n + j, text if text is not None else table.tokenizer.decode(ids))
+        if sampling.max_tokens == 0:
+            self.reason = ["length"] * count
+
+    def _add_text(self, choice, text):
+        self.text[choice] += text
+        self.new[choice] = self.new.get(choice, "") + text
+
+    def add_scores(self, scored, drawn):
+        """The prompts' token scores (their implicit <|bos|> left out) and, for a one-token reply, its token."""
+        for i, (ids, _) in enumerate(self.prompts):
+            entries = scored[i][len(self.model_prompts[i]) - len(ids):]
+            for j in range(self.n):
+                for token, (logprob, top) in zip(ids, entries):
+                    self.logprobs[i * self.n + j].add(token, logprob, top)
+                self.new.setdefault(i * self.n + j, "")
+        for choice, (token, logprob, top) in enumerate(drawn):
+            self.completion_tokens += 1
+            special = token in self.table.special  # a base model ends its text with one: no text, but its logprob
+            self.logprobs[choice].add(token, logprob, top, in_text=not special)  # (lm-eval reads the prompt's as
+            if not special:  # all but the last)
+                self._add_text(choice, self.table.text[token])
+            self.reason[choice] = "stop" if special else "length"
+
+    def done(self):
+        return all(reason is not None for reason in self.reason)
+
+    def take(self, prompt_index, events):
+        failure = None
+        for event in events:
+            choice = prompt_index * self.n + getattr(event, "index", 0)
+            if isinstance(event, Token) and self.logprobs is not None:
+                self.logprobs[choice].add(event.token, event.logprob, event.top,
+                                          in_text=event.token not in self.table.special)
+                self.new.setdefault(choice, "")
+            elif isinstance(event, Piece):
+                self._add_text(choice, event.text)
+            elif isinstance(event, Finish):
+                self.reason[choice] = event.reason
+                self.completion_tokens += event.completion_tokens
+                self.new.setdefault(choice, "")
+            elif isinstance(event, Failure):
+                failure = event.reason
+        return failure
+
+    def deltas(self):
+        out = [(choice, text, self.reason[choice], self.logprobs[choice].take() if self.logprobs else None)
+               for choice, text in sorted(self.new.items())]
+        self.new = {}
+        return out
+
+    def whole(self):
+        return [{"index": c, "text": self.text[c], "logprobs": self.logprobs[c].whole() if self.logprobs else None,
+                 "finish_reason": self.reason[c]} for c in range(len(self.text))]
+
+    def usage(self):
+        return openai_usage(sum(len(ids) for ids in self.model_prompts), self.completion_tokens)
+
+
+def special_ids(tokenizer):
+    return {tokenizer.encode_special(t) for t in tokenizer.get_special_tokens()}
+
+
 
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
 
@@ -113,7 +1046,7 @@ class RequireKey:
     ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY` with one of the server's keys,
     compared in constant time; others get a 401 in the API's error shape, and a request with two Authorization headers
     a 400 (which one counts would be up to whoever reads them). Where the server has several keys, the key names the
-    client (openai_api.client_of: what one client may hold). Plain ASGI rather than an HTTP middleware, which would
+    client (client_of: what one client may hold). Plain ASGI rather than an HTTP middleware, which would
     buffer the streamed replies and hide a client's disconnect from them.
     """
 

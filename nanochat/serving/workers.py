@@ -1,9 +1,8 @@
 """
 The worker processes behind chat_web, both sides of their pipe: the server's side (a handle on each worker, the pool
 that sends each request to the least loaded one, starting them) and the worker's side (the loop that runs continuous
-batching over its requests with nanochat/engine.py's BatchEngine). What they say to each other is
-nanochat/serving/events.py; the HTTP side is nanochat/serving/serve.py, the OpenAI protocol
-nanochat/serving/openai_api.py.
+batching over its requests with nanochat/engine.py's BatchEngine). What they say to each other is in
+nanochat/serving/chat.py; the HTTP side is nanochat/serving/serve.py.
 
 A request goes to the least loaded worker and waits for rows of its batch; one that waits longer than the pool's
 queue timeout gets a 503, as does one beyond --max-queue waiting requests. The worker takes the server's messages
@@ -42,9 +41,8 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
-from nanochat.serving.chat import ReplyStream, RequestError, StopStrings, model_info, summary_line
-from nanochat.serving.events import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, Score, Scored,
-                                     Stop, Token)
+from nanochat.serving.chat import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, ReplyStream,
+                                   RequestError, Score, Scored, Stop, StopStrings, Token, model_info, summary_line)
 from nanochat.tokenizer import get_tokenizer
 
 # Prompt tokens that may wait to be scored at once, over all workers (a request past it gets a 503, unless nothing
@@ -166,7 +164,7 @@ class NoWorkerAlive(Exception):
     pass
 
 
-# What one client (a key, or a peer address: openai_api.client_of) may hold at once, as a share of the server: of all
+# What one client (a key, or a peer address: serve.client_of) may hold at once, as a share of the server: of all
 # the workers' rows, of --max-queue, and of MAX_SCORING_TOKENS (--client-share). A quarter: four clients can fill the
 # server, and one that holds its whole share leaves three quarters of the rows to the others (560 streams nobody read
 # held all 64 rows and the queue, and everyone else got 503s)
