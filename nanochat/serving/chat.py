@@ -5,6 +5,7 @@ worker pipe (workers.py). A reply is a list of parts, as in the tokenizer's chat
 calculator call the model wrote) and "python_output" (the calculator's answer); each Piece carries its part's kind.
 """
 
+import bisect
 import math
 import re
 from collections import deque
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 from nanochat.engine import StreamDecoder
 
 # -----------------------------------------------------------------------------
-# Limits on what a client may ask for. They keep one request from holding a worker for long or filling memory;
-# the context of the model is a separate, smaller limit handled by trimming the conversation.
+# Limits on what a client may ask for: no request holds a worker for long or fills memory
 
 MAX_MESSAGES = 500  # messages in one request
 MAX_MESSAGE_CHARS = 8000  # characters in one message (all its parts together)
@@ -36,9 +36,7 @@ class RequestError(ValueError):
 
     def __init__(self, field, reason, code=None):
         super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-        self.code = code  # the OpenAI API's error code where it has one (e.g. "context_length_exceeded")
+        self.field, self.reason, self.code = field, reason, code  # code: the OpenAI API's, where it has one
 
 
 # -----------------------------------------------------------------------------
@@ -60,16 +58,12 @@ def check_number(field, value, low, high, integer=False, low_open=False):
     return value
 
 
-def _is_text_part(part):
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and \
-        set(part) == {"type", "text"}
-
-
 def _text_parts_only(field, content):
     """User and system content: a string, or OpenAI-style [{"type": "text", "text": ...}] parts joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(_is_text_part(p) for p in content):
+    if isinstance(content, list) and all(isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+                                         and isinstance(p["text"], str) for p in content):
         return "".join(p["text"] for p in content)
     kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"}) if isinstance(content, list) else []
     reason = f" ({', '.join(kinds)}: this model reads text only)" if kinds else ""
@@ -117,12 +111,9 @@ def check_message_keys(field, message):
 
 def validate_messages(messages, markup=False, for_reply=True):
     """
-    A client's messages, checked against the limits above and normalised for the tokenizer: user and system
-    content as strings, assistant content as a list of parts, consecutive messages of one role merged (some
-    clients send two user messages in a row), a system message only first, the last message from the user.
-    markup: an assistant string's tool calls in MODEL_MARKUP become tool parts (a conversation sent back as the
-    model wrote it); otherwise text that spells a special token is only text. for_reply False: the conversation may
-    also end with the assistant's turn (a conversation rendered whole, not for a reply).
+    A client's messages checked and normalised for the tokenizer: user and system content as strings, assistant
+    content as parts, consecutive messages of one role merged, a system message only first, the last from the user
+    (unless for_reply is False). markup: an assistant string's MODEL_MARKUP tool calls become tool parts.
     """
     if not isinstance(messages, list):
         raise RequestError("messages", "must be a list of {\"role\": ..., \"content\": ...} objects")
@@ -233,37 +224,29 @@ class Prompt:
 
 
 def prompt_budget(context, max_tokens):
-    """
-    Prompt tokens allowed: the context less room for the reply, which is max_tokens but at most half the context
-    (so a long request cannot squeeze the conversation out; its reply ends at the context, finish reason "length").
-    """
+    """Prompt tokens allowed: the context less max_tokens, but at most half of it (a long reply cannot squeeze the
+    conversation out; it ends at the context, finish reason "length")."""
     return context - min(max_tokens, context // 2)
 
 
 def fit_conversation(tokenizer, messages, max_prompt_tokens):
-    """
-    Render validated messages for completion, dropping the oldest user/assistant turns until the prompt fits
-    max_prompt_tokens; then, if it still does not fit, the system message; then the start of the last user
-    message (its end, usually the question, is kept). Prompt.note says what went.
-    """
+    """Validated messages rendered to fit max_prompt_tokens: the oldest turns dropped, then the system message, then
+    the start of the last user message (its end, usually the question, is kept). Prompt.note says what went."""
     system = messages[:1] if messages[0]["role"] == "system" else []
     turns = messages[len(system):]  # user, assistant, ..., user
 
     def render(kept_system, kept_turns):
         return tokenizer.render_for_completion({"messages": kept_system + kept_turns})
 
+    def fits(kept_system, kept_turns):
+        return len(render(kept_system, kept_turns)) <= max_prompt_tokens
+
     ids = render(system, turns)
     if len(ids) <= max_prompt_tokens:
         return Prompt(ids, messages)
-    # Fewest whole turns to drop: prompt length only falls as more turns go, so binary search it.
-    low, high = 1, len(turns) // 2  # turns are dropped in (user, assistant) pairs: the last user message stays
-    while low < high:
-        middle = (low + high) // 2
-        if len(render(system, turns[2 * middle:])) <= max_prompt_tokens:
-            high = middle
-        else:
-            low = middle + 1
-    dropped = 2 * high
+    # the fewest (user, assistant) pairs to drop, binary searched (the prompt only shrinks as more go)
+    pairs = bisect.bisect_left(range(1, len(turns) // 2), True, key=lambda n: fits(system, turns[2 * n:]))
+    dropped = 2 * min(1 + pairs, len(turns) // 2)  # the last user message stays
     turns = turns[dropped:]
     notes = [f"dropped the {dropped} oldest messages"] if dropped else []
     ids = render(system, turns)
@@ -273,13 +256,8 @@ def fit_conversation(tokenizer, messages, max_prompt_tokens):
         ids = render(system, turns)
     if len(ids) > max_prompt_tokens:
         text = turns[-1]["content"]
-        low, high = 0, len(text)  # the most characters of the message's end that fit
-        while low < high:
-            middle = (low + high + 1) // 2
-            if len(render([], [{"role": "user", "content": text[-middle:]}])) <= max_prompt_tokens:
-                low = middle
-            else:
-                high = middle - 1
+        low = bisect.bisect_left(range(1, len(text) + 1), True,  # the most characters of its end that fit
+                                 key=lambda n: not fits([], [{"role": "user", "content": text[-n:]}]))
         if low == 0:
             raise RequestError("messages", f"the model's context ({max_prompt_tokens} prompt tokens) cannot hold "
                                            "even a one-character message")
@@ -291,11 +269,8 @@ def fit_conversation(tokenizer, messages, max_prompt_tokens):
 
 
 def whole_conversation(tokenizer, messages, context):
-    """
-    Render validated messages as they are, for a client that keeps its own context (the OpenAI API): a RequestError
-    with the API's code "context_length_exceeded" when they leave no room for a reply, where fit_conversation would
-    drop turns. A reply that would run past the context ends there (finish reason "length").
-    """
+    """Validated messages rendered whole, for a client that keeps its own context (the OpenAI API): a RequestError
+    "context_length_exceeded" when they leave no room for a reply."""
     ids = tokenizer.render_for_completion({"messages": messages})
     if len(ids) >= context:
         raise RequestError("messages", f"this model's context is {context} tokens and the messages take {len(ids)}, "
@@ -314,31 +289,25 @@ def fit_text(tokenizer, text, max_prompt_tokens):
 
 
 # -----------------------------------------------------------------------------
-# The events of a reply and the messages of the worker pipe (workers.py): a dataclass each, pickled down the
-# pipe and matched by type. Server -> worker: Add, Score, Cancel, Stop; worker -> server: Ready or Failure at
-# start, then Events; a request's events: Admitted, Token, Piece, Finish, Scored, Failure, Ended last.
-
-
-# -----------------------------------------------------------------------------
-# The server to a worker
+# The events of a reply and the messages of the worker pipe (workers.py), a dataclass each, pickled and matched by
+# type. Server -> worker: Add, Score, Cancel, Stop. Worker -> server: Ready or Failure at start, then Events.
+# A request's events: Admitted, Token, Piece, Finish, Scored, Failure, and Ended last.
 
 
 @dataclass
 class Add:
-    """Decode a request's replies: one Sampling a reply (Sampling.per_sample), chat markup or plain completion text.
-    owner: the number of the client that asked (ClientShare.number): its rows share decode steps with other clients'."""
+    """Decode a request's replies (one Sampling each); owner: its client's number, whose rows share decode steps."""
 
     key: int
     prompt_ids: list
     samplings: list
-    chat: bool
+    chat: bool  # chat markup, or plain completion text
     owner: int = 0
 
 
 @dataclass
 class Score:
-    """Score prompts (their tokens' log probabilities, `top` alternatives each), a slice between two decode steps; for
-    each Sampling, also the one token that follows each prompt (a max_tokens 1 request needs no decode step)."""
+    """Score prompts (`top` alternatives a token) a slice at a time; for each Sampling, also the token after each."""
 
     key: int
     prompts: list
@@ -358,14 +327,9 @@ class Stop:
     """End the worker process."""
 
 
-# -----------------------------------------------------------------------------
-# A worker to the server
-
-
 @dataclass
 class Ready:
-    """The model is loaded: what it is (chat.model_info), the rows its engine batches, its KV cache's bytes, and what
-    its decode step was measured to cost (DecodeCost.summary; "" with one row, which nobody shares)."""
+    """The model is loaded: model_info, the engine's rows, its KV cache's bytes, DecodeCost.summary (or "")."""
 
     info: dict
     rows: int
@@ -375,37 +339,31 @@ class Ready:
 
 @dataclass
 class Occupancy:
-    """A worker's batch, for /stats: its rows, those decoding and those waiting for one, the decode steps that carried
-    more than one row, and the row-steps a row waited because clients shared the step."""
+    """A worker's batch, for /stats."""
 
     rows: int
-    active: int = 0
-    waiting: int = 0
-    shared_steps: int = 0
-    rows_passed_by: int = 0
+    active: int = 0  # rows decoding
+    waiting: int = 0  # sequences waiting for a row
+    shared_steps: int = 0  # decode steps that carried more than one row
+    rows_passed_by: int = 0  # row-steps a row waited because clients shared the step
 
 
 @dataclass
 class Events:
-    """The new events of some requests [(key, [event, ...])], and the worker's Occupancy."""
+    """Some requests' new events [(key, [event, ...])], and the worker's Occupancy."""
 
     ready: list
     occupancy: Occupancy
 
 
-# -----------------------------------------------------------------------------
-# The events of one request
-
-
 @dataclass
 class Admitted:
-    """A request's samples have rows of the batch: it no longer counts against the queue timeout."""
+    """A request's samples have rows: it no longer counts against the queue timeout."""
 
 
 @dataclass
 class Token:
-    """A reply's token with its log probability and the most likely alternatives [(id, log p)], for a request that
-    asked for logprobs (sent before the text it adds)."""
+    """A reply's token, its log probability and top alternatives [(id, log p)], sent before the text it adds."""
 
     index: int
     token: int
@@ -434,8 +392,7 @@ class Finish:
 
 @dataclass
 class Scored:
-    """A prompt's tokens' log probabilities: ((log p or None, ((id, log p), ...)), ...) a token, for /v1/completions'
-    echo."""
+    """A prompt's tokens' scores, ((log p or None, ((id, log p), ...)), ...), for /v1/completions' echo."""
 
     index: int
     tokens: tuple
@@ -443,15 +400,14 @@ class Scored:
 
 @dataclass
 class Failure:
-    """What could not be done, and why: a request (its worker failed or exited, or the server is stopping: an error
-    event, a 500 or a 503; Ended follows), or at a worker's start its model's loading (the server stops)."""
+    """What could not be done and why: a request (Ended follows), or at a worker's start its model's loading."""
 
     reason: str
 
 
 @dataclass
 class Ended:
-    """A request's last event, with what it cost (for the server's log and /stats)."""
+    """A request's last event, with what it cost (for the log and /stats)."""
 
     tokens: int
     seconds: float
@@ -463,13 +419,9 @@ class Ended:
 
 
 class StopStrings:
-    """
-    A request's stop strings as one automaton (Aho-Corasick) that reads a reply's text once, a character at a time:
-    a token costs a step per new character however many stop strings there are and however long. (Comparing every
-    stop string's every beginning against the held-back text cost ~1,600 slice-and-compares a token for 16 strings of
-    100 characters, in the worker, between two decode steps of every row.) A state stands for the longest end of the
-    text read that begins some stop string: its depth is how much text must be held back.
-    """
+    """A request's stop strings as one automaton (Aho-Corasick) reading the reply's text a character at a time, however
+    many strings there are. A state is the longest end of the text read that begins a stop string: its depth is how
+    much text must be held back."""
 
     def __init__(self, strings):
         self.strings = list(strings)
@@ -515,11 +467,9 @@ class StopStrings:
 
 class ReplyStream:
     """
-    One sample's reply as the model writes it: tokens in, (kind, text) pieces out. Text is decoded UTF-8-safely
-    and held back while it might be the start of a stop string; the reply is cut where a stop string begins
-    (stop strings are looked for in the text parts, not inside tool calls).
-    Chat mode follows the tool markup and ends at any token that closes or starts a turn (an untrained model may
-    write <|user_start|>); plain mode (base models) ends at any special token.
+    One sample's reply as the model writes it: tokens in, (kind, text) pieces out, text held back while it may begin a
+    stop string (looked for in text parts only) and cut where one begins. Chat mode follows the tool markup and ends at
+    any turn token; plain mode (base models) ends at any special token.
     """
 
     def __init__(self, tokenizer, stop=(), chat=True):
@@ -608,11 +558,8 @@ class ReplyStream:
 
 
 def generate_replies(engine, prompt_ids, sampling, chat=True):
-    """
-    Sample sampling.num_samples replies to a prompt together on an Engine, yielding Piece(index, kind, text) as each
-    grows and Finish(index, reason, completion_tokens, parts) once per reply. Engine samples by temperature, top-k,
-    top-p and seed; the penalties, bias and logprobs are the server's (its workers' BatchEngine).
-    """
+    """sampling.num_samples replies to a prompt sampled together on an Engine: a Piece as each grows, a Finish once
+    each. Engine samples by temperature, top-k, top-p and seed; penalties, bias and logprobs are the server's."""
     s = sampling
     if s.steers() or s.logprobs is not None:
         raise ValueError("generate_replies samples without penalties, logit_bias or logprobs: serve those (workers.py)")
@@ -638,14 +585,8 @@ def generate_replies(engine, prompt_ids, sampling, chat=True):
 
 def model_info(meta, model, device, source):
     """What was loaded, as a dict (for /health)."""
-    return {
-        "source": source,
-        "tag": meta.get("model_tag"),
-        "step": meta.get("step"),
-        "params": model.num_params(),
-        "context": model.config.sequence_len,
-        "device": str(device),
-    }
+    return {"source": source, "tag": meta.get("model_tag"), "step": meta.get("step"), "params": model.num_params(),
+            "context": model.config.sequence_len, "device": str(device)}
 
 
 def summary_line(info):

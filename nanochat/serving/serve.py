@@ -49,9 +49,7 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 PENALTY_RANGE, BIAS_RANGE = (-2.0, 2.0), (-100.0, 100.0)
 CHAT_TOP_LOGPROBS, COMPLETION_LOGPROBS = 20, 5  # the most alternatives per token each endpoint gives, as OpenAI's
 
-# The fields each endpoint reads. A field OpenAI defines that asks for what this model cannot do is refused (REFUSED);
-# an unknown field is refused too; a null field is absent. user, metadata, service_tier, prompt_cache_key,
-# safety_identifier and parallel_tool_calls change nothing here, and are accepted as such (docs/serving.md).
+# The fields each endpoint reads; any other is refused, REFUSED's with their reason (docs/serving.md lists them)
 COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "max_tokens", "stream", "stream_options", "stop", "seed",
                  "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
@@ -79,10 +77,6 @@ class HTTPProblem(Exception):
 MODEL_ALIASES = ("nanochat",)  # what a client may call the one served model besides its id (docs/serving.md)
 
 
-def served_names(model_id):
-    return (model_id,) + MODEL_ALIASES
-
-
 def check_model(body, model_id):
     """A request's model: absent, or the served model's id or an alias; any other name is the API's 404."""
     if "model" not in body:
@@ -90,7 +84,7 @@ def check_model(body, model_id):
     name = body["model"]
     if not isinstance(name, str):
         raise RequestError("model", f"must be a string: the served model's id ({model_id!r}) or {MODEL_ALIASES[0]!r}")
-    if name not in served_names(model_id):
+    if name not in (model_id,) + MODEL_ALIASES:
         raise HTTPProblem(404, f"model {name!r:.100} is not served here; this server serves {model_id!r} (also "
                           f"called {MODEL_ALIASES[0]!r})", param="model", code="model_not_found")
 
@@ -119,9 +113,8 @@ CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has s
 
 
 def client_of(request):
-    """Who a request comes from, for what one client may hold (workers.CLIENT_SHARE): its key where the server has
-    several (RequireKey names it in the scope), else its peer address; an IPv6 peer by its /64, which is what one
-    host is usually given (it could otherwise be a thousand clients)."""
+    """Who a request comes from (workers.CLIENT_SHARE): its key where the server has several, else its peer address;
+    an IPv6 peer by its /64, what one host is usually given."""
     return request.scope.get(CLIENT_SCOPE_KEY) or peer_identity((request.scope.get("client") or ("",))[0])
 
 
@@ -194,8 +187,7 @@ def validate_stop(value):
 
 
 def validate_seed(value):
-    """None (a fresh random seed) or any integer, folded into the range torch accepts; 1.0 reads as 1, as in every
-    other integer field (check_number)."""
+    """None (a fresh random seed) or any integer (1.0 reads as 1), folded into the range torch accepts."""
     if value is None:
         return secrets.randbelow(SEED_MODULUS)  # not the random module: a library may have seeded it
     if isinstance(value, float) and value.is_integer():
@@ -220,12 +212,8 @@ def validate_logit_bias(value, vocab_size):
 
 
 def read_sampling(body, temperature, top_k, max_tokens, vocab_size=None, min_tokens=1):
-    """
-    The sampling fields of a request body, each checked against the limits: temperature, top_p, max_tokens (or
-    max_completion_tokens), n, seed, stop, the penalties and logit_bias, plus top_k. Absent fields take the defaults
-    given; top_p defaults to 1 (off), n to 1, seed to a fresh random one. min_tokens: 0 where a request may ask for
-    no reply (a completion that only scores its prompt).
-    """
+    """A request's sampling fields checked, absent ones the defaults given (top_p 1, n 1, a fresh seed); min_tokens 0
+    where a request may ask for no reply (a completion that only scores its prompt)."""
     def given(name, default):
         value = body.get(name)
         return default if value is None else value
@@ -235,7 +223,7 @@ def read_sampling(body, temperature, top_k, max_tokens, vocab_size=None, min_tok
     top_p = check_number("top_p", given("top_p", 1.0), *TOP_P_RANGE)
     if top_p == 0:  # a nucleus of no mass would hold no token: the limit is the most likely one
         top_k, top_p = 1, 1.0
-    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_field = reply_length_field(body)
     max_tokens = check_number(max_field, given(max_field, max_tokens), min_tokens, MAX_TOKENS_RANGE[1], integer=True)
     num_samples = check_number("n", given("n", 1), *NUM_SAMPLES_RANGE, integer=True)
     penalties = [check_number(name, given(name, 0.0), *PENALTY_RANGE) for name in ("presence_penalty", "frequency_penalty")]
@@ -243,10 +231,6 @@ def read_sampling(body, temperature, top_k, max_tokens, vocab_size=None, min_tok
                     seed=validate_seed(body.get("seed")), presence_penalty=penalties[0], frequency_penalty=penalties[1],
                     logit_bias=validate_logit_bias(body.get("logit_bias"), vocab_size or 2**31),
                     num_samples=num_samples, stop=validate_stop(body.get("stop")))
-
-
-def reply_length_given(body):
-    return body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
 
 
 def reply_length_field(body):
@@ -257,11 +241,12 @@ def reply_room(body, max_tokens, prompt_tokens, context, what):
     """A reply's max_tokens for a prompt of prompt_tokens: one the client gave must fit the context with the prompt (a
     400 context_length_exceeded otherwise, as vLLM answers); the default yields to the context."""
     room = context - prompt_tokens
-    if not reply_length_given(body):
+    if body.get(reply_length_field(body)) is None:
         return min(max_tokens, room)
     if max_tokens > room:
-        raise RequestError(reply_length_field(body), f"this model's context is {context} tokens and {what} take {prompt_tokens}: at most "
-                           f"{room} tokens of reply fit (got {max_tokens})", code="context_length_exceeded")
+        raise RequestError(reply_length_field(body), f"this model's context is {context} tokens and {what} take "
+                           f"{prompt_tokens}: at most {room} tokens of reply fit (got {max_tokens})",
+                           code="context_length_exceeded")
     return max_tokens
 
 
@@ -316,6 +301,10 @@ def openai_error(message, kind, param=None, code=None):
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def error_response(status, message, kind="invalid_request_error", param=None, code=None, headers=None):
+    return JSONResponse(openai_error(message, kind, param, code), status_code=status, headers=headers)
+
+
 def openai_usage(prompt_tokens, completion_tokens):
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -357,11 +346,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class TokenTable:
-    """
-    Every token's bytes and its text as the tokenizer decodes it alone ("<|python_start|>" for a special one; a token
-    that holds part of a UTF-8 character reads U+FFFD), read once when the server starts: a long prompt's logprobs name
-    thousands of tokens and their alternatives, and decoding each one on the event loop stalled every other client.
-    """
+    """Every token's bytes and its text decoded alone (U+FFFD for part of a character), read once at start: decoding
+    the thousands a long prompt's logprobs name on the event loop stalled every other client."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -369,7 +355,7 @@ class TokenTable:
         self.bytes = [token_bytes(enc, i) for i in range(enc.n_vocab)]
         self.byte_values = [tuple(b) for b in self.bytes]  # a chat logprob's "bytes", one per token (chat_logprob)
         self.text = [b.decode("utf-8", errors="replace") for b in self.bytes]
-        self.special = special_ids(tokenizer)
+        self.special = {tokenizer.encode_special(t) for t in tokenizer.get_special_tokens()}
 
 
 def token_bytes(enc, token):
@@ -380,22 +366,16 @@ def token_bytes(enc, token):
 
 
 def chat_logprob(table, token, logprob, top):
-    """
-    One token of a chat reply's logprobs.content, with its alternatives: `bytes` are the token's own. Tuples, not lists
-    (the same JSON): the garbage collector stops tracking a tuple or dict of plain values, and a reply with n 8, 2,000
-    tokens and 20 alternatives holds ~700,000 of them, which every full collection walked on the event loop (~1 s, a
-    few times a reply) while they were lists.
-    """
+    """One token of a chat reply's logprobs.content, with its alternatives. Tuples, not lists: the garbage collector
+    stops tracking those of plain values (docs/serving.md, "Under hostile load")."""
     def entry(t, lp):
         return {"token": table.text[t], "logprob": lp, "bytes": table.byte_values[t]}
     return {**entry(token, logprob), "top_logprobs": tuple(entry(t, lp) for t, lp in top)}
 
 
 class CompletionLogprobs:
-    """A completion choice's logprobs in OpenAI's shape: tokens, token_logprobs, top_logprobs and text_offset, built
-    token by token; take() gives what came since the last take. text_offset is where a token's text begins in the
-    choice's text, in characters: the tokens' bytes decoded as they come, so a token that ends in the middle of a
-    character points at that character, and the offsets index the text the reply returns."""
+    """A completion choice's logprobs in OpenAI's shape, token by token; take() gives what is new. text_offset counts
+    characters of the decoded bytes, so the offsets index the text the reply returns."""
 
     def __init__(self, table):
         self.table, self.offset = table, 0
@@ -426,9 +406,9 @@ class CompletionLogprobs:
 # The endpoints
 
 
-class OpenAIRoutes:
-    """The API's endpoints over a pool of workers (nanochat/serving/workers.py). defaults: temperature, top_k and max_tokens of
-    requests that omit them."""
+class Routes:
+    """The UI's and the API's endpoints over a pool of workers; defaults: temperature, top_k, max_tokens of requests
+    without."""
 
     def __init__(self, pool, tokenizer, model_info, defaults):
         self.pool, self.tokenizer, self.defaults = pool, tokenizer, defaults
@@ -437,6 +417,7 @@ class OpenAIRoutes:
         self.table = TokenTable(tokenizer)
 
     def mount(self, app):
+        app.post("/chat/completions")(self.ui_completion)
         app.post("/v1/chat/completions")(self.chat_completion)
         app.post("/v1/completions")(self.completion)
         app.get("/v1/models")(self.models)
@@ -448,13 +429,65 @@ class OpenAIRoutes:
     def failed(self, failure):
         """A whole reply that did not complete: 503 when the server is stopping, else 500 (a worker failed)."""
         status = 503 if self.pool.stopping else 500
-        return JSONResponse(openai_error(failure or "generation was cancelled", "server_error"), status_code=status)
+        return error_response(status, failure or "generation was cancelled", "server_error")
 
     def read_common(self, body, endpoint, fields):
         check_fields(body, fields, endpoint)
         check_model(body, self.model_id)
         check_bool(body, "stream")
         return read_stream_options(body)
+
+    async def ui_completion(self, request: Request):
+        """POST /chat/completions, the UI's: its conversation trimmed to fit the context (and told so), a stream of
+        {"token"}, {"python"}, {"python_output"} ..., then {"done"}."""
+        body = await read_json_body(request)
+        unknown = sorted(set(body) - {"messages", "temperature", "top_k", "top_p", "max_tokens", "seed", "stop", "n",
+                                      "model", "stream"})
+        if unknown:
+            raise RequestError(unknown[0], "is not a field of this endpoint (the OpenAI API is at /v1)")
+        check_model(body, self.model_id)
+        check_bool(body, "stream")  # it always streams; a client that says so must say it as a boolean
+        messages = validate_messages(body.get("messages"))
+        d = self.defaults
+        sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"])
+        if sampling.num_samples != 1:
+            raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
+        budget = prompt_budget(self.context, sampling.max_tokens)
+        prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, budget)  # trimmed, and told so
+        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling, client=client_of(request)))
+        kinds = {"text": "token", "python": "python", "python_output": "python_output"}
+
+        def as_sse(events):
+            """One write for a batch of events; consecutive pieces of one kind go out as one event."""
+            out, kind, text = [], None, ""
+            for event in events + [None]:
+                if isinstance(event, Piece) and (event.kind == kind or kind is None):
+                    kind, text = event.kind, text + event.text
+                    continue
+                if kind is not None:
+                    out.append(sse({kinds[kind]: text}))
+                    kind, text = None, ""
+                if isinstance(event, Piece):
+                    kind, text = event.kind, event.text
+                elif isinstance(event, Finish):
+                    usage = openai_usage(len(prompt.ids), event.completion_tokens)
+                    out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
+                elif isinstance(event, Failure):
+                    out.append(sse({"error": event.reason}))
+            return "".join(out)  # the None at the end flushed the last run of pieces
+
+        async def stream():
+            # A client that leaves mid-stream makes the response stop this generator (Starlette watches for the
+            # disconnect); the finally then frees its row at the worker's next step.
+            try:
+                if prompt.note:
+                    yield sse({"note": prompt.note})
+                async for events in generation.event_batches():
+                    yield as_sse(events)
+            finally:
+                generation.cancel()
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     # -- chat --------------------------------------------------------------------------------
 
@@ -471,8 +504,7 @@ class OpenAIRoutes:
             sampling.logprobs = check_number("top_logprobs", body.get("top_logprobs", 0), 0, CHAT_TOP_LOGPROBS, integer=True)
         elif "top_logprobs" in body:
             raise RequestError("top_logprobs", "needs \"logprobs\": true")
-        # tokenizing up to MAX_TOTAL_CHARS takes milliseconds: off the event loop. An API client keeps its own context,
-        # so its messages go in whole or not at all (a 400 context_length_exceeded).
+        # off the event loop; an API client keeps its own context, so its messages go in whole or not at all
         prompt = await asyncio.to_thread(whole_conversation, self.tokenizer, messages, self.context)
         sampling.max_tokens = reply_room(body, sampling.max_tokens, len(prompt.ids), self.context, "the messages")
         generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling, client=client_of(request)))
@@ -537,7 +569,7 @@ class OpenAIRoutes:
         for i, (ids, _) in enumerate(prompts):
             field = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
             ids = self.read_after_bos(body, ids, 0 if sampling.max_tokens == 0 or one_token else
-                                      sampling.max_tokens if reply_length_given(body) else 1, field)
+                                      1 if body.get(reply_length_field(body)) is None else sampling.max_tokens, field)
             model_prompts.append(ids)
             limits.append(sampling.max_tokens if sampling.max_tokens == 0 or one_token else
                           reply_room(body, sampling.max_tokens, len(ids), self.context, field))
@@ -566,12 +598,8 @@ class OpenAIRoutes:
                                  "usage": choices.usage()})
 
     def read_after_bos(self, body, ids, room, field):
-        """
-        A completion prompt as the model reads it: after a <|bos|> (how every training document began; not echoed),
-        unless it begins with one, or the <|bos|> would leave the prompt and `room` tokens of reply no longer fitting
-        the context: then as sent (its first token has no log probability). So a client that counts its prompt's
-        tokens against max_model_len is never refused for a token it did not send.
-        """
+        """A completion prompt after a <|bos|> (how every training document began; not echoed) unless it has one or
+        the <|bos|> would push prompt and `room` past the context: no client is refused for a token it did not send."""
         with_bos = ids if ids[:1] == [self.bos] else [self.bos] + ids
         ids = with_bos if len(with_bos) + room <= self.context else ids
         if len(ids) + room > self.context:  # the reply asked for is at fault where the prompt alone would fit
@@ -603,14 +631,8 @@ class OpenAIRoutes:
         return openai_model_card(self.model_id, int(self.pool.started), self.context)
 
     async def tokenize(self, request: Request):
-        """
-        POST /tokenize (vLLM's): {"prompt": text, "add_special_tokens": true} or {"messages": [...],
-        "add_generation_prompt": true, "add_special_tokens": false} -> ids. As in vLLM, special tokens spelled in the
-        prompt are special here; add_special_tokens puts <|bos|> first (a conversation's template writes its own, so
-        there it defaults to false); add_generation_prompt ends a conversation with <|assistant_start|>, and without it
-        the conversation may end with the assistant's turn. Any length the request body allows (a remote tokenizer
-        reads whole documents), tokenized off the event loop.
-        """
+        """POST /tokenize (vLLM's): a prompt (special tokens spelled in it are special; add_special_tokens puts <|bos|>
+        first) or messages (add_generation_prompt ends them with <|assistant_start|>) -> ids, off the event loop."""
         body = await read_json_body(request)
         check_fields(body, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"}, "tokenize")
         check_model(body, self.model_id)
@@ -664,12 +686,8 @@ class OpenAIRoutes:
 
 
 async def stream_events(generations, take, render, end, start):
-    """
-    A streamed reply, as SSE text: `start` chunks, then for every batch of events of any of the generations (as they
-    come, interleaved), take(generation index, events) -> a failure or None, and render() -> the chunks of what is
-    new; at the end the end() chunks and [DONE], or after a failure its error event. The generations are cancelled
-    when the stream stops, for whatever reason (the client left).
-    """
+    """A streamed reply as SSE text: `start`, then for each batch of events of any generation take(index, events) (a
+    failure or None) and render()'s chunks; end() and [DONE], or a failure's error. The generations end with it."""
     merged = asyncio.Queue()
 
     async def forward(index, generation):
@@ -702,20 +720,13 @@ async def stream_events(generations, take, render, end, start):
 
 
 # -----------------------------------------------------------------------------
-# Whole replies as JSON, off the event loop
-#
-# A reply can hold tens of megabytes (990,000 token ids from /tokenize; a chat reply with n 8, 2,000 tokens and 20
-# alternatives each: 19.6 MiB). Built on the event loop, by FastAPI's encoder or one json.dumps, it held every other
-# client for seconds (/health waited 13 s). So a reply is written in pieces, each a json.dumps of at most a few hundred
-# KB: a small one at once on the event loop, and once that has taken INLINE_SECONDS, the rest in REPLY_THREAD, which
-# hands Python's lock back between pieces. One thread, not a pool: writing JSON is the interpreter's work, so more
-# threads would only take more turns from the event loop (the server's Python runs on one core however many there are).
-
+# Whole replies as JSON, off the event loop: a reply of megabytes built in one piece held every other client for
+# seconds, so it is written in pieces, the rest in one low-priority thread once INLINE_SECONDS have gone
+# (docs/serving.md, "Under hostile load"; one thread: more would only take more turns from the event loop)
 
 
 def lower_priority():
-    """The reply thread yields the CPU to the workers' decode steps (Linux's nice is per thread): a client's megabyte
-    replies then take the time that decoding leaves, not a share of the cores taken from everyone's streams."""
+    """The reply thread yields the CPU to the workers' decode steps (Linux's nice is per thread)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # a system without per-thread priorities: the same thread, at the same priority
@@ -731,8 +742,7 @@ SLICE_OF_TEXT = 65536  # characters
 
 
 def json_pieces(value):
-    """value as compact JSON (what Starlette's JSONResponse writes), in pieces: objects and short lists of objects are
-    walked, long lists and strings written a slice at a time."""
+    """value as compact JSON (as JSONResponse writes it), in pieces: long lists and strings a slice at a time."""
     if isinstance(value, dict):
         yield "{"
         for i, (key, item) in enumerate(value.items()):
@@ -769,7 +779,6 @@ async def in_reply_thread(function, *args):
 
 
 async def json_reply(payload, status_code=200):
-    """The payload as a JSON response, written on the event loop while it is small, in REPLY_THREAD once it is not."""
     pieces, written, started = json_pieces(payload), [], time.perf_counter()
     for piece in pieces:
         written.append(piece)
@@ -789,8 +798,7 @@ class ClientGone(Exception):
 
 
 async def until_disconnect(request, awaitable):
-    """The awaitable's result, unless the client leaves first: then it is cancelled (a request waiting for a row is
-    withdrawn before it is ever prefilled) and ClientGone raised."""
+    """The awaitable's result, unless the client leaves first: then it is cancelled and ClientGone raised."""
     task, watcher = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -809,8 +817,8 @@ async def disconnected(request):
 
 
 async def collect(request, generations, take):
-    """Feed whole replies' events to take(i, events) (which returns a failure message or None) while watching the
-    connection: a client that leaves cancels them. Returns the first failure, if any."""
+    """Whole replies' events fed to take(i, events) (a failure or None), cancelled if the client leaves; the first
+    failure."""
     watcher = asyncio.create_task(cancel_on_disconnect(request, generations))
 
     async def one(i, generation):
@@ -964,72 +972,9 @@ class Completions:
         return openai_usage(sum(len(ids) for ids in self.model_prompts), self.completion_tokens)
 
 
-def special_ids(tokenizer):
-    return {tokenizer.encode_special(t) for t in tokenizer.get_special_tokens()}
-
 
 
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
-
-
-class UIRoutes:
-    """The browser UI's own endpoint: its conversation trimmed to fit the context (and told so), its reply streamed as
-    text and tool parts."""
-
-    def __init__(self, pool, tokenizer, model_info, defaults):
-        self.pool, self.tokenizer, self.defaults, self.context = pool, tokenizer, defaults, model_info["context"]
-        self.model_id = model_info["id"]
-
-    async def ui_completion(self, request: Request):
-        """POST /chat/completions: the UI's stream of {"token"}, {"python"}, {"python_output"} ..., then {"done"}."""
-        body = await read_json_body(request)
-        unknown = sorted(set(body) - {"messages", "temperature", "top_k", "top_p", "max_tokens", "seed", "stop", "n",
-                                      "model", "stream"})
-        if unknown:
-            raise RequestError(unknown[0], "is not a field of this endpoint (the OpenAI API is at /v1)")
-        check_model(body, self.model_id)
-        check_bool(body, "stream")  # it always streams; a client that says so must say it as a boolean
-        messages = validate_messages(body.get("messages"))
-        d = self.defaults
-        sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"])
-        if sampling.num_samples != 1:
-            raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
-        budget = prompt_budget(self.context, sampling.max_tokens)
-        prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, budget)  # trimmed, and told so
-        generation = await until_disconnect(request, self.pool.submit(prompt.ids, sampling, client=client_of(request)))
-        kinds = {"text": "token", "python": "python", "python_output": "python_output"}
-
-        def as_sse(events):
-            """One write for a batch of events; consecutive pieces of one kind go out as one event."""
-            out, kind, text = [], None, ""
-            for event in events + [None]:
-                if isinstance(event, Piece) and (event.kind == kind or kind is None):
-                    kind, text = event.kind, text + event.text
-                    continue
-                if kind is not None:
-                    out.append(sse({kinds[kind]: text}))
-                    kind, text = None, ""
-                if isinstance(event, Piece):
-                    kind, text = event.kind, event.text
-                elif isinstance(event, Finish):
-                    usage = openai_usage(len(prompt.ids), event.completion_tokens)
-                    out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
-                elif isinstance(event, Failure):
-                    out.append(sse({"error": event.reason}))
-            return "".join(out)  # the None at the end flushed the last run of pieces
-
-        async def stream():
-            # A client that leaves mid-stream makes the response stop this generator (Starlette watches for the
-            # disconnect); the finally then frees its row at the worker's next step.
-            try:
-                if prompt.note:
-                    yield sse({"note": prompt.note})
-                async for events in generation.event_batches():
-                    yield as_sse(events)
-            finally:
-                generation.cancel()
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 # The page may not be framed by another site (clickjacking), reads and sends only to this server, and runs only its
@@ -1039,16 +984,13 @@ UI_HEADERS = {"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "R
                                          "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
                                          "form-action 'none'; frame-ancestors 'none'"}
 OPEN_PATHS = ("/", "/health")  # the UI's page (it holds no model access: it asks for the key) and monitoring
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class RequireKey:
-    """
-    ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY` with one of the server's keys,
-    compared in constant time; others get a 401 in the API's error shape, and a request with two Authorization headers
-    a 400 (which one counts would be up to whoever reads them). Where the server has several keys, the key names the
-    client (client_of: what one client may hold). Plain ASGI rather than an HTTP middleware, which would
-    buffer the streamed replies and hide a client's disconnect from them.
-    """
+    """ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY` with one of the keys (a 401, and a
+    400 for two such headers); with several keys, the key names the client (client_of). Plain ASGI: an HTTP
+    middleware would buffer the streams and hide a client's disconnect from them."""
 
     def __init__(self, app, keys):
         self.app, self.keys = app, [key.encode() for key in keys]
@@ -1057,8 +999,7 @@ class RequireKey:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(headers) > 1:
-                response = JSONResponse(openai_error(f"{len(headers)} Authorization headers: send one",
-                                                     "invalid_request_error"), status_code=400)
+                response = error_response(400, f"{len(headers)} Authorization headers: send one")
                 return await response(scope, receive, send)
             header = headers[0] if headers else b""
             scheme, _, given = header.partition(b" ")
@@ -1066,25 +1007,18 @@ class RequireKey:
             matches = [hmac.compare_digest(given.strip(), key) for key in self.keys]
             if scheme.lower() != b"bearer" or not any(matches):
                 reason = "missing" if not header else "wrong"
-                error = openai_error(f"{reason} API key: send the header `Authorization: Bearer <key>` with a key the "
-                                     "server was started with (--api-key)", "invalid_request_error")
-                error["error"]["code"] = "invalid_api_key"
-                response = JSONResponse(error, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                response = error_response(401, f"{reason} API key: send the header `Authorization: Bearer <key>` "
+                                          "with a key the server was started with (--api-key)", code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
             if len(self.keys) > 1:
                 scope[CLIENT_SCOPE_KEY] = f"key {matches.index(True) + 1}"
         return await self.app(scope, receive, send)
 
 
-def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts=("127.0.0.1", "localhost", "::1"),
-               connections=None):
-    """
-    The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests that omit them; api_keys:
-    the keys every route but OPEN_PATHS requires one of (RequireKey), or none; allowed_hosts: the names a request's
-    Host header may give (allowed_host_names below), or None for any; connections: a function giving the connections'
-    counts for /stats (ConnectionGuard.stats below).
-    """
-    ui_routes = UIRoutes(pool, tokenizer, model_info, defaults)
+def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts=LOOPBACK, connections=None):
+    """The app around a pool of workers. defaults: temperature, top_k, max_tokens of requests without; allowed_hosts:
+    the Host header's names (allowed_host_names), None for any; connections: ConnectionGuard.stats for /stats."""
     with open(UI_PATH, encoding="utf-8") as f:
         ui_html = f.read()
 
@@ -1096,31 +1030,20 @@ def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts
 
     app = FastAPI(title="nanochat", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(RequestError)
-    async def bad_request(request, e):
-        return JSONResponse(openai_error(str(e), "invalid_request_error", e.field, e.code), status_code=400)
-
-    @app.exception_handler(HTTPProblem)
-    async def http_problem(request, e):
-        return JSONResponse(openai_error(e.message, e.kind, e.param, e.code), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, e):  # an unknown path or method: in the API's error shape too, not {"detail": ...}
-        return JSONResponse(openai_error(str(e.detail), "invalid_request_error"), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
-
-    @app.exception_handler(QueueTimeout)
-    async def busy(request, e):
-        return JSONResponse(openai_error(str(e), "server_busy"), status_code=503, headers={"Retry-After": "1"})
-
-    @app.exception_handler(NoWorkerAlive)
-    @app.exception_handler(ServerStopping)
-    async def unavailable(request, e):
-        return JSONResponse(openai_error(str(e), "server_error"), status_code=503)
-
-    @app.exception_handler(ClientGone)
-    async def gone(request, e):  # nobody reads it: the client left while its request waited
-        return Response(status_code=499)
+    errors = {  # each in the API's error shape, an unknown path or method too (not {"detail": ...})
+        RequestError: lambda e: error_response(400, str(e), param=e.field, code=e.code),
+        HTTPProblem: lambda e: error_response(e.status, e.message, e.kind, e.param, e.code),
+        StarletteHTTPException: lambda e: error_response(e.status_code, str(e.detail),
+                                                         headers=getattr(e, "headers", None)),
+        QueueTimeout: lambda e: error_response(503, str(e), "server_busy", headers={"Retry-After": "1"}),
+        NoWorkerAlive: lambda e: error_response(503, str(e), "server_error"),
+        ServerStopping: lambda e: error_response(503, str(e), "server_error"),
+        ClientGone: lambda e: Response(status_code=499),  # nobody reads it: the client left while its request waited
+    }
+    for kind, respond in errors.items():
+        async def handler(request, e, respond=respond):
+            return respond(e)
+        app.add_exception_handler(kind, handler)
 
     async def ui():
         return HTMLResponse(ui_html, headers=UI_HEADERS)
@@ -1137,8 +1060,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts
     app.get("/")(ui)
     app.get("/health")(health)
     app.get("/stats")(stats)
-    app.post("/chat/completions")(ui_routes.ui_completion)
-    OpenAIRoutes(pool, tokenizer, model_info, defaults).mount(app)
+    Routes(pool, tokenizer, model_info, defaults).mount(app)
     return AnswerOverBound(RequireJSONAndHost(RequireKey(app, api_keys) if api_keys else app, allowed_hosts))
 
 
@@ -1147,8 +1069,8 @@ def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts
 
 
 def bind_socket(host, port):
-    """Bind before loading the model, so a busy port is reported at once. A forked worker closes its copy at once:
-    otherwise a server that died would leave its port held (connections hanging) until every worker noticed."""
+    """Bound before the model loads, so a busy port is reported at once; a forked worker closes its copy, or a server
+    that died would leave its port held until every worker noticed."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -1165,19 +1087,15 @@ def bind_socket(host, port):
 
 HEADER_TIMEOUT = 10.0  # seconds a new connection has to send a whole request's headers
 WRITE_TIMEOUT = 30.0  # seconds a reply may go without its client taking STALL_BYTES before the connection is closed
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# A reply "moves" while its client takes at least this many bytes per window (--write-timeout to keep its connection,
-# EVICT_WINDOW to keep it when a new connection needs its slot). Counted as the client's TCP acknowledges them, not as
-# asyncio hands them to the kernel: Linux wakes a writer only once a third of a full send buffer (up to 4 MB) is free,
-# so a client reading a steady 40 KB/s looked, to asyncio, like one that read nothing for half a minute
+# A reply "moves" while its client takes this many bytes per window (--write-timeout, or EVICT_WINDOW when a new
+# connection needs its slot), counted as its TCP acknowledges them (docs/serving.md, "Under hostile load")
 STALL_BYTES = 16384
 EVICT_WINDOW = 5.0
 OVER_BOUND_SCOPE_KEY = "nanochat.over_bound"  # set on a request that came in past --max-connections
 
 
 def raise_open_file_limit():
-    """Raise this process's open-file limit to the hard limit (each connection is a file); returns the new soft
-    limit."""
+    """The open-file limit raised to the hard limit (each connection is a file); returns the new soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         try:
@@ -1188,24 +1106,18 @@ def raise_open_file_limit():
 
 
 def default_max_connections(open_files):
-    """Connections the server keeps open at once: room below the open-file limit for the model's files, the workers'
-    pipes, the connections let in past the bound (over_bound_connections), and the batches of up to 128 connections
-    (the backlog) asyncio accepts before the guard sees them, while the ones it evicted are still closing: half the
-    limit, at least 256 files, in reserve (with 256, a flood under a 1,024-file limit ran the server out of files now
-    and then)."""
+    """Connections kept open at once: half the open-file limit, at least 256 files, is kept for the model's files, the
+    pipes, those let in past the bound and the backlog asyncio accepts before the guard sees it."""
     return max(16, min(4096, open_files - max(256, open_files // 2)))
 
 
 def over_bound_connections(max_connections):
-    """Connections let in past max_connections when every one of those holds a request in progress: each is answered
-    once (/health, or a 503 with Retry-After) and closed. A sixteenth of the bound, at least 16: 32 of the reserve's
-    256 files under a 1,024-file limit."""
+    """Connections let in past a full max_connections, each answered once (AnswerOverBound) and closed."""
     return max(16, max_connections // 16)
 
 
 def unsent_bytes(transport):
-    """Bytes the kernel holds for this connection that its client has not acknowledged yet (Linux's SIOCOUTQ); 0 where
-    the system does not say."""
+    """Bytes the kernel holds that the client has not acknowledged (Linux's SIOCOUTQ); 0 where it does not say."""
     sock = transport.get_extra_info("socket")
     if sock is None or not hasattr(termios, "TIOCOUTQ"):
         return 0
@@ -1216,8 +1128,7 @@ def unsent_bytes(transport):
 
 
 class CountingTransport:
-    """A connection's transport that counts what the server wrote to it: less what still waits for the client
-    (waiting()), what the client has taken."""
+    """A connection's transport that counts what was written to it: less waiting(), what the client has taken."""
 
     def __init__(self, transport):
         self.transport, self.written = transport, 0
@@ -1236,21 +1147,10 @@ class CountingTransport:
 
 class ConnectionGuard:
     """
-    The server's open connections, at most max_connections, and what their clients do with them.
-
-    A connection has header_timeout seconds to send a whole request, headers and body (one that sends nothing, or its
-    headers or body a byte at a time, is closed); one that waits for its next request is closed by uvicorn's
-    keep-alive timeout, or by this one if it starts a request and does not finish it. From a whole request until the
-    last of its reply has left asyncio's buffer, the connection is judged by what its client takes, counted once a
-    second (tick): a client that has bytes waiting (in asyncio's buffer or the kernel's) and took fewer than STALL_BYTES
-    of them in write_timeout seconds is closed, which cancels the reply and frees its row and memory. That includes a
-    stream small enough for the buffers, whose client never reads it (asyncio never pauses such a writer).
-
-    When max_connections are open, a new connection closes the one that has waited longest for a request, else the
-    reply whose client has taken fewer than STALL_BYTES for the longest (at least EVICT_WINDOW seconds): a reply that
-    moves is never cut. If every connection holds a request that is moving, the new one is let in past the bound (at
-    most over_bound_connections of them) to be answered once, /health as always and any other request with a 503 and
-    Retry-After (AnswerOverBound), and closed: a client is always answered, at worst told to retry.
+    The open connections, at most max_connections: header_timeout seconds to send a whole request; then judged by what
+    the client takes of its reply (fewer than STALL_BYTES in write_timeout seconds: closed). When all are open, a new
+    one closes the longest idle, else the longest stalled; if every reply moves it is let in past the bound to be
+    answered once (AnswerOverBound). docs/serving.md, "Under hostile load", has the story.
     """
 
     def __init__(self, max_connections, header_timeout=HEADER_TIMEOUT, write_timeout=WRITE_TIMEOUT):
@@ -1298,8 +1198,7 @@ class ConnectionGuard:
 
     @staticmethod
     def delivered(protocol):
-        """Its response is complete and none of it waits in asyncio's buffer (the kernel sends the rest even after a
-        close)."""
+        """Its response is complete and none of it waits in asyncio's buffer (the kernel sends the rest anyway)."""
         cycle = protocol.cycle
         return cycle is not None and cycle.response_complete and not protocol.transport.get_write_buffer_size()
 
@@ -1322,8 +1221,7 @@ class ConnectionGuard:
         self.wait_for_request(protocol)
 
     def stats(self):
-        """For /stats: connections open, those whose client has taken nothing for the eviction window, and how many
-        were closed for sending no request or taking no reply, or let in past the bound to be answered once."""
+        """For /stats: connections open, busy and stalled, and how many were closed or let in past the bound."""
         now = self.progress()
         stalled = sum(now - since >= self.evict_window for since, _ in self.moved.values())
         return {"open": len(self.idle) + len(self.busy), "busy": len(self.busy), "stalled": stalled,
@@ -1359,8 +1257,7 @@ class ConnectionGuard:
             protocol.loop.call_later(self.tick_seconds(), self.tick, protocol.loop)
 
     def response_complete(self, protocol):
-        """The app has written its whole response: the connection waits for its next request once the last bytes have
-        left asyncio's buffer (until then it stays busy, and the tick looks again)."""
+        """The whole response written: the connection waits for a request once its last bytes left asyncio's buffer."""
         if protocol.transport.is_closing() or self.serving(protocol):  # closing, or a pipelined request began
             return
         if self.delivered(protocol):
@@ -1380,8 +1277,7 @@ class ConnectionGuard:
         return min(1.0, self.write_timeout / 2)
 
     def progress(self):
-        """Moves the mark of every busy connection whose client has nothing waiting or took STALL_BYTES since its
-        mark; returns now."""
+        """Moves the mark of each busy connection with nothing waiting or STALL_BYTES taken since; returns now."""
         now = time.monotonic()
         for protocol, (since, taken) in list(self.moved.items()):
             waiting = protocol.transport.waiting()
@@ -1391,9 +1287,8 @@ class ConnectionGuard:
         return now
 
     def tick(self, loop):
-        """Every second while connections are busy: one whose reply's last bytes have left asyncio's buffer waits for
-        the next request; one whose client took fewer than STALL_BYTES of what waits for it in write_timeout seconds is
-        closed (its generation is cancelled when the app sees the disconnect)."""
+        """Every second while connections are busy: a delivered one waits for its next request, a stalled one past
+        write_timeout is closed (the app then cancels its generation)."""
         now = self.progress()
         for protocol, (since, _) in list(self.moved.items()):
             if self.delivered(protocol):
@@ -1415,11 +1310,8 @@ class ConnectionGuard:
 
 
 class AnswerOverBound:
-    """
-    ASGI wrapper for a request on a connection let in past --max-connections (ConnectionGuard): /health is answered as
-    always, any other request gets a 503 with Retry-After, and the connection is closed after either. So a client
-    finds out that it should come back, where it was cut off without a word.
-    """
+    """ASGI wrapper for a connection let in past --max-connections: /health answered, anything else a 503 with
+    Retry-After, and the connection closed: the client is told to come back, not cut off."""
 
     def __init__(self, app):
         self.app = app
@@ -1435,15 +1327,13 @@ class AnswerOverBound:
 
         if scope["path"] == "/health":
             return await self.app(scope, receive, send_and_close)
-        error = openai_error("every connection this server keeps open (--max-connections) holds a request in progress; "
-                             "try again shortly", "server_busy")
-        response = JSONResponse(error, status_code=503, headers={"Retry-After": "1"})
+        response = error_response(503, "every connection this server keeps open (--max-connections) holds a request "
+                                  "in progress; try again shortly", "server_busy", headers={"Retry-After": "1"})
         return await response(scope, receive, send_and_close)
 
 
 def local_addresses():
-    """This machine's own addresses, as far as it can tell without asking the network: its host name's, and on
-    Linux every interface's (the kernel's tables)."""
+    """This machine's addresses, without asking the network: its host name's, and on Linux every interface's."""
     addresses = set()
     for name in {socket.gethostname(), socket.getfqdn()}:
         try:
@@ -1469,12 +1359,8 @@ def local_addresses():
 
 
 def allowed_host_names(host, extra=()):
-    """
-    The names a request's Host header may give for a server bound to `host`: the loopback names, the bound address,
-    and for an address other than loopback this machine's names and addresses (every one for 0.0.0.0 or ::), plus
-    `extra` (--allowed-hosts). A web page that rebinds its own name to this machine's address still sends its own
-    name, so it is refused.
-    """
+    """The names a Host header may give for a server bound to `host`: loopback, the bound address, off loopback this
+    machine's names and addresses, plus `extra` (--allowed-hosts); a page that rebinds its name still sends it."""
     names = set(LOOPBACK) | {host.strip("[]").lower()} | {name.strip("[]").lower() for name in extra}
     if host not in LOOPBACK:
         names |= {socket.gethostname().lower(), socket.getfqdn().lower()} | local_addresses()
@@ -1492,12 +1378,8 @@ def host_name(header):
 
 
 class RequireJSONAndHost:
-    """
-    ASGI wrapper against a web page the user visits: a POST must carry a JSON body (a page can send text/plain across
-    origins without asking; application/json it cannot), and the Host header must name this server (allowed_hosts;
-    None: any name, for a server a key guards), since a page that rebinds its own host name to this machine's address
-    sends its own name. 415 and 421 in the API's error shape.
-    """
+    """ASGI wrapper against a web page the user visits: a POST's body must be JSON (a page cannot send that across
+    origins unasked; 415) and the Host header must name this server (allowed_hosts, None for any; 421)."""
 
     def __init__(self, app, allowed_hosts):
         self.app = app
@@ -1519,6 +1401,5 @@ class RequireJSONAndHost:
                     problem = (415, f"the body must be JSON, sent with Content-Type: application/json (got "
                                     f"{kind.decode('latin-1') or 'none'!r})")
             if problem:
-                response = JSONResponse(openai_error(problem[1], "invalid_request_error"), status_code=problem[0])
-                return await response(scope, receive, send)
+                return await error_response(*problem)(scope, receive, send)
         return await self.app(scope, receive, send)
