@@ -10,6 +10,7 @@ import codecs
 import dataclasses
 import fcntl
 import hmac
+import itertools
 import ipaddress
 import json
 import os
@@ -342,7 +343,9 @@ def sse(payload):
     return f"data: {json.dumps(payload)}\n\n"
 
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def sse_response(chunks):
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class TokenTable:
@@ -392,9 +395,6 @@ class CompletionLogprobs:
         self.fields["text_offset"].append(self.offset)
         if in_text:
             self.offset += len(self.decoder.decode(self.table.bytes[token]))
-
-    def whole(self):
-        return self.fields
 
     def take(self):
         new = {name: values[self.taken:] for name, values in self.fields.items()}
@@ -459,26 +459,20 @@ class Routes:
 
         def as_sse(events):
             """One write for a batch of events; consecutive pieces of one kind go out as one event."""
-            out, kind, text = [], None, ""
-            for event in events + [None]:
-                if isinstance(event, Piece) and (event.kind == kind or kind is None):
-                    kind, text = event.kind, text + event.text
-                    continue
+            out = []
+            for kind, run in itertools.groupby(events, lambda event: event.kind if isinstance(event, Piece) else None):
                 if kind is not None:
-                    out.append(sse({kinds[kind]: text}))
-                    kind, text = None, ""
-                if isinstance(event, Piece):
-                    kind, text = event.kind, event.text
-                elif isinstance(event, Finish):
-                    usage = openai_usage(len(prompt.ids), event.completion_tokens)
-                    out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
-                elif isinstance(event, Failure):
-                    out.append(sse({"error": event.reason}))
-            return "".join(out)  # the None at the end flushed the last run of pieces
+                    out.append(sse({kinds[kind]: "".join(piece.text for piece in run)}))
+                for event in run if kind is None else ():
+                    if isinstance(event, Finish):
+                        usage = openai_usage(len(prompt.ids), event.completion_tokens)
+                        out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
+                    elif isinstance(event, Failure):
+                        out.append(sse({"error": event.reason}))
+            return "".join(out)
 
         async def stream():
-            # A client that leaves mid-stream makes the response stop this generator (Starlette watches for the
-            # disconnect); the finally then frees its row at the worker's next step.
+            # a client that leaves stops this generator (Starlette watches), and the finally frees its row
             try:
                 if prompt.note:
                     yield sse({"note": prompt.note})
@@ -487,7 +481,7 @@ class Routes:
             finally:
                 generation.cancel()
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return sse_response(stream())
 
     # -- chat --------------------------------------------------------------------------------
 
@@ -512,8 +506,7 @@ class Routes:
         replies = ChatReplies(self.table, sampling.num_samples, MODEL_MARKUP if markup else READABLE_MARKUP,
                               sampling.logprobs is not None)
         if body.get("stream"):
-            return StreamingResponse(self.chat_stream(generation, prompt, head, replies, include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return sse_response(self.chat_stream(generation, prompt, head, replies, include_usage))
         failure = await collect(request, [generation], lambda _, events: replies.take(events))
         if failure or len(replies.finished) < sampling.num_samples:
             return self.failed(failure)
@@ -589,8 +582,7 @@ class Routes:
                 generation.cancel()
             raise
         if body.get("stream"):
-            return StreamingResponse(self.completion_stream(generations, choices, head, include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return sse_response(self.completion_stream(generations, choices, head, include_usage))
         failure = await collect(request, generations, choices.take)
         if failure or not choices.done():
             return self.failed(failure)
@@ -965,18 +957,17 @@ class Completions:
         return out
 
     def whole(self):
-        return [{"index": c, "text": self.text[c], "logprobs": self.logprobs[c].whole() if self.logprobs else None,
+        return [{"index": c, "text": self.text[c], "logprobs": self.logprobs[c].fields if self.logprobs else None,
                  "finish_reason": self.reason[c]} for c in range(len(self.text))]
 
     def usage(self):
         return openai_usage(sum(len(ids) for ids in self.model_prompts), self.completion_tokens)
 
 
-
+# -----------------------------------------------------------------------------
+# The app: the UI's page, the keys, the routes
 
 UI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ui.html")
-
-
 # The page may not be framed by another site (clickjacking), reads and sends only to this server, and runs only its
 # own inline script and style
 UI_HEADERS = {"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
