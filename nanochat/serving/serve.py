@@ -116,10 +116,9 @@ CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has s
 def client_of(request):
     """Who a request comes from (workers.CLIENT_SHARE): its key where the server has several, else its peer address;
     an IPv6 peer by its /64, what one host is usually given."""
-    return request.scope.get(CLIENT_SCOPE_KEY) or peer_identity((request.scope.get("client") or ("",))[0])
-
-
-def peer_identity(host):
+    if request.scope.get(CLIENT_SCOPE_KEY):
+        return request.scope[CLIENT_SCOPE_KEY]
+    host = (request.scope.get("client") or ("",))[0]
     try:
         address = ipaddress.ip_address(host)
     except ValueError:  # a Unix socket's path, or no address at all
@@ -316,13 +315,6 @@ def openai_head(model_id, completion_id, created):
     return {"id": completion_id, "created": created, "model": model_id, "system_fingerprint": None}
 
 
-def openai_completion(head, replies, usage):
-    """A whole chat completion; replies: (content, finish_reason, logprobs or None) per choice."""
-    choices = [{"index": i, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
-                "logprobs": logprobs} for i, (content, reason, logprobs) in enumerate(replies)]
-    return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-
-
 def openai_chunk(head, index, delta, finish_reason=None, logprobs=None):
     """One streamed chunk: a delta of choice `index` (its role first, then content), or its finish reason."""
     choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -511,7 +503,10 @@ class Routes:
         if failure or len(replies.finished) < sampling.num_samples:
             return self.failed(failure)
         tokens = sum(f.completion_tokens for f in replies.finished.values())
-        return await json_reply(openai_completion(head, replies.whole(), openai_usage(len(prompt.ids), tokens)))
+        choices = [{"index": i, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
+                    "logprobs": logprobs} for i, (content, reason, logprobs) in enumerate(replies.whole())]
+        return await json_reply({**head, "object": "chat.completion", "choices": choices,
+                                 "usage": openai_usage(len(prompt.ids), tokens)})
 
     async def chat_stream(self, generation, prompt, head, replies, include_usage):
         def render():
@@ -1102,22 +1097,6 @@ def default_max_connections(open_files):
     return max(16, min(4096, open_files - max(256, open_files // 2)))
 
 
-def over_bound_connections(max_connections):
-    """Connections let in past a full max_connections, each answered once (AnswerOverBound) and closed."""
-    return max(16, max_connections // 16)
-
-
-def unsent_bytes(transport):
-    """Bytes the kernel holds that the client has not acknowledged (Linux's SIOCOUTQ); 0 where it does not say."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or not hasattr(termios, "TIOCOUTQ"):
-        return 0
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-    except OSError:
-        return 0
-
-
 class CountingTransport:
     """A connection's transport that counts what was written to it: less waiting(), what the client has taken."""
 
@@ -1129,8 +1108,15 @@ class CountingTransport:
         self.transport.write(data)
 
     def waiting(self):
-        """Bytes written that the client has not taken: in asyncio's buffer, or unacknowledged in the kernel's."""
-        return self.transport.get_write_buffer_size() + unsent_bytes(self.transport)
+        """Bytes written that the client has not taken: in asyncio's buffer, or unacknowledged in the kernel's (Linux's
+        SIOCOUTQ, where the system says)."""
+        unsent, sock = 0, self.transport.get_extra_info("socket")
+        if sock is not None and hasattr(termios, "TIOCOUTQ"):
+            try:
+                unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            except OSError:
+                pass
+        return self.transport.get_write_buffer_size() + unsent
 
     def __getattr__(self, name):  # everything else is the transport's own
         return getattr(self.transport, name)
@@ -1146,7 +1132,7 @@ class ConnectionGuard:
 
     def __init__(self, max_connections, header_timeout=HEADER_TIMEOUT, write_timeout=WRITE_TIMEOUT):
         self.max_connections, self.header_timeout, self.write_timeout = max_connections, header_timeout, write_timeout
-        self.max_over_bound = over_bound_connections(max_connections)
+        self.max_over_bound = max(16, max_connections // 16)  # let in past the bound, each answered once and closed
         self.evict_window = min(EVICT_WINDOW, write_timeout)
         self.idle = OrderedDict()  # protocol -> since when it has waited for a complete request, oldest first
         self.busy = set()  # a request in, or its reply still going out

@@ -185,13 +185,10 @@ class WorkerPool:
         self.active = set()  # generations in flight, cancelled when the server stops
         self.keys = itertools.count()
         self.stopping = None  # the reason, once the server is stopping
-        self.requests_served = 0
-        self.requests_cancelled = 0
-        self.requests_rejected = 0
-        self.requests_withdrawn = 0  # their client left while they waited for a row
+        # withdrawn: their client left while they waited for a row
+        self.requests_served = self.requests_cancelled = self.requests_rejected = self.requests_withdrawn = 0
         self.scorings, self.scoring_tokens = set(), 0  # scoring requests in flight, and their prompts' tokens
-        self.tokens_generated = 0
-        self.generation_seconds = 0.0
+        self.tokens_generated, self.generation_seconds = 0, 0.0
         self.started = time.time()
 
     def start(self):
@@ -209,9 +206,8 @@ class WorkerPool:
             self.loop.call_soon_threadsafe(end_requests)
 
     def begin_stop(self, reason):
-        """The server is stopping (SIGTERM, Ctrl-C): every request in flight or waiting ends now with `reason` as its
-        failure (a stream's error event, a waiting or whole request's 503), so none is cut off later mid-reply.
-        Returns how many were ended."""
+        """The server is stopping: every request in flight or waiting ends now with `reason` (an error event, a 503),
+        none cut off later mid-reply. Returns how many."""
         self.stopping = reason
         ended = list(self.active) + list(self.scorings)
         for request in ended:
