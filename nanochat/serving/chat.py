@@ -593,9 +593,3 @@ def summary_line(info):
     """model_info's dict as a line for logs."""
     return (f"{info['source']} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params, "
             f"context {info['context']} tokens, on {info['device']}")
-
-
-def model_summary(meta, model, device, source):
-    """What was loaded, as a dict for /health and a one-line description for logs."""
-    info = model_info(meta, model, device, source)
-    return info, summary_line(info)

@@ -806,7 +806,12 @@ async def disconnected(request):
 async def collect(request, generations, take):
     """Whole replies' events fed to take(i, events) (a failure or None), cancelled if the client leaves; the first
     failure."""
-    watcher = asyncio.create_task(cancel_on_disconnect(request, generations))
+    async def cancel_on_disconnect():
+        await disconnected(request)
+        for generation in generations:
+            generation.cancel()
+
+    watcher = asyncio.create_task(cancel_on_disconnect())
 
     async def one(i, generation):
         async for events in generation.event_batches():
@@ -822,13 +827,6 @@ async def collect(request, generations, take):
         for generation in generations:
             generation.cancel()
     return next((f for f in failures if f), None)
-
-
-async def cancel_on_disconnect(request, generations):
-    """For replies sent in one piece: watch the connection while they are written, stop them if the client leaves."""
-    await disconnected(request)
-    for generation in generations:
-        generation.cancel()
 
 
 class ChatReplies:
