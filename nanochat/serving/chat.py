@@ -87,10 +87,6 @@ def _assistant_parts(field, content, markup=False):
     return parts
 
 
-def content_chars(content):
-    return len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
-
-
 # What a message may carry besides role and content: nothing the model can read, so each is refused with its reason
 # (null, and an empty list of tool calls, count as absent: what clients send back from a reply object)
 MESSAGE_REFUSED = {"name": "this model's chat format has no participant names",
@@ -99,14 +95,6 @@ MESSAGE_REFUSED = {"name": "this model's chat format has no participant names",
                    "audio": "this model reads and writes text only", "refusal": "this model writes no refusals",
                    "annotations": "this server writes no annotations"}
 MESSAGE_ABSENT = (None, [], "")
-
-
-def check_message_keys(field, message):
-    for key, value in message.items():
-        if key in ("role", "content") or (key in MESSAGE_REFUSED and value in MESSAGE_ABSENT):
-            continue
-        raise RequestError(f"{field}.{key}", MESSAGE_REFUSED.get(key) or "is not a field of a message this server reads "
-                           "(role and content)")
 
 
 def validate_messages(messages, markup=False, for_reply=True):
@@ -126,7 +114,10 @@ def validate_messages(messages, markup=False, for_reply=True):
         field = f"messages[{i}]"
         if not isinstance(message, dict):
             raise RequestError(field, "must be an object with \"role\" and \"content\"")
-        check_message_keys(field, message)
+        for key, value in message.items():
+            if key not in ("role", "content") and not (key in MESSAGE_REFUSED and value in MESSAGE_ABSENT):
+                raise RequestError(f"{field}.{key}", MESSAGE_REFUSED.get(key) or "is not a field of a message this "
+                                   "server reads (role and content)")
         role = message.get("role")
         if role == "developer":  # what newer OpenAI clients send in place of "system"
             role = "system"
@@ -140,7 +131,7 @@ def validate_messages(messages, markup=False, for_reply=True):
             content = _assistant_parts(f"{field}.content", message["content"], markup)
         else:
             content = _text_parts_only(f"{field}.content", message["content"])
-        chars = content_chars(content)
+        chars = len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
         if chars > MAX_MESSAGE_CHARS:
             raise RequestError(f"{field}.content", f"at most {MAX_MESSAGE_CHARS} characters per message (got {chars})")
         total_chars += chars

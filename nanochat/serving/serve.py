@@ -882,10 +882,8 @@ class ChatReplies:
 
 
 class Completions:
-    """
-    The choices of a /v1/completions request (n per prompt, choice i * n + j for sample j of prompt i) as its parts come
-    in: the echoed prompt and its scores, the reply's pieces, tokens and finish; deltas() gives what is new, for a stream.
-    """
+    """The choices of a /v1/completions request (choice i * n + j: sample j of prompt i) as their parts come in: the
+    echoed prompt and its scores, the reply's pieces, tokens and finish; deltas() gives what is new, for a stream."""
 
     def __init__(self, table, prompts, model_prompts, sampling, echo):
         self.table, self.sampling, self.n = table, sampling, sampling.num_samples
