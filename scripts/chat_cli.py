@@ -21,9 +21,8 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine, Sampling
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, SEED_MODULUS, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE,
-                                   MarkupWriter, RequestError, check_number, fit_conversation, fit_text, generate_replies,
-                                   model_summary, prompt_budget)
-from nanochat.serving.events import Finish, Piece
+                                   Finish, MarkupWriter, Piece, RequestError, check_number, fit_conversation, fit_text,
+                                   generate_replies, model_info, prompt_budget, summary_line)
 
 
 def parse_args(argv=None):
@@ -99,7 +98,7 @@ def main(argv=None):
     status(f"loading the {args.source} model on {device} ...")
     model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
     model.prepare_for_inference()
-    _, line = model_summary(meta, model, device, args.source)
+    line = summary_line(model_info(meta, model, device, args.source))
     threads = f", {torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''}" if device.type == "cpu" else ""
     status(f"loaded {line}{threads}")
     engine = Engine(model, tokenizer)

@@ -17,11 +17,10 @@ import torch
 from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
 from nanochat.engine import Engine, Sampling
 from nanochat.gpt import GPTConfig, build_model
-from nanochat.serving.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, MarkupWriter,
-                                   RequestError, ReplyStream, fit_conversation, generate_replies, parse_markup,
-                                   parts_as_markup, validate_messages)
-from nanochat.serving.events import Finish, Piece
-from nanochat.serving.openai_api import read_sampling
+from nanochat.serving.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, Finish,
+                                   MarkupWriter, Piece, RequestError, ReplyStream, fit_conversation, generate_replies,
+                                   parse_markup, parts_as_markup, validate_messages)
+from nanochat.serving.serve import read_sampling
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

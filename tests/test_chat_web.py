@@ -378,7 +378,7 @@ def test_samples_go_to_a_worker_with_rows_for_all_of_them():
     import asyncio
 
     from nanochat.serving.chat import RequestError
-    from nanochat.serving.openai_api import read_sampling
+    from nanochat.serving.serve import read_sampling
     from nanochat.serving.workers import WorkerPool
 
     class FakeWorker:
@@ -484,7 +484,7 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
     """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
     model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
     from nanochat.engine import Sampling
-    from nanochat.serving.events import Add, Admitted, Ended, Finish, Stop
+    from nanochat.serving.chat import Add, Admitted, Ended, Finish, Stop
     from nanochat.serving.workers import load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)

@@ -1,5 +1,5 @@
 """
-The OpenAI API of chat_web (nanochat/serving/openai_api.py) as the ecosystem uses it: the `openai` client on both endpoints,
+The OpenAI API of chat_web (nanochat/serving/serve.py) as the ecosystem uses it: the `openai` client on both endpoints,
 streamed and whole, with logprobs checked against the model's own numbers; a calculator reply that reads as text and
 its markup variant that renders back to the model's tokens; every refused field's 400; vLLM's tokenizer endpoints;
 and lm-evaluation-harness's local-completions and local-chat-completions on local task files, scored as our own code

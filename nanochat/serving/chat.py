@@ -1,31 +1,20 @@
 """
-Talking to a trained model: what chat_cli and chat_web share.
-
-    messages = validate_messages(request["messages"])          # RequestError names the field and the reason
-    prompt = fit_conversation(tokenizer, messages, prompt_budget(context, max_tokens))
-    for event in generate_replies(engine, prompt.ids, Sampling(temperature=0.6, top_k=50, max_tokens=64)):
-        ...   # Piece(index, kind, text) while the model writes, Finish(index, reason, ...) once per reply
-
-The OpenAI API's requests and responses are nanochat/serving/openai_api.py; Piece, Finish and the other events of a
-reply are nanochat/serving/events.py.
-A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a calculator call the model
-wrote) and "python_output" (what the engine's calculator answered). Pieces carry the kind of part they belong to,
-so a terminal, a browser or an OpenAI client can each show tool calls their own way (see MarkupWriter).
-A conversation longer than the model's context loses its oldest turns (and says so) instead of failing, in chat_cli
-and the UI's endpoint; the OpenAI API takes it whole or refuses it (whole_conversation), as OpenAI's does.
+A chat's messages: what chat_cli and chat_web share (request limits, validation, tool-call markup, a conversation
+fitted to the context, a reply's text as the model writes it), and the events of a reply and the messages of the
+worker pipe (workers.py). A reply is a list of parts, as in the tokenizer's chat format: "text", "python" (a
+calculator call the model wrote) and "python_output" (the calculator's answer); each Piece carries its part's kind.
 """
 
+import bisect
 import math
 import re
 from collections import deque
 from dataclasses import dataclass
 
 from nanochat.engine import StreamDecoder
-from nanochat.serving.events import Finish, Piece
 
 # -----------------------------------------------------------------------------
-# Limits on what a client may ask for. They keep one request from holding a worker for long or filling memory;
-# the context of the model is a separate, smaller limit handled by trimming the conversation.
+# Limits on what a client may ask for: no request holds a worker for long or fills memory
 
 MAX_MESSAGES = 500  # messages in one request
 MAX_MESSAGE_CHARS = 8000  # characters in one message (all its parts together)
@@ -47,9 +36,7 @@ class RequestError(ValueError):
 
     def __init__(self, field, reason, code=None):
         super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-        self.code = code  # the OpenAI API's error code where it has one (e.g. "context_length_exceeded")
+        self.field, self.reason, self.code = field, reason, code  # code: the OpenAI API's, where it has one
 
 
 # -----------------------------------------------------------------------------
@@ -71,16 +58,12 @@ def check_number(field, value, low, high, integer=False, low_open=False):
     return value
 
 
-def _is_text_part(part):
-    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and \
-        set(part) == {"type", "text"}
-
-
 def _text_parts_only(field, content):
     """User and system content: a string, or OpenAI-style [{"type": "text", "text": ...}] parts joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(_is_text_part(p) for p in content):
+    if isinstance(content, list) and all(isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+                                         and isinstance(p["text"], str) for p in content):
         return "".join(p["text"] for p in content)
     kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"}) if isinstance(content, list) else []
     reason = f" ({', '.join(kinds)}: this model reads text only)" if kinds else ""
@@ -104,10 +87,6 @@ def _assistant_parts(field, content, markup=False):
     return parts
 
 
-def content_chars(content):
-    return len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
-
-
 # What a message may carry besides role and content: nothing the model can read, so each is refused with its reason
 # (null, and an empty list of tool calls, count as absent: what clients send back from a reply object)
 MESSAGE_REFUSED = {"name": "this model's chat format has no participant names",
@@ -118,22 +97,11 @@ MESSAGE_REFUSED = {"name": "this model's chat format has no participant names",
 MESSAGE_ABSENT = (None, [], "")
 
 
-def check_message_keys(field, message):
-    for key, value in message.items():
-        if key in ("role", "content") or (key in MESSAGE_REFUSED and value in MESSAGE_ABSENT):
-            continue
-        raise RequestError(f"{field}.{key}", MESSAGE_REFUSED.get(key) or "is not a field of a message this server reads "
-                           "(role and content)")
-
-
 def validate_messages(messages, markup=False, for_reply=True):
     """
-    A client's messages, checked against the limits above and normalised for the tokenizer: user and system
-    content as strings, assistant content as a list of parts, consecutive messages of one role merged (some
-    clients send two user messages in a row), a system message only first, the last message from the user.
-    markup: an assistant string's tool calls in MODEL_MARKUP become tool parts (a conversation sent back as the
-    model wrote it); otherwise text that spells a special token is only text. for_reply False: the conversation may
-    also end with the assistant's turn (a conversation rendered whole, not for a reply).
+    A client's messages checked and normalised for the tokenizer: user and system content as strings, assistant
+    content as parts, consecutive messages of one role merged, a system message only first, the last from the user
+    (unless for_reply is False). markup: an assistant string's MODEL_MARKUP tool calls become tool parts.
     """
     if not isinstance(messages, list):
         raise RequestError("messages", "must be a list of {\"role\": ..., \"content\": ...} objects")
@@ -146,7 +114,10 @@ def validate_messages(messages, markup=False, for_reply=True):
         field = f"messages[{i}]"
         if not isinstance(message, dict):
             raise RequestError(field, "must be an object with \"role\" and \"content\"")
-        check_message_keys(field, message)
+        for key, value in message.items():
+            if key not in ("role", "content") and not (key in MESSAGE_REFUSED and value in MESSAGE_ABSENT):
+                raise RequestError(f"{field}.{key}", MESSAGE_REFUSED.get(key) or "is not a field of a message this "
+                                   "server reads (role and content)")
         role = message.get("role")
         if role == "developer":  # what newer OpenAI clients send in place of "system"
             role = "system"
@@ -160,7 +131,7 @@ def validate_messages(messages, markup=False, for_reply=True):
             content = _assistant_parts(f"{field}.content", message["content"], markup)
         else:
             content = _text_parts_only(f"{field}.content", message["content"])
-        chars = content_chars(content)
+        chars = len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content)
         if chars > MAX_MESSAGE_CHARS:
             raise RequestError(f"{field}.content", f"at most {MAX_MESSAGE_CHARS} characters per message (got {chars})")
         total_chars += chars
@@ -244,37 +215,29 @@ class Prompt:
 
 
 def prompt_budget(context, max_tokens):
-    """
-    Prompt tokens allowed: the context less room for the reply, which is max_tokens but at most half the context
-    (so a long request cannot squeeze the conversation out; its reply ends at the context, finish reason "length").
-    """
+    """Prompt tokens allowed: the context less max_tokens, but at most half of it (a long reply cannot squeeze the
+    conversation out; it ends at the context, finish reason "length")."""
     return context - min(max_tokens, context // 2)
 
 
 def fit_conversation(tokenizer, messages, max_prompt_tokens):
-    """
-    Render validated messages for completion, dropping the oldest user/assistant turns until the prompt fits
-    max_prompt_tokens; then, if it still does not fit, the system message; then the start of the last user
-    message (its end, usually the question, is kept). Prompt.note says what went.
-    """
+    """Validated messages rendered to fit max_prompt_tokens: the oldest turns dropped, then the system message, then
+    the start of the last user message (its end, usually the question, is kept). Prompt.note says what went."""
     system = messages[:1] if messages[0]["role"] == "system" else []
     turns = messages[len(system):]  # user, assistant, ..., user
 
     def render(kept_system, kept_turns):
         return tokenizer.render_for_completion({"messages": kept_system + kept_turns})
 
+    def fits(kept_system, kept_turns):
+        return len(render(kept_system, kept_turns)) <= max_prompt_tokens
+
     ids = render(system, turns)
     if len(ids) <= max_prompt_tokens:
         return Prompt(ids, messages)
-    # Fewest whole turns to drop: prompt length only falls as more turns go, so binary search it.
-    low, high = 1, len(turns) // 2  # turns are dropped in (user, assistant) pairs: the last user message stays
-    while low < high:
-        middle = (low + high) // 2
-        if len(render(system, turns[2 * middle:])) <= max_prompt_tokens:
-            high = middle
-        else:
-            low = middle + 1
-    dropped = 2 * high
+    # the fewest (user, assistant) pairs to drop, binary searched (the prompt only shrinks as more go)
+    pairs = bisect.bisect_left(range(1, len(turns) // 2), True, key=lambda n: fits(system, turns[2 * n:]))
+    dropped = 2 * min(1 + pairs, len(turns) // 2)  # the last user message stays
     turns = turns[dropped:]
     notes = [f"dropped the {dropped} oldest messages"] if dropped else []
     ids = render(system, turns)
@@ -284,13 +247,8 @@ def fit_conversation(tokenizer, messages, max_prompt_tokens):
         ids = render(system, turns)
     if len(ids) > max_prompt_tokens:
         text = turns[-1]["content"]
-        low, high = 0, len(text)  # the most characters of the message's end that fit
-        while low < high:
-            middle = (low + high + 1) // 2
-            if len(render([], [{"role": "user", "content": text[-middle:]}])) <= max_prompt_tokens:
-                low = middle
-            else:
-                high = middle - 1
+        low = bisect.bisect_left(range(1, len(text) + 1), True,  # the most characters of its end that fit
+                                 key=lambda n: not fits([], [{"role": "user", "content": text[-n:]}]))
         if low == 0:
             raise RequestError("messages", f"the model's context ({max_prompt_tokens} prompt tokens) cannot hold "
                                            "even a one-character message")
@@ -302,11 +260,8 @@ def fit_conversation(tokenizer, messages, max_prompt_tokens):
 
 
 def whole_conversation(tokenizer, messages, context):
-    """
-    Render validated messages as they are, for a client that keeps its own context (the OpenAI API): a RequestError
-    with the API's code "context_length_exceeded" when they leave no room for a reply, where fit_conversation would
-    drop turns. A reply that would run past the context ends there (finish reason "length").
-    """
+    """Validated messages rendered whole, for a client that keeps its own context (the OpenAI API): a RequestError
+    "context_length_exceeded" when they leave no room for a reply."""
     ids = tokenizer.render_for_completion({"messages": messages})
     if len(ids) >= context:
         raise RequestError("messages", f"this model's context is {context} tokens and the messages take {len(ids)}, "
@@ -325,17 +280,139 @@ def fit_text(tokenizer, text, max_prompt_tokens):
 
 
 # -----------------------------------------------------------------------------
+# The events of a reply and the messages of the worker pipe (workers.py), a dataclass each, pickled and matched by
+# type. Server -> worker: Add, Score, Cancel, Stop. Worker -> server: Ready or Failure at start, then Events.
+# A request's events: Admitted, Token, Piece, Finish, Scored, Failure, and Ended last.
+
+
+@dataclass
+class Add:
+    """Decode a request's replies (one Sampling each); owner: its client's number, whose rows share decode steps."""
+
+    key: int
+    prompt_ids: list
+    samplings: list
+    chat: bool  # chat markup, or plain completion text
+    owner: int = 0
+
+
+@dataclass
+class Score:
+    """Score prompts (`top` alternatives a token) a slice at a time; for each Sampling, also the token after each."""
+
+    key: int
+    prompts: list
+    top: int
+    samplings: list
+
+
+@dataclass
+class Cancel:
+    """Withdraw a request (its client left): its rows are freed, its unscored slices never run."""
+
+    key: int
+
+
+@dataclass
+class Stop:
+    """End the worker process."""
+
+
+@dataclass
+class Ready:
+    """The model is loaded: model_info, the engine's rows, its KV cache's bytes, DecodeCost.summary (or "")."""
+
+    info: dict
+    rows: int
+    cache_bytes: int
+    decode_cost: str = ""
+
+
+@dataclass
+class Occupancy:
+    """A worker's batch, for /stats."""
+
+    rows: int
+    active: int = 0  # rows decoding
+    waiting: int = 0  # sequences waiting for a row
+    shared_steps: int = 0  # decode steps that carried more than one row
+    rows_passed_by: int = 0  # row-steps a row waited because clients shared the step
+
+
+@dataclass
+class Events:
+    """Some requests' new events [(key, [event, ...])], and the worker's Occupancy."""
+
+    ready: list
+    occupancy: Occupancy
+
+
+@dataclass
+class Admitted:
+    """A request's samples have rows: it no longer counts against the queue timeout."""
+
+
+@dataclass
+class Token:
+    """A reply's token, its log probability and top alternatives [(id, log p)], sent before the text it adds."""
+
+    index: int
+    token: int
+    logprob: float
+    top: list
+
+
+@dataclass
+class Piece:
+    """Text a reply adds."""
+
+    index: int  # which sample
+    kind: str  # "text", "python" or "python_output"
+    text: str  # may be "" when a tool part begins
+
+
+@dataclass
+class Finish:
+    """A reply is complete."""
+
+    index: int
+    reason: str  # "stop" (end of turn, stop string) or "length" (max_tokens or the context ran out)
+    completion_tokens: int  # tokens generated for this reply, the one that ended it included
+    parts: list  # the whole reply as parts
+
+
+@dataclass
+class Scored:
+    """A prompt's tokens' scores, ((log p or None, ((id, log p), ...)), ...), for /v1/completions' echo."""
+
+    index: int
+    tokens: tuple
+
+
+@dataclass
+class Failure:
+    """What could not be done and why: a request (Ended follows), or at a worker's start its model's loading."""
+
+    reason: str
+
+
+@dataclass
+class Ended:
+    """A request's last event, with what it cost (for the log and /stats)."""
+
+    tokens: int
+    seconds: float
+    replies_finished: int
+
+
+# -----------------------------------------------------------------------------
 # Replies, token by token
 
 
 class StopStrings:
-    """
-    A request's stop strings as one automaton (Aho-Corasick) that reads a reply's text once, a character at a time:
-    a token costs a step per new character however many stop strings there are and however long. (Comparing every
-    stop string's every beginning against the held-back text cost ~1,600 slice-and-compares a token for 16 strings of
-    100 characters, in the worker, between two decode steps of every row.) A state stands for the longest end of the
-    text read that begins some stop string: its depth is how much text must be held back.
-    """
+    """A request's stop strings as one automaton (Aho-Corasick) reading the reply's text a character at a time, however
+    many strings there are. A state is the longest end of the text read that begins a stop string: its depth is how
+    much text must be held back."""
 
     def __init__(self, strings):
         self.strings = list(strings)
@@ -381,11 +458,9 @@ class StopStrings:
 
 class ReplyStream:
     """
-    One sample's reply as the model writes it: tokens in, (kind, text) pieces out. Text is decoded UTF-8-safely
-    and held back while it might be the start of a stop string; the reply is cut where a stop string begins
-    (stop strings are looked for in the text parts, not inside tool calls).
-    Chat mode follows the tool markup and ends at any token that closes or starts a turn (an untrained model may
-    write <|user_start|>); plain mode (base models) ends at any special token.
+    One sample's reply as the model writes it: tokens in, (kind, text) pieces out, text held back while it may begin a
+    stop string (looked for in text parts only) and cut where one begins. Chat mode follows the tool markup and ends at
+    any turn token; plain mode (base models) ends at any special token.
     """
 
     def __init__(self, tokenizer, stop=(), chat=True):
@@ -474,11 +549,8 @@ class ReplyStream:
 
 
 def generate_replies(engine, prompt_ids, sampling, chat=True):
-    """
-    Sample sampling.num_samples replies to a prompt together on an Engine, yielding Piece(index, kind, text) as each
-    grows and Finish(index, reason, completion_tokens, parts) once per reply. Engine samples by temperature, top-k,
-    top-p and seed; the penalties, bias and logprobs are the server's (its workers' BatchEngine).
-    """
+    """sampling.num_samples replies to a prompt sampled together on an Engine: a Piece as each grows, a Finish once
+    each. Engine samples by temperature, top-k, top-p and seed; penalties, bias and logprobs are the server's."""
     s = sampling
     if s.steers() or s.logprobs is not None:
         raise ValueError("generate_replies samples without penalties, logit_bias or logprobs: serve those (workers.py)")
@@ -504,23 +576,11 @@ def generate_replies(engine, prompt_ids, sampling, chat=True):
 
 def model_info(meta, model, device, source):
     """What was loaded, as a dict (for /health)."""
-    return {
-        "source": source,
-        "tag": meta.get("model_tag"),
-        "step": meta.get("step"),
-        "params": model.num_params(),
-        "context": model.config.sequence_len,
-        "device": str(device),
-    }
+    return {"source": source, "tag": meta.get("model_tag"), "step": meta.get("step"), "params": model.num_params(),
+            "context": model.config.sequence_len, "device": str(device)}
 
 
 def summary_line(info):
     """model_info's dict as a line for logs."""
     return (f"{info['source']} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params, "
             f"context {info['context']} tokens, on {info['device']}")
-
-
-def model_summary(meta, model, device, source):
-    """What was loaded, as a dict for /health and a one-line description for logs."""
-    info = model_info(meta, model, device, source)
-    return info, summary_line(info)

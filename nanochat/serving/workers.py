@@ -1,24 +1,10 @@
 """
-The worker processes behind chat_web, both sides of their pipe: the server's side (a handle on each worker, the pool
-that sends each request to the least loaded one, starting them) and the worker's side (the loop that runs continuous
-batching over its requests with nanochat/engine.py's BatchEngine). What they say to each other is
-nanochat/serving/events.py; the HTTP side is nanochat/serving/serve.py, the OpenAI protocol
-nanochat/serving/openai_api.py.
-
-A request goes to the least loaded worker and waits for rows of its batch; one that waits longer than the pool's
-queue timeout gets a 503, as does one beyond --max-queue waiting requests. The worker takes the server's messages
-between two decode steps and sends the replies' text back in batches, a few steps' worth at a time; a client that
-disconnects is cancelled and frees its rows at the worker's next step (while it still waits, before it is ever
-prefilled). A scoring request (the log probabilities of prompts, for /v1/completions' echo) needs no rows: the worker
-scores it a slice at a time between two decode steps. On a stop every request ends at once, with its reason.
-
-Each request has a name on either side of the pipe: a GenerationRequest or ScoringRequest in the server (what its
-endpoint awaits), a GenerationJob or ScoringJob in the worker (what its loop runs).
-
-A worker is a process, not a thread: a small model's decode step is hundreds of small ops, each of which takes
-Python's lock back from the event loop, whose own Python (every client's stream) it then waits for (dev/LOG.md and
-docs/serving.md have the measurements). On a CPU a worker shares the server's copy of the weights (forked); on a GPU
-each loads its replica.
+The worker processes behind chat_web, both sides of their pipe: the server's (a handle on each worker, the pool that
+sends each request to the least loaded one and bounds what one client holds, starting them) and the worker's (the loop
+that runs continuous batching with engine.BatchEngine, scoring in slices between decode steps). A request is a
+GenerationRequest or ScoringRequest in the server, a GenerationJob or ScoringJob in the worker; their messages are in
+chat.py. A worker is a process, not a thread, so its decode step never takes Python's lock from the event loop
+(docs/serving.md has the measurements); on a CPU the workers share the server's copy of the weights (forked).
 """
 
 import asyncio
@@ -42,24 +28,17 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
-from nanochat.serving.chat import ReplyStream, RequestError, StopStrings, model_info, summary_line
-from nanochat.serving.events import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, Score, Scored,
-                                     Stop, Token)
+from nanochat.serving.chat import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, ReplyStream,
+                                   RequestError, Score, Scored, Stop, StopStrings, Token, model_info, summary_line)
 from nanochat.tokenizer import get_tokenizer
 
-# Prompt tokens that may wait to be scored at once, over all workers (a request past it gets a 503, unless nothing
-# waits): ~40 bytes a token on the server while a request waits, so at most ~40 MB, and in work what 8 requests of 64
-# prompts of a 2,048-token context ask for
+# Prompt tokens that may wait to be scored, over all workers (~40 MB on the server): 8 requests of 64 prompts of 2,048
 MAX_SCORING_TOKENS = 8 * 64 * 2048
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
-# Prompt tokens (padded to the slice's longest) scored in one forward pass: a request scoring 64 prompts of a
-# 2,048-token context runs as 64 slices, and a stream decoding beside it waits at most one slice for its next token
-SCORE_SLICE_TOKENS = 2048
-# While rows are decoding, scoring gets at most this share of the worker's time: after a slice that took s seconds the
-# worker decodes for 2s before the next one. A slice between every two decode steps let eight maximal
-# scoring requests slow a stream beside them ~25x (a slice of 2,048 tokens is ~100 decode steps of a small model);
-# with a third, a stream keeps two thirds of its worker's steps (docs/serving.md has what was measured)
+SCORE_SLICE_TOKENS = 2048  # prompt tokens (padded to the slice's longest) scored in one forward pass
+# While rows decode, scoring gets at most this share of the worker's time: after a slice of s seconds, 2s of decoding
+# (docs/serving.md has what was measured)
 SCORING_SHARE = 1 / 3
 
 
@@ -79,11 +58,8 @@ def stop_processes(processes, seconds=0.0):
 
 
 class Worker:
-    """
-    The server's handle on a worker process: the requests it was given, and the events and occupancy it reports.
-    Messages to the worker go out on a thread of their own: the event loop must never wait on a full pipe while the
-    worker is busy with a step (or is itself waiting for the event loop to read its events).
-    """
+    """The server's handle on a worker process: its requests, events and occupancy. Messages to it go out on a thread
+    of their own: the event loop must never wait on a full pipe."""
 
     def __init__(self, index, process, conn, rows):
         self.index, self.process, self.conn, self.rows = index, process, conn, rows
@@ -166,17 +142,14 @@ class NoWorkerAlive(Exception):
     pass
 
 
-# What one client (a key, or a peer address: openai_api.client_of) may hold at once, as a share of the server: of all
-# the workers' rows, of --max-queue, and of MAX_SCORING_TOKENS (--client-share). A quarter: four clients can fill the
-# server, and one that holds its whole share leaves three quarters of the rows to the others (560 streams nobody read
-# held all 64 rows and the queue, and everyone else got 503s)
+# What one client (serve.client_of) may hold of the rows, of --max-queue and of MAX_SCORING_TOKENS (--client-share):
+# a quarter leaves three quarters to the others (docs/serving.md, "Under hostile load")
 CLIENT_SHARE = 0.25
 
 
 class ClientShare:
-    """What one client holds: rows its requests were given or sent for, its requests held back until its own rows
-    leave room, its prompt tokens waiting to be scored. `freed` is set (and replaced) whenever its rows go down.
-    `number` names the client to the workers (not its key), whose engines share decode steps between clients."""
+    """What one client holds: rows, requests held back for its own rows, prompt tokens waiting to be scored. `freed`
+    is set (and replaced) whenever its rows go down; `number` names it to the workers' engines (not its key)."""
 
     def __init__(self, number):
         self.number = number
@@ -212,13 +185,10 @@ class WorkerPool:
         self.active = set()  # generations in flight, cancelled when the server stops
         self.keys = itertools.count()
         self.stopping = None  # the reason, once the server is stopping
-        self.requests_served = 0
-        self.requests_cancelled = 0
-        self.requests_rejected = 0
-        self.requests_withdrawn = 0  # their client left while they waited for a row
+        # withdrawn: their client left while they waited for a row
+        self.requests_served = self.requests_cancelled = self.requests_rejected = self.requests_withdrawn = 0
         self.scorings, self.scoring_tokens = set(), 0  # scoring requests in flight, and their prompts' tokens
-        self.tokens_generated = 0
-        self.generation_seconds = 0.0
+        self.tokens_generated, self.generation_seconds = 0, 0.0
         self.started = time.time()
 
     def start(self):
@@ -236,9 +206,8 @@ class WorkerPool:
             self.loop.call_soon_threadsafe(end_requests)
 
     def begin_stop(self, reason):
-        """The server is stopping (SIGTERM, Ctrl-C): every request in flight or waiting ends now with `reason` as its
-        failure (a stream's error event, a waiting or whole request's 503), so none is cut off later mid-reply.
-        Returns how many were ended."""
+        """The server is stopping: every request in flight or waiting ends now with `reason` (an error event, a 503),
+        none cut off later mid-reply. Returns how many."""
         self.stopping = reason
         ended = list(self.active) + list(self.scorings)
         for request in ended:
@@ -269,13 +238,8 @@ class WorkerPool:
             del self.clients[client]
 
     async def submit(self, prompt_ids, sampling, chat=True, client=""):
-        """
-        A GenerationRequest on the least loaded worker, once the engine has given its samples rows. `client` (a key,
-        or a peer address) may hold client_rows rows: a request beyond them waits here for the client's own requests to
-        end (at most client_queue of them wait so; one more gets a 503 at once), and what the client holds never keeps
-        another client's request from a row. A request that waits longer than the queue timeout in all is withdrawn and
-        gets a 503.
-        """
+        """A GenerationRequest on the least loaded worker once its samples have rows. Past client_rows a request waits
+        for its client's own requests to end (at most client_queue so); past the queue timeout in all, a 503."""
         if self.stopping:
             raise ServerStopping(self.stopping)
         alive = self.alive()
@@ -348,14 +312,9 @@ class WorkerPool:
         return alive
 
     async def score(self, prompts, top, samplings=(), client=""):
-        """
-        (per prompt [(log p or None, alternatives)], per choice (token, log p, alternatives) for each of `samplings`
-        after each prompt): the worker with the fewest rows asked of it scores the prompts in slices between its decode
-        steps (no rows needed). samplings: engine Samplings of a max_tokens 1 request, whose one token comes from the
-        same pass. At most MAX_SCORING_TOKENS of prompts wait to be scored at once, client_scoring_tokens of them one
-        `client`'s (a 503 beyond, unless nothing waits); a request cancelled while it waits (its client left) is
-        withdrawn from its worker, whose slices not yet run never run.
-        """
+        """(per prompt [(log p or None, alternatives)], per choice (token, log p, alternatives)): the least loaded
+        worker scores the prompts in slices between decode steps, and draws each of `samplings` (a max_tokens 1
+        request) from the same pass. Bounded by MAX_SCORING_TOKENS and client_scoring_tokens (a 503 beyond)."""
         if self.stopping:
             raise ServerStopping(self.stopping)
         alive = self.alive()
@@ -432,10 +391,8 @@ class WorkerPool:
 
 
 class GenerationRequest:
-    """
-    One request's replies, on the server's side: its worker process sends its events (Token, Piece, Finish, Failure),
-    which come out of `event_batches()` in the event loop. cancel() withdraws it before the worker's next step.
-    """
+    """One request's replies on the server's side: its worker's events come out of event_batches(); cancel()
+    withdraws it before the worker's next step."""
 
     def __init__(self, pool, worker, key, prompt_ids, sampling, chat):
         self.pool, self.worker, self.key, self.prompt_ids, self.chat = pool, worker, key, prompt_ids, chat
@@ -528,14 +485,10 @@ class ScoringRequest:
 def load_workers(source, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
                  threads=0, start_method=None, decode="eager"):
     """
-    (workers, tokenizer, model info) for a stage's checkpoint, each worker a process: one replica per GPU on CUDA
-    (num_workers 0: every GPU); on CPU every worker shares one copy of the weights (num_workers 0: one worker). Each
-    worker batches up to max_batch sequences, fewer if their KV cache would not fit the memory budget.
-
-    On a Linux CPU this process loads the model and forks the workers, which share its weights' memory and start at
-    once. Elsewhere a worker is spawned and loads its own replica: a process that has touched CUDA cannot fork (and
-    this one does not need the weights), and macOS does not fork safely. start_method "spawn" does that on a Linux
-    CPU too (the tests run the GPU's path so).
+    (workers, tokenizer, model info), a process a worker: one per GPU (num_workers 0: every GPU), or on CPU sharing one
+    copy of the weights (0: one), each batching up to max_batch sequences as the KV memory allows. On a Linux CPU
+    this process loads the model and forks them; elsewhere (CUDA cannot fork, macOS not safely), or with start_method
+    "spawn", each is spawned and loads its own.
     """
     device = torch.device(resolve_device_type(device_type))
     if device.type == "cuda":
@@ -558,17 +511,14 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
         preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
         context = multiprocessing.get_context("fork")
-        # what loading freed (the checkpoint, the fp32 weights) back to the kernel: a worker's own allocations would
-        # otherwise reuse those pages, copying them on write, and the server would keep its copy too (measured: the
-        # server's and its worker's memory +12 % under load instead of +4 %)
+        # what loading freed back to the kernel, or the workers' allocations would reuse those pages, copying on write
         gc.collect()
         return_freed_memory()
     else:
         print0(f"loading the {source} model on {', '.join(str(d) for d in devices)} (a process each) ...")
         context = multiprocessing.get_context(start_method or "spawn")
     started = []
-    # the workers start with SIGINT and SIGTERM ignored (worker_main says why); a spawned one keeps that while it
-    # imports torch, so an early Ctrl-C gives the server's message, not a traceback per worker
+    # the workers start with SIGINT and SIGTERM ignored (worker_main says why), a spawned one while it imports torch
     handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for index, worker_device in enumerate(devices):
@@ -596,8 +546,8 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
     except BaseException:  # one worker failed (or Ctrl-C): the others must not outlive the server
         stop_processes([process for _, process, _ in started])
         raise
-    # a server that exits without stopping its workers (a second Ctrl-C skips uvicorn's shutdown): multiprocessing's
-    # own exit handler would SIGTERM them, which they ignore, and wait for ever; this one, registered later, runs first
+    # a server that exits without stopping them (a second Ctrl-C): multiprocessing's exit handler would SIGTERM them,
+    # which they ignore, and wait for ever; this one, registered later, runs first
     atexit.register(stop_processes, [process for _, process, _ in started])
     workers = [Worker(index, process, conn, reply.rows) for (index, process, conn), reply in zip(started, replies)]
     info, rows, cache_bytes = replies[0].info, replies[0].rows, replies[0].cache_bytes
@@ -675,10 +625,7 @@ class GenerationJob:
 
 
 class EngineLoop:
-    """
-    The worker process: between two decode steps of its BatchEngine it takes the server's messages (a request to add,
-    one to cancel, stop), and it hands every request's new text to the server.
-    """
+    """The worker process: between two decode steps it takes the server's messages and sends the requests' events."""
 
     def __init__(self, conn, engine):
         self.conn, self.engine = conn, engine
@@ -759,11 +706,8 @@ class EngineLoop:
             self._drop(job)
 
     def _flush(self, force=False):
-        """
-        Send the requests' new events every FLUSH_SECONDS, or at once when a request was just admitted or ended or the
-        worker is about to wait: one message, and one write per client, for several steps' tokens, which is what the
-        server's event loop can keep up with at dozens of streams. The engine's occupancy goes along, for /stats.
-        """
+        """The requests' new events and the occupancy, every FLUSH_SECONDS (one write per client for several steps:
+        what the event loop keeps up with), or at once when one was admitted or ended or the worker is about to wait."""
         now = time.perf_counter()
         urgent = force or self.ended or any(j.outbox and isinstance(j.outbox[0], Admitted) for j in self.jobs.values())
         if not urgent and now - self.flushed < FLUSH_SECONDS:
@@ -788,22 +732,16 @@ class EngineLoop:
         self.jobs[add.key] = job
 
     def _score_slice(self):
-        """
-        The next slice of the first scoring request's prompts (BatchEngine.score: their log probabilities, one forward
-        pass), and for each Sampling given, the one token that follows each prompt, drawn from the same pass (a
-        max_tokens 1 request needs no decode step); then that request goes to the back of the line. Each slice's
-        events go out at once; the last one ends the request.
-        """
+        """The next slice of the first scoring request (one forward pass), with each Sampling's token after each
+        prompt; then the request goes to the back of the line. The last slice ends it."""
         key, job = next(iter(self.scoring_jobs.items()))
         events, indices = [], job.next_slice()
         try:
             scored = self.engine.score([job.prompts[i] for i in indices], job.top)
             for i, (tokens, _) in zip(indices, scored):
-                # tuples, not lists: on the server, eight maximal requests' scores are ~1,000,000 of them, which the
-                # garbage collector stops tracking once it sees they hold plain numbers (lists it walks every time)
+                # tuples, not lists: the garbage collector stops tracking those of plain numbers
                 events.append(Scored(i, tuple((logprob, tuple(top)) for logprob, top in tokens)))
-            # after each prompt, each Sampling's token (choice i * n + j: sample j of prompt i), chosen as the engine
-            # chooses a sequence's first token
+            # each Sampling's token after each prompt (choice i * n + j), chosen as a sequence's first token
             rows = [(last, s, torch.Generator(device=last.device).manual_seed(s.seed), {}) for _, last in scored
                     for s in job.samplings]
             first = indices[0] * len(job.samplings)
@@ -833,8 +771,7 @@ class EngineLoop:
 
 @dataclass
 class WorkerSettings:
-    """What a worker process is started with: load_workers' arguments, its threads, and how many workers share the
-    machine (on a CPU they share its memory)."""
+    """What a worker process is started with: load_workers' arguments, its threads, how many workers share the machine."""
 
     source: str
     model_tag: str | None
@@ -849,12 +786,9 @@ class WorkerSettings:
 
 def worker_main(conn, inherited, device, settings, preloaded):
     """
-    A worker process: load the model (or take the one the server forked with), make its engine, report Ready
-    (model info, rows, KV cache bytes) or a Failure, then run the EngineLoop until the server stops it or
-    goes away. settings: a WorkerSettings. inherited: what a fork copied from the server that this process
-    must not hold: the server's ends of the pipes (a server that dies must read as end-of-file to every worker).
-    It starts with SIGINT and SIGTERM ignored (load_workers): Ctrl-C or a service manager's SIGTERM reach every
-    process of the group, and the server, which stops its workers itself, must outlive them to end its requests.
+    A worker process: the model loaded (or the forked one), its engine, Ready or a Failure, then the EngineLoop.
+    inherited: the server's pipe ends a fork copied, closed so a dead server reads as end-of-file. SIGINT and SIGTERM
+    are ignored: they reach the whole group, and the server must outlive its workers to end its requests.
     """
     for connection in inherited:
         connection.close()
