@@ -37,7 +37,7 @@ VARIANT_DEFAULTS = {"rope_theta": ROPE_THETA, "rotary_bf16": False, "norm_eps": 
 OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",) + tuple(VARIANT_DEFAULTS)
 # The largest shapes a GPTConfig takes: a meta.json or imported config is a file anyone may write, and GPT(config)
 # trusts its shapes. Several times the largest public models of this kind; the context's bound is the tightest, as the
-# rotary tables are built for ROTARY_LENGTH_FACTOR times it (dev/log68/model.md).
+# rotary tables are built for ROTARY_LENGTH_FACTOR times it (dev/LOG.md).
 SHAPE_LIMITS = {"sequence_len": 2**18, "vocab_size": 2**20, "n_layer": 1024, "n_head": 2**16, "n_kv_head": 2**16,
                 "n_embd": 2**16, "ve_gate_channels": 2**16, "smear_gate_channels": 2**16}
 
@@ -224,7 +224,7 @@ def band_mask(n_queries, n_keys, window, device):
 
 
 # Attention kernels for inference on CUDA: all but cuDNN's, which plans per sequence length (tens of ms each), and
-# inference meets a new length at every token (dev/log68/model.md). Training keeps cuDNN (one length, planned once).
+# inference meets a new length at every token (dev/LOG.md). Training keeps cuDNN (one length, planned once).
 SHAPE_FREE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -419,7 +419,7 @@ class GPT(nn.Module):
 
     def store_embeddings_in_compute_dtype(self):
         """Keep the embedding tables in the compute dtype where it is bf16, as the reference does: autocast never casts
-        a lookup, and in fp32 they cost 16 bytes a parameter against 8 (dev/log68/model.md). AdamW's math stays fp32."""
+        a lookup, and in fp32 they cost 16 bytes a parameter against 8 (dev/LOG.md). AdamW's math stays fp32."""
         dtype = get_compute_dtype(self.get_device())
         if dtype == torch.float32:
             return
@@ -451,7 +451,7 @@ class GPT(nn.Module):
         the fp32 weights are gone. Each attention's c_q, c_k, c_v (and gate, zero-padded to n_embd inputs) become
         views into one stacked matrix, one matmul where a batch-1 decode step pays a fixed cost per op. Under bf16
         autocast every linear's weight is stored in bf16 once (the values autocast would make on every call) and
-        oneDNN's per-shape kernel caches are bounded (dev/log68/model.md). Norms and scalars stay fp32."""
+        oneDNN's per-shape kernel caches are bounded (dev/LOG.md). Norms and scalars stay fp32."""
         device = self.get_device()
         if device.type != "cpu":
             return self
@@ -568,7 +568,7 @@ class GPT(nn.Module):
                 x = cpu_ops.residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             elif c.residual_scalars and torch.compiler.is_compiling():
                 # Recomputed in the backward, not kept: compiled, the partitioner saved every layer's mix beside the
-                # two tensors it is made from, one (B, T, C) a layer (dev/log68/model.md); the recompute is one pass.
+                # two tensors it is made from, one (B, T, C) a layer (dev/LOG.md); the recompute is one pass.
                 x = checkpoint(residual_mix, x, x0, self.resid_lambdas[i], self.x0_lambdas[i], use_reentrant=False)
             elif c.residual_scalars:
                 x = residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])

@@ -193,7 +193,7 @@ class RustBPETokenizer:
 
     def _encode_batch(self, texts, num_threads):
         """One contiguous slice of the documents per thread, each a plain loop of encode_ordinary (which releases the
-        GIL): tiktoken's encode_ordinary_batch, a future per document, was slower than one thread (dev/log68/)."""
+        GIL): tiktoken's encode_ordinary_batch, a future per document, was slower than one thread (dev/LOG.md)."""
         workers = max(1, min(num_threads, len(texts)))
         if workers == 1:
             return [self.enc.encode_ordinary(t) for t in texts]

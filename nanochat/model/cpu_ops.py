@@ -1,6 +1,6 @@
 """
 Hand-written autograd Functions for training the GPT on a CPU: gpt.py's math in fewer passes over memory, which bounds
-a CPU step's elementwise work (measurements: dev/log68/model.md). gpt.py calls them for CPU fp32 tensors outside
+a CPU step's elementwise work (measurements: dev/LOG.md). gpt.py calls them for CPU fp32 tensors outside
 autocast (`is_cpu_fp32`), the chunked loss and the block-causal attention also under CPU autocast; NANOCHAT_CPU_OPS=0
 turns them off, so the GPU's plain path runs anywhere. tests/test_gpt.py checks each against the plain math. Model
 constants (norm eps, softcap) come in as arguments: this module knows nothing of the model.

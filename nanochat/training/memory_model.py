@@ -465,8 +465,8 @@ def trace_profile(spec, whole=False):
     small = config if traced is None else reduced_config(config, traced)
     if spec.compiled:
         acts = trace_compiled_activations(small, spec)
-        # On top of the kept tensors, measured rather than traced (inductor decides it in code generation; dev/log68/
-        # plan.md): on a CPU the backward first writes the logits' gradient in fp32 beside everything kept; CUDA's not
+        # On top of the kept tensors, measured rather than traced (inductor decides it in code generation; dev/LOG.md):
+        # on a CPU the backward first writes the logits' gradient in fp32 beside everything kept; CUDA's not
         on_top = [(0, 4 * spec.seq_len * spec.vocab_size)] if spec.device_type == "cpu" else []
         if spec.checkpoint_activations:  # a block's activations alive again while its backward recomputes them:
             # the largest layer's, as the same step without checkpointing keeps them

@@ -23,7 +23,7 @@ BASE_MARGIN = 0.01  # what base_train leaves when it starts: by then the time be
 SFT_SHARE = 0.4  # of the training time chat_sft (and chat_rl) may take, between its floor and its need
 PROBE_NOISE = 1.25  # the least budget is stated this much above the probe's (a VM's speed drifts over minutes)
 
-# What each stage costs on the machine the cpu preset was measured on (dev/log68/plan.md): seconds, and for the training
+# What each stage costs on the machine the cpu preset was measured on (dev/LOG.md): seconds, and for the training
 # stages seconds a step and the start-up, evaluations and saves around the steps; probe_seconds is what the probe below
 # measured there for a step of the preset's base model: a machine whose probe takes twice as long pays twice as much.
 REFERENCE = {
@@ -34,7 +34,7 @@ REFERENCE = {
         "evals": {"tok_eval": 2.0, "base_loss": 3.5, "base_eval": 7.0, "chat_eval base": 3.5, "chat_eval mid": 7.0,
                   "chat_eval sft": 6.5, "chat_eval rl": 7.0},
         # name: (seconds a step, start-up and the rest, fewest steps, the steps it needs): below the fewest the chat
-        # model stops answering held-out questions; past the need more steps stop paying (dev/log68/plan.md)
+        # model stops answering held-out questions; past the need more steps stop paying (dev/LOG.md)
         "train": {"base_train": (0.155, 9.0, 220, None), "mid_train": (0.35, 4.0, 20, 30),
                   "chat_sft": (0.17, 4.0, 80, 175), "chat_rl": (2.0, 8.0, 10, 30)},
         # the preset's own steps, for its time here

@@ -99,7 +99,7 @@ class ScalingLaw:
 
 
 # The GPU law: the reference project's compute-optimal runs, alpha = beta and B = A * 10.5^alpha (N and D scale alike
-# there); the CPU laws: our miniseries' fits (BENCHMARKS.md "Scaling laws for --time-budget"; dev/log68/plan.md)
+# there); the CPU laws: our miniseries' fits (BENCHMARKS.md "Scaling laws for --time-budget"; dev/LOG.md)
 LAWS = {
     "gpu-reference": ScalingLaw(
         "gpu-reference", "the reference project's compute-optimal runs (its data, tokenizer and recipe), ~10.5 tok/param",
@@ -454,7 +454,7 @@ def write_measurements(signature, measurements):
 def guess_depth(law, shape, device, budget_seconds):
     """Where the probe starts: the depth the law prefers if this device trains at GUESS_MFU of its peak FLOP/s."""
     # the fastest rank's peak (a CPU's is measured by each rank apart): every rank must start its walk at the same depth
-    # and make the same collectives (dev/log68/plan.md)
+    # and make the same collectives (dev/LOG.md)
     peak = all_reduce_max([get_peak_flops(device)], device)[0]
     flops_per_second = GUESS_MFU.get(device.type, 0.4) * peak * shape.world_size
     best = None
@@ -621,7 +621,7 @@ class BudgetClock:
              plan.save_seconds if loop.save_seconds is None else loop.save_seconds, time.time()], loop.device)
         if not math.isfinite(step_seconds):
             step_seconds = plan.step_seconds
-        # a measured checkpoint replaces the estimate, for the saves to come and the final one (dev/log68/plan.md)
+        # a measured checkpoint replaces the estimate, for the saves to come and the final one (dev/LOG.md)
         plan.end_seconds, plan.save_seconds = plan.end_seconds - plan.save_seconds + save_seconds, save_seconds
         n = steps_that_fit(plan.deadline - now - plan.end_seconds, step_seconds, eval_seconds, plan.eval_every, first=step,
                            save_every=plan.save_every, save_seconds=plan.save_seconds)
