@@ -112,6 +112,7 @@ def test_clients_that_never_read_their_streams_cannot_lock_out_others(web_base_d
         server.stop()
 
 
+@pytest.mark.slow  # 13 s on a 2-core Intel Xeon
 def test_a_maximal_scoring_request_blocks_no_one_and_ends_when_its_client_leaves(web_base_dir):  # noqa: F811
     """64 prompts of 2,046 ids scored with 5 alternatives a token (a ~20 MB reply), on a 2,048-token model: /health
     answers within a second throughout, a stream decoding beside it keeps its pace (it is scored in slices between
@@ -402,6 +403,7 @@ def test_a_full_connection_table_answers_health_and_tells_the_rest_to_retry(web_
         server.stop()
 
 
+@pytest.mark.slow  # 15 s on a 2-core Intel Xeon
 def test_a_reply_its_client_reads_steadily_is_never_cut(web_base_dir):  # noqa: F811
     """A stream with n 8 and 20 alternatives a token, read steadily at 600 KB/s, in the only connection slot and with a
     1 s --write-timeout: asyncio sees no progress for seconds at a time (Linux wakes a writer once a third of a 4 MB
