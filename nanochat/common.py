@@ -169,6 +169,11 @@ def atomic_write_text(path, text):
 # Devices, dtypes, seeding
 
 
+def autodetect_device_type():
+    """cuda, then mps, then cpu: karpathy/nanochat's name, which its users' scripts call."""
+    return resolve_device_type("")
+
+
 def resolve_device_type(device_type=""):
     """'' means autodetect (cuda, then mps, then cpu); otherwise validate the user's choice before any compute."""
     has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()

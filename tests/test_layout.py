@@ -111,3 +111,18 @@ def test_functions_short_and_library_free_of_its_tools():
             if any(m.split(".")[0] in beside for m in imported):
                 broken.append(f"{name}:{node.lineno} imports what lives beside the library ({', '.join(imported)})")
     assert not broken, broken
+
+
+@pytest.mark.quick
+def test_karpathy_nanochat_common_helpers_keep_their_names():
+    """Scripts and notebooks written against karpathy/nanochat call these by name (autodetect_device_type in each of
+    its stage scripts); a refactor that folds one away breaks them without any test of ours noticing."""
+    import torch
+
+    from nanochat import common
+
+    for name in ("autodetect_device_type", "compute_init", "compute_cleanup", "get_base_dir", "get_dist_info", "print0"):
+        assert callable(getattr(common, name, None)), name
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    expected = "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
+    assert common.autodetect_device_type() == common.resolve_device_type("") == expected
