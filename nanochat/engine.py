@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nanochat.common import autocast_for, get_compute_dtype, kv_cache_dtype
+from nanochat.gpt import causal_mask
 from nanochat.model.kv_cache import KVCache  # nanochat.engine.KVCache is also the reference project's name for it
 
 # -----------------------------------------------------------------------------
@@ -252,12 +253,6 @@ def kv_budget_bytes(device, kv_memory_gib=None):
     import psutil
 
     return min(4 * 2**30, psutil.virtual_memory().total // 4)
-
-
-def causal_mask(key_positions, query_positions, window):
-    """Which keys each query may see: those up to itself, and within the window if there is one."""
-    allowed = key_positions <= query_positions
-    return allowed if window is None else allowed & (key_positions > query_positions - window)
 
 
 class RowKVCache:

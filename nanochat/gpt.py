@@ -215,12 +215,14 @@ def band_mask(n_queries, n_keys, window, device):
     prefix = n_keys - n_queries
     if (window is None or window >= n_keys) and (prefix == 0 or n_queries == 1):
         return None
-    key_pos = torch.arange(n_keys, device=device)
-    query_pos = torch.arange(prefix, n_keys, device=device)[:, None]
-    allowed = key_pos <= query_pos
-    if window is not None:
-        allowed = allowed & (key_pos > query_pos - window)
-    return allowed
+    query_positions = torch.arange(prefix, n_keys, device=device)[:, None]
+    return causal_mask(torch.arange(n_keys, device=device), query_positions, window)
+
+
+def causal_mask(key_positions, query_positions, window):
+    """Which keys each query may see: those up to itself, and within the window if there is one (broadcast)."""
+    allowed = key_positions <= query_positions
+    return allowed if window is None else allowed & (key_positions > query_positions - window)
 
 
 # Attention kernels for inference on CUDA: all but cuDNN's, which plans per sequence length (tens of ms each), and

@@ -155,8 +155,9 @@ class _Finder:
             return None
         if not stat.S_ISREG(st.st_mode):
             return self.skip("special", path)
-        inside = os.path.commonpath([self.root_real, os.path.realpath(path)]) == self.root_real
-        return "file" if inside or self.follow_links else self.skip("links", path)
+        if self.follow_links or os.path.commonpath([self.root_real, os.path.realpath(path)]) == self.root_real:
+            return "file"
+        return self.skip("links", path)
 
     def list_dir(self, directory):
         try:

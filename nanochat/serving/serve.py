@@ -455,7 +455,8 @@ class Routes:
             for kind, run in itertools.groupby(events, lambda event: event.kind if isinstance(event, Piece) else None):
                 if kind is not None:
                     out.append(sse({kinds[kind]: "".join(piece.text for piece in run)}))
-                for event in run if kind is None else ():
+                    continue
+                for event in run:
                     if isinstance(event, Finish):
                         usage = openai_usage(len(prompt.ids), event.completion_tokens)
                         out.append(sse({"done": True, "finish_reason": event.reason, "usage": usage}))
