@@ -11,7 +11,9 @@ import math
 import operator
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -434,8 +436,8 @@ class CapturedDecode:
     same static step runs eagerly, and why_eager says why.
     """
 
-    def __init__(self, model, cache, max_batch, capture=True):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, max_batch, autocast, capture=True):
+        self.model, self.cache, self.autocast = model, cache, autocast
         self.rows, self.extents = decode_buckets(max_batch, cache.seq_len)
         self.graphs, self.pool = {}, None
         self.capture = capture and cache.device.type == "cuda"
@@ -467,7 +469,7 @@ class CapturedDecode:
             return logits
         view = StaticDecodeView(self.cache, batch, extent)
         view.load(inputs)
-        with autocast_for(self.cache.device):
+        with self.autocast():
             return self.model.forward(view.ids, kv_cache=view)[:, -1, :]
 
     def _capture(self, batch, extent):
@@ -648,8 +650,11 @@ class BatchEngine:
         self.rows_passed_by = 0  # row-steps a sequence with its next token waited because owners shared the step
         self.decode_cost = None  # a DecodeCost: share steps between owners (_share_step); None: feed every row
         self.carried_budget = 0.0  # seconds of step budget left unused while rows waited (_share_step)
-        self.round_batches = self.device.type == "cpu" and get_compute_dtype(self.device) == torch.bfloat16
-        self.captured = CapturedDecode(model, self.cache, max_batch, capture=decode == "captured") \
+        dtype = get_compute_dtype(self.device)
+        # every forward's autocast, chosen once (common.autocast_for's choice): a step enters torch's context directly
+        self.autocast = partial(torch.autocast, self.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext
+        self.round_batches = self.device.type == "cpu" and dtype == torch.bfloat16
+        self.captured = CapturedDecode(model, self.cache, max_batch, self.autocast, capture=decode == "captured") \
             if decode in ("captured", "static") else None
 
     # -- requests ----------------------------------------------------------------------
@@ -706,7 +711,7 @@ class BatchEngine:
     def _score_rows(self, prompts, top):
         width = max(len(p) for p in prompts)
         ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        with autocast_for(self.device):
+        with self.autocast():
             logits = self.model.forward(ids).float()
         last = [logits[b, len(prompt) - 1][None].clone() for b, prompt in enumerate(prompts)]
         logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one copy of (B, T, V) at a time
@@ -740,7 +745,7 @@ class BatchEngine:
             if to_feed:
                 self.decode_steps += 1
                 self.shared_steps += len(to_feed) > 1
-                shape = self._step_shape(to_feed)
+                shape = self._step_shape(to_feed) if self.decode_cost is not None else None
                 for seq in to_feed:
                     seq.awaiting_feed, seq.last_fed = False, self.decode_steps
                 # rows in order: often one run, which the cache reads without a copy
@@ -762,7 +767,7 @@ class BatchEngine:
         rows = sorted(fed + padding)
         inputs = {seq.row: seq.next_input for seq in to_feed}
         ids = torch.tensor([[inputs.get(row, 0)] for row in rows], dtype=torch.long, device=self.device)
-        with autocast_for(self.device):
+        with self.autocast():
             logits = self.model.forward(ids, kv_cache=self.cache.rows(rows))[:, -1, :]
         for row in padding:  # a free row wrote one position that nothing reads: it stays empty
             self.cache.reset(row)
@@ -930,7 +935,7 @@ class BatchEngine:
         ids = torch.tensor([chunk + [0] * (width - len(chunk)) for _, chunk in chunks], dtype=torch.long,
                            device=self.device)
         lengths = [len(chunk) for _, chunk in chunks]
-        with autocast_for(self.device):
+        with self.autocast():
             view = self.cache.rows([seq.row for seq, _ in chunks], new_lengths=lengths)
             at = torch.tensor(lengths, device=self.device) - 1
             last = self.model.forward(ids, kv_cache=view, logits_at=at)[:, 0] if self.takes_logits_at else \

@@ -8,6 +8,7 @@ with rows of the engine's cache (each row at its own length).
 """
 
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from nanochat.common import bound_onednn_caches, get_compute_dtype
+from nanochat.common import UserError, bound_onednn_caches, get_compute_dtype
 from nanochat.model import cpu_ops
 
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
@@ -133,12 +134,39 @@ class GPTConfig:
 # -----------------------------------------------------------------------------
 # The blocks. On a CPU in fp32 the elementwise pieces run as cpu_ops' autograd Functions (same math, fewer passes over
 # memory); elsewhere (CUDA, any autocast, NANOCHAT_CPU_OPS=0) the plain torch expressions below.
+# Whether they apply is decided here, so that a GPU's forward never leaves this file.
+
+
+def cpu_ops_enabled():
+    """NANOCHAT_CPU_OPS: 1 (default) runs cpu_ops' Functions for CPU fp32 tensors, 0 the plain torch path everywhere."""
+    value = os.environ.get("NANOCHAT_CPU_OPS", "1")
+    if value not in ("0", "1"):
+        raise UserError(f"NANOCHAT_CPU_OPS must be 0 (the plain torch path, as on a GPU) or 1 (got {value!r})")
+    return value == "1"
+
+
+def is_cpu_fp32(x):
+    """A CPU fp32 tensor outside autocast, with cpu_ops enabled: where the elementwise Functions run."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and cpu_ops_enabled())
+
+
+def cpu_training(activations, weights=()):
+    """Where the training-only Functions apply (block attention, chunked loss): CPU tensors on their way to a backward,
+    activations in fp32, or under CPU autocast in fp32 or its dtype (the matmuls then run in it, softmax and loss in
+    fp32), weights in fp32. Not a compiled autocast model: that is the GPU's path, fused by the compiler."""
+    autocast = torch.is_autocast_enabled("cpu")
+    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
+    fits = all(t.device.type == "cpu" and t.dtype in dtypes for t in activations) \
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
+    return fits and cpu_ops_enabled() and torch.is_grad_enabled() and not (autocast and torch.compiler.is_compiling()) \
+        and any(t.requires_grad for t in (*activations, *weights))
 
 
 def norm(x, eps=NORM_EPS):
     """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps); eps None is torch's default, the
     machine epsilon of x's dtype (GPTConfig.norm_eps). The result keeps x's dtype (the kernel sums in fp32)."""
-    if cpu_ops.is_cpu_fp32(x):
+    if is_cpu_fp32(x):
         return cpu_ops.rms_norm(x, torch.finfo(x.dtype).eps if eps is None else eps)
     # CUDA's autocast runs rms_norm in fp32: a bf16 residual stream would come out of every norm as fp32, and its
     # backward would save that fp32 copy
@@ -161,7 +189,7 @@ def activation_dtype(x, weights_dtype):
 def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
     """Rotary embedding (split halves, transformers' NanoChat's signs), then RMSNorm (the QK-norm), of (B, T, H, D) q
     or k. cpu_ops' fused version norms before rotating, which needs an exact rotation: not bf16-rounded tables."""
-    if cpu_ops.is_cpu_fp32(x) and exact_rotation:
+    if is_cpu_fp32(x) and exact_rotation:
         return cpu_ops.rotary_norm(x, cos, sin, torch.finfo(x.dtype).eps if eps is None else eps)
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
@@ -293,7 +321,7 @@ class CausalSelfAttention(nn.Module):
             q, k = rotary_norm(q, cos, sin, self.eps, exact), rotary_norm(k, cos, sin, self.eps, exact)  # rotary, QK-norm
         if value_embed is not None:  # gate in (0, 2), 1 at init (zero gate weights)
             value_embed = value_embed.view(B, T, H_kv, D)
-            if cpu_ops.is_cpu_fp32(v):
+            if is_cpu_fp32(v):
                 v = cpu_ops.gated_add(v, value_embed, logits, self.ve_gate_scale)
             else:
                 v = v + (self.ve_gate_scale * torch.sigmoid(logits)).unsqueeze(-1) * value_embed
@@ -311,7 +339,7 @@ class CausalSelfAttention(nn.Module):
             q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
-        if kv_cache is None and self.n_kv_head == self.n_head and cpu_ops.cpu_training((q, k, v)):
+        if kv_cache is None and self.n_kv_head == self.n_head and cpu_training((q, k, v)):
             y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
         else:
             mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
@@ -333,7 +361,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        if cpu_ops.is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
+        if is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
             return cpu_ops.relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
         # h * h, not h.square(): square is pow, which CUDA's autocast runs in fp32, and the backward would keep that fp32
         # copy of the 4x-wide hidden layer. A bf16 product rounded once is the same number either way.
@@ -534,7 +562,7 @@ class GPT(nn.Module):
         token; at decode the previous token is the last one the cache saw, whose embedding the cache keeps."""
         channels = self.smear_gate.in_features
         lam = self.smear_lambda.to(x.dtype)  # (1,)-shaped: it would promote a bf16 x to fp32
-        if kv_cache is None and cpu_ops.is_cpu_fp32(x):
+        if kv_cache is None and is_cpu_fp32(x):
             return cpu_ops.smear(x, self.smear_gate(x[..., :channels]), self.smear_lambda)
         if kv_cache is None:
             # slices of x, not a shifted copy: that would be one more (B, T, C) tensor kept for the backward
@@ -566,7 +594,7 @@ class GPT(nn.Module):
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None
         for i, block in enumerate(self.transformer.h):
-            if c.residual_scalars and cpu_ops.is_cpu_fp32(x):
+            if c.residual_scalars and is_cpu_fp32(x):
                 x = cpu_ops.residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
             elif c.residual_scalars and torch.compiler.is_compiling():
                 # Recomputed in the backward, not kept: compiled, the partitioner saved every layer's mix beside the
@@ -600,7 +628,7 @@ class GPT(nn.Module):
         flat_targets = targets.reshape(-1)
         # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
         if loss_reduction != "none" and c.logit_softcap is not None \
-                and cpu_ops.cpu_training((x,), (self.lm_head.weight,)):
+                and cpu_training((x,), (self.lm_head.weight,)):
             total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
             rows = x.view(B * T, -1)
@@ -621,7 +649,7 @@ def build_model(config, device):
     """A freshly initialised GPT on `device` from a GPTConfig or its dict (built on meta, then materialised)."""
     if not isinstance(config, GPTConfig):
         config = config_from_dict(config)
-    cpu_ops.enabled()  # a bad NANOCHAT_CPU_OPS is refused here, before any compute, not inside the first forward
+    cpu_ops_enabled()  # a bad NANOCHAT_CPU_OPS is refused here, before any compute, not inside the first forward
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)

@@ -13,11 +13,14 @@ inductor, within 1.5 % of those.
 import contextlib
 import os
 import shutil
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_base_train import final_weights, fresh_base, run_train, train_losses, val_bpbs
+from test_engine import tokenizer  # noqa: F401 (a fixture)
 from test_gpt import build, reference_forward, tiny_config
 
 from nanochat.model import cpu_ops
@@ -110,6 +113,59 @@ def test_bf16_autocast_runs_the_plain_ops_in_bf16_and_follows_fp32(monkeypatch, 
         assert grad.dtype == (torch.bfloat16 if name == "transformer.wte.weight" else torch.float32), name
         cos = F.cosine_similarity(grad.flatten().float(), ref_grads[name].flatten().float(), dim=0)
         assert cos > 0.99, (name, float(cos))
+
+
+def library_files_run(work):
+    """The files of nanochat/ whose Python code runs while work() does (function calls, this thread)."""
+    import nanochat.gpt
+
+    root = os.path.dirname(os.path.abspath(nanochat.gpt.__file__)) + os.sep
+    files = set()
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            files.add(frame.f_code.co_filename[len(root):])
+
+    sys.setprofile(note)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+@pytest.mark.quick
+def test_a_gpu_s_forward_backward_and_decode_steps_stay_in_their_files(monkeypatch, single_torch_thread, tokenizer):
+    """docs/layout.md counts the files a training step and a chat request cross. On the GPU's path (bf16 autocast, the
+    plain ops) the model's forward and backward run code of gpt.py alone: not cpu_ops.py (its switch is gpt.py's)
+    nor common.py; the engine's steps for a request (sampled, steered, with logprobs) run engine.py and gpt.py alone:
+    the autocast is chosen when the engine is built."""
+    from nanochat.engine import BatchEngine, Sampling
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
+    model = build(tiny_config(n_kv_head=2, vocab_size=tokenizer.get_vocab_size()))
+    idx, targets = batch()
+
+    def train_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, targets)
+        loss.backward()
+
+    assert library_files_run(train_step) == {"gpt.py"}
+    model.eval()
+    engine = BatchEngine(model, tokenizer, max_batch=4)
+    sampling = Sampling(temperature=0.8, top_k=50, top_p=0.9, max_tokens=6, presence_penalty=0.5, logit_bias={5: 1.0},
+                        logprobs=2)
+
+    def request():
+        engine.add_group(idx[0].tolist(), [sampling, replace(sampling, seed=7)])
+        engine.add(idx[1].tolist(), Sampling(temperature=0.0, max_tokens=4))
+        while engine.busy():
+            engine.step()
+
+    assert library_files_run(request) == {"engine.py", "gpt.py"}
+    assert engine.decode_steps >= 3 and engine.shared_steps >= 1  # the work above decoded, several rows a step
 
 
 # -----------------------------------------------------------------------------

@@ -1,42 +1,13 @@
 """
 Hand-written autograd Functions for training the GPT on a CPU: gpt.py's math in fewer passes over memory, which bounds
-a CPU step's elementwise work (measurements: dev/LOG.md). gpt.py calls them for CPU fp32 tensors outside
-autocast (`is_cpu_fp32`), the chunked loss and the block-causal attention also under CPU autocast; NANOCHAT_CPU_OPS=0
-turns them off, so the GPU's plain path runs anywhere. tests/test_gpt.py checks each against the plain math. Model
-constants (norm eps, softcap) come in as arguments: this module knows nothing of the model.
+a CPU step's elementwise work (measurements: dev/LOG.md). gpt.py decides where they run: CPU fp32 tensors outside
+autocast (`gpt.is_cpu_fp32`), the chunked loss and the block-causal attention also under CPU autocast
+(`gpt.cpu_training`); NANOCHAT_CPU_OPS=0 turns them off, so the GPU's plain path runs anywhere. tests/test_gpt.py
+checks each against the plain math. Model constants (norm eps, softcap) come in as arguments: this module knows nothing
+of the model.
 """
 
-import os
-
 import torch
-
-from nanochat.common import UserError
-
-
-def enabled():
-    """NANOCHAT_CPU_OPS: 1 (default) runs the Functions below for CPU fp32 tensors, 0 the plain torch path everywhere."""
-    value = os.environ.get("NANOCHAT_CPU_OPS", "1")
-    if value not in ("0", "1"):
-        raise UserError(f"NANOCHAT_CPU_OPS must be 0 (the plain torch path, as on a GPU) or 1 (got {value!r})")
-    return value == "1"
-
-
-def is_cpu_fp32(x):
-    """A CPU fp32 tensor outside autocast, with the Functions enabled: where gpt.py uses them."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and enabled())
-
-
-def cpu_training(activations, weights=()):
-    """Where the training-only Functions apply (block attention, chunked loss): CPU tensors on their way to a backward,
-    activations in fp32, or under CPU autocast in fp32 or its dtype (the matmuls then run in it, softmax and loss in
-    fp32), weights in fp32. Not a compiled autocast model: that is the GPU's path, fused by the compiler."""
-    autocast = torch.is_autocast_enabled("cpu")
-    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
-    fits = all(t.device.type == "cpu" and t.dtype in dtypes for t in activations) \
-        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
-    return fits and enabled() and torch.is_grad_enabled() and not (autocast and torch.compiler.is_compiling()) \
-        and any(t.requires_grad for t in (*activations, *weights))
 
 
 def _rotate(x, cos, sin, out):

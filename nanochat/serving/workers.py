@@ -25,7 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from nanochat.checkpoint_manager import load_model
-from nanochat.common import (UserError, inference_threads, print0, resolve_device_type, return_freed_memory,
+from nanochat.common import (UserError, inference_threads, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
 from nanochat.serving.chat import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, ReplyStream,
@@ -113,7 +113,7 @@ class Worker:
         self.process.join(1)
         reason = (f"generation failed: worker {self.index} exited (exit code {self.process.exitcode}); "
                   "restart the server")
-        print0(reason)
+        print(reason, flush=True)
         for request in list(self.requests.values()):
             request.receive([Failure(reason), Ended(0, 0.0, 0)])
 
@@ -200,8 +200,8 @@ class WorkerPool:
         """From a signal handler: end every request in the event loop's next turn (begin_stop), and say so once."""
         def end_requests():
             if self.stopping is None:
-                print0(f"stopping: {self.begin_stop(reason)} request(s) in flight or waiting ended with a 503 / an error "
-                       "event")
+                print(f"stopping: {self.begin_stop(reason)} request(s) in flight or waiting ended with a 503 / an error "
+                      "event", flush=True)
         if getattr(self, "loop", None) is not None:
             self.loop.call_soon_threadsafe(end_requests)
 
@@ -356,8 +356,8 @@ class WorkerPool:
         if not generation.was_admitted or generation.rejected:
             return
         outcome = "cancelled" if generation.replies_finished < generation.num_samples else "done"
-        print0(f"{generation.num_samples} repl{'ies' if generation.num_samples > 1 else 'y'}, {generation.tokens} tokens "
-               f"in {generation.seconds:.2f}s, {outcome}")
+        print(f"{generation.num_samples} repl{'ies' if generation.num_samples > 1 else 'y'}, {generation.tokens} tokens "
+              f"in {generation.seconds:.2f}s, {outcome}", flush=True)
         if outcome == "cancelled":
             self.requests_cancelled += 1
         else:
@@ -507,7 +507,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
     if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
         # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
         torch.set_num_threads(1)
-        print0(f"loading the {source} model on cpu ...")
+        print(f"loading the {source} model on cpu ...", flush=True)
         model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
         preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
         context = multiprocessing.get_context("fork")
@@ -515,7 +515,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         gc.collect()
         return_freed_memory()
     else:
-        print0(f"loading the {source} model on {', '.join(str(d) for d in devices)} (a process each) ...")
+        print(f"loading the {source} model on {', '.join(str(d) for d in devices)} (a process each) ...", flush=True)
         context = multiprocessing.get_context(start_method or "spawn")
     started = []
     # the workers start with SIGINT and SIGTERM ignored (worker_main says why), a spawned one while it imports torch
@@ -554,12 +554,13 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
     info["device"] = ", ".join(sorted({str(d) for d in devices}))
     info["id"] = f"nanochat-{source}-{info['tag']}"
     tokenizer = preloaded[1] if preloaded else get_tokenizer()
-    print0(f"loaded {summary_line(info)}; {len(workers)} worker process{'es' if len(workers) > 1 else ''}, each "
-           f"batching up to {rows} sequences (KV cache {cache_bytes / 2**20:,.0f} MiB"
-           f"{'' if rows == max_batch else f', fewer than --max-batch {max_batch}: the memory budget'}"
-           f"; prompts prefilled {prefill_chunk} tokens a step; {threads} torch thread{'s' if threads > 1 else ''})")
+    print(f"loaded {summary_line(info)}; {len(workers)} worker process{'es' if len(workers) > 1 else ''}, each "
+          f"batching up to {rows} sequences (KV cache {cache_bytes / 2**20:,.0f} MiB"
+          f"{'' if rows == max_batch else f', fewer than --max-batch {max_batch}: the memory budget'}"
+          f"; prompts prefilled {prefill_chunk} tokens a step; {threads} torch thread{'s' if threads > 1 else ''})",
+          flush=True)
     if replies[0].decode_cost:
-        print0(f"measured {replies[0].decode_cost} (worker 0): clients share the steps by it")
+        print(f"measured {replies[0].decode_cost} (worker 0): clients share the steps by it", flush=True)
     return workers, tokenizer, info
 
 

@@ -204,7 +204,7 @@ def step_spec(depth, shape, checkpoint_activations=False):
     """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (bf16 for a
     GPU not here); an eager step on a CPU runs its fused Functions where they are on."""
     from nanochat.common import get_compute_dtype
-    from nanochat.model import cpu_ops
+    from nanochat.gpt import cpu_ops_enabled
     from nanochat.training.memory_model import StepSpec
 
     device_type = shape.device_type
@@ -213,7 +213,7 @@ def step_spec(depth, shape, checkpoint_activations=False):
     return StepSpec(depth, shape.seq_len, shape.vocab_size, shape.aspect_ratio, shape.head_dim, shape.num_kv_heads,
                     tuple(shape.model_components), tuple(shape.optimizer_components), dtype, bool(shape.fp8),
                     bool(checkpoint_activations), bool(shape.compiled), device_type=device_type,
-                    cpu_ops=device_type == "cpu" and not shape.compiled and cpu_ops.enabled())
+                    cpu_ops=device_type == "cpu" and not shape.compiled and cpu_ops_enabled())
 
 
 def plan_memory(depth, shape):
