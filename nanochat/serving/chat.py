@@ -184,12 +184,11 @@ class MarkupWriter:
         self.kind = "text"
 
     def write(self, kind, text):
-        out = ""
-        if kind != self.kind:
-            out += self.close()
-            out += self.markup[kind][0] if kind in self.markup else ""
-            self.kind = kind
-        return out + text
+        if kind == self.kind:
+            return text
+        opening = self.close() + (self.markup[kind][0] if kind in self.markup else "")
+        self.kind = kind
+        return opening + text
 
     def close(self):
         """The closing markup of the part in progress, if any (call once the reply is complete)."""
@@ -533,11 +532,7 @@ class ReplyStream:
 
     def _flush(self):
         """Everything held back (a character's first bytes, a possible stop-string start) as it is: the part ends."""
-        tail = self.decoder.flush()
-        if self.kind == "text":
-            text, self.pending, self.stop_state = self.pending + tail, "", 0
-        else:
-            text = tail
+        text, self.pending, self.stop_state = self.pending + self.decoder.flush(), "", 0  # none pends in a tool part
         return [self._add(self.kind, text)] if text else []
 
     def _add(self, kind, text):

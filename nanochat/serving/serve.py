@@ -70,9 +70,9 @@ REFUSED = {
 
 
 class HTTPProblem(Exception):
-    def __init__(self, status, message, kind="invalid_request_error", param=None, code=None):
+    def __init__(self, status, message, param=None, code=None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 MODEL_ALIASES = ("nanochat",)  # what a client may call the one served model besides its id (docs/serving.md)
@@ -214,19 +214,15 @@ def validate_logit_bias(value, vocab_size):
 def read_sampling(body, temperature, top_k, max_tokens, vocab_size=None, min_tokens=1):
     """A request's sampling fields checked, absent ones the defaults given (top_p 1, n 1, a fresh seed); min_tokens 0
     where a request may ask for no reply (a completion that only scores its prompt)."""
-    def given(name, default):
-        value = body.get(name)
-        return default if value is None else value
-
-    temperature = check_number("temperature", given("temperature", temperature), *TEMPERATURE_RANGE)
-    top_k = check_number("top_k", given("top_k", top_k), *TOP_K_RANGE, integer=True)
-    top_p = check_number("top_p", given("top_p", 1.0), *TOP_P_RANGE)
+    temperature = check_number("temperature", body.get("temperature", temperature), *TEMPERATURE_RANGE)
+    top_k = check_number("top_k", body.get("top_k", top_k), *TOP_K_RANGE, integer=True)
+    top_p = check_number("top_p", body.get("top_p", 1.0), *TOP_P_RANGE)
     if top_p == 0:  # a nucleus of no mass would hold no token: the limit is the most likely one
         top_k, top_p = 1, 1.0
     max_field = reply_length_field(body)
-    max_tokens = check_number(max_field, given(max_field, max_tokens), min_tokens, MAX_TOKENS_RANGE[1], integer=True)
-    num_samples = check_number("n", given("n", 1), *NUM_SAMPLES_RANGE, integer=True)
-    penalties = [check_number(name, given(name, 0.0), *PENALTY_RANGE) for name in ("presence_penalty", "frequency_penalty")]
+    max_tokens = check_number(max_field, body.get(max_field, max_tokens), min_tokens, MAX_TOKENS_RANGE[1], integer=True)
+    num_samples = check_number("n", body.get("n", 1), *NUM_SAMPLES_RANGE, integer=True)
+    penalties = [check_number(name, body.get(name, 0.0), *PENALTY_RANGE) for name in ("presence_penalty", "frequency_penalty")]
     return Sampling(temperature=temperature, top_k=top_k, top_p=None if top_p == 1 else top_p, max_tokens=max_tokens,
                     seed=validate_seed(body.get("seed")), presence_penalty=penalties[0], frequency_penalty=penalties[1],
                     logit_bias=validate_logit_bias(body.get("logit_bias"), vocab_size or 2**31),
@@ -440,8 +436,7 @@ class Routes:
         check_model(body, self.model_id)
         check_bool(body, "stream")  # it always streams; a client that says so must say it as a boolean
         messages = validate_messages(body.get("messages"))
-        d = self.defaults
-        sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"])
+        sampling = read_sampling(body, **self.defaults)
         if sampling.num_samples != 1:
             raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
         budget = prompt_budget(self.context, sampling.max_tokens)
@@ -485,8 +480,7 @@ class Routes:
         check_chat_extras(body)
         markup = check_bool(body, "nanochat_markup")
         messages = validate_messages(body.get("messages"), markup=markup)
-        d = self.defaults
-        sampling = read_sampling(body, d["temperature"], d["top_k"], d["max_tokens"], self.tokenizer.get_vocab_size())
+        sampling = read_sampling(body, **self.defaults, vocab_size=self.tokenizer.get_vocab_size())
         if check_bool(body, "logprobs"):
             sampling.logprobs = check_number("top_logprobs", body.get("top_logprobs", 0), 0, CHAT_TOP_LOGPROBS, integer=True)
         elif "top_logprobs" in body:
@@ -504,12 +498,10 @@ class Routes:
         if failure or len(replies.finished) < sampling.num_samples:
             return self.failed(failure)
         tokens = sum(f.completion_tokens for f in replies.finished.values())
-        choices = [{"index": i, "message": {"role": "assistant", "content": content}, "finish_reason": reason,
-                    "logprobs": logprobs} for i, (content, reason, logprobs) in enumerate(replies.whole())]
-        return await json_reply({**head, "object": "chat.completion", "choices": choices,
+        return await json_reply({**head, "object": "chat.completion", "choices": replies.whole(),
                                  "usage": openai_usage(len(prompt.ids), tokens)})
 
-    async def chat_stream(self, generation, prompt, head, replies, include_usage):
+    def chat_stream(self, generation, prompt, head, replies, include_usage):
         def render():
             out = []
             for index, text, reason, logprobs in replies.deltas():  # the text, then the finish with no delta
@@ -524,8 +516,7 @@ class Routes:
             return [sse(openai_usage_chunk(head, openai_usage(len(prompt.ids), tokens)))] if include_usage else []
 
         start = [sse(openai_chunk(head, i, {"role": "assistant", "content": ""})) for i in range(replies.n)]
-        async for text in stream_events([generation], lambda _, events: replies.take(events), render, end, start):
-            yield text
+        return stream_events([generation], lambda _, events: replies.take(events), render, end, start)
 
     # -- completions ---------------------------------------------------------------------------
 
@@ -540,9 +531,8 @@ class Routes:
         if isinstance(best_of, bool) or best_of != 1:
             raise RequestError("best_of", f"only 1: ask for n replies and choose among them (got {best_of!r:.20})")
         echo = check_bool(body, "echo")
-        d = self.defaults
-        sampling = read_sampling(body, d["temperature"], d["top_k"], COMPLETION_MAX_TOKENS,
-                                 self.tokenizer.get_vocab_size(), min_tokens=0)
+        sampling = read_sampling(body, **{**self.defaults, "max_tokens": COMPLETION_MAX_TOKENS},
+                                 vocab_size=self.tokenizer.get_vocab_size(), min_tokens=0)
         if "logprobs" in body:
             sampling.logprobs = check_number("logprobs", body["logprobs"], 0, COMPLETION_LOGPROBS, integer=True)
         scoring = echo and sampling.logprobs is not None
@@ -766,7 +756,7 @@ async def in_reply_thread(function, *args):
     return await asyncio.get_running_loop().run_in_executor(REPLY_THREAD, function, *args)
 
 
-async def json_reply(payload, status_code=200):
+async def json_reply(payload):
     pieces, written, started = json_pieces(payload), [], time.perf_counter()
     for piece in pieces:
         written.append(piece)
@@ -778,7 +768,7 @@ async def json_reply(payload, status_code=200):
             break
     else:
         body = "".join(written).encode()
-    return Response(body, status_code=status_code, media_type="application/json")
+    return Response(body, media_type="application/json")
 
 
 class ClientGone(Exception):
@@ -838,9 +828,8 @@ class ChatReplies:
         self.table, self.n, self.logprobs = table, n, logprobs
         self.writers = [MarkupWriter(markup) for _ in range(n)]
         # what content.logprobs leaves out: the token that ends the turn, and in readable text the markers
-        tokenizer = table.tokenizer
-        self.left_out = table.special if markup is READABLE_MARKUP else \
-            {tokenizer.encode_special(t) for t in TURN_TOKENS}
+        turn_tokens = {table.tokenizer.encode_special(t) for t in TURN_TOKENS}
+        self.left_out = table.special if markup is READABLE_MARKUP else turn_tokens
         self.text = [""] * n
         self.entries = [[] for _ in range(n)]
         self.finished = {}
@@ -878,8 +867,9 @@ class ChatReplies:
         return out
 
     def whole(self):
-        return [(self.text[i], self.finished[i].reason,
-                 {"content": self.entries[i], "refusal": None} if self.logprobs else None) for i in range(self.n)]
+        return [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": self.finished[i].reason,
+                 "logprobs": {"content": self.entries[i], "refusal": None} if self.logprobs else None}
+                for i, text in enumerate(self.text)]
 
 
 class Completions:
@@ -887,8 +877,8 @@ class Completions:
     echoed prompt and its scores, the reply's pieces, tokens and finish; deltas() gives what is new, for a stream."""
 
     def __init__(self, table, prompts, model_prompts, sampling, echo):
-        self.table, self.sampling, self.n = table, sampling, sampling.num_samples
-        self.prompts, self.model_prompts, self.echo = prompts, model_prompts, echo
+        self.table, self.n = table, sampling.num_samples
+        self.prompts, self.model_prompts = prompts, model_prompts
         count = len(prompts) * self.n
         self.text, self.reason = [""] * count, [None] * count
         self.logprobs = [CompletionLogprobs(table) for _ in range(count)] if sampling.logprobs is not None else None
@@ -1015,7 +1005,7 @@ def create_app(pool, tokenizer, model_info, defaults, api_keys=(), allowed_hosts
 
     errors = {  # each in the API's error shape, an unknown path or method too (not {"detail": ...})
         RequestError: lambda e: error_response(400, str(e), param=e.field, code=e.code),
-        HTTPProblem: lambda e: error_response(e.status, e.message, e.kind, e.param, e.code),
+        HTTPProblem: lambda e: error_response(e.status, e.message, param=e.param, code=e.code),
         StarletteHTTPException: lambda e: error_response(e.status_code, str(e.detail),
                                                          headers=getattr(e, "headers", None)),
         QueueTimeout: lambda e: error_response(503, str(e), "server_busy", headers={"Retry-After": "1"}),
@@ -1178,12 +1168,10 @@ class ConnectionGuard:
 
     def opened(self, protocol):
         if len(self.idle) + len(self.busy) >= self.max_connections:
-            idle = next(iter(self.idle), None)
-            stalled = self.longest_stalled() if idle is None else None
-            if idle is not None:  # closed at once: its file is what the new connection needs
+            if self.idle:  # closed at once: its file is what the new connection needs
                 self.closed_idle += 1
-                self.close(idle)
-            elif stalled is not None:
+                self.close(next(iter(self.idle)))
+            elif (stalled := self.longest_stalled()) is not None:
                 self.closed_stalled += 1
                 self.close(stalled)
             elif len(self.over_bound) < self.max_over_bound:
