@@ -27,7 +27,6 @@ STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MODEL_CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
 _warned_about = set()  # step dirs already reported as unusable: a listing warns once per dir
-_held_locks = []  # file descriptors of checkpoint-dir locks, held for the life of the process
 
 
 def checkpoints_root(stage):
@@ -63,7 +62,6 @@ def claim_checkpoint_dir(ckpt_dir):
                         "or write to another --model-tag") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    _held_locks.append(fd)
 
 
 def refuse_to_overwrite(ckpt_dir, other_dir="write to another --model-tag"):
