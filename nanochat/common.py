@@ -391,8 +391,6 @@ def _glibc(function):
     """A glibc function, or None off Linux/glibc (the two callers below are no-ops there)."""
     import ctypes
 
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         return getattr(ctypes.CDLL("libc.so.6"), function)
     except (OSError, AttributeError):
