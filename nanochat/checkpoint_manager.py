@@ -272,18 +272,17 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
         raise
     except Exception as e:
         raise UserError(f"cannot read {step_dir}/model.safetensors ({e}); delete {step_dir} and use an older step") from e
-    optim_states = None
-    if load_optimizer and meta.get("imported_from"):
+    if not load_optimizer:
+        return model_state, None, meta
+    if meta.get("imported_from"):
         raise UserError(f"{step_dir} was imported from {meta['imported_from'].get('source')}: it has no optimizer state "
                         "or data position to resume; train a chat stage from it instead (-i this stage, and --out-tag when "
                         "that stage is its own), which starts its own")
-    if load_optimizer:
-        tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
-        json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
-        with open(json_path) as f:
-            rest = json.load(f)
-        optim_states = _unflatten_optimizer_state(load_file(tensors_path, device=str(device)), rest)
-    return model_state, optim_states, meta
+    tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
+    json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
+    with open(json_path) as f:
+        rest = json.load(f)
+    return model_state, _unflatten_optimizer_state(load_file(tensors_path, device=str(device)), rest), meta
 
 
 def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):
