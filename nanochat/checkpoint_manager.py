@@ -27,7 +27,6 @@ STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MODEL_CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
 _warned_about = set()  # step dirs already reported as unusable: a listing warns once per dir
-_held_locks = []  # file descriptors of checkpoint-dir locks, held for the life of the process
 
 
 def checkpoints_root(stage):
@@ -63,7 +62,6 @@ def claim_checkpoint_dir(ckpt_dir):
                         "or write to another --model-tag") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    _held_locks.append(fd)
 
 
 def refuse_to_overwrite(ckpt_dir, other_dir="write to another --model-tag"):
@@ -274,18 +272,17 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
         raise
     except Exception as e:
         raise UserError(f"cannot read {step_dir}/model.safetensors ({e}); delete {step_dir} and use an older step") from e
-    optim_states = None
-    if load_optimizer and meta.get("imported_from"):
+    if not load_optimizer:
+        return model_state, None, meta
+    if meta.get("imported_from"):
         raise UserError(f"{step_dir} was imported from {meta['imported_from'].get('source')}: it has no optimizer state "
                         "or data position to resume; train a chat stage from it instead (-i this stage, and --out-tag when "
                         "that stage is its own), which starts its own")
-    if load_optimizer:
-        tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
-        json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
-        with open(json_path) as f:
-            rest = json.load(f)
-        optim_states = _unflatten_optimizer_state(load_file(tensors_path, device=str(device)), rest)
-    return model_state, optim_states, meta
+    tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
+    json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
+    with open(json_path) as f:
+        rest = json.load(f)
+    return model_state, _unflatten_optimizer_state(load_file(tensors_path, device=str(device)), rest), meta
 
 
 def check_compatible(meta, model_config, tokenizer_hash, ckpt_dir):

@@ -391,8 +391,6 @@ def _glibc(function):
     """A glibc function, or None off Linux/glibc (the two callers below are no-ops there)."""
     import ctypes
 
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         return getattr(ctypes.CDLL("libc.so.6"), function)
     except (OSError, AttributeError):
@@ -427,8 +425,6 @@ class RankFailureWatch:
     (MASTER_ADDR:MASTER_PORT, which outlives the workers); every rank polls that key once a second from a daemon thread
     and, when it appears, prints the message and exits at once. The first failure written wins."""
 
-    POLL_SECONDS = 1.0
-
     def __init__(self, rank, host, port):
         import datetime
         import threading
@@ -441,7 +437,7 @@ class RankFailureWatch:
         threading.Thread(target=self._watch, name="rank-failure-watch", daemon=True).start()
 
     def _watch(self):
-        while not self.stopped.wait(self.POLL_SECONDS):
+        while not self.stopped.wait(1.0):
             try:
                 message = self.failure()
             except Exception:  # the store is gone (its host stopped): nothing left to watch

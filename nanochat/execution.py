@@ -198,9 +198,13 @@ class _SandboxChild:
             raise
         finally:
             os.close(status_write)  # the child holds the only write end, so the status pipe ends when it does
-        streams = [(self.process.stdout, OUTPUT_LIMIT_BYTES), (self.process.stderr, OUTPUT_LIMIT_BYTES),
-                   (open(status_read, "rb", buffering=0), 64 << 10)]
-        self.readers = [_start_reader(stream, limit) for stream, limit in streams]
+        self.readers = []
+        for stream, limit in [(self.process.stdout, OUTPUT_LIMIT_BYTES), (self.process.stderr, OUTPUT_LIMIT_BYTES),
+                              (open(status_read, "rb", buffering=0), 64 << 10)]:
+            chunks = []
+            thread = threading.Thread(target=_read_capped, args=(stream, limit, chunks), daemon=True)
+            thread.start()
+            self.readers.append((stream, thread, chunks))
 
     def wait(self, deadline):
         """Whether the child ended before the deadline."""
@@ -243,13 +247,6 @@ def _parse_status(raw):
     return {"error": error if error is None else error[:ERROR_LIMIT_CHARS], "memory_exceeded": memory_exceeded}
 
 
-def _start_reader(stream, limit):
-    chunks = []
-    thread = threading.Thread(target=_read_capped, args=(stream, limit, chunks), daemon=True)
-    thread.start()
-    return stream, thread, chunks
-
-
 def _read_capped(stream, limit, chunks):
     # Keep reading past the limit and drop the rest, so the child never blocks on a full pipe.
     kept = 0
@@ -283,7 +280,11 @@ def _child_main(config):
     # In "namespaces" mode, only the confined child of a fork returns from _confine.
     _confine(config["mode"], os.getcwd(), config["maximum_memory_bytes"], config["cpu_seconds"])
     _install_guards(os.path.realpath(os.getcwd()))
-    role, namespace = config["role"], _fresh_main()
+    # A fresh module, so the code sees none of this file's names, and `import __main__` and pickle find its own.
+    main_module = types.ModuleType("__main__")
+    main_module.__builtins__ = builtins
+    sys.modules["__main__"] = main_module
+    role, namespace = config["role"], main_module.__dict__
     if role == "tests":
         error = _run(files[SETUP_FILENAME], "<setup>", namespace)
         if error is None:
@@ -295,14 +296,6 @@ def _child_main(config):
     _report(config["status_fd"], error)
     if role == "candidate" and error is None:
         _serve_calls(namespace, config["requests_fd"], config["replies_fd"])
-
-
-def _fresh_main():
-    # A fresh module, so the code sees none of this file's names, and `import __main__` and pickle find its own.
-    main_module = types.ModuleType("__main__")
-    main_module.__builtins__ = builtins
-    sys.modules["__main__"] = main_module
-    return main_module.__dict__
 
 
 def _run(code, filename, namespace):
