@@ -130,12 +130,6 @@ class DataLoader:
                     pass
             self._thread = None
 
-    def __del__(self):
-        try:
-            self._stop.set()
-        except Exception:
-            pass
-
     # -- background producer ---------------------------------------------------------------
 
     def _tokenize(self, texts):
