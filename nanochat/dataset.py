@@ -184,17 +184,6 @@ def parquets_iter_batched(split="train", start=0, step=1, source=None):
                 g += 1
 
 
-def shard_is_complete(path):
-    """True if path is a readable parquet shard with a text column (a truncated file has no footer and fails)."""
-    if not os.path.isfile(path):
-        return False
-    try:
-        open_parquet(path).close()
-        return True
-    except UserError:
-        return False
-
-
 # -----------------------------------------------------------------------------
 # Downloading
 
@@ -229,8 +218,11 @@ def _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_
         for name in os.listdir(data_dir):
             if name.startswith(os.path.basename(path) + ".tmp"):
                 os.remove(os.path.join(data_dir, name))
-        if shard_is_complete(path):
+        try:
+            open_parquet(path).close()  # a missing or truncated shard (no footer) fails: fetch it
             return path, False
+        except UserError:
+            pass
         download_file(url, path, max_attempts=max_attempts, backoff=backoff, timeout=timeout,
                       validate=_check_parquet, on_bytes=on_bytes, stop=stop)
     return path, True
