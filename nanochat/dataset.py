@@ -198,8 +198,7 @@ def download_shard(source, index, data_dir=None, max_attempts=5, backoff=2.0, ti
                    on_bytes=None, stop=None):
     """Fetch one hub shard into data_dir (default: the source's data dir) with download_file's retries and checks
     (a readable parquet shard among them), and return its path. A shard already on disk and readable is left alone."""
-    path, _ = _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop)
-    return path
+    return _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop)[0]
 
 
 def _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop):
