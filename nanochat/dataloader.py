@@ -44,8 +44,6 @@ class DataLoader:
                  single_pass=False):
         if B <= 0 or T <= 0:
             raise UserError(f"batch size and sequence length must be positive (got B={B}, T={T})")
-        if split not in ("train", "val"):
-            raise UserError(f"split must be 'train' or 'val' (got {split!r})")
         self.tokenizer, self.B, self.T = tokenizer, B, T
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
