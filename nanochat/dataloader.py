@@ -44,8 +44,6 @@ class DataLoader:
                  single_pass=False):
         if B <= 0 or T <= 0:
             raise UserError(f"batch size and sequence length must be positive (got B={B}, T={T})")
-        if split not in ("train", "val"):
-            raise UserError(f"split must be 'train' or 'val' (got {split!r})")
         self.tokenizer, self.B, self.T = tokenizer, B, T
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
@@ -129,12 +127,6 @@ class DataLoader:
                 except queue.Empty:
                     pass
             self._thread = None
-
-    def __del__(self):
-        try:
-            self._stop.set()
-        except Exception:
-            pass
 
     # -- background producer ---------------------------------------------------------------
 
@@ -243,16 +235,10 @@ class DataLoader:
                 return
 
 
-def rank_slices(loader, rank, world_size):
-    """Each rank's slice of a global batch that every rank packs identically: evaluation then sees the same tokens
-    whatever the number of ranks, so val_bpb does not move when you add GPUs."""
-    for x, y in loader:
-        b = x.size(0) // world_size
-        yield x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
-
-
 def eval_batches(tokenizer, B, T, split, device, rank, world_size, source=None):
     """(loader, batches): a world-size-invariant stream of per-rank (B, T) batches for evaluation, one pass over the
-    split at most (then it ends; every rank gets the same number of batches)."""
+    split at most (then it ends; every rank gets the same number of batches). Every rank packs the same global batch
+    and keeps its own slice: evaluation sees the same tokens whatever the number of ranks, so val_bpb does not move
+    when you add GPUs."""
     loader = DataLoader(tokenizer, B * world_size, T, split=split, device=device, source=source, single_pass=True)
-    return loader, rank_slices(loader, rank, world_size)
+    return loader, ((x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B]) for x, y in loader)

@@ -17,7 +17,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.common import UserError, get_base_dir, read_json_object, run_main
-from nanochat.data.download import HTTP_TIMEOUT, AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
+from nanochat.data.download import AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
 from nanochat.data.hub import hub_endpoint
 from nanochat.data.text_import import MANIFEST as IMPORT_MANIFEST, is_plain_name
 
@@ -184,17 +184,6 @@ def parquets_iter_batched(split="train", start=0, step=1, source=None):
                 g += 1
 
 
-def shard_is_complete(path):
-    """True if path is a readable parquet shard with a text column (a truncated file has no footer and fails)."""
-    if not os.path.isfile(path):
-        return False
-    try:
-        open_parquet(path).close()
-        return True
-    except UserError:
-        return False
-
-
 # -----------------------------------------------------------------------------
 # Downloading
 
@@ -205,15 +194,13 @@ def _check_parquet(tmp_path):
         raise AttemptFailed(f"not a usable parquet shard: {e}") from e
 
 
-def download_shard(source, index, data_dir=None, max_attempts=5, backoff=2.0, timeout=HTTP_TIMEOUT,
-                   on_bytes=None, stop=None):
+def download_shard(source, index, data_dir=None, max_attempts=5, backoff=2.0, on_bytes=None, stop=None):
     """Fetch one hub shard into data_dir (default: the source's data dir) with download_file's retries and checks
     (a readable parquet shard among them), and return its path. A shard already on disk and readable is left alone."""
-    path, _ = _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop)
-    return path
+    return _download_shard(source, index, data_dir, max_attempts, backoff, on_bytes, stop)[0]
 
 
-def _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_bytes, stop):
+def _download_shard(source, index, data_dir, max_attempts, backoff, on_bytes, stop):
     """download_shard, also saying whether it fetched anything: (path, fetched)."""
     src = get_source(source)
     if src.num_shards is not None and not 0 <= index < src.num_shards:
@@ -229,10 +216,13 @@ def _download_shard(source, index, data_dir, max_attempts, backoff, timeout, on_
         for name in os.listdir(data_dir):
             if name.startswith(os.path.basename(path) + ".tmp"):
                 os.remove(os.path.join(data_dir, name))
-        if shard_is_complete(path):
+        try:
+            open_parquet(path).close()  # a missing or truncated shard (no footer) fails: fetch it
             return path, False
-        download_file(url, path, max_attempts=max_attempts, backoff=backoff, timeout=timeout,
-                      validate=_check_parquet, on_bytes=on_bytes, stop=stop)
+        except UserError:
+            pass
+        download_file(url, path, max_attempts=max_attempts, backoff=backoff, validate=_check_parquet,
+                      on_bytes=on_bytes, stop=stop)
     return path, True
 
 
@@ -262,7 +252,7 @@ def download_shards(source, indices, workers=8, data_dir=None, max_attempts=5, b
             bar.update(n)
 
     def work(index):
-        path, fetched = _download_shard(src.name, index, data_dir, max_attempts, backoff, HTTP_TIMEOUT, on_bytes, stop)
+        path, fetched = _download_shard(src.name, index, data_dir, max_attempts, backoff, on_bytes, stop)
         return fetched, os.path.getsize(path)
 
     pool = ThreadPoolExecutor(max_workers=max(1, workers))

@@ -16,7 +16,7 @@ import numpy as np
 import rustbpe
 import tiktoken
 
-from nanochat.common import UserError, atomic_write_bytes, atomic_write_text, get_base_dir, read_json_object
+from nanochat.common import UserError, atomic_write_text, get_base_dir, read_json_object
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document and every conversation
@@ -234,7 +234,7 @@ class RustBPETokenizer:
         np.save(tmp_npy, self.token_byte_lengths(), allow_pickle=False)
         os.replace(tmp_npy, npy_path)
         atomic_write_text(os.path.join(tokenizer_dir, RANKS_FILE), ranks_text)
-        atomic_write_bytes(os.path.join(tokenizer_dir, META_FILE), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        atomic_write_text(os.path.join(tokenizer_dir, META_FILE), json.dumps(meta, indent=2) + "\n")
 
     # -------------------------------------------------------------------------
     # Chat format

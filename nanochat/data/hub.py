@@ -126,26 +126,18 @@ def _manifest_names(directory, name_ok=lambda name: True):
     return names if isinstance(names, list) and all(isinstance(n, str) and name_ok(n) for n in names) else None
 
 
-def cached_model_files(repo, revision):
-    """{path: local path} of a complete earlier download of this revision, else None. Never touches the network."""
-    directory = model_cache_dir(repo, revision)
-    names = _manifest_names(directory)
-    if names is None:
-        return None
-    paths = {name: local_path_in(directory, name) for name in names}
-    return paths if all(p is not None and os.path.isfile(p) for p in paths.values()) else None
-
-
 def fetch_model_files(repo, revision, choose):
     """{repo path: local path} of the files `choose(listing)` picks from the repo (a list of repo paths), downloaded
-    into the cache unless a complete download is there already."""
-    cached = cached_model_files(repo, revision)
-    if cached is not None:
-        print0(f"hub: {repo}@{revision} from the cache in {model_cache_dir(repo, revision)}")
-        return cached
+    into the cache unless a complete download is there already (then the network is never touched)."""
+    directory = model_cache_dir(repo, revision)
+    names = _manifest_names(directory)
+    if names is not None:
+        cached = {name: local_path_in(directory, name) for name in names}
+        if all(p is not None and os.path.isfile(p) for p in cached.values()):
+            print0(f"hub: {repo}@{revision} from the cache in {directory}")
+            return cached
     listing = list_model_files(repo, revision)
     names = choose(listing)
-    directory = model_cache_dir(repo, revision)
     unlisted = [n for n in names if n not in listing]
     if unlisted:
         raise UserError(f"hub repo {repo}@{revision} does not list {', '.join(unlisted)}")
@@ -156,9 +148,7 @@ def fetch_model_files(repo, revision, choose):
                         f"download folder {directory} (a link there leads elsewhere); delete that folder and try again")
     total = sum(listing[n]["size"] or 0 for n in names)
     print0(f"hub: downloading {len(names)} file(s) of {repo}@{revision} ({total / 2**20:,.1f} MiB) -> {directory}")
-    paths = {}
-    for name in names:
-        path = targets[name]
+    for name, path in targets.items():
         url = f"{hub_endpoint()}/{repo}/resolve/{quote(revision, safe='')}/{quote(name)}"
         size = listing[name]["size"]
         try:
@@ -166,9 +156,8 @@ def fetch_model_files(repo, revision, choose):
                           max_bytes=size if size is not None else 256 << 30)
         except DownloadError as e:
             raise UserError(f"hub repo {repo}@{revision}: {e}; run the import again to resume") from None
-        paths[name] = path
     atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"files": names}, indent=2))
-    return paths
+    return targets
 
 
 # -----------------------------------------------------------------------------

@@ -581,8 +581,10 @@ class ShardWriter:
         return self.paths
 
 
-def _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_chars, sample, sample_size):
-    """Pass 2: bucket by bucket, pieces sorted by hash, to the val shard or the train shards."""
+def _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_chars):
+    """Pass 2: bucket by bucket, pieces sorted by hash, to the val shard or the train shards. Returns (val paths,
+    train paths, the first 2000 pieces: a sample for the token estimate)."""
+    sample = []
     val = ShardWriter(out_dir, VAL_INDEX, rows_per_group, float("inf"))
     train = ShardWriter(out_dir, VAL_INDEX + 1, rows_per_group, shard_chars)
     for i in range(NUM_BUCKETS):
@@ -603,15 +605,15 @@ def _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_cha
                 all_stats[index].val_documents += k == 0
             else:
                 train.add(text)
-            if len(sample) < sample_size:
+            if len(sample) < 2000:
                 sample.append(text)
-    return val.close(), train.close()
+    return val.close(), train.close(), sample
 
 
 def estimate_tokens(texts, base_dir):
     """(tokens per text, how): with the base dir's tokenizer when one is trained, else characters / CHARS_PER_TOKEN."""
     tokenizer_dir = os.path.join(base_dir, "tokenizer")
-    if any(os.path.isfile(os.path.join(tokenizer_dir, name)) for name in ("tokenizer.pkl", "tokenizer.json")):
+    if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         try:
             from nanochat.tokenizer import RustBPETokenizer
 
@@ -625,7 +627,7 @@ def estimate_tokens(texts, base_dir):
 def crop_fraction(token_counts, max_seq_len):
     """Of the tokens in these pieces (each with its BOS), the fraction the loader crops at rows of max_seq_len + 1."""
     total = sum(n + 1 for n in token_counts)
-    cropped = sum(max(0, n + 1 - (max_seq_len + 1)) for n in token_counts)
+    cropped = sum(max(0, n - max_seq_len) for n in token_counts)
     return cropped / total if total else 0.0
 
 
@@ -704,9 +706,7 @@ def _build(name, inputs, options, document_source, out_dir, base_dir, shard_char
     threshold = val_threshold(doc_hashes, options)
     total_pieces = sum(s.pieces for s in all_stats)
     rows_per_group = max(1, min(MAX_ROWS_PER_GROUP, total_pieces // 64))
-    sample = []
-    val_paths, train_paths = _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_chars, sample,
-                                     2000)
+    val_paths, train_paths, sample = _gather(bucket_dir, threshold, all_stats, out_dir, rows_per_group, shard_chars)
     os.rmdir(bucket_dir)
     counts, how = estimate_tokens(sample, base_dir)
     tokens_per_char = sum(counts) / max(1, sum(len(t) for t in sample))
@@ -744,24 +744,18 @@ def _recover(data_root, name):
 # Reporting
 
 
-def summary_rows(manifest):
-    """The summary table: one row per input and a total."""
-    header = ["input", "files", "documents", "characters", "tokens (est.)", "val docs", "duplicates", "empty",
-              "bad UTF-8", "cut docs", "pieces"]
+def print_summary(manifest, data_dir):
+    """A table with one row per input and a total, what was skipped, the loader's crop, and where the shards are."""
+    table = [["input", "files", "documents", "characters", "tokens (est.)", "val docs", "duplicates", "empty",
+              "bad UTF-8", "cut docs", "pieces"]]
     keys = ["files", "documents", "chars", "tokens", "val_documents", "duplicates", "empty", "invalid_utf8", "cut",
             "pieces"]
-    rows = [[s["label"]] + [f"{s[k]:,.0f}" for k in keys] for s in manifest["inputs"]]
+    table += [[s["label"]] + [f"{s[k]:,.0f}" for k in keys] for s in manifest["inputs"]]
     if len(manifest["inputs"]) > 1:
-        rows.append(["total"] + [f"{sum(s[k] for s in manifest['inputs']):,.0f}" for k in keys])
-    return header, rows
-
-
-def print_summary(manifest, data_dir):
-    header, rows = summary_rows(manifest)
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    for row in [header] + rows:
-        print0("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
-                                enumerate(zip(row, widths))))
+        table.append(["total"] + [f"{sum(s[k] for s in manifest['inputs']):,.0f}" for k in keys])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print0("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     for stats in manifest["inputs"]:
         for kind, skipped in stats.get("skipped", {}).items():
             more = ", ..." if skipped["count"] > len(skipped["examples"]) else ""

@@ -6,7 +6,6 @@ would give the answer away. Arithmetic and spelling use the corpus's own formats
 """
 
 import csv
-import io
 import json
 import os
 import random
@@ -143,20 +142,17 @@ def build_eval_tasks(world, seed):
     ]
 
 
-def write_eval_bundle(out_dir, world, seed=None, version=""):
+def write_eval_bundle(out_dir, world, seed, version=""):
     """Write the CORE bundle about `world` to out_dir and return its tasks; built in a temp dir then renamed into
     place, so a reader never sees half a bundle."""
-    seed = world.seed if seed is None else seed
     tasks = build_eval_tasks(world, seed)
     out_dir = os.path.abspath(out_dir)
     tmp_dir = f"{out_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run with our pid
     try:
         core = {"icl_tasks": []}
-        meta = io.StringIO()
-        meta_csv = csv.writer(meta, lineterminator="\n")
-        meta_csv.writerow(["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
-                           "Centered Metric?", "Description"])
+        meta = [["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
+                 "Centered Metric?", "Description"]]
         for t in tasks:
             uri = f"{t['category']}/{t['label']}.jsonl"
             os.makedirs(os.path.join(tmp_dir, "eval_data", t["category"]), exist_ok=True)
@@ -165,16 +161,15 @@ def write_eval_bundle(out_dir, world, seed=None, version=""):
             core["icl_tasks"].append({"label": t["label"], "dataset_uri": uri, "num_fewshot": [t["num_fewshot"]],
                                       "icl_task_type": t["icl_task_type"],
                                       "continuation_delimiter": t["continuation_delimiter"]})
-            meta_csv.writerow([t["label"], t["category"].replace("_", " "), t["icl_task_type"].replace("_", " "),
-                               t["num_fewshot"], len(t["examples"]), f"{t['random_baseline']:g}", "",
-                               t["description"]])
+            meta.append([t["label"], t["category"].replace("_", " "), t["icl_task_type"].replace("_", " "),
+                         t["num_fewshot"], len(t["examples"]), f"{t['random_baseline']:g}", "", t["description"]])
         header = (f"# CORE tasks about the built-in world of nanochat.corpus, seed {seed} (version {version}).\n"
                   "# Written by `python -m nanochat.corpus`; scored by `python -m scripts.base_eval "
                   "--eval-bundle=builtin`.\n")
         with open(os.path.join(tmp_dir, "core.yaml"), "w", encoding="utf-8") as f:
             f.write(header + yaml.safe_dump(core, sort_keys=False, default_flow_style=None, allow_unicode=True))
         with open(os.path.join(tmp_dir, "eval_meta_data.csv"), "w", encoding="utf-8", newline="") as f:
-            f.write(meta.getvalue())
+            csv.writer(f, lineterminator="\n").writerows(meta)
         if os.path.exists(out_dir):  # a directory cannot be renamed onto a non-empty one: move the old aside first
             old_dir = f"{out_dir}.old{os.getpid()}"
             os.rename(out_dir, old_dir)

@@ -38,17 +38,17 @@ class WorldDocumentWriter:
         return render_statement(fact, self.rng.choice(RELATIONS[fact.relation].templates))
 
     def facts(self, name, relations=None):
-        return [f for f in self.world.facts_by_subject[name] if relations is None or f.relation in relations]
+        """The facts about `name` (of these relations only, if given), in random order."""
+        facts = [f for f in self.world.facts_by_subject[name] if relations is None or f.relation in relations]
+        self.rng.shuffle(facts)
+        return facts
 
     def statements(self, name, relations=None):
-        facts = self.facts(name, relations)
-        self.rng.shuffle(facts)
-        return [self.say(f) for f in facts]
+        return [self.say(f) for f in self.facts(name, relations)]
 
     def least_told(self, name, k=1):
         """Statements of the k facts about `name` told least so far: side remarks even out the counts."""
         facts = self.facts(name)
-        self.rng.shuffle(facts)
         facts.sort(key=lambda f: self.mentions[f])  # stable, so ties stay in shuffled order
         return [self.say(f) for f in facts[:k]]
 
@@ -84,16 +84,13 @@ class WorldDocumentWriter:
         rng = self.rng
         lines = [rng.choice([f"Questions and answers about {entity.name}", f"{entity.name}: a short Q&A",
                              f"Frequently asked questions: {entity.name}"]), ""]
-        facts = self.facts(entity.name)
-        rng.shuffle(facts)
-        for f in facts:
+        for f in self.facts(entity.name):
             lines += [f"Q: {render_question(f, rng.choice(RELATIONS[f.relation].questions))}", f"A: {self.say(f)}"]
         return "\n".join(lines)
 
     def fact_card(self, c):
         rng = self.rng
         facts = self.facts(c.name)
-        rng.shuffle(facts)
         lines = [f"Country: {c.name}"]
         for f in facts:
             self.mentions[f] += 1
