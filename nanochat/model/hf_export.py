@@ -280,18 +280,18 @@ def build_hf_tokenizer(tokenizer):
 
 def check_tokenizer_matches(hf_tokenizer, tokenizer):
     """Refuse a conversion that encodes any probe text differently from ours (regex or BPE mismatch)."""
-    for text in TOKENIZER_PROBES:
-        ours = tokenizer.encode(text)
-        hf_tokenizer.encode_special_tokens = True  # the probes hold literal specials, which ours keeps as text
-        try:
+    hf_tokenizer.encode_special_tokens = True  # the probes hold literal specials, which ours keeps as text
+    try:
+        for text in TOKENIZER_PROBES:
+            ours = tokenizer.encode(text)
             theirs = hf_tokenizer.encode(text, add_special_tokens=False).ids
-        finally:
-            hf_tokenizer.encode_special_tokens = False
-        if theirs != ours:
-            raise UserError(f"cannot export the tokenizer: the converted tokenizer encodes {text!r} as {theirs}, "
-                            f"ours as {ours}")
-        if hf_tokenizer.decode(theirs, skip_special_tokens=False) != text:
-            raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
+            if theirs != ours:
+                raise UserError(f"cannot export the tokenizer: the converted tokenizer encodes {text!r} as {theirs}, "
+                                f"ours as {ours}")
+            if hf_tokenizer.decode(theirs, skip_special_tokens=False) != text:
+                raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
+    finally:
+        hf_tokenizer.encode_special_tokens = False
 
 
 # tokenizer.render_conversation / render_for_completion as a Jinja template: a leading system message merged into the
