@@ -416,11 +416,10 @@ def read_transformers(model_dir):
     tokenizer = tokenizer_from_hf_json(tokenizer_path)
     weight_paths = safetensors_files(model_dir)
     state = load_safetensors_weights(weight_paths)
-    vocab_size = tokenizer.get_vocab_size()
     try:
         n_embd, n_layer, n_head = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-        shape = dict(sequence_len=hf["max_position_embeddings"], vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                     n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd)
+        shape = dict(sequence_len=hf["max_position_embeddings"], vocab_size=tokenizer.get_vocab_size(), n_layer=n_layer,
+                     n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd)
     except KeyError as e:
         raise UserError(f"{config_path} lacks {e.args[0]}") from None
     check_shapes(shape, config_path)
