@@ -15,8 +15,7 @@ import time
 
 import torch
 
-from nanochat.checkpoint_manager import (STEP_DIR_RE, checkpoint_dir, find_latest_tag, list_steps, load_model,
-                                         resolve_step)
+from nanochat.checkpoint_manager import STEP_DIR_RE, checkpoint_dir, find_latest_tag, load_model, resolve_step
 from nanochat.common import UserError, ensure_writable, print0, read_json_object
 from nanochat.gpt import (COMPONENTS, OPTIONAL_FIELDS, VARIANT_DEFAULTS, GPTConfig, attention_window, config_from_dict,
                           has_value_embed)
@@ -280,18 +279,18 @@ def build_hf_tokenizer(tokenizer):
 
 def check_tokenizer_matches(hf_tokenizer, tokenizer):
     """Refuse a conversion that encodes any probe text differently from ours (regex or BPE mismatch)."""
-    for text in TOKENIZER_PROBES:
-        ours = tokenizer.encode(text)
-        hf_tokenizer.encode_special_tokens = True  # the probes hold literal specials, which ours keeps as text
-        try:
+    hf_tokenizer.encode_special_tokens = True  # the probes hold literal specials, which ours keeps as text
+    try:
+        for text in TOKENIZER_PROBES:
+            ours = tokenizer.encode(text)
             theirs = hf_tokenizer.encode(text, add_special_tokens=False).ids
-        finally:
-            hf_tokenizer.encode_special_tokens = False
-        if theirs != ours:
-            raise UserError(f"cannot export the tokenizer: the converted tokenizer encodes {text!r} as {theirs}, "
-                            f"ours as {ours}")
-        if hf_tokenizer.decode(theirs, skip_special_tokens=False) != text:
-            raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
+            if theirs != ours:
+                raise UserError(f"cannot export the tokenizer: the converted tokenizer encodes {text!r} as {theirs}, "
+                                f"ours as {ours}")
+            if hf_tokenizer.decode(theirs, skip_special_tokens=False) != text:
+                raise UserError(f"cannot export the tokenizer: the converted tokenizer does not decode {text!r} back")
+    finally:
+        hf_tokenizer.encode_special_tokens = False
 
 
 # tokenizer.render_conversation / render_for_completion as a Jinja template: a leading system message merged into the
@@ -424,9 +423,7 @@ def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="fl
     model_config = raw_model_config(ckpt_dir, step)
     if isinstance(model_config, dict):
         check_representable(model_config)
-    if not list_steps(ckpt_dir):
-        raise UserError(f"no checkpoint found in {ckpt_dir}; check -i/-g, or train that stage first")
-    step = resolve_step(ckpt_dir, step)
+    step = resolve_step(ckpt_dir, step, fix="check -i/-g, or train that stage first")
     model, tokenizer, _ = load_model(source, device, model_tag=model_tag, step=step)
 
     c = model.config

@@ -229,15 +229,6 @@ def find_karpathy_tokenizer(model_dir, tokenizer_path, root=None):
     raise UserError(f"no tokenizer.pkl for {model_dir} (looked at {', '.join(candidates)}); pass --tokenizer PATH")
 
 
-def karpathy_step(model_dir, step):
-    steps = sorted(int(m.group(1)) for m in map(MODEL_FILE_RE.match, os.listdir(model_dir)) if m)
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise UserError(f"no model_{step:06d}.pt in {model_dir}; steps there: {steps}")
-    return step
-
-
 def era_candidates(model_config, state):
     """The eras whose model these files fit, and what in them says so."""
     if "window_pattern" not in model_config:
@@ -287,7 +278,11 @@ def karpathy_windows(pattern, sequence_len, era, n_layer):
 
 
 def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
-    step = karpathy_step(model_dir, step)
+    steps = sorted(int(m.group(1)) for m in map(MODEL_FILE_RE.match, os.listdir(model_dir)) if m)
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise UserError(f"no model_{step:06d}.pt in {model_dir}; steps there: {steps}")
     model_path = os.path.join(model_dir, f"model_{step:06d}.pt")
     meta_path = os.path.join(model_dir, f"meta_{step:06d}.json")
     if not os.path.isfile(meta_path):
@@ -421,11 +416,10 @@ def read_transformers(model_dir):
     tokenizer = tokenizer_from_hf_json(tokenizer_path)
     weight_paths = safetensors_files(model_dir)
     state = load_safetensors_weights(weight_paths)
-    vocab_size = tokenizer.get_vocab_size()
     try:
         n_embd, n_layer, n_head = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-        shape = dict(sequence_len=hf["max_position_embeddings"], vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                     n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd)
+        shape = dict(sequence_len=hf["max_position_embeddings"], vocab_size=tokenizer.get_vocab_size(), n_layer=n_layer,
+                     n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd)
     except KeyError as e:
         raise UserError(f"{config_path} lacks {e.args[0]}") from None
     check_shapes(shape, config_path)
@@ -496,11 +490,9 @@ def detect_format(directory):
 # Weights into our model
 
 
-def to_our_state(state, config, where):
+def to_our_state(state, expected, where):
     """Our model's state dict from the source's (names already ours): fp32, padding rows past the vocab dropped; the
-    names and shapes checked against the model, and every value finite, before anything is written."""
-    with torch.device("meta"):
-        expected = GPT(config).state_dict()
+    names and shapes checked against the model's (`expected`), and every value finite, before anything is written."""
     unknown, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
     if unknown or missing:
         raise UserError(f"{where}: the state dict does not fit the model its config describes"
@@ -525,16 +517,6 @@ def to_our_state(state, config, where):
     return ours
 
 
-def build_imported_model(config, state):
-    """Our GPT holding these tensors (assigned, not copied), its rotary tables computed."""
-    with torch.device("meta"):
-        model = GPT(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_rotary()
-    model.eval()
-    return model
-
-
 # -----------------------------------------------------------------------------
 # The import
 
@@ -552,12 +534,10 @@ def resolve_source(source, step):
     repo, revision = parsed
 
     def choose(listing):
-        names = list(listing)
-        if "config.json" in names:
-            wanted = [n for n in names if "/" not in n and (n.endswith(".safetensors") or n in (
-                "config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"))]
-            return sorted(wanted)
-        models = {n: MODEL_FILE_RE.match(posixpath.basename(n)) for n in names}
+        if "config.json" in listing:
+            return sorted(n for n in listing if "/" not in n and (n.endswith(".safetensors") or n in (
+                "config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")))
+        models = {n: MODEL_FILE_RE.match(posixpath.basename(n)) for n in listing}
         models = {n: int(m.group(1)) for n, m in models.items() if m}
         folders = sorted({posixpath.dirname(n) for n in models})
         if not models:
@@ -646,23 +626,22 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
     if era is not None and era not in ERAS:
         raise UserError(f"--era must be one of {', '.join(ERAS)} (got {era!r})")
     directory, repo, root = resolve_source(source, step)
-    fmt = detect_format(directory)
-    if fmt == KARPATHY_FORMAT:
+    if detect_format(directory) == KARPATHY_FORMAT:
         config, state, tokenizer, files, description = read_karpathy(directory, step, tokenizer_path, era, root)
     else:
         if era is not None or tokenizer_path is not None or step is not None:
             raise UserError("--era, --tokenizer and --step apply to karpathy/nanochat checkpoints, not to a transformers "
                             "directory (its tokenizer.json is read)")
         config, state, tokenizer, files, description = read_transformers(directory)
-    state = to_our_state(state, config, directory)
+    with torch.device("meta"):
+        model = GPT(config)
+    state = to_our_state(state, model.state_dict(), directory)
     model_tag, ckpt_dir, note = target_checkpoint(stage, model_tag, directory, repo)
     print0(f"import_model | {repo or directory} | {description['format']}"
            + (f", era {description['era']} ({description['era_told']}): {description['summary']}"
               if description["era"] else "")
            + f" | -> {stage}/{model_tag}{note}")
     hashes = {os.path.basename(path): sha256_of(path) for path in files.values()}
-    imported_from = {"source": repo or directory, "format": description["format"], "era": description["era"],
-                     "sha256": hashes}
 
     # Nothing of the target base dir is overwritten: an existing checkpoint is this same import (a no-op) or a refusal.
     steps = list_steps(ckpt_dir)
@@ -675,7 +654,9 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
                         "--model-tag, or into a fresh NANOCHAT_BASE_DIR")
     existing = base_dir_tokenizer(tokenizer)
 
-    model = build_imported_model(config, state)
+    model.load_state_dict(state, strict=True, assign=True)  # the tensors themselves, not copies
+    model.init_rotary()
+    model.eval()
     with torch.no_grad():  # a last look before writing: a forward pass that gives finite logits
         logits = model(torch.tensor([[tokenizer.get_bos_token_id()] + tokenizer.encode("Hello, world!")]))
     if not torch.isfinite(logits).all():
@@ -686,10 +667,12 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
         print0(f"tokenizer: {tokenizer.get_vocab_size():,} tokens -> {tokenizer_dir}")
     from nanochat.training.recipe import config_dict
 
-    meta = {"model_config": config_dict(config), "user_config": {}, "tokenizer_hash": tokenizer.fingerprint(),
-            "imported_from": imported_from}
+    model_config = config_dict(config)
+    meta = {"model_config": model_config, "user_config": {}, "tokenizer_hash": tokenizer.fingerprint(),
+            "imported_from": {"source": repo or directory, "format": description["format"], "era": description["era"],
+                              "sha256": hashes}}
     save_checkpoint(ckpt_dir, description["step"], model, [], meta)
-    variants = {k: v for k, v in config_dict(config).items() if k not in KARPATHY_CONFIG_FIELDS}
+    variants = {k: v for k, v in model_config.items() if k not in KARPATHY_CONFIG_FIELDS}
     print0(f"imported {model.num_params():,} parameters, {config.n_layer} layers, width {config.n_embd}, context "
            f"{config.sequence_len}, vocab {config.vocab_size:,}" + (f" | {json.dumps(variants)}" if variants else "")
            + f" | {time.time() - t0:.1f}s -> {ckpt_dir}")
