@@ -464,4 +464,5 @@ def step_optimizers(optimizers, lrm, momentum, grad_clip=0.0):
     apply_schedules(optimizers, lrm, momentum=momentum)
     for opt in optimizers:
         opt.step()
+    for opt in optimizers:
         opt.zero_grad(set_to_none=True)
