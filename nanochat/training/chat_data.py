@@ -51,11 +51,12 @@ class _StepBatches:
     """Each next() returns this rank's micro-batches of one optimizer step, a list of grad_accum (x, y) pairs.
     single_pass (evaluation): every conversation once, then rows with nothing to learn, then StopIteration."""
 
-    def __init__(self, task, tokenizer, B, T, grad_accum, rank, world_size, device, state, single_pass):
+    def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
+                 single_pass=False):
         self.B, self.T, self.grad_accum, self.rank, self.world_size = B, T, grad_accum, rank, world_size
         self.device = torch.device(device)
         self.bos = tokenizer.get_bos_token_id()
-        self.stream = ConversationStream(task, tokenizer, T + 1, state.get("stream"), single_pass)
+        self.stream = ConversationStream(task, tokenizer, T + 1, (resume_state or {}).get("stream"), single_pass)
 
     def __iter__(self):
         return self
@@ -70,8 +71,8 @@ class PackedConversations(_StepBatches):
 
     def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
                  buffer_size=64, single_pass=False):
+        super().__init__(task, tokenizer, B, T, grad_accum, rank, world_size, device, resume_state, single_pass)
         state = resume_state or {}
-        super().__init__(task, tokenizer, B, T, grad_accum, rank, world_size, device, state, single_pass)
         self.buffer_size = buffer_size
         # the buffer holds (length, arrival, example index, ids); arrival numbers keep the order stable
         self.buffer, self.arrival = [], 0
@@ -139,10 +140,6 @@ class PackedConversations(_StepBatches):
 class ConversationBatches(_StepBatches):
     """One conversation per row, a step's rows grouped by length into micro-batches of (B, L), L <= T the longest of
     the micro-batch; y is -1 where the render mask is 0 (user text, tool output, structure) and on padding."""
-
-    def __init__(self, task, tokenizer, B, T, grad_accum, rank=0, world_size=1, device="cpu", resume_state=None,
-                 single_pass=False):
-        super().__init__(task, tokenizer, B, T, grad_accum, rank, world_size, device, resume_state or {}, single_pass)
 
     def __next__(self):
         micro_steps = self.grad_accum * self.world_size

@@ -160,8 +160,7 @@ class TrainingLoop:
         self.eval_seconds = {}  # eval name -> seconds its latest run took in this process
         self.save_seconds = None  # seconds the latest checkpoint took to write in this process
         self.best = dict(start.loop_state.get("best", {}))  # eval name -> lowest value
-        self.world_size = dist_rank_world()[1]
-        self.peak_flops = get_peak_flops(device) * self.world_size if s.flops_per_token else None
+        self.peak_flops = get_peak_flops(device) * dist_rank_world()[1] if s.flops_per_token else None
         self.stopper = StopSignal()
         self.timer = StepTimer()
         self.report = get_report()

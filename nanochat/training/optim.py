@@ -437,7 +437,7 @@ def lr_multiplier(step, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.4, fi
     if step <= num_iterations - warmdown:
         return 1.0
     progress = (num_iterations - step) / max(1, warmdown)
-    return progress * 1.0 + (1 - progress) * final_lr_frac
+    return progress + (1 - progress) * final_lr_frac
 
 
 def muon_momentum(step, start=0.85, end=0.95, warmup_steps=300):

@@ -13,7 +13,7 @@ from nanochat.common import UserError, all_reduce_mean
 from nanochat.engine import Engine
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
 from nanochat.training.optim import build_adamw, build_muon, step_optimizers
-# the schedules are the optimizers' (training.optim); imported from here too by code written before they moved there
+# the schedules are the optimizers' (training.optim), re-exported for the bench tools that import them from here
 from nanochat.training.optim import apply_schedules, lr_multiplier, muon_momentum  # noqa: F401
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned

@@ -221,7 +221,6 @@ def start_stage(args, tag, ckpt_dir, device):
     --resume), its optimizers at the dial's lrs times --init-lr-frac with the input's Muon options, where it starts."""
     source_dir, step, fix = starting_checkpoint(args, tag, ckpt_dir)
     model, tokenizer, meta = load_model_from_dir(source_dir, device, phase="train", step=step, fix=fix)
-    model_config = config_dict(model.config)
     dial = dial_lrs(model.config.n_layer, REFERENCE_BATCH)  # the lrs the base model trained with at the reference batch
     lrs = {name: (getattr(args, name) if getattr(args, name) > 0 else dial[name] * args.init_lr_frac)
            for name in ("embedding_lr", "unembedding_lr", "matrix_lr")}
@@ -230,8 +229,8 @@ def start_stage(args, tag, ckpt_dir, device):
                                   optimizer_components=meta.get("optimizer_components", []))
     start = StartPoint()
     if args.resume:
-        step = resolve_step(ckpt_dir)
-        start = resume_from(ckpt_dir, step, model, optimizers, model_config, tokenizer.fingerprint(), device)
+        start = resume_from(ckpt_dir, resolve_step(ckpt_dir), model, optimizers, config_dict(model.config),
+                            tokenizer.fingerprint(), device)
         refuse_changed_flags(start.meta, args, STAGE_FIXED_FLAGS, ckpt_dir, new_run="another --out-tag")
     return model, tokenizer, optimizers, lrs, start
 
