@@ -622,12 +622,11 @@ class GPT(nn.Module):
         if loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
         flat_targets = targets.reshape(-1)
+        rows = x.view(B * T, -1)
         # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
-        if loss_reduction != "none" and c.logit_softcap is not None \
-                and cpu_training((x,), (self.lm_head.weight,)):
-            total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
+        if loss_reduction != "none" and c.logit_softcap is not None and cpu_training((x,), (self.lm_head.weight,)):
+            total = cpu_ops.softcap_cross_entropy_sum(rows, self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
-            rows = x.view(B * T, -1)
             # a CPU evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
             chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
             losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],

@@ -25,8 +25,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, eps):
-        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.size(-1))
-        inv_rms = mean_square.add_(eps).rsqrt_()
+        inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.size(-1)).add_(eps).rsqrt_()
         ctx.save_for_backward(x, inv_rms)
         return x * inv_rms
 
