@@ -849,14 +849,14 @@ class BatchEngine:
                               per_row_key=0.0)
         run, scattered = list(range(many)), list(range(0, 2 * many, 2)) if 2 * many <= self.max_batch else None
         shapes = [([0], short), (run, short), (run, long)] + ([(scattered, long)] if scattered else [])
-        best = {i: float("inf") for i in range(len(shapes))}
+        best = [float("inf")] * len(shapes)
         counters = self.decode_steps, self.shared_steps
         for attempt in range(repeats + 1):  # the first round warms up: a fresh process's first steps are slower
             for i, shape in enumerate(shapes):
                 seconds = self._time_steps(*shape)
                 best[i] = min(best[i], seconds) if attempt else best[i]
         self.decode_steps, self.shared_steps = counters  # stand-ins are no one's steps
-        one, run_short, run_long = best[0], best[1], best[2]
+        one, run_short, run_long = best[:3]
         per_row_key = max(0.0, (run_long - run_short) / (many * (long - short)))
         row_at_short = max(0.0, (run_short - one) / (many - 1))  # per_row + per_row_key * short
         gather = max(0.0, (best[3] - run_long) / (many * long)) if scattered else 0.0
@@ -917,7 +917,6 @@ class BatchEngine:
                 seq.row = heapq.heappop(self.free_rows)
                 self.cache.reset(seq.row)
                 self.running.append(seq)
-        # rows stay in admission order, so a decode step's rows are often one contiguous run (a slice, no gather)
 
     def _prefill(self):
         """Up to prefill_chunk prompt tokens, oldest sequences first, in one forward pass; whether there were any."""
@@ -931,10 +930,10 @@ class BatchEngine:
                 budget -= len(chunk)
         if not chunks:
             return False
-        width = max(len(chunk) for _, chunk in chunks)
+        lengths = [len(chunk) for _, chunk in chunks]
+        width = max(lengths)
         ids = torch.tensor([chunk + [0] * (width - len(chunk)) for _, chunk in chunks], dtype=torch.long,
                            device=self.device)
-        lengths = [len(chunk) for _, chunk in chunks]
         with self.autocast():
             view = self.cache.rows([seq.row for seq, _ in chunks], new_lengths=lengths)
             at = torch.tensor(lengths, device=self.device) - 1

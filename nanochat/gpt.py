@@ -179,13 +179,6 @@ def residual_mix(x, x0, resid_lambda, x0_lambda):
     return resid_lambda * x + x0_lambda * x0
 
 
-
-def activation_dtype(x, weights_dtype):
-    """The dtype the residual stream runs in: autocast's where it is on for x's device, else the matmuls' weights'.
-    An embedding lookup keeps its table's dtype (autocast leaves lookups alone), so the embedding is cast to this."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weights_dtype
-
-
 def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
     """Rotary embedding (split halves, transformers' NanoChat's signs), then RMSNorm (the QK-norm), of (B, T, H, D) q
     or k. cpu_ops' fused version norms before rotating, which needs an exact rotation: not bf16-rounded tables."""
@@ -549,7 +542,6 @@ class GPT(nn.Module):
             group["initial_lr"] = group["lr"]
         grouped = [id(p) for group in adamw_groups + muon_groups for p in group["params"]]
         assert len(grouped) == len(set(grouped)) == len(list(self.parameters())), "each parameter must be in exactly one group"
-        assert set(grouped) == {id(p) for p in self.parameters()}
         return adamw_groups, muon_groups
 
     def _softcap_logits(self, x):
@@ -589,7 +581,11 @@ class GPT(nn.Module):
             cos, sin = self.cos[0, positions], self.sin[0, positions]  # (B, T, 1, head_dim / 2)
         c = self.config
         x = self.transformer.wte(idx)
-        x = norm(x.to(activation_dtype(x, self.lm_head.weight.dtype)), c.norm_eps)
+        # the residual stream runs in autocast's dtype where it is on, else the matmuls' weights': a lookup keeps its
+        # table's dtype (autocast leaves lookups alone), so the embedding is cast to it
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else self.lm_head.weight.dtype
+        x = norm(x.to(dtype), c.norm_eps)
         if c.smear:
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None
@@ -626,12 +622,11 @@ class GPT(nn.Module):
         if loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
         flat_targets = targets.reshape(-1)
+        rows = x.view(B * T, -1)
         # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
-        if loss_reduction != "none" and c.logit_softcap is not None \
-                and cpu_training((x,), (self.lm_head.weight,)):
-            total = cpu_ops.softcap_cross_entropy_sum(x.view(B * T, -1), self.lm_head.weight, flat_targets, c.logit_softcap)
+        if loss_reduction != "none" and c.logit_softcap is not None and cpu_training((x,), (self.lm_head.weight,)):
+            total = cpu_ops.softcap_cross_entropy_sum(rows, self.lm_head.weight, flat_targets, c.logit_softcap)
         else:
-            rows = x.view(B * T, -1)
             # a CPU evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
             chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
             losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],

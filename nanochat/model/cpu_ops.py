@@ -25,8 +25,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, eps):
-        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.size(-1))
-        inv_rms = mean_square.add_(eps).rsqrt_()
+        inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.size(-1)).add_(eps).rsqrt_()
         ctx.save_for_backward(x, inv_rms)
         return x * inv_rms
 
@@ -209,8 +208,8 @@ class _Smear(torch.autograd.Function):
         grad_x = grad.clone()
         grad_x[:, :-1].addcmul_(grad[:, 1:], coef)
         grad_coef = torch.linalg.vecdot(grad[:, 1:], x[:, :-1], dim=-1).unsqueeze(-1)  # (B, T - 1, 1)
-        grad_lam = torch.dot(grad_coef.reshape(-1), gate[:, 1:].reshape(-1)).view_as(lam)
         gate_rest = gate[:, 1:]
+        grad_lam = torch.dot(grad_coef.reshape(-1), gate_rest.reshape(-1)).view_as(lam)
         grad_logits = torch.zeros_like(gate)
         grad_logits[:, 1:] = grad_coef * lam * gate_rest * (1 - gate_rest)
         return grad_x, grad_logits, grad_lam

@@ -213,10 +213,9 @@ class WorkerPool:
         for request in ended:
             request.cancel()
             request.receive([Failure(reason), Ended(getattr(request, "tokens", 0), 0.0, 0)])
-        held_back = self.held_back
         for share in self.clients.values():  # requests waiting for their client's share wake up to a 503
             share.freed.set()
-        return len(ended) + held_back
+        return len(ended) + self.held_back
 
     def stop(self):
         for generation in list(self.active):  # let the workers end them now rather than at max_tokens
@@ -595,9 +594,6 @@ class GenerationJob:
         self.outbox = []  # events not yet sent to the server
         self.admitted, self.started, self.tokens, self.replies_finished = False, None, 0, 0
 
-    def emit(self, event):
-        self.outbox.append(event)
-
     def take_outbox(self):
         events, self.outbox = self.outbox, []
         return events
@@ -605,12 +601,12 @@ class GenerationJob:
     def note_admission(self):
         if not self.admitted and self.seqs and all(seq.row is not None for seq in self.seqs):
             self.admitted, self.started = True, time.perf_counter()
-            self.emit(Admitted())
+            self.outbox.append(Admitted())
 
     def push(self, index, token, seq):
         stream = self.streams[index]
         if seq.logprob is not None:  # the token that ends the reply too: the endpoints decide what to show
-            self.emit(Token(index, token, *seq.logprob))
+            self.outbox.append(Token(index, token, *seq.logprob))
         self.outbox += stream.events(index, token, length=seq.finished == "length")
         if stream.finish_reason is not None:
             self.tokens += stream.num_tokens
@@ -622,7 +618,7 @@ class GenerationJob:
     def end(self):
         """Its last event; called once, as the job leaves the loop's jobs (or is refused)."""
         seconds = time.perf_counter() - self.started if self.started else 0.0
-        self.emit(Ended(self.tokens, seconds, self.replies_finished))
+        self.outbox.append(Ended(self.tokens, seconds, self.replies_finished))
 
 
 class EngineLoop:
@@ -693,7 +689,7 @@ class EngineLoop:
         except Exception as e:  # a bug, or the device failing: every request in flight gets a 500
             traceback.print_exc()
             for job in list(self.jobs.values()):
-                job.emit(Failure(f"generation failed: {type(e).__name__}: {e}"))
+                job.outbox.append(Failure(f"generation failed: {type(e).__name__}: {e}"))
                 self._drop(job)
             return
         for job in self.jobs.values():
@@ -724,7 +720,7 @@ class EngineLoop:
         try:
             job.seqs = self.engine.add_group(add.prompt_ids, add.samplings, owner=add.owner)
         except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
-            job.emit(Failure(f"generation failed: {e}"))
+            job.outbox.append(Failure(f"generation failed: {e}"))
             job.end()
             self.ended.append(job)
             return
