@@ -85,8 +85,8 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _now_iso(epoch=None):
-    return datetime.datetime.fromtimestamp(time.time() if epoch is None else epoch).strftime("%Y-%m-%d %H:%M:%S")
+def _now_iso(epoch):
+    return datetime.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
 
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nanochat.common import UserError
+from nanochat.common import UserError, atomic_write_text, get_base_dir, read_json_object
 
 GIB, MIB = 2**30, 2**20
 # The plan fits the predicted peak into this share of the memory: the rest is for what the prediction leaves out (the
@@ -499,8 +499,6 @@ def cache_key(spec):
 def step_profile(spec):
     """spec's profile: from the base dir's record of earlier traces when it holds one under the same code, else
     traced now and added to it."""
-    from nanochat.common import atomic_write_text, get_base_dir, read_json_object
-
     key = cache_key(spec)
     path = os.path.join(get_base_dir(), CACHE_FILE)
     record = read_json_object(path) or {}
