@@ -237,7 +237,7 @@ def plot_curve(stage, records, path):
     if not fields:
         return False
     steps = [r["step"] if _is_number(r.get("step")) else i for i, r in enumerate(records)]
-    ncols = 1 if len(fields) == 1 else 2
+    ncols = min(2, len(fields))
     nrows = math.ceil(len(fields) / ncols)
     fig = _new_figure(6 * ncols, 3.2 * nrows)
     for i, field in enumerate(fields):
