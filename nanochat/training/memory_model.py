@@ -443,15 +443,14 @@ class StepProfile:
     traced_seconds: float
 
     def at(self, device_batch):
-        b = device_batch
         before = self.parameters + self.optimizer_state
-        kept = int(self.kept_fixed + self.kept_per_row * b)
-        extra = int(max(0.0, self.extra_fixed + self.extra_per_row * b))
-        tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * b))
+        kept = int(self.kept_fixed + self.kept_per_row * device_batch)
+        extra = int(max(0.0, self.extra_fixed + self.extra_per_row * device_batch))
+        tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * device_batch))
         candidates = [(before + kept + extra, "forward and backward"), (tail, "end of the backward"),
                       (self.optimizer_peak, "optimizer step")]
         peak, phase = max(candidates, key=lambda c: c[0])
-        return StepMemory(b, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
+        return StepMemory(device_batch, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
 
 
 def trace_profile(spec, whole=False):
