@@ -85,8 +85,8 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _now_iso(epoch=None):
-    return datetime.datetime.fromtimestamp(time.time() if epoch is None else epoch).strftime("%Y-%m-%d %H:%M:%S")
+def _now_iso(epoch):
+    return datetime.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
 
 
 # -----------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def plot_curve(stage, records, path):
     if not fields:
         return False
     steps = [r["step"] if _is_number(r.get("step")) else i for i, r in enumerate(records)]
-    ncols = 1 if len(fields) == 1 else 2
+    ncols = min(2, len(fields))
     nrows = math.ceil(len(fields) / ncols)
     fig = _new_figure(6 * ncols, 3.2 * nrows)
     for i, field in enumerate(fields):

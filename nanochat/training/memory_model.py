@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nanochat.common import UserError
+from nanochat.common import UserError, atomic_write_text, get_base_dir, read_json_object
 
 GIB, MIB = 2**30, 2**20
 # The plan fits the predicted peak into this share of the memory: the rest is for what the prediction leaves out (the
@@ -443,15 +443,14 @@ class StepProfile:
     traced_seconds: float
 
     def at(self, device_batch):
-        b = device_batch
         before = self.parameters + self.optimizer_state
-        kept = int(self.kept_fixed + self.kept_per_row * b)
-        extra = int(max(0.0, self.extra_fixed + self.extra_per_row * b))
-        tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * b))
+        kept = int(self.kept_fixed + self.kept_per_row * device_batch)
+        extra = int(max(0.0, self.extra_fixed + self.extra_per_row * device_batch))
+        tail = before + self.gradients + int(max(0.0, self.tail_fixed + self.tail_per_row * device_batch))
         candidates = [(before + kept + extra, "forward and backward"), (tail, "end of the backward"),
                       (self.optimizer_peak, "optimizer step")]
         peak, phase = max(candidates, key=lambda c: c[0])
-        return StepMemory(b, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
+        return StepMemory(device_batch, self.parameters, self.optimizer_state, self.gradients, kept, extra, peak, phase)
 
 
 def trace_profile(spec, whole=False):
@@ -499,8 +498,6 @@ def cache_key(spec):
 def step_profile(spec):
     """spec's profile: from the base dir's record of earlier traces when it holds one under the same code, else
     traced now and added to it."""
-    from nanochat.common import atomic_write_text, get_base_dir, read_json_object
-
     key = cache_key(spec)
     path = os.path.join(get_base_dir(), CACHE_FILE)
     record = read_json_object(path) or {}

@@ -29,7 +29,6 @@ PROBE_NOISE = 1.25  # the least budget is stated this much above the probe's (a 
 REFERENCE = {
     "cpu": {
         "probe_seconds": 0.183,
-        "speedrun_start": 4.0,  # uv, the preset's checks and this plan, before the first stage
         "fixed": {"data": 2.0, "tok_train": 2.5, "report": 2.5},
         "evals": {"tok_eval": 2.0, "base_loss": 3.5, "base_eval": 7.0, "chat_eval base": 3.5, "chat_eval mid": 7.0,
                   "chat_eval sft": 6.5, "chat_eval rl": 7.0},
@@ -44,7 +43,6 @@ REFERENCE = {
     # Not measured on a GPU yet: guesses for one 8xH100 node from the reference project's published run, which only
     # set the proportions (base_train and the chat stages measure their own steps: a miss moves the split, not the end)
     "gpu": {
-        "probe_seconds": None,
         "fixed": {"data": 60.0, "tok_train": 90.0, "report": 5.0},
         "evals": {"tok_eval": 20.0, "base_loss": 60.0, "base_eval": 300.0, "chat_eval base": 60.0,
                   "chat_eval mid": 300.0, "chat_eval sft": 300.0, "chat_eval rl": 300.0},
@@ -212,10 +210,10 @@ def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=Fa
             stages["chat_eval mid"] = Stage("chat_eval mid", "eval", 0.0, run=False,
                                             why="skipped: its time keeps base_train at its preset's steps")
     else:
-        for name, why in (("mid_train", f"skipped: with base_train below its preset's {preset_steps['base_train']} "
-                                        "steps, its time buys more as base_train's steps"),
-                          ("chat_eval mid", "skipped: no mid_train")):
-            stages[name] = Stage(name, "train" if name == "mid_train" else "eval", 0.0, run=False, why=why)
+        stages["mid_train"] = Stage("mid_train", "train", 0.0, run=False,
+                                    why=f"skipped: with base_train below its preset's {preset_steps['base_train']} "
+                                        "steps, its time buys more as base_train's steps")
+        stages["chat_eval mid"] = Stage("chat_eval mid", "eval", 0.0, run=False, why="skipped: no mid_train")
     # base_train the rest; below its floor the other stages give back steps, down to theirs
     while True:
         rest = available - eval_time - sum(train_seconds(reference, n, k, speed) for n, k in steps.items())

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nanochat.common import UserError, all_reduce_max, format_duration, get_peak_flops, is_out_of_memory, print0
+from nanochat.common import (UserError, all_reduce_max, atomic_write_text, cpu_name, dist_rank_world, format_duration,
+                             get_base_dir, get_compute_dtype, get_peak_flops, is_out_of_memory, print0, read_json_object)
 from nanochat.training.loop import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
@@ -203,7 +204,6 @@ class RunShape:
 def step_spec(depth, shape, checkpoint_activations=False):
     """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (bf16 for a
     GPU not here); an eager step on a CPU runs its fused Functions where they are on."""
-    from nanochat.common import get_compute_dtype
     from nanochat.gpt import cpu_ops_enabled
     from nanochat.training.memory_model import StepSpec
 
@@ -404,8 +404,6 @@ PROBE_FILE = "time_budget_probe.json"  # in the base dir: what earlier probes me
 
 def machine_signature(shape, device):
     """Everything a step time depends on besides the depth: a measurement is reused only under the same signature."""
-    from nanochat.common import cpu_name, get_compute_dtype
-
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
     return " | ".join(str(v) for v in (
         where, f"torch {torch.__version__}", get_compute_dtype(device), f"x{shape.world_size}", f"T {shape.seq_len}",
@@ -415,11 +413,9 @@ def machine_signature(shape, device):
                                 if shape.memory_limit else "")
 
 
-def read_measurements(signature, device):
+def read_measurements(signature):
     """{depth: (device batch, seconds per step)} an earlier probe measured under this signature: read by rank 0 and
     sent to every rank, so that all of them probe the same depths."""
-    from nanochat.common import dist_rank_world, get_base_dir, read_json_object
-
     found = {}
     rank, world_size = dist_rank_world()
     if rank == 0:
@@ -438,8 +434,6 @@ def read_measurements(signature, device):
 
 def write_measurements(signature, measurements):
     """Add this probe's {depth: (device batch, seconds per step)} to the base dir's record (rank 0)."""
-    from nanochat.common import atomic_write_text, dist_rank_world, get_base_dir, read_json_object
-
     if dist_rank_world()[0] != 0 or not measurements:
         return
     path = os.path.join(get_base_dir(), PROBE_FILE)
@@ -478,7 +472,7 @@ def plan_pretraining(law, shape, budget_seconds, started_at, device, autocast, d
     allowance = min(PROBE_SECONDS, PROBE_FRACTION * budget_seconds)
     probe_end = now() + allowance  # set again after the first depth, which also pays the process's first-step costs
     signature = machine_signature(shape, device)
-    earlier, measured, fresh = read_measurements(signature, device), {}, {}
+    earlier, measured, fresh = read_measurements(signature), {}, {}
 
     def measure(d):
         fit = plan_memory(d, shape) if shape.memory_limit else None  # before anything runs: does it fit at all?
@@ -640,7 +634,7 @@ class BudgetClock:
 
     def finish(self, loop):
         """One line after the last step: the time taken against the budget, the val bpb against the prediction."""
-        if self.plan is None or not self.active:
+        if not self.active:
             return
         used, bpb = time.time() - self.plan.started_at, loop.last.get("val_bpb")
         print0(f"plan | trained by {clock(time.time())}, {format_duration(used)} into the "
