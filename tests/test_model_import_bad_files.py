@@ -1,8 +1,9 @@
 """
 scripts.import_model against files that lie about themselves ("Hardening IV"): a .pt whose storage record is shorter
 than its tensor, shapes no model of this kind has (n_layer 10^6 hung GPT(config), n_embd 2^40 overflowed), numbers
-that are not numbers in a config.json, and NaN or infinite weights. Each is one line naming the file and what is
-wrong in it, and nothing is written.
+that are not numbers in a config.json, NaN or infinite weights, a tensor with fewer dimensions than its kind has, and
+tied embeddings without the embedding. Each is one line naming the file and what is wrong in it, and nothing is
+written.
 
 The reference-format files and the transformers tokenizer come from test_model_import.
 """
@@ -96,3 +97,25 @@ def test_weights_that_are_not_finite_are_refused_by_the_tensors_name(tmp_path, t
     state["transformer.wte.weight"][model_config["vocab_size"] - 1, 3] = bad
     torch.save(state, model_file)
     import_refused(folder, r"theirs.*: transformer\.wte\.weight holds 1 NaN or infinite value", target)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name, shape", [("value_embeds.1.weight", ()), ("transformer.h.1.attn.ve_gate.weight", (4,)),
+                                         ("smear_gate.weight", ())], ids=["value_embed", "ve_gate", "smear_gate"])
+def test_a_tensor_with_too_few_dimensions_is_refused_by_its_name(tmp_path, target, name, shape):
+    """A 0-d value embedding or a 1-D gate met an index past its shape: an IndexError, not the file and tensor named."""
+    folder, _, _, _ = write_base_dir(str(tmp_path / "theirs"), "2026-03-14", sequence_len=64)
+    model_file = os.path.join(folder, "model_000020.pt")
+    state = torch.load(model_file, weights_only=True)
+    assert name in state
+    state[name] = torch.zeros(shape)
+    torch.save(state, model_file)
+    import_refused(folder, rf"theirs.*: {name.replace('.', '[.]')} has shape \(", target)
+
+
+@pytest.mark.quick
+def test_tied_embeddings_without_the_embedding_are_refused_as_missing(tmp_path, target):
+    """tie_word_embeddings copied model.embed_tokens.weight to the head without asking whether it was there (KeyError)."""
+    source = transformers_dir(str(tmp_path / "hf"), tie_word_embeddings=True)
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64)}, os.path.join(source, "model.safetensors"))
+    import_refused(source, r"hf: the state dict does not fit .*missing parameters: lm_head\.weight", target)

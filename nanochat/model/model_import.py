@@ -277,6 +277,14 @@ def karpathy_windows(pattern, sequence_len, era, n_layer):
     return windows if any(windows) else None
 
 
+def gate_channels(state, name, where):
+    """The channels a gate reads: its weight's second dimension (a gate is heads x channels)."""
+    shape = tuple(state[name].shape)
+    if len(shape) != 2:
+        raise UserError(f"{where}: {name} has shape {shape}, where a gate's weight has two dimensions")
+    return shape[1]
+
+
 def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
     steps = sorted(int(m.group(1)) for m in map(MODEL_FILE_RE.match, os.listdir(model_dir)) if m)
     if step is None:
@@ -324,11 +332,11 @@ def read_karpathy(model_dir, step, tokenizer_path, era, root=None):
                   backout=backout, norm_eps=None,
                   **{name: numbers[name] for name in ("rope_theta", "rotary_bf16", "qk_scale", "logit_softcap")})
     if ve_layers:
-        gate_shape = state[f"transformer.h.{ve_layers[0]}.attn.ve_gate.weight"].shape
         fields.update(value_embeds=True, value_embed_layers=",".join(map(str, ve_layers)),
-                      ve_gate_channels=gate_shape[1], ve_gate_scale=numbers["ve_gate_scale"])
+                      ve_gate_channels=gate_channels(state, f"transformer.h.{ve_layers[0]}.attn.ve_gate.weight", model_path),
+                      ve_gate_scale=numbers["ve_gate_scale"])
     if "smear_gate.weight" in state:
-        fields["smear_gate_channels"] = state["smear_gate.weight"].shape[1]
+        fields["smear_gate_channels"] = gate_channels(state, "smear_gate.weight", model_path)
     if backout:
         fields["backout_layer"] = numbers["backout"](n_layer)
     if "window_pattern" in mc:
@@ -438,7 +446,7 @@ def read_transformers(model_dir):
             problems.append(f"rope_type {rope.get('rope_type')!r} (only default)")
         if problems:
             raise UserError(f"{config_path}: {'; '.join(problems)} cannot be reproduced by nanochat's model")
-        if hf.get("tie_word_embeddings") and "lm_head.weight" not in state:
+        if hf.get("tie_word_embeddings") and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         renamed = {}
         for name, tensor in state.items():
@@ -501,7 +509,7 @@ def to_our_state(state, expected, where):
     ours = {}
     for name, tensor in state.items():
         want = tuple(expected[name].shape)
-        if tensor.ndim == 2 and name in ("transformer.wte.weight", "lm_head.weight") or name.startswith("value_embeds."):
+        if tensor.ndim == 2 and (name in ("transformer.wte.weight", "lm_head.weight") or name.startswith("value_embeds.")):
             if tensor.shape[0] < want[0]:
                 raise UserError(f"{where}: {name} has {tensor.shape[0]} rows for a vocab of {want[0]}")
             tensor = tensor[:want[0]]  # a vocab padded to a multiple of 64: its rows are never an input or an output
