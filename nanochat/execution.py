@@ -323,7 +323,8 @@ def _report(status_fd, exc):
 
 class _CandidateFunction:
     """In the tests process, the candidate's function: each call goes to the candidate process and comes back as plain
-    data, or as the exception it raised (a built-in exception type by name, else RuntimeError)."""
+    data, or as the exception it raised (a built-in exception type by name, else RuntimeError). A class, not a closure:
+    a function would hand the tests' namespace its __globals__, this module's, pipes and all."""
 
     def __init__(self, name, requests_fd, replies_fd):
         self.name, self.requests_fd, self.replies_fd = name, requests_fd, replies_fd
