@@ -828,8 +828,8 @@ class ChatReplies:
         self.table, self.n, self.logprobs = table, n, logprobs
         self.writers = [MarkupWriter(markup) for _ in range(n)]
         # what content.logprobs leaves out: the token that ends the turn, and in readable text the markers
-        turn_tokens = {table.tokenizer.encode_special(t) for t in TURN_TOKENS}
-        self.left_out = table.special if markup is READABLE_MARKUP else turn_tokens
+        self.left_out = table.special if markup is READABLE_MARKUP else {
+            table.tokenizer.encode_special(t) for t in TURN_TOKENS}
         self.text = [""] * n
         self.entries = [[] for _ in range(n)]
         self.finished = {}
