@@ -15,6 +15,8 @@
 #                                               # python -m nanochat.dataset import mine FILES... (docs/data.md)
 #   NANOCHAT_TIME_BUDGET=5m bash speedrun.sh    # the whole pipeline in 5 minutes, planned at the start for the best
 #                                               # chat model here; too short a budget is refused (docs/time_budget.md)
+#   NANOCHAT_PYTHON=python3 bash speedrun.sh    # run in this Python's environment as it is, without uv (a cluster's
+#                                               # image with torch and the project's packages already installed)
 #
 # Run it again after a crash or a kill: finished stages are skipped (their checkpoint or report section is
 # there) and a killed training stage resumes from its last checkpoint. Artifacts go to $NANOCHAT_BASE_DIR
@@ -31,15 +33,16 @@ FORCE="${FORCE:-0}"
 BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 export NANOCHAT_BASE_DIR="$BASE_DIR"
 
-if [ "$DRY_RUN" != 1 ]; then
+if [ -z "${NANOCHAT_PYTHON:-}" ] && [ "$DRY_RUN" != 1 ]; then
     command -v uv >/dev/null 2>&1 || python3 -m pip install --quiet uv
     uv sync --quiet
 fi
-PY="uv run --no-sync python"
+PY="${NANOCHAT_PYTHON:-uv run --no-sync python}"
+TORCHRUN=$([ -n "${NANOCHAT_PYTHON:-}" ] && echo "$PY -m torch.distributed.run" || echo "uv run --no-sync torchrun")
 
 BUDGET="${NANOCHAT_TIME_BUDGET:-}"  # empty: the presets' fixed sizes
 if [ -n "$BUDGET" ]; then
-    if [ "$DRY_RUN" = 1 ] && ! command -v uv >/dev/null 2>&1; then BUDGET_SECONDS=1800; BUDGET_LABEL=$BUDGET
+    if [ "$DRY_RUN" = 1 ] && [ -z "${NANOCHAT_PYTHON:-}" ] && ! command -v uv >/dev/null 2>&1; then BUDGET_SECONDS=1800; BUDGET_LABEL=$BUDGET
     else read -r BUDGET_SECONDS BUDGET_LABEL < <($PY -m scripts.speedrun_plan budget "$BUDGET" || echo "0 -")
     fi
     [ "$BUDGET_SECONDS" -gt 0 ] || exit 1
@@ -51,7 +54,7 @@ fi
 
 NGPU="${NANOCHAT_NGPU:-}"
 if [ -z "$NGPU" ]; then
-    if [ "$DRY_RUN" = 1 ] && ! command -v uv >/dev/null 2>&1; then NGPU=0
+    if [ "$DRY_RUN" = 1 ] && [ -z "${NANOCHAT_PYTHON:-}" ] && ! command -v uv >/dev/null 2>&1; then NGPU=0
     else NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
     fi
 fi
@@ -88,7 +91,7 @@ if [ "$PRESET" = gpu ]; then
              "device batch $DEVICE_BATCH x $NGPU GPUs must divide 256)" >&2
         exit 1
     fi
-    LAUNCH="uv run --no-sync torchrun --standalone --nproc_per_node=$NGPU -m"
+    LAUNCH="$TORCHRUN --standalone --nproc_per_node=$NGPU -m"
     TOK_FLAGS="--max-chars=2000000000 --vocab-size=32768"
     BASE_FLAGS="--depth=$DEPTH --target-param-data-ratio=10 --device-batch-size=$DEVICE_BATCH --save-every=1000 --eval-bundle=dclm"
     LOSS_FLAGS="--device-batch-size=$DEVICE_BATCH"
@@ -105,7 +108,7 @@ else
     export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-builtin}"
     SHARDS=8  # only if NANOCHAT_DATA_SOURCE names a hub source
     DEPTH=4; TAG=d4
-    LAUNCH="uv run --no-sync python -m"
+    LAUNCH="$PY -m"
     TOK_FLAGS="--max-chars=20000000 --vocab-size=4096"
     BASE_FLAGS="--depth=4 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 --num-iterations=700 \
 --eval-every=100 --eval-tokens=32768 --core-metric-every=-1 --sample-every=350 --save-every=100"
@@ -157,6 +160,11 @@ case "$SOURCE" in
 esac
 if [ "$SOURCE" != builtin ]; then
     BASE_CHAT_EVAL=""  # the built-in world's fact completion means nothing for a model of other text
+fi
+if [ "$PRESET" = gpu ] && [ "$SOURCE" = builtin ]; then
+    # CORE on the built-in world's tasks: offline, as the rest of a built-in run (the published bundle is a download)
+    EVAL_FLAGS="$EVAL_FLAGS --eval-bundle=builtin"
+    BASE_FLAGS="${BASE_FLAGS/--eval-bundle=dclm/--eval-bundle=builtin}"
 fi
 
 # -----------------------------------------------------------------------------
@@ -223,7 +231,7 @@ train_stage() {  # train_stage NAME STAGE_DIR SECTION COMMAND...: fresh, resumed
 
 echo "speedrun: preset $PRESET, $NGPU GPU(s), base dir $BASE_DIR, wandb run $RUN${BUDGET:+, time budget $BUDGET_LABEL (ends by $(date -d @"$DEADLINE" +%H:%M:%S))}"
 
-if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || command -v uv >/dev/null 2>&1; }; then
+if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || [ -n "${NANOCHAT_PYTHON:-}" ] || command -v uv >/dev/null 2>&1; }; then
     # a typo fails here, not in base_train after the data stages, with the base dir's signature recording it
     $PY -c "import sys
 from nanochat.common import UserError
@@ -249,7 +257,8 @@ fi
 if [ -n "$BUDGET" ]; then
     # the plan, before any stage: a budget too short for a chat model that answers is refused here, in one line
     PLAN_FILE=$([ "$DRY_RUN" = 1 ] && mktemp -u /tmp/nanochat_plan_XXXXXX.json || echo "$BASE_DIR/speedrun_plan.json")
-    $PY -m scripts.speedrun_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --rl "$RUN_RL" \
+    $PY -m scripts.speedrun_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --source "$SOURCE_KIND" \
+        --gpus "$NGPU" --rl "$([ -z "${NANOCHAT_RL:-}" ] && [ "$RUN_RL" = 1 ] && echo auto || echo "$RUN_RL")" \
         --base-chat-eval "$([ -n "$BASE_CHAT_EVAL" ] && echo 1 || echo 0)" --plan-file "$PLAN_FILE" \
         $([ "$DRY_RUN" = 1 ] && echo --dry-run) $([ "$FORCE" = 1 ] && echo --fresh) || exit 1
 fi
@@ -299,7 +308,7 @@ fi
 train_stage "chat_sft" chatsft_checkpoints chat-sft \
     $LAUNCH scripts.chat_sft -g $TAG ${SFT_STEPS:+--num-iterations=$SFT_STEPS} $(plan_flags chat_sft) $SFT_FLAGS --run="$RUN"
 plan_runs "chat_eval sft" && stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval -i sft -g $TAG $CHAT_EVAL_FLAGS
-if [ "$RUN_RL" = 1 ]; then
+if [ "$RUN_RL" = 1 ] && plan_runs chat_rl; then  # a budget runs the gpu preset's chat_rl only where it fits
     train_stage "chat_rl" chatrl_checkpoints chat-rl \
         $LAUNCH scripts.chat_rl -g $TAG ${RL_STEPS:+--num-iterations=$RL_STEPS} $(plan_flags chat_rl) $RL_FLAGS --run="$RUN"
     stage "chat_eval rl" "report_has chat-evaluation-rl" $LAUNCH scripts.chat_eval -i rl -g $TAG $CHAT_EVAL_FLAGS
@@ -308,11 +317,11 @@ fi
 stage "report" "false" $PY -m nanochat.report generate
 
 if [ "$DRY_RUN" != 1 ]; then
-    FINAL=$([ "$RUN_RL" = 1 ] && echo rl || echo sft)
+    FINAL=$([ "$RUN_RL" = 1 ] && plan_runs chat_rl && echo rl || echo sft)
     ENV=$([ "$BASE_DIR" = "$HOME/.cache/nanochat" ] || echo "NANOCHAT_BASE_DIR=$BASE_DIR ")
     echo
     echo "Done. Talk to your model:"
-    echo "  ${ENV}uv run python -m scripts.chat_cli -i $FINAL -g $TAG     # in the terminal"
-    echo "  ${ENV}uv run python -m scripts.chat_web -i $FINAL -g $TAG     # then open http://127.0.0.1:8000"
+    echo "  ${ENV}${NANOCHAT_PYTHON:-uv run python} -m scripts.chat_cli -i $FINAL -g $TAG     # in the terminal"
+    echo "  ${ENV}${NANOCHAT_PYTHON:-uv run python} -m scripts.chat_web -i $FINAL -g $TAG     # then open http://127.0.0.1:8000"
     echo "The report card is in report.md (and $BASE_DIR/report/)."
 fi

@@ -367,6 +367,7 @@ def compute_init(device_type=""):
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         use_cuda_device(device)
+        cap_gpu_memory(device)
     else:
         device = torch.device(device_type)
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ and world_size > 1:
@@ -378,6 +379,18 @@ def compute_init(device_type=""):
         dist.barrier()
         start_failure_watch(rank)
     return is_ddp, rank, local_rank, world_size, device
+
+
+def cap_gpu_memory(device):
+    """With NANOCHAT_GPU_MEMORY (a run planned for a smaller card), cap this process's share of the GPU to it, so
+    that every stage keeps to the card planned for and not base_train alone (which also plans its batch for it)."""
+    if not os.environ.get("NANOCHAT_GPU_MEMORY"):
+        return
+    from nanochat.training.memory_model import parse_memory
+
+    given, total = parse_memory(os.environ["NANOCHAT_GPU_MEMORY"]), torch.cuda.get_device_properties(device).total_memory
+    if given < total:
+        torch.cuda.set_per_process_memory_fraction(given / total, device)
 
 
 def use_cuda_device(device):

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -294,3 +295,24 @@ def test_the_speedrun_checks_the_memory_before_any_work_and_says_what_it_does(tm
     speedrun_plan(command)
     assert "plan | memory         NANOCHAT_GPU_MEMORY=24GiB: base_train fits its depth, device batch" in \
         capsys.readouterr().out
+
+
+@pytest.mark.quick
+def test_every_stage_on_a_gpu_keeps_to_the_card_named_by_nanochat_gpu_memory(monkeypatch):
+    """compute_init caps a CUDA process to NANOCHAT_GPU_MEMORY (so mid_train, the chat stages and chat_eval keep to a
+    24 GB card too, not base_train alone); nothing is capped without it, or where the card is smaller than named."""
+    from nanochat import common
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda share, device: asked.append(share))
+    monkeypatch.delenv("NANOCHAT_GPU_MEMORY", raising=False)
+    common.cap_gpu_memory(torch.device("cuda", 0))
+    monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "28GiB")
+    common.cap_gpu_memory(torch.device("cuda", 0))
+    monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "200GiB")
+    common.cap_gpu_memory(torch.device("cuda", 0))
+    assert asked == [pytest.approx(0.2)]
+    monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "lots")
+    with pytest.raises(common.UserError, match="NANOCHAT_GPU_MEMORY=lots is not an amount of memory"):
+        common.cap_gpu_memory(torch.device("cuda", 0))

@@ -254,3 +254,35 @@ def test_a_pipeline_at_the_minimum_ends_on_time_and_a_kill_continues_with_the_sa
     assert "plan | resumed" in p.stdout and "base_train: done already" in p.stdout
     after = json.loads((again / pp.PLAN_FILE).read_text())["decided"]
     assert {k: after[k] for k in decided} == decided and "chat_eval sft" in after
+
+
+@pytest.mark.quick
+def test_one_gpu_with_the_builtin_corpus_plans_six_minutes_and_chat_rl_only_where_it_pays(tmp_path):
+    """The gpu preset is priced from one H200's stages with the built-in corpus and a step shared among the GPUs: six
+    minutes on one GPU is planned, not refused (it was: "give at least 22m 20s"), with its stages inside the budget;
+    chat_rl, on by default there, is planned only where its floor is within its share of the training time, else
+    skipped with the reason; the hub's data and tasks cost more, and more GPUs make the steps cheaper."""
+    started = time.time()
+    plan = pp.plan_speedrun(360, started, started + 8, "gpu", 1.0, "test", rl="auto", source="builtin", gpus=1)
+    running = {s.name: s for s in plan.stages if s.run}
+    assert {"data", "tok_train", "base_train", "chat_sft", "chat_eval sft", "report"} <= set(running)
+    assert 8 + sum(s.seconds for s in running.values()) <= 360 * (1 - pp.MARGIN) + 1
+    rl = plan.stage("chat_rl")
+    assert not rl.run and rl.why.startswith("skipped: its floor") and not plan.stage("chat_eval rl").run
+    assert [s.name for s in plan.stages] == [name for name in pp.ORDER if name in {s.name for s in plan.stages}]
+    flags = pp.stage_flags(plan, "chat_rl", started + 300)
+    assert flags[0].startswith("skip:")
+    # a long budget on eight GPUs has room for chat_rl; asked for explicitly, a budget too short for it is refused
+    long = pp.plan_speedrun(3 * 3600, started, started + 8, "gpu", 1.0, "test", rl="auto", source="builtin", gpus=8)
+    assert long.stage("chat_rl").run and long.stage("chat_eval rl").run and long.stage("chat_rl").steps >= 10
+    with pytest.raises(pp.BudgetTooShort):
+        pp.plan_speedrun(360, started, started + 8, "gpu", 1.0, "test", rl=True, source="builtin", gpus=1)
+    # the preset's own data (a download, a 2B-character tokenizer) and the hub's tasks do not fit in six minutes
+    with pytest.raises(pp.BudgetTooShort):
+        pp.plan_speedrun(360, started, started + 8, "gpu", 1.0, "test", rl="auto", source="hub", gpus=1)
+    one, eight = (pp.costs("gpu", "builtin", n)["train"]["base_train"][0] for n in (1, 8))
+    assert eight == pytest.approx(one / 8) and pp.costs("gpu", "hub")["fixed"]["data"] > pp.costs("gpu")["fixed"]["data"]
+    # the plan file keeps the source and the GPUs, so each stage's flags are priced as the plan was
+    path = str(tmp_path / "plan.json")
+    pp.save(plan, path)
+    assert (pp.load(path).source, pp.load(path).gpus) == ("builtin", 1)

@@ -156,3 +156,21 @@ def test_your_own_source_is_used_without_a_download_and_must_be_imported_first(t
                                 NANOCHAT_BASE_DIR=str(tmp_path / "real")))
     assert p.returncode == 1 and "python -m nanochat.dataset import mine FILES_OR_FOLDERS" in p.stderr, p.stderr
     assert not (tmp_path / "real").exists() or os.listdir(tmp_path / "real") == []
+
+
+@pytest.mark.quick
+def test_a_ready_environment_runs_without_uv_and_a_builtin_gpu_run_stays_offline(tmp_path):
+    """NANOCHAT_PYTHON runs every stage with that Python as it is (a cluster's image, a lease's machine: no uv, no
+    sync); the gpu preset on the built-in corpus evaluates CORE on the built-in world's tasks, not the download."""
+    p = dry_run(tmp_path, "gpu", 1, NANOCHAT_PYTHON="/opt/env/bin/python3", NANOCHAT_DATA_SOURCE="builtin")
+    assert p.returncode == 0, p.stderr
+    cmds = commands(p.stdout)
+    assert cmds and "uv" not in p.stdout
+    for module, launcher, _ in cmds:
+        assert launcher[0] == "/opt/env/bin/python3", (module, launcher)
+        if module.startswith("scripts.") and module not in ("scripts.tok_train", "scripts.tok_eval"):
+            assert launcher[1:3] == ["-m", "torch.distributed.run"], (module, launcher)
+    flags = {module: f for module, _, f in cmds}
+    assert "--eval-bundle=builtin" in flags["scripts.base_eval"] and "--eval-bundle=builtin" in flags["scripts.base_train"]
+    p = dry_run(tmp_path, "gpu", 1)  # the preset's own text: the published bundle
+    assert "--eval-bundle=builtin" not in p.stdout and "--eval-bundle=dclm" in p.stdout

@@ -40,18 +40,26 @@ REFERENCE = {
         "preset_steps": {"base_train": 700, "mid_train": 60, "chat_sft": 300, "chat_rl": 30},
         "preset_extra": 12.0,  # the preset's periodic evaluations, samples and checkpoints in base_train
     },
-    # Not measured on a GPU yet: guesses for one 8xH100 node from the reference project's published run, which only
-    # set the proportions (base_train and the chat stages measure their own steps: a miss moves the split, not the end)
+    # One GPU's costs, measured on one H200 with the built-in corpus (`gpu_check --suite --only stages`, 2fc4048, dev/LOG.md
+    # 2026-12-02): each stage's process with its start-up (base_train's cold compile among it); a step's cost is the gpu
+    # preset's d24 step of 2^19 tokens (16 x 0.37 s), shared among the GPUs. base_train's floor is a minute of those
+    # steps: a budget's base_train chooses its own depth, and at the small depths a short budget picks that is hundreds
+    # of steps. Not measured yet, so guessed: chat_rl's step at the preset's 16 x 16 samples of 256 tokens (scaled from
+    # 10 s measured at 8 x 8 of 64), the floors and needs of the chat stages, and the preset's own data and tasks
+    # (HUB_DATA, HUB_EVALS: 150 climbmix shards, a 2B-character tokenizer, CORE and the hub's chat tasks)
     "gpu": {
-        "fixed": {"data": 60.0, "tok_train": 90.0, "report": 5.0},
-        "evals": {"tok_eval": 20.0, "base_loss": 60.0, "base_eval": 300.0, "chat_eval base": 60.0,
-                  "chat_eval mid": 300.0, "chat_eval sft": 300.0, "chat_eval rl": 300.0},
-        "train": {"base_train": (0.5, 180.0, 200, None), "mid_train": (0.5, 120.0, 50, 800),
-                  "chat_sft": (0.3, 120.0, 50, 600), "chat_rl": (4.0, 120.0, 10, 200)},
+        "fixed": {"data": 7.0, "tok_train": 11.0, "report": 5.0},
+        "evals": {"tok_eval": 10.0, "base_loss": 12.0, "base_eval": 30.0, "chat_eval base": 45.0, "chat_eval mid": 45.0,
+                  "chat_eval sft": 45.0, "chat_eval rl": 45.0},
+        "train": {"base_train": (5.9, 70.0, 10, None), "mid_train": (5.9, 20.0, 50, 800),
+                  "chat_sft": (0.9, 20.0, 50, 600), "chat_rl": (160.0, 15.0, 10, 200)},
         "preset_steps": {"base_train": 14000, "mid_train": 800, "chat_sft": 600, "chat_rl": 200},
         "preset_extra": 600.0,
     },
 }
+HUB_DATA = {"data": 60.0, "tok_train": 90.0}
+HUB_EVALS = {"tok_eval": 20.0, "base_loss": 60.0, "base_eval": 300.0, "chat_eval base": 60.0, "chat_eval mid": 300.0,
+             "chat_eval sft": 300.0, "chat_eval rl": 300.0}
 # Which evaluations a budget keeps first (the final one always): the base model's val bpb, its fact recall, CORE, the
 # mid-trained model, the tokenizer's compression
 OPTIONAL_EVALS = ["base_loss", "chat_eval base", "base_eval", "chat_eval mid", "tok_eval"]
@@ -87,6 +95,8 @@ class SpeedrunPlan:
     # The stages besides training took this times their planned seconds (measure_host_factor): the probe prices a
     # training step, and fp32 on a CPU with bf16 doubles it, not the tokenizer's or chat_eval's seconds
     host_factor: float = 1.0
+    source: str = "builtin"  # the pretraining text's kind (speedrun.sh's SOURCE_KIND): what the data stages cost
+    gpus: int = 1  # the gpu preset's: a step's cost is shared among them
 
     @property
     def deadline(self):
@@ -132,6 +142,17 @@ class BudgetTooShort(Exception):
         self.minimum = minimum
 
 
+def costs(preset, source="builtin", gpus=1):
+    """The reference's costs for one speedrun: on the gpu preset a step's cost shared among the GPUs, and a source
+    other than the built-in corpus priced with the hub's tasks (and the hub's download and tokenizer)."""
+    reference = REFERENCE[preset]
+    if preset != "gpu":
+        return reference
+    return dict(reference, fixed={**reference["fixed"], **(HUB_DATA if source == "hub" else {})},
+                evals={**reference["evals"], **(HUB_EVALS if source != "builtin" else {})},
+                train={name: (step / gpus, *rest) for name, (step, *rest) in reference["train"].items()})
+
+
 def train_seconds(reference, name, steps, speed):
     step, fixed, _, _ = reference["train"][name]
     return speed * (fixed + step * steps)
@@ -142,13 +163,18 @@ def steps_in(reference, name, seconds, speed):
     return max(0, int((seconds / speed - fixed) / step))
 
 
-def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True):
+def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=False, base_chat_eval=True,
+                  source="builtin", gpus=1):
     """The plan for a budget that started at `started_at` (the speedrun's start), made at `now`, on a machine `speed`
-    times as slow as the reference; BudgetTooShort when the budget cannot hold the stages' floors."""
+    times as slow as the reference; BudgetTooShort when the budget cannot hold the stages' floors. rl="auto" (the gpu
+    preset's default): chat_rl only where it pays (plan_rl_where_it_pays)."""
     from nanochat.common import format_duration
     from nanochat.training.time_budget import duration_label
 
-    reference = REFERENCE[preset]
+    if rl == "auto":
+        return plan_rl_where_it_pays(budget_seconds, started_at, now, preset, speed, machine, base_chat_eval, source,
+                                     gpus)
+    reference = costs(preset, source, gpus)
     train_ref, preset_steps = reference["train"], reference["preset_steps"]
     final = "chat_eval rl" if rl else "chat_eval sft"
     fixed = {name: speed * s for name, s in reference["fixed"].items()}
@@ -228,7 +254,32 @@ def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=Fa
         seconds = rest if name == "base_train" else train_seconds(reference, name, k, speed)
         stages[name] = Stage(name, "train", seconds, steps=k)
     return SpeedrunPlan(budget_seconds, started_at, preset, machine, speed, minimum, preset_time,
-                        [stages[name] for name in ORDER if name in stages])
+                        [stages[name] for name in ORDER if name in stages], source=source, gpus=gpus)
+
+
+def plan_rl_where_it_pays(budget_seconds, started_at, now, preset, speed, machine, base_chat_eval, source, gpus):
+    """The plan with chat_rl where its floor is within its share of the training time, else without it: chat_rl and
+    its evaluation then stand in the plan as skipped, with the reason."""
+    from nanochat.common import format_duration
+
+    args = (budget_seconds, started_at, now, preset, speed, machine)
+    kwargs = dict(base_chat_eval=base_chat_eval, source=source, gpus=gpus)
+    reference = costs(preset, source, gpus)
+    floor = train_seconds(reference, "chat_rl", reference["train"]["chat_rl"][2], speed)
+    try:
+        plan = plan_speedrun(*args, rl=True, **kwargs)
+        training = sum(s.seconds for s in plan.stages if s.kind == "train" and s.run)
+        if floor <= SFT_SHARE * training:
+            return plan
+        why = f"its floor ({format_duration(floor)} here) is more than {SFT_SHARE:.0%} of the training time"
+    except BudgetTooShort as short:
+        why = f"its floor does not fit beside the other stages' (the budget would need " \
+              f"{format_duration(short.minimum)} with it)"
+    plan = plan_speedrun(*args, rl=False, **kwargs)
+    plan.stages += [Stage("chat_rl", "train", 0.0, run=False, why="skipped: " + why),
+                    Stage("chat_eval rl", "eval", 0.0, run=False, why="skipped: no chat_rl")]
+    plan.stages.sort(key=lambda s: ORDER.index(s.name))
+    return plan
 
 
 def planned_seconds(plan, stage):
@@ -282,6 +333,8 @@ def describe(plan):
         elif s.kind == "train":
             what = f"~{s.steps:,} steps in {s.seconds:.0f} s" + (" (its own plan sets the steps)" if
                                                                    s.name == "base_train" else "")
+            if s.name == "base_train" and plan.preset == "gpu":  # its law chooses the depth: the steps are its own
+                what = f"{s.seconds:.0f} s (its own plan sets the depth and the steps)"
         else:
             what = f"{s.seconds:.0f} s"
         lines.append(f"plan | {s.name:<14} {what}")
@@ -319,7 +372,7 @@ def stage_flags(plan, name, now, measured=None):
     a stage that does not run. A stage given flags before (a resumed speedrun) gets the same ones."""
     if name in plan.decided:
         return plan.decided[name]
-    reference = REFERENCE[plan.preset]
+    reference = costs(plan.preset, plan.source, plan.gpus)
     stage = plan.stage(name)
     at = plan.stages.index(stage)
     if name == "base_train":
@@ -397,15 +450,17 @@ def cmd_plan(args):
     if args.dry_run:
         speed, machine = 1.0, "(dry run: the reference machine's costs)"
     elif args.preset == "gpu":
-        speed, machine = 1.0, "GPU node (costs not measured yet: guessed proportions)"
+        speed, machine = 1.0, (f"{args.gpus} GPU(s), priced from one H200's stages with the built-in corpus" +
+                               ("" if args.source == "builtin" else ", this source's data and tasks guessed"))
     else:
         probe, machine = probe_step_seconds()
         speed = probe / REFERENCE[args.preset]["probe_seconds"]
 
     for attempt in (1, 2):
         try:
-            plan = plan_speedrun(budget, args.started_at, time.time(), args.preset, speed, machine, rl=args.rl,
-                             base_chat_eval=args.base_chat_eval)
+            plan = plan_speedrun(budget, args.started_at, time.time(), args.preset, speed, machine,
+                                 rl=args.rl if args.rl == "auto" else bool(int(args.rl)),
+                                 base_chat_eval=args.base_chat_eval, source=args.source, gpus=args.gpus)
             break
         except BudgetTooShort as short:
             # near the minimum a refusal waits for a second probe, the faster deciding (a VM's speed drifts)
