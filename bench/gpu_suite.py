@@ -14,6 +14,10 @@ a process of its own under one deadline, so that one that fails or hangs costs i
     stages  every stage of the speedrun for a few steps, as the gpu preset runs them (tok_train, base_train, base_loss,
             base_eval, mid_train, chat_sft, chat_rl, chat_eval on the built-in corpus and its offline tasks: every
             CUDA path speedrun.sh takes), then chat_web answering one request
+    budget  `NANOCHAT_TIME_BUDGET=6m bash speedrun.sh` as a user starts it (the built-in corpus, offline): its plan, its
+            wall time against the budget (the target: within 10 %), the stages' seconds, any out-of-memory
+    budget_24gb  the same with every stage capped to a 24 GB card (NANOCHAT_GPU_MEMORY=24GB), standing in for the
+            consumer GPUs people train on
 
 train and fp8 run together (bench/suite_training.py): their configurations compile side by side first, as many as the
 GPU's memory holds, and are then timed one at a time, each starting warm; the other sections follow in that order
@@ -25,8 +29,10 @@ under the 16 MiB a lease returns. Without CUDA the same sections run scaled down
 what CI runs. The rows go to stdout in BENCHMARKS.md's table format, the device named in every row, with one JSON line.
 """
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -44,7 +50,7 @@ from bench import suite_training as training
 REFERENCE_URL = "https://github.com/karpathy/nanochat"
 REFERENCE_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"  # 2026-07-03, the newest this project has read
 REFERENCE_DIR = os.path.join(check.REPO_ROOT, ".reference")  # ignored by git: the reference's code is never committed
-SECTIONS = ("train", "fp8", "decode", "run", "serve", "stages")  # the order they run in: the most wanted first
+SECTIONS = ("train", "fp8", "decode", "run", "serve", "stages", "budget", "budget_24gb")  # the order they run in
 CACHE_ARCHIVE, PROFILES_ARCHIVE = "compile_cache.tar.gz", "profiles.tar.gz"
 # what a lease's output folder returns: 8 files at most, each under 16 MiB, 2 folders deep
 OUT_MAX_FILES, OUT_MAX_BYTES, OUT_MAX_DEPTH = 8, 16 * 2**20, 2
@@ -74,6 +80,7 @@ class Scale:
     start_s: float  # a training process's start (python, torch, the model built): an estimate
     profile_s: float  # a profile's reduction and its trace's export after the timed steps: an estimate
     end_reserve_s: float  # kept free at the end for the results and the archives
+    budget: str  # the budgeted speedrun's NANOCHAT_TIME_BUDGET; "" for this machine's least (a CPU's)
 
 
 # The H200's 140 GiB (143,771 MiB) less ~28: CUDA contexts, the allocator's slack, and the error of peaks measured as
@@ -81,13 +88,15 @@ class Scale:
 # (110.3 GiB), never two bf16 d24s.
 GPU = Scale(train_depths=(12, 24), seq_len=2048, device_batch=16, timed_steps=8, warmup=3, fp8_depth=24, run_depth=12,
             run_steps=200, decode_depth=12, decode_rows=(1, 16, 64), serve_clients=(1, 16, 64), serve_tokens=64,
-            vocab=32768, seconds={"train": 450, "decode": 90, "fp8": 540, "run": 150, "serve": 180, "stages": 420},
-            costs=training.GPU_COSTS, memory_budget_gib=112, start_s=10, profile_s=10, end_reserve_s=15)
+            vocab=32768, seconds={"train": 450, "decode": 90, "fp8": 540, "run": 150, "serve": 180, "stages": 420,
+                                  "budget": 420, "budget_24gb": 420},
+            costs=training.GPU_COSTS, memory_budget_gib=112, start_s=10, profile_s=10, end_reserve_s=15, budget="6m")
 # two compiles at once on a CPU at most: the 1 GiB each is what keeps it to two on a small machine's cores
 CPU = Scale(train_depths=(2,), seq_len=64, device_batch=4, timed_steps=2, warmup=1, fp8_depth=2, run_depth=2,
             run_steps=30, decode_depth=2, decode_rows=(1, 4), serve_clients=(1, 4), serve_tokens=8, vocab=4096,
-            seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600},
-            costs=training.CPU_COSTS, memory_budget_gib=2.5, start_s=15, profile_s=10, end_reserve_s=20)
+            seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600, "budget": 420,
+                     "budget_24gb": 420},
+            costs=training.CPU_COSTS, memory_budget_gib=2.5, start_s=15, profile_s=10, end_reserve_s=20, budget="")
 
 
 def reference_checkout(path):
@@ -350,6 +359,74 @@ def section_stages(scale, deadline, out, paths):
     finally:
         server.stop()
     return rows
+
+
+def least_budget(env):
+    """This machine's least budget in seconds, as the speedrun states it when a budget of one second is refused."""
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=check.REPO_ROOT, env={**env, "NANOCHAT_TIME_BUDGET": "1s"},
+                       capture_output=True, text=True, timeout=300)
+    found = re.search(r"give at least (?:(\d+)h )?(?:(\d+)m )?(\d+)s", p.stderr)
+    if not found:
+        raise RuntimeError(f"the speedrun stated no least budget: {p.stderr.strip()[-300:]}")
+    hours, minutes, seconds = (int(g or 0) for g in found.groups())
+    return 3600 * hours + 60 * minutes + seconds
+
+
+def section_budget(scale, deadline, out, paths, memory=""):
+    """The whole speedrun to a time budget as a user starts it, in a fresh base dir on the built-in corpus, offline,
+    in this Python's environment (NANOCHAT_PYTHON: a lease's machine has no uv): its plan, its wall time against the
+    budget, the stages' seconds and whether any ran out of memory; with `memory`, every stage capped to it."""
+    from nanochat.training.pipeline_plan import ORDER
+    from nanochat.training.time_budget import parse_duration
+
+    name = "budget" + (f"_{memory.lower()}" if memory else "")
+    base = os.path.join(paths["root"], "runs", f"suite_{name}")
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    env = {"NANOCHAT_BASE_DIR": base, "NANOCHAT_DATA_SOURCE": "builtin", "NANOCHAT_PYTHON": sys.executable,
+           "NANOCHAT_GPU_MEMORY": memory}  # "" is unset for speedrun.sh and every stage
+    seconds = parse_duration(scale.budget) if scale.budget else least_budget({**os.environ, **env})
+    given = scale.budget or f"{seconds} s (this machine's least)"
+    label = f"budgeted speedrun ({given}, built-in corpus, {f'every stage capped to {memory}' if memory else 'whole card'})"
+    if left(deadline) < 1.1 * seconds + 10:
+        return [(label, f"skipped: {left(deadline):.0f} s left, the budget and its 10 % need {1.1 * seconds:.0f}")]
+    child = training.Child(name, ["bash", "speedrun.sh"], {**env, "NANOCHAT_TIME_BUDGET": f"{seconds}s"},
+                           paths["logs"], left(deadline))
+    try:
+        code = child.process.wait(timeout=max(1.0, left(deadline)))
+    except subprocess.TimeoutExpired:
+        child.kill("past the suite's deadline")
+        code = None
+    wall = time.time() - child.started
+    with open(child.out_path) as f, open(child.log_path) as g:
+        printed = f.read() + g.read()
+    stage_times = {}
+    with contextlib.suppress(OSError), open(os.path.join(base, "speedrun_times.txt")) as f:
+        for line in f:
+            stage, _, took = line.strip().rpartition(" ")
+            stage_times[stage] = int(took)
+    plan = [line[len("plan | "):] for line in printed.splitlines() if line.startswith("plan | ")]
+    memory_errors = [line for line in printed.splitlines() if "out of memory" in line.lower()]
+    out[name] = {"budget_s": seconds, "wall_s": wall, "exit_code": code, "stage_seconds": stage_times, "plan": plan,
+                 "out_of_memory": memory_errors[:5]}
+    if code != 0:
+        tail = [line for line in printed.splitlines() if line.strip()][-1:] or ["no output"]
+        why = "killed past the suite's deadline" if code is None else f"exit code {code}"
+        return [(label, f"failed: {why} after {wall:.0f} s: {tail[0][:300]} (log: {child.out_path})")]
+    apart = wall / seconds - 1
+    ran = ", ".join(f"{stage} {took} s" for stage, took in stage_times.items())
+    base_plan = next((line for line in plan if re.match(r"d\d+: ", line)), "no base_train plan printed")
+    return [(f"{label}: wall time", f"{wall:.0f} s of {seconds} s ({apart * 100:+.1f} %, "
+                                    f"{'within' if abs(apart) <= 0.10 else 'OUTSIDE'} 10 %); {ran}"),
+            (f"{label}: the plan", "; ".join(" ".join(line.split()) for line in plan if " skipped" not in line and
+                                             any(line.startswith(f"{stage} ") for stage in ORDER))),
+            (f"{label}: base_train's plan", base_plan.split(" | ends by")[0]),
+            (f"{label}: out of memory", f"{len(memory_errors)} times" + (f" (first: {memory_errors[0][:200]})"
+                                                                           if memory_errors else ""))]
+
+
+def section_budget_24gb(scale, deadline, out, paths):
+    return section_budget(scale, deadline, out, paths, memory="24GB")
 
 
 def left(deadline):

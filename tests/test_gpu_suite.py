@@ -29,15 +29,15 @@ from bench import suite_training as training
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def suite(base, args, timeout=900):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
+def suite(base, args, timeout=900, threads="1"):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS=threads)
     return subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--suite", *args], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_bad_sections_and_deadlines_are_refused_before_any_work(tmp_path):
     p = suite(tmp_path, ["--only", "train,graphs"])
-    assert p.returncode != 0 and "--only takes train,fp8,decode,run,serve,stages (got graphs)" in p.stderr
+    assert p.returncode != 0 and "--only takes train,fp8,decode,run,serve,stages,budget,budget_24gb (got graphs)" in p.stderr
     p = suite(tmp_path, ["--suite-minutes", "0"])
     assert p.returncode != 0 and "--suite-minutes must be > 0" in p.stderr
     (tmp_path / "a_file").write_text("")
@@ -282,7 +282,8 @@ def test_the_offline_wheels_carry_every_package_the_server_and_its_client_import
 @pytest.mark.slow  # ~4 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
 def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     out = tmp_path / "out"
-    p = suite(tmp_path / "base", ["--suite-minutes", "14", "--reference", str(tmp_path / "no_reference"),
+    p = suite(tmp_path / "base", ["--only", "train,fp8,decode,run,serve,stages", "--suite-minutes", "14",
+                                  "--reference", str(tmp_path / "no_reference"),
                                   "--out-dir", str(out), "--compile-cache-dir", str(tmp_path / "caches")])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     result = json.loads(p.stdout.strip().splitlines()[-1])["gpu_suite"]
@@ -335,3 +336,28 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     assert all(re.search(rf"^{phase} ", profile, re.M) for phase in profiling.PHASES) and "recompiles 0" in profile
     assert not [r for r in rows.values() if r.startswith("failed")]
     assert {r for r in rows.values() if r.startswith("skipped")} == {reference[0], fp8["torchao"]}
+
+
+@pytest.mark.slow  # ~8 minutes: the whole speedrun twice, each to this machine's least budget
+def test_the_budget_sections_run_the_budgeted_speedrun_and_time_it(tmp_path):
+    """The sections a GPU runs as `NANOCHAT_TIME_BUDGET=6m bash speedrun.sh`, on the whole card and capped to 24 GB: on
+    a CPU each runs the cpu preset to this machine's least budget, through NANOCHAT_PYTHON as on a lease's machine
+    (which has no uv), and says its wall time against the budget, its plan, base_train's plan and any out-of-memory."""
+    p = suite(tmp_path / "base", ["--only", "budget,budget_24gb", "--suite-minutes", "12", "--out-dir",
+                                  str(tmp_path / "out")], timeout=900, threads=str(os.cpu_count() or 1))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])["gpu_suite"]
+    rows = dict(result["rows"])
+    for name, capped in (("budget", "whole card"), ("budget_24gb", "every stage capped to 24GB")):
+        label = next(n for n in rows if n.endswith(f"{capped}): wall time"))[:-len(": wall time")]
+        run = result["results"][name]
+        assert run["exit_code"] == 0 and abs(run["wall_s"] / run["budget_s"] - 1) <= 0.10, run
+        assert re.fullmatch(rf"\d+ s of {run['budget_s']} s \([+-][\d.]+ %, within 10 %\); data: built-in corpus \d+ s, "
+                            r"tokenizer: train \d+ s, base_train \d+ s, chat_sft \d+ s, chat_eval sft \d+ s, report \d+ s",
+                            rows[f"{label}: wall time"]), rows[f"{label}: wall time"]
+        assert re.match(r"data \d+ s; tok_train \d+ s; base_train ~[\d,]+ steps in \d+ s", rows[f"{label}: the plan"])
+        assert re.match(r"d4: [\d,]+ params", rows[f"{label}: base_train's plan"])
+        assert rows[f"{label}: out of memory"] == "0 times"
+    # the capped run planned for the card it was given
+    assert any("NANOCHAT_GPU_MEMORY=24GB" in line for line in result["results"]["budget_24gb"]["plan"])
+    assert not any("NANOCHAT_GPU_MEMORY" in line for line in result["results"]["budget"]["plan"])
