@@ -18,6 +18,7 @@ quality, time budgets.
     python -m scripts.bench serve --fresh --scoring          # the largest scoring request beside a stream
     python -m scripts.bench budget --budgets 2m 5m 10m     # base_train --time-budget: plan, time, predicted vs val bpb
     python -m scripts.bench wordings -i sft                # held-out WorldQA per question wording (the dev split)
+    python -m scripts.bench estimate                       # the time to GPT-2's CORE on 8xH100, from a lease's parts
 
 Each subcommand prints a table and then, as the last line of stdout, one line of JSON
 ({"bench": ..., ...}) for scripts to read. Nothing here asserts a speed.
@@ -38,7 +39,7 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from bench import budget, dataloader, engine, importing, kernels, memory, quality, serve, tokenizer, train, wordings
+from bench import budget, dataloader, engine, estimate, importing, kernels, memory, quality, serve, tokenizer, train, wordings
 from bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -65,6 +66,9 @@ def parse_args(argv=None):
     w.add_argument("--split", default="dev", choices=["dev", "eval"], help="eval: for reporting, not for choosing a change")
     w.add_argument("--max-new-tokens", type=int, default=48)
     w.add_argument("--device-type", default="", help="cuda|cpu (default: autodetect)")
+    s = sub.add_parser("estimate", help="the time to GPT-2's CORE on one 8xH100 node, from a GPU lease's measured parts")
+    s.add_argument("--results", default="", help="a gpu_check --suite results file (default: the newest in "
+                   "dev/gpu_results/ with a d24 step)")
     return p.parse_args(argv)
 
 
@@ -214,7 +218,7 @@ def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
                 "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "memory": memory.cmd_memory, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget,
-                "wordings": wordings.cmd_wordings}
+                "wordings": wordings.cmd_wordings, "estimate": estimate.cmd_estimate}
     commands[args.command](args)
 
 

@@ -275,3 +275,39 @@ def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypa
     assert result["accuracy"] == round(capitals / len(task), 4) and 0 < capitals < len(task)
     assert result["wordings"] == {f"{r}: {w.replace('{s}', 'X')}": float(r == "capital")
                                   for r, forms in DEV_QUESTIONS.items() for w in forms}
+
+
+@pytest.mark.quick
+def test_estimate_prices_the_8xh100_run_from_a_lease_s_measured_parts(tmp_path, capsys):
+    """bench estimate on the H200 lease's committed results: the gpu preset's steps are its tokens per parameter times
+    the d24's scaling parameters over its batch, each row's hours are its steps at its step time plus its evaluations,
+    the worst case never beats the best, and an H200's measured step is scaled to an H100's (an H100's file is not);
+    a results file without a d24 step is refused in one line naming it."""
+    from nanochat.common import UserError
+    from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+
+    h200 = os.path.join(REPO, "dev", "gpu_results", "2026-11-28_193525_1x-NVIDIA-H200-torch-2.11.0-cu130-CUDA-13.0.json")
+    bench.main(["estimate", "--results", h200])
+    result = last_json_line(capsys.readouterr().out)
+    params = depth_recipe(24, 32768, 2048, 2**19, num_iterations=1,
+                          components=split_components(DEFAULT_COMPONENTS)[0]).scaling_params
+    assert result["scaling_params"] == params and result["h100_factor"] > 1
+    preset = result["rows"][0]
+    assert preset["tokens"] == 10 * params and preset["steps"] == round(10 * params / 2**19)
+    assert {row["run"].split(":")[0] for row in result["rows"]} >= {"ours, the gpu preset", "ours at the record's run"}
+    for row in result["rows"]:
+        assert 0 < row["step_ms"][0] <= row["step_ms"][1]
+        for hours, step_ms in zip(row["hours"], row["step_ms"]):
+            assert hours == pytest.approx((row["steps"] * step_ms / 1000 + row["eval_s"]) / 3600)
+    with open(h200) as f:
+        as_h100 = json.load(f)
+    as_h100["gpu_suite"]["machine"] = "1x NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, CUDA 13.0"
+    (tmp_path / "h100.json").write_text(json.dumps(as_h100))
+    bench.main(["estimate", "--results", str(tmp_path / "h100.json")])
+    on_h100 = last_json_line(capsys.readouterr().out)
+    assert on_h100["h100_factor"] == 1.0
+    assert on_h100["rows"][0]["step_ms"][0] * result["h100_factor"] == pytest.approx(preset["step_ms"][0])
+    del as_h100["gpu_suite"]["results"]["ours_d24"]
+    (tmp_path / "no_d24.json").write_text(json.dumps(as_h100))
+    with pytest.raises(UserError, match=r"no_d24.json has no measured d24 step"):
+        bench.main(["estimate", "--results", str(tmp_path / "no_d24.json")])

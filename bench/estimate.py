@@ -1,0 +1,107 @@
+"""
+`bench estimate`: the time to GPT-2's CORE on one 8xH100 node, estimated from the parts a GPU lease measured (a
+`gpu_check --suite` results file: the d24 step's forward, backward and optimizer on one GPU), next to the record's
+1.65 h (karpathy/nanochat's leaderboard: d24, 8 tokens per parameter, fp8, 2^20-token steps). Nothing here is timed:
+each row is arithmetic on measured numbers and the assumptions below, printed with them.
+
+    one step on 8 GPUs = its micro-steps' forward + backward (the step's tokens / 8 GPUs, at the measured per-token
+                         time) + the optimizer + the gradients' reduce-scatter and the parameters' all-gather
+    the run            = steps x one step + the val evaluations during training (forward only, every 250 steps)
+
+Best and worst case: the optimizer split evenly over the 8 ranks and the collectives hidden behind it, or the
+optimizer as slow as on one GPU and every collective exposed. Not priced: start-up and compiles, CORE during training,
+the data loader (measured at 0.1-0.2 ms of a step).
+"""
+
+import glob
+import json
+import os
+
+from bench.common import emit_json, print_table
+from nanochat.common import UserError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD_HOURS = 1.65  # karpathy/nanochat's leaderboard, entry 6 (2026-03-14): CORE 0.2626 against GPT-2's 0.2565
+GPUS = 8
+# The H100's step against the H200's: the same bf16 peak, less memory bandwidth. Measured: gpu_check's d12 base_train,
+# 551,946 tok/s on an H200 (c2af0e1) and 498,052 on an H100 (f6dba28), 2026-11-26 (BENCHMARKS.md "GPU")
+H100_OVER_H200 = 551_946 / 498_052
+# NCCL's reduce-scatter and all-gather bus bandwidth inside one NVLink-4 node of 8 H100s: an assumption (nccl-tests on
+# such nodes report ~350-480 GB/s), the lower end taken
+BUS_BYTES_PER_S = 360e9
+GRADIENT_BYTES = 4  # fp32 gradients and parameters travel (the model keeps fp32 weights under bf16 autocast)
+EVAL_EVERY, EVAL_BATCHES = 250, 20  # the gpu preset's val bpb: every 250 steps, 20 x 2^19 tokens
+
+
+def newest_results():
+    """The newest suite results file under dev/gpu_results/ that holds our d24 step."""
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "dev", "gpu_results", "*.json")), reverse=True):
+        with open(path) as f:
+            if "ours_d24" in json.load(f)["gpu_suite"]["results"]:
+                return path
+    raise UserError("no results file in dev/gpu_results/ holds a d24 step: give --results, from a GPU lease's "
+                    "`python -m scripts.gpu_check --suite --only train`")
+
+
+def read_results(path):
+    try:
+        with open(path) as f:
+            suite = json.load(f)["gpu_suite"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{path} is not a gpu_check --suite results file ({e}): give one from dev/gpu_results/") from None
+    if "ours_d24" not in suite["results"] or "breakdown_ms" not in suite["results"]["ours_d24"]:
+        raise UserError(f"{path} has no measured d24 step (ours_d24): give a results file of "
+                        "`gpu_check --suite --only train`")
+    return suite
+
+
+def step_parts(run, h100_factor):
+    """(ms of forward+backward per token, ms of forward per token, ms of one optimizer step) on one H100."""
+    phases, tokens = run["breakdown_ms"], run["device_batch_size"] * run["seq_len"]
+    return ((phases["forward"] + phases["backward"]) / tokens * h100_factor, phases["forward"] / tokens * h100_factor,
+            phases["optimizer"] * h100_factor)
+
+
+def estimate(label, run, params, tokens_per_param, batch_tokens, h100_factor):
+    """One row: the run's tokens and steps, a step on 8 GPUs and the whole run, best and worst case."""
+    per_token, forward_per_token, optimizer = step_parts(run, h100_factor)
+    tokens = tokens_per_param * params
+    steps = round(tokens / batch_tokens)
+    compute = batch_tokens / GPUS * per_token  # ms: each GPU's share of the step's tokens
+    collectives = 2 * run["params"] * GRADIENT_BYTES * (GPUS - 1) / GPUS / BUS_BYTES_PER_S * 1000
+    best, worst = compute + optimizer / GPUS, compute + optimizer + collectives
+    evals = (steps // EVAL_EVERY + 1) * EVAL_BATCHES * 2**19 / GPUS * forward_per_token / 1000  # seconds
+    hours = [(steps * ms / 1000 + evals) / 3600 for ms in (best, worst)]
+    return {"run": label, "tokens": tokens, "steps": steps, "step_ms": [best, worst], "collectives_ms": collectives,
+            "eval_s": evals, "hours": hours, "over_record": [h / RECORD_HOURS for h in hours]}
+
+
+def cmd_estimate(args):
+    from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+
+    path = args.results or newest_results()
+    suite = read_results(path)
+    results, machine = suite["results"], suite["machine"]
+    h100_factor = 1.0 if "H100" in machine else H100_OVER_H200
+    model_components, _ = split_components(DEFAULT_COMPONENTS)
+    params = depth_recipe(24, 32768, 2048, 2**19, num_iterations=1, components=model_components).scaling_params
+    rows = [estimate("ours, the gpu preset: d24, 10 tokens/param, 2^19-token steps, bf16", results["ours_d24"], params,
+                     10, 2**19, h100_factor),
+            estimate("ours at the record's run: d24, 8 tokens/param, 2^20-token steps, bf16", results["ours_d24"],
+                     params, 8, 2**20, h100_factor)]
+    if "breakdown_ms" in results.get("ours_fp8_d24", {}):
+        rows.append(estimate("the same with our fp8", results["ours_fp8_d24"], params, 8, 2**20, h100_factor))
+    if "breakdown_ms" in results.get("reference_d24", {}):
+        rows.append(estimate("the reference's step at the record's run, bf16 (its fp8 not measured)",
+                             {**results["reference_d24"], "params": results["ours_d24"]["params"]}, params, 8, 2**20,
+                             h100_factor))
+    print(f"estimate | from {os.path.relpath(path, REPO_ROOT)} ({machine}, {suite['commit']}); one H100 = one "
+          f"{'H100 as measured' if h100_factor == 1 else f'H200 x {h100_factor:.3f}'}; collectives at "
+          f"{BUS_BYTES_PER_S / 1e9:.0f} GB/s bus bandwidth; d24 scaling params {params:,}")
+    print_table("The time to GPT-2's CORE on one 8xH100 node, estimated", ["run", "tokens", "steps", "a step on 8xH100, best-worst", "hours, best-worst", "x the record's 1.65 h"],
+                [[r["run"], f"{r['tokens'] / 1e9:.2f}B", f"{r['steps']:,}",
+                  f"{r['step_ms'][0]:.0f}-{r['step_ms'][1]:.0f} ms", f"{r['hours'][0]:.2f}-{r['hours'][1]:.2f}",
+                  f"{r['over_record'][0]:.2f}-{r['over_record'][1]:.2f}"] for r in rows])
+    emit_json({"bench": "estimate", "results": os.path.relpath(path, REPO_ROOT), "machine": machine,
+               "commit": suite["commit"], "h100_factor": h100_factor, "bus_bytes_per_s": BUS_BYTES_PER_S,
+               "scaling_params": params, "record_hours": RECORD_HOURS, "rows": rows})
