@@ -92,6 +92,7 @@ if [ "$PRESET" = gpu ]; then
         exit 1
     fi
     LAUNCH="$TORCHRUN --standalone --nproc_per_node=$NGPU -m"
+    SEP="--"  # torchrun hands what follows to the stage untouched (without it, it took --run=... for its --run-path)
     TOK_FLAGS="--max-chars=2000000000 --vocab-size=32768"
     BASE_FLAGS="--depth=$DEPTH --target-param-data-ratio=10 --device-batch-size=$DEVICE_BATCH --save-every=1000 --eval-bundle=dclm"
     LOSS_FLAGS="--device-batch-size=$DEVICE_BATCH"
@@ -108,7 +109,7 @@ else
     export NANOCHAT_DATA_SOURCE="${NANOCHAT_DATA_SOURCE:-builtin}"
     SHARDS=8  # only if NANOCHAT_DATA_SOURCE names a hub source
     DEPTH=4; TAG=d4
-    LAUNCH="$PY -m"
+    LAUNCH="$PY -m"; SEP=""
     TOK_FLAGS="--max-chars=20000000 --vocab-size=4096"
     BASE_FLAGS="--depth=4 --max-seq-len=256 --device-batch-size=8 --total-batch-size=2048 --num-iterations=700 \
 --eval-every=100 --eval-tokens=32768 --core-metric-every=-1 --sample-every=350 --save-every=100"
@@ -290,34 +291,34 @@ if [ "$SOURCE_KIND" = hub ] && [ "$DRY_RUN" != 1 ]; then
 fi
 
 train_stage "base_train" base_checkpoints base-model-training \
-    $LAUNCH scripts.base_train $BASE_FLAGS $(plan_flags base_train) --model-tag=$TAG --seed=$SEED \
+    $LAUNCH scripts.base_train $SEP $BASE_FLAGS $(plan_flags base_train) --model-tag=$TAG --seed=$SEED \
     ${COMPONENTS:+--components=$COMPONENTS} --run="$RUN"
-plan_runs base_loss && stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $LOSS_FLAGS --model-tag=$TAG
-plan_runs base_eval && stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $EVAL_FLAGS --model-tag=$TAG
+plan_runs base_loss && stage "base_loss" "report_has base-model-loss" $LAUNCH scripts.base_loss $SEP $LOSS_FLAGS --model-tag=$TAG
+plan_runs base_eval && stage "base_eval" "report_has base-model-evaluation" $LAUNCH scripts.base_eval $SEP $EVAL_FLAGS --model-tag=$TAG
 if [ -n "$BASE_CHAT_EVAL" ] && plan_runs "chat_eval base"; then
     stage "chat_eval base" "report_has chat-evaluation-base" \
-        $LAUNCH scripts.chat_eval -i base -g $TAG -a $BASE_CHAT_EVAL $CHAT_EVAL_FLAGS
+        $LAUNCH scripts.chat_eval $SEP -i base -g $TAG -a $BASE_CHAT_EVAL $CHAT_EVAL_FLAGS
 fi
 
 MID_PLAN=$(plan_flags mid_train)  # a budget can give mid_train's time to base_train: chat_sft then starts from base
 if [[ "$MID_PLAN" != skip:* ]]; then
     train_stage "mid_train" mid_checkpoints midtraining \
-        $LAUNCH scripts.mid_train -g $TAG ${MID_STEPS:+--num-iterations=$MID_STEPS} $MID_PLAN $MID_FLAGS --run="$RUN"
-    plan_runs "chat_eval mid" && stage "chat_eval mid" "report_has chat-evaluation-mid" $LAUNCH scripts.chat_eval -i mid -g $TAG $CHAT_EVAL_FLAGS
+        $LAUNCH scripts.mid_train $SEP -g $TAG ${MID_STEPS:+--num-iterations=$MID_STEPS} $MID_PLAN $MID_FLAGS --run="$RUN"
+    plan_runs "chat_eval mid" && stage "chat_eval mid" "report_has chat-evaluation-mid" $LAUNCH scripts.chat_eval $SEP -i mid -g $TAG $CHAT_EVAL_FLAGS
 fi
 train_stage "chat_sft" chatsft_checkpoints chat-sft \
-    $LAUNCH scripts.chat_sft -g $TAG ${SFT_STEPS:+--num-iterations=$SFT_STEPS} $(plan_flags chat_sft) $SFT_FLAGS --run="$RUN"
-plan_runs "chat_eval sft" && stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval -i sft -g $TAG $CHAT_EVAL_FLAGS
+    $LAUNCH scripts.chat_sft $SEP -g $TAG ${SFT_STEPS:+--num-iterations=$SFT_STEPS} $(plan_flags chat_sft) $SFT_FLAGS --run="$RUN"
+plan_runs "chat_eval sft" && stage "chat_eval sft" "report_has chat-evaluation-sft" $LAUNCH scripts.chat_eval $SEP -i sft -g $TAG $CHAT_EVAL_FLAGS
 if [ "$RUN_RL" = 1 ] && plan_runs chat_rl; then  # a budget runs the gpu preset's chat_rl only where it fits
     train_stage "chat_rl" chatrl_checkpoints chat-rl \
-        $LAUNCH scripts.chat_rl -g $TAG ${RL_STEPS:+--num-iterations=$RL_STEPS} $(plan_flags chat_rl) $RL_FLAGS --run="$RUN"
-    stage "chat_eval rl" "report_has chat-evaluation-rl" $LAUNCH scripts.chat_eval -i rl -g $TAG $CHAT_EVAL_FLAGS
+        $LAUNCH scripts.chat_rl $SEP -g $TAG ${RL_STEPS:+--num-iterations=$RL_STEPS} $(plan_flags chat_rl) $RL_FLAGS --run="$RUN"
+    stage "chat_eval rl" "report_has chat-evaluation-rl" $LAUNCH scripts.chat_eval $SEP -i rl -g $TAG $CHAT_EVAL_FLAGS
 fi
 [ -n "$BUDGET" ] && plan_flags report > /dev/null  # the plan's section of the report card, as it was kept
 stage "report" "false" $PY -m nanochat.report generate
 
 if [ "$DRY_RUN" != 1 ]; then
-    FINAL=$([ "$RUN_RL" = 1 ] && plan_runs chat_rl && echo rl || echo sft)
+    FINAL=$([ "$RUN_RL" = 1 ] && plan_runs chat_rl 2>/dev/null && echo rl || echo sft)
     ENV=$([ "$BASE_DIR" = "$HOME/.cache/nanochat" ] || echo "NANOCHAT_BASE_DIR=$BASE_DIR ")
     echo
     echo "Done. Talk to your model:"

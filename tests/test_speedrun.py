@@ -23,6 +23,12 @@ def dry_run(tmp_path, preset, ngpu, **extra_env):
     return subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+def torch_run_parser():
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
 def commands(stdout):
     """(module, launcher words, flags) of each printed command."""
     out = []
@@ -33,7 +39,8 @@ def commands(stdout):
         if "-m" not in words:
             continue
         at = len(words) - 1 - words[::-1].index("-m")  # torchrun has its own flags before the script's -m
-        out.append((words[at + 1], words[:at], words[at + 2:]))
+        flags = words[at + 2:]
+        out.append((words[at + 1], words[:at], flags[1:] if flags[:1] == ["--"] else flags))  # "--": torchrun's end
     return out
 
 
@@ -60,6 +67,11 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
         if name not in TRAINING + ["base_loss", "base_eval", "chat_eval"]:
             continue
         assert "torchrun" in launcher and f"--nproc_per_node={ngpu}" in launcher, (module, launcher)
+        # torchrun's own parser must hand the stage every flag untouched (it once read --run=... as its --run-path)
+        line = next(line for line in p.stdout.splitlines() if f"-m {module} " in line and shlex.split(line)[-len(flags):] == flags)
+        words = shlex.split(line)
+        launched = torch_run_parser().parse_args(words[words.index("torchrun") + 1:])
+        assert (launched.training_script, launched.training_script_args) == (module, flags), line
         if name not in parsers:
             continue
         args = parsers[name](flags)
