@@ -247,3 +247,29 @@ def test_two_ranks_halve_their_device_batch_together(tiny_base_dir, tmp_path):
     p = base_train(shrunk, tiny + ["--device-batch-size=4"], nproc=2, env_extra={"NANOCHAT_SIMULATE_OOM_ROWS": "2"})
     assert p.returncode == 0 and "going on at 2 with 2 micro-steps" in p.stdout, p.stderr[-2000:]
     assert train_losses(shrunk) == pytest.approx(train_losses(small), rel=1e-5)
+
+
+@pytest.mark.quick
+def test_a_chat_stage_s_guessed_steps_are_set_again_after_its_first_timed_steps():
+    """A chat stage plans its steps from a guess (FLOPs at 35 % MFU) that can be hundreds of times too fast (the gpu
+    preset's SFT on 32 short conversations a step runs at ~0.1 % MFU): its step count is set again at step 10, from
+    the steps timed so far, so the stage ends inside its budget instead of a tenth of the guessed steps later."""
+    from types import SimpleNamespace
+
+    from nanochat.training import time_budget as tb
+    from nanochat.training.loop import StepTimer
+
+    device = torch.device("cpu")
+    started = time.time()
+    plan = tb.plan_stage_steps(120, started, 0.001, 0.0, -1, 0.5, 4, 32, 4, 1, device)
+    assert plan.num_iterations > 50_000 and plan.calibrate_at == tb.MIN_CALIBRATE_STEP
+    clock = tb.BudgetClock(plan, active=True, warmdown_ratio=0.5)
+    timer = StepTimer()
+    for _ in range(clock.calibrate_at):
+        timer.add(0.5)  # each step really takes 500x the guess
+    loop = SimpleNamespace(step=clock.calibrate_at, timer=timer, device=device, eval_seconds={}, save_seconds=None,
+                           meta={}, num_iterations=plan.num_iterations)
+    clock.calibrate(loop)
+    left = plan.deadline - time.time() - plan.end_seconds
+    assert 10 < loop.num_iterations and (loop.num_iterations - 10) * 0.5 <= left + 0.5
+    assert clock.calibrate_at is not None and clock.calibrate_at < loop.num_iterations  # and once more before the warmdown

@@ -554,7 +554,10 @@ def plan_stage_steps(budget_seconds, started_at, step_seconds, eval_seconds, eva
     end_seconds = END_SECONDS.get(device.type, 2.0) + 1.0  # + the final save of a small model, until one is measured
     seconds = started_at + budget_seconds - now - START_SECONDS - end_seconds - eval_seconds
     n = max(1, steps_that_fit(seconds, step_seconds, eval_seconds, eval_every, save_every=save_every, save_seconds=1.0))
-    calibrate_at = max(MIN_CALIBRATE_STEP, round(CALIBRATE_FRACTION * n))
+    # set again at the first steps that can be timed, not a tenth of the way: the guess can be far off (the gpu
+    # preset's chat_sft, 32 short conversations a step: guessed 11 ms, measured ~0.28 s on a 2-core CPU and 0.5-1 s
+    # at d12 on an H200, where a tenth of the guessed steps ran past the whole budget)
+    calibrate_at = MIN_CALIBRATE_STEP
     return RunPlan(budget_seconds=budget_seconds, started_at=started_at, law="", depth=depth, aspect_ratio=0, head_dim=0,
                 device_batch_size=device_batch_size, grad_accum=grad_accum, total_batch_size=total_batch_size,
                 num_iterations=n, params=0, scaling_params=0, step_seconds=step_seconds, eval_seconds=eval_seconds,
