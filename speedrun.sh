@@ -38,6 +38,11 @@ if [ -z "${NANOCHAT_PYTHON:-}" ] && [ "$DRY_RUN" != 1 ]; then
     uv sync --quiet
 fi
 PY="${NANOCHAT_PYTHON:-uv run --no-sync python}"
+if [ -n "${NANOCHAT_PYTHON:-}" ] && [ "$DRY_RUN" != 1 ] && ! $PY -c "import torch, nanochat" >/dev/null 2>&1; then
+    echo "NANOCHAT_PYTHON=$NANOCHAT_PYTHON cannot import torch and nanochat here: give a Python whose environment has" \
+         "the project's packages, or unset it to run with uv" >&2
+    exit 1
+fi
 TORCHRUN=$([ -n "${NANOCHAT_PYTHON:-}" ] && echo "$PY -m torch.distributed.run" || echo "uv run --no-sync torchrun")
 
 BUDGET="${NANOCHAT_TIME_BUDGET:-}"  # empty: the presets' fixed sizes

@@ -186,3 +186,11 @@ def test_a_ready_environment_runs_without_uv_and_a_builtin_gpu_run_stays_offline
     assert "--eval-bundle=builtin" in flags["scripts.base_eval"] and "--eval-bundle=builtin" in flags["scripts.base_train"]
     p = dry_run(tmp_path, "gpu", 1)  # the preset's own text: the published bundle
     assert "--eval-bundle=builtin" not in p.stdout and "--eval-bundle=dclm" in p.stdout
+
+
+@pytest.mark.quick
+def test_a_python_that_cannot_run_the_project_is_refused_before_any_stage(tmp_path):
+    env = dict(os.environ, NANOCHAT_PYTHON=str(tmp_path / "no_python"), NANOCHAT_BASE_DIR=str(tmp_path / "base"))
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and f"NANOCHAT_PYTHON={tmp_path / 'no_python'} cannot import torch and nanochat" in p.stderr
+    assert not (tmp_path / "base").exists()

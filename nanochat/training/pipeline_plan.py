@@ -330,11 +330,11 @@ def describe(plan):
     for s in plan.stages:
         if not s.run:
             what = s.why
+        elif s.name == "base_train" and plan.preset == "gpu":  # its law chooses the depth: the steps are its own
+            what = f"{s.seconds:.0f} s (its own plan sets the depth and the steps)"
         elif s.kind == "train":
             what = f"~{s.steps:,} steps in {s.seconds:.0f} s" + (" (its own plan sets the steps)" if
                                                                    s.name == "base_train" else "")
-            if s.name == "base_train" and plan.preset == "gpu":  # its law chooses the depth: the steps are its own
-                what = f"{s.seconds:.0f} s (its own plan sets the depth and the steps)"
         else:
             what = f"{s.seconds:.0f} s"
         lines.append(f"plan | {s.name:<14} {what}")
