@@ -136,7 +136,7 @@ else
 fi
 
 if [ -n "$BUDGET" ]; then
-    # One plan for the whole pipeline (nanochat/training/pipeline_plan.py): it measures this machine, then gives every stage
+    # One plan for the whole pipeline (nanochat/planning/pipeline_plan.py): it measures this machine, then gives every stage
     # its seconds or steps and decides which evaluations run; each stage asks for its flags as it starts, so a stage
     # that ran long takes from the ones after it. The models are tagged with the budget.
     TAG="budget-$BUDGET_LABEL"
@@ -241,7 +241,7 @@ if [ -n "$COMPONENTS" ] && { [ "$DRY_RUN" != 1 ] || [ -n "${NANOCHAT_PYTHON:-}" 
     # a typo fails here, not in base_train after the data stages, with the base dir's signature recording it
     $PY -c "import sys
 from nanochat.common import UserError
-from nanochat.training.recipe import canonical_components
+from nanochat.recipe import canonical_components
 try: canonical_components(sys.argv[1])
 except UserError as e: sys.exit(f'NANOCHAT_COMPONENTS: {e}')" "$COMPONENTS" || exit 1
 fi

@@ -63,7 +63,7 @@ def cpu_seconds():
 
 
 def budget_seconds(text):
-    from nanochat.training.time_budget import parse_duration
+    from nanochat.planning.time_budget import parse_duration
 
     return parse_duration(text)
 

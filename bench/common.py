@@ -12,7 +12,7 @@ import time
 import torch
 
 from nanochat.common import UserError, cpu_flags, orthogonalization_dtype, print0
-from nanochat.data.corpus import write_corpus
+from nanochat.corpus.build import write_corpus
 
 BENCH_TOKENIZER_VOCAB = 4096  # the CPU preset's vocabulary
 

@@ -9,7 +9,7 @@ import time
 from bench.common import BENCH_TOKENIZER_VOCAB, bench_vocab_size, emit_json, ensure_data, machine_info, print_table
 from bench.train import Run
 from nanochat.common import compute_init
-from nanochat.training.recipe import DEFAULT_COMPONENTS
+from nanochat.recipe import DEFAULT_COMPONENTS
 
 
 def cmd_dataloader(args):

@@ -21,7 +21,7 @@ def engine_model(args, device):
         return model.prepare_for_inference(), tokenizer, f"{args.source}/{meta['model_tag']}"
     from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+    from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
     ensure_data(BENCH_TOKENIZER_VOCAB)
     tokenizer = get_tokenizer()

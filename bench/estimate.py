@@ -79,7 +79,7 @@ def estimate(label, run, params, tokens_per_param, batch_tokens, h100_factor):
 
 
 def cmd_estimate(args):
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+    from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
     path = args.results or newest_results()
     suite = read_results(path)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from nanochat.common import autocast_for, child_pythonpath, compile_model, cpu_name
-from nanochat.training.recipe import REFERENCE_BATCH
+from nanochat.recipe import REFERENCE_BATCH
 
 # The speedrun's base model (speedrun.sh, gpu preset): depth 24, 2^19 tokens per step of 2048-token rows, 10 tokens per
 # parameter, vocabulary 32768, device batch 16 unless NANOCHAT_DEVICE_BATCH says otherwise.
@@ -129,7 +129,7 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     Muon + AdamW, on random tokens, `steps` whole optimizer steps. Returns {fits, peak_gib, step_s}.
     """
     from nanochat.gpt import build_model
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components, train_step
+    from nanochat.recipe import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components, train_step
 
     model_components, optimizer_components = split_components(DEFAULT_COMPONENTS)  # base_train's model and optimizer
     recipe = depth_recipe(depth, vocab_size, seq_len, device_batch_size * seq_len, num_iterations=1,

@@ -154,7 +154,7 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     from nanochat.common import compute_init
     from nanochat.gpt import build_model
     from nanochat.tokenizer import RustBPETokenizer
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+    from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
     _, _, _, _, device = compute_init()
     tokenizer = RustBPETokenizer.from_directory(os.path.join(base_dir, "tokenizer"))
@@ -376,8 +376,8 @@ def section_budget(scale, deadline, out, paths, memory=""):
     """The whole speedrun to a time budget as a user starts it, in a fresh base dir on the built-in corpus, offline,
     in this Python's environment (NANOCHAT_PYTHON: a lease's machine has no uv): its plan, its wall time against the
     budget, the stages' seconds and whether any ran out of memory; with `memory`, every stage capped to it."""
-    from nanochat.training.pipeline_plan import ORDER
-    from nanochat.training.time_budget import parse_duration
+    from nanochat.planning.pipeline_plan import ORDER
+    from nanochat.planning.time_budget import parse_duration
 
     name = "budget" + (f"_{memory.lower()}" if memory else "")
     base = os.path.join(paths["root"], "runs", f"suite_{name}")

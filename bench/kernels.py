@@ -2,7 +2,7 @@
 `bench kernels`: the two recipe options whose speed comes from a GPU kernel, each against what it replaces, with the
 numerics checked in the same run:
 
-- fp8 linear (nanochat/model/fp8.py): forward + both gradients of one (M, K) x (N, K) layer under bf16 autocast, the native
+- fp8 linear (nanochat/kernels/fp8.py): forward + both gradients of one (M, K) x (N, K) layer under bf16 autocast, the native
   path (torch._scaled_mm) against the fp32 emulation and against an fp32 matmul; then one linear's fwd+bwd as base_train
   runs it (bf16 activations, fp32 weight, bf16 autocast), timed four ways: bf16 F.linear eager and compiled, the fp8 op
   with its body unfused (every quantisation step its own kernel) and compiled (the op called from a compiled function,
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from nanochat import gpt
 from nanochat.common import compile_backend
-from nanochat.model import fp8
+from nanochat.kernels import fp8
 from bench.common import emit_json, log, machine_info, print_table
 
 

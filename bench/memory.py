@@ -215,7 +215,7 @@ def build_ours(args):
     """Our model, optimizers and base_train's step (recipe.train_step, grad_accum 1), built as bench train's Run."""
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
-    from nanochat.training.recipe import (build_optimizers, depth_recipe, muon_momentum, split_components,
+    from nanochat.recipe import (build_optimizers, depth_recipe, muon_momentum, split_components,
                                           train_step)
 
     keep_freed_memory_in_process()  # as base_train does: it changes the peak RSS, not the tensors
@@ -336,7 +336,7 @@ def cmd_memory(args):
     from bench.gpu_check import REPO_ROOT
     from bench.gpu_suite import reference_checkout
     from nanochat.common import UserError
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, canonical_components
+    from nanochat.recipe import DEFAULT_COMPONENTS, canonical_components
 
     if min(args.depth, args.seq_len, args.device_batch_size, args.vocab_size) < 1:
         raise UserError("--depth, --seq-len, --device-batch-size and --vocab-size must be >= 1")

@@ -1,5 +1,5 @@
 """
-`bench.memory_model`: the memory model of a training step (nanochat/training/memory_model.py) against what the step
+`bench.memory_model`: the memory model of a training step (nanochat/planning/memory_model.py) against what the step
 really holds, and the plans it makes for cards of several sizes.
 
     python -m bench.memory_model predict                  # the CPU: predicted against measured, d2-d8, one row a shape
@@ -58,8 +58,8 @@ def child_main(argv=None):
     from bench.memory import measure_second_step, random_batch
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
-    from nanochat.model.fp8 import convert_to_fp8
-    from nanochat.training.recipe import build_optimizers, depth_recipe, muon_momentum, split_components, train_step
+    from nanochat.kernels.fp8 import convert_to_fp8
+    from nanochat.recipe import build_optimizers, depth_recipe, muon_momentum, split_components, train_step
 
     p = argparse.ArgumentParser(description="bench.memory_model's child: one shape's step, measured")
     for flag in ("depth", "seq-len", "device-batch-size", "vocab-size", "aspect-ratio", "head-dim", "checkpoint",
@@ -133,8 +133,8 @@ def cmd_predict(args):
     from bench.common import emit_json, log, machine_info, print_table
     from bench.gpu_check import REPO_ROOT
     from nanochat.common import get_compute_dtype
-    from nanochat.training.memory_model import StepSpec, format_bytes, predict, step_profile
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, canonical_components, split_components
+    from nanochat.planning.memory_model import StepSpec, format_bytes, predict, step_profile
+    from nanochat.recipe import DEFAULT_COMPONENTS, canonical_components, split_components
 
     components = canonical_components(DEFAULT_COMPONENTS if args.components == "default" else args.components)
     args.components = components
@@ -195,7 +195,7 @@ def plan_for_card(memory, budget_seconds, shape_for, flops_per_second):
     """The depth, device batch and checkpointing a one-GPU budgeted plan picks with `memory` bytes, at the assumed speed:
     every depth that fits, its steps in the budget, the law's val bpb, the best kept (time_budget.plan_memory and the
     law, as base_train's plan uses them; the probe's measured speed replaced by the assumed one)."""
-    from nanochat.training.time_budget import LAWS, START_SECONDS, meta_recipe, plan_memory
+    from nanochat.planning.time_budget import LAWS, START_SECONDS, meta_recipe, plan_memory
 
     law = LAWS["gpu-reference"]
     shape = shape_for(memory)
@@ -219,9 +219,9 @@ def plan_for_card(memory, budget_seconds, shape_for, flops_per_second):
 
 def cmd_cards(args):
     from bench.common import emit_json, print_table
-    from nanochat.training.memory_model import format_bytes, parse_memory
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, REFERENCE_BATCH, split_components
-    from nanochat.training.time_budget import COMPILE_SECONDS, RunShape, parse_duration
+    from nanochat.planning.memory_model import format_bytes, parse_memory
+    from nanochat.recipe import DEFAULT_COMPONENTS, REFERENCE_BATCH, split_components
+    from nanochat.planning.time_budget import COMPILE_SECONDS, RunShape, parse_duration
 
     model_components, optimizer_components = split_components(DEFAULT_COMPONENTS)
 

@@ -272,7 +272,7 @@ def fit_loss_surface(points, tied=True):
     grid around it. tied: alpha = beta, as the reference's isoflop runs (and Chinchilla's) found, which fixes one
     compute-optimal tokens-per-parameter ratio, (B/A)^(1/alpha), at every budget; a few tiny models leave two free
     exponents poorly determined (their valley is flat) and unsafe to extrapolate. What --time-budget plans with
-    (nanochat.training.time_budget). None with fewer than 5 points. Returns {E, A, alpha, B, beta, rmse, points}.
+    (nanochat.planning.time_budget). None with fewer than 5 points. Returns {E, A, alpha, B, beta, rmse, points}.
     """
     pts = np.asarray(points, dtype=float)
     if len(pts) < 5:

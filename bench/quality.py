@@ -42,7 +42,7 @@ def quality_data(source, vocab_size):
         return base
     log(f"building the {source} source and a {vocab_size}-token tokenizer in {base}")
     if source == "builtin":
-        from nanochat.data.corpus import write_corpus
+        from nanochat.corpus.build import write_corpus
 
         write_corpus(get_data_dir("builtin"), seed=42, size_mb=6.0, verbose=False)
     elif source == "brown":
@@ -66,7 +66,7 @@ def quality_run(args, seed, lr_mult, variant="base"):
     from nanochat.gpt import build_model
     from nanochat.loss_eval import evaluate_bpb
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
-    from nanochat.training.recipe import (SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, lr_multiplier, muon_momentum,
+    from nanochat.recipe import (SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, lr_multiplier, muon_momentum,
                                           split_components, train_step)
 
     tokenizer = get_tokenizer()
@@ -111,13 +111,13 @@ def quality_run(args, seed, lr_mult, variant="base"):
 
 
 def cmd_quality(args):
-    from nanochat.training.recipe import dial_lr_scale
+    from nanochat.recipe import dial_lr_scale
 
     if not all(0 <= beta < 1 for beta in args.adam_betas):
         raise UserError(f"--adam-betas must both be in [0, 1) (got {args.adam_betas[0]:g} {args.adam_betas[1]:g})")
     if min(args.total_batch_size, args.device_batch_size, args.seq_len, args.steps, args.depth) < 1:
         raise UserError("--total-batch-size, --device-batch-size, --seq-len, --steps and --depth must be >= 1")
-    from nanochat.training.recipe import split_components
+    from nanochat.recipe import split_components
 
     for variant in args.variants:  # an unknown component fails here, before any training
         split_components("" if variant == "base" else variant)

@@ -45,7 +45,7 @@ def fresh_checkpoint(base_dir, context=256, depth=4):
     from bench.common import ensure_builtin_workspace
     from nanochat.gpt import build_model
     from nanochat.tokenizer import RustBPETokenizer
-    from nanochat.training.recipe import config_dict, depth_recipe, split_components
+    from nanochat.recipe import config_dict, depth_recipe, split_components
 
     workspace = ensure_builtin_workspace(os.path.join(tempfile.gettempdir(), "nanochat_bench"), 4096, log=log)
     tokenizer = RustBPETokenizer.from_directory(os.path.join(workspace["base_dir"], "tokenizer"))

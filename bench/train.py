@@ -22,7 +22,7 @@ from bench.common import (OtherLoad, bench_vocab_size, emit_json, ensure_data, l
 from nanochat.common import (UserError, autocast_for, compile_model, compute_init, describe_peak_flops,
                              get_compute_dtype, keep_freed_memory_in_process, measure_matmul_flops, peak_memory_mib,
                              resolve_device_type)
-from nanochat.training.recipe import DEFAULT_COMPONENTS, canonical_components
+from nanochat.recipe import DEFAULT_COMPONENTS, canonical_components
 
 CPU_CONFIGS = [(4, 256, 8), (6, 512, 8)]  # (depth, seq_len, device_batch_size)
 GPU_CONFIGS = [(12, 2048, 32), (20, 2048, 32)]
@@ -36,7 +36,7 @@ class Run:
         from nanochat.dataloader import DataLoader
         from nanochat.gpt import build_model
         from nanochat.tokenizer import get_tokenizer
-        from nanochat.training.recipe import build_optimizers, depth_recipe, split_components
+        from nanochat.recipe import build_optimizers, depth_recipe, split_components
 
         tokenizer = get_tokenizer()
         if tokenizer.get_vocab_size() > vocab_size:
@@ -53,7 +53,7 @@ class Run:
         self.model = build_model(self.config, device)
         self.fp8_linears = 0
         if fp8:  # base_train's --fp8 (ours), or torchao's float8 training: the blocks' linears, before compile
-            from nanochat.model.fp8 import convert_to_fp8
+            from nanochat.kernels.fp8 import convert_to_fp8
 
             if fp8 == "torchao" and torchao_unavailable(device):
                 raise UserError(torchao_unavailable(device))
@@ -77,7 +77,7 @@ class Run:
 
     def train_step(self):
         """One real optimizer step (what base_train runs), timed to completion."""
-        from nanochat.training.recipe import muon_momentum, train_step
+        from nanochat.recipe import muon_momentum, train_step
 
         t0 = time.perf_counter()
         loss = train_step(self.train_model, self.optimizers, [self.next_batch()], lambda m, xy: m(*xy), 1.0,
@@ -90,7 +90,7 @@ class Run:
         """The same step taken apart into the phases a profile labels, each ended by a sync: seconds spent in each. Its
         data is a batch made before (as the timed step's), or with from_loader the loader's next, as base_train reads
         it (bench dataloader's wait for data)."""
-        from nanochat.training.recipe import apply_schedules, muon_momentum
+        from nanochat.recipe import apply_schedules, muon_momentum
 
         times, t0 = {}, time.perf_counter()
         with profiling.phase("data", self.sync):

@@ -11,7 +11,7 @@ from bench.common import emit_json, log, machine_info, print_table
 
 
 def cmd_wordings(args):
-    from nanochat.training.chat_eval import sample_task_replies
+    from nanochat.chat_eval import sample_task_replies
     from nanochat.checkpoint_manager import find_latest_tag, load_model
     from nanochat.common import UserError, autocast_for, compute_init
     from tasks.builtin import WorldQA

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -386,8 +387,6 @@ def cap_gpu_memory(device):
     that every stage keeps to the card planned for and not base_train alone (which also plans its batch for it)."""
     if not os.environ.get("NANOCHAT_GPU_MEMORY"):
         return
-    from nanochat.training.memory_model import parse_memory
-
     given, total = parse_memory(os.environ["NANOCHAT_GPU_MEMORY"]), torch.cuda.get_device_properties(device).total_memory
     if given < total:
         torch.cuda.set_per_process_memory_fraction(given / total, device)
@@ -608,3 +607,26 @@ def format_duration(seconds):
     if minutes:
         return f"{minutes}m {secs:02d}s"
     return f"{secs}s"
+
+
+MIB, GIB = 2**20, 2**30
+
+
+def parse_memory(text, name="NANOCHAT_GPU_MEMORY"):
+    """'24GiB', '24G', '80 GB', '512MiB', '1.5TiB' or plain bytes -> bytes > 0. Binary units (GiB, MiB, and G, M
+    alone, as nvidia-smi means them); GB and MB are decimal (10^9, 10^6)."""
+    units = {"": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MIB, "mib": MIB, "mb": 10**6, "g": GIB, "gib": GIB,
+             "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", str(text).strip().lower())
+    if not match or match.group(2) not in units:
+        raise UserError(f"{name}={text} is not an amount of memory: give one such as 24GiB, 80GB or 12G")
+    value = float(match.group(1)) * units[match.group(2)]
+    if not math.isfinite(value) or value < MIB:
+        raise UserError(f"{name}={text} is less than a MiB: give the card's memory, such as 24GiB")
+    return int(value)
+
+
+def format_bytes(n, up=False):
+    """'15.4 GiB', '312 MiB'; up=True rounds up (a least amount stated is then enough)."""
+    rounding = math.ceil if up else round
+    return f"{rounding(n / GIB * 10) / 10:,.1f} GiB" if n >= GIB else f"{rounding(n / MIB):,.0f} MiB"

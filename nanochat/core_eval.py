@@ -25,7 +25,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.common import UserError, dist_rank_world, get_base_dir, print0
-from nanochat.data.download import DownloadError, download_file
+from nanochat.download import DownloadError, download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 # sha256 of the published zip as recorded in a public download manifest (2026-06); not re-derived here, since

@@ -16,10 +16,8 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.common import UserError, get_base_dir, read_json_object, run_main
-from nanochat.data.download import AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
-from nanochat.data.hub import hub_endpoint
-from nanochat.data.text_import import MANIFEST as IMPORT_MANIFEST, is_plain_name
+from nanochat.common import UserError, get_base_dir, read_json_object
+from nanochat.download import AttemptFailed, DownloadError, download_file  # noqa: F401 (re-exported)
 
 # -----------------------------------------------------------------------------
 # Sources
@@ -44,6 +42,18 @@ SOURCES = {
 }
 
 SHARD_RE = re.compile(r"^shard_(\d{5,})\.parquet$")
+IMPORT_MANIFEST = "import.json"  # written last by an import of your own text (nanochat/data/text_import.py)
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # with fullmatch: '$' would let "name\n" through
+
+
+def is_plain_name(name):
+    """Whether `name` can name a source: a directory under base_data/ and a flag's value, nothing to escape."""
+    return bool(NAME_RE.fullmatch(name or ""))
+
+
+def hub_endpoint():
+    """The Hugging Face hub, or the mirror $HF_ENDPOINT names."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
 def imported_source(name):
@@ -285,7 +295,9 @@ def download_shards(source, indices, workers=8, data_dir=None, max_attempts=5, b
     return summary
 
 
-if __name__ == "__main__":  # python -m nanochat.dataset: the command line is scripts/dataset.py
-    from scripts.dataset import main
+if __name__ == "__main__":
+    # `python -m nanochat.dataset` (karpathy/nanochat's command) has its command line in scripts/dataset.py, which also
+    # reaches the text import add-on; it runs as a program of its own (the library imports no script).
+    import sys
 
-    run_main(main)
+    os.execv(sys.executable, [sys.executable, "-m", "scripts.dataset", *sys.argv[1:]])

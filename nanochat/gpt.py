@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from nanochat.common import UserError, bound_onednn_caches, get_compute_dtype
-from nanochat.model import cpu_ops
+from nanochat.kernels import cpu as cpu_ops
 
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
 ROPE_THETA = 10000.0

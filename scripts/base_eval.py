@@ -20,7 +20,7 @@ from nanochat.common import (UserError, atomic_write_text, autocast_for, compute
                              get_base_dir, print0, run_main)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.report import get_report
-from nanochat.training.presets import fill_from_preset, preset_help
+from nanochat.presets import fill_from_preset, preset_help
 
 
 def parse_args(argv=None):

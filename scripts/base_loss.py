@@ -14,8 +14,8 @@ from nanochat.dataloader import eval_batches
 from nanochat.loss_eval import describe_eval, evaluate_bpb
 from nanochat.report import get_report
 from nanochat.tokenizer import get_token_bytes
-from nanochat.training.presets import fill_from_preset, preset_help
-from nanochat.training.recipe import greedy_samples
+from nanochat.presets import fill_from_preset, preset_help
+from nanochat.recipe import greedy_samples
 
 PROMPTS = ["The capital of", "The river", "12 + 7 =", "The word apple is spelled", "Once upon a time"]
 

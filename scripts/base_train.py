@@ -8,9 +8,9 @@ Examples:
   NANOCHAT_GPU_MEMORY=24GiB python -m scripts.base_train --depth=20   # a device batch (and checkpointing) for 24 GiB
 Resume after a crash or a stop with the same command plus --resume (or --resume-from-step=N); a larger
 --num-iterations on resume continues training (the lr schedule is recomputed for the new length). A time-budgeted
-run's plan (nanochat.training.time_budget) is saved with its checkpoints, and a resume follows it. On a GPU (or with
+run's plan (nanochat.planning.time_budget) is saved with its checkpoints, and a resume follows it. On a GPU (or with
 NANOCHAT_GPU_MEMORY / --gpu-memory) a device batch left unset is the largest the memory model
-(nanochat.training.memory_model) predicts to fit, with activation checkpointing where one row does not fit without.
+(nanochat.planning.memory_model) predicts to fit, with activation checkpointing where one row does not fit without.
 
 main() is the run, and its loop the training: each step's micro-batches, their forward and backward passes, the
 optimizers, the log line. What it calls to get there (the flags, the time budget and the card's memory, the pieces
@@ -33,14 +33,14 @@ from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
 from nanochat.report import get_report
 from nanochat.tokenizer import get_tokenizer
-from nanochat.training import memory_model, time_budget
-from nanochat.training.loop import FittingBatches, RunSettings, StartPoint, TrainingLoop, resume_from
-from nanochat.training.optim import lr_multiplier, muon_momentum, step_optimizers
-from nanochat.training.presets import fill_from_preset, preset_help
-from nanochat.training.recipe import (DEFAULT_COMPONENTS, build_optimizers, canonical_components, config_dict,
+from nanochat.planning import memory_model, time_budget
+from nanochat.loop import FittingBatches, RunSettings, StartPoint, TrainingLoop, resume_from
+from nanochat.optim import lr_multiplier, muon_momentum, step_optimizers
+from nanochat.presets import fill_from_preset, preset_help
+from nanochat.recipe import (DEFAULT_COMPONENTS, build_optimizers, canonical_components, config_dict,
                                       depth_recipe, grad_accum_steps, greedy_samples, model_config_for_depth,
                                       split_components)
-from nanochat.training.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
+from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
@@ -555,8 +555,8 @@ def val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size)
 
 
 def use_fp8(model, device):
-    """--fp8: the blocks' linears run their matmuls with fp8 operands (nanochat/model/fp8.py), said in one line."""
-    from nanochat.model.fp8 import convert_to_fp8, fp8_available
+    """--fp8: the blocks' linears run their matmuls with fp8 operands (nanochat/kernels/fp8.py), said in one line."""
+    from nanochat.kernels.fp8 import convert_to_fp8, fp8_available
 
     converted = convert_to_fp8(model.transformer.h)
     print0(f"fp8: {converted} block linears run their matmuls with fp8 operands where the shapes allow ("

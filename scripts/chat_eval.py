@@ -15,9 +15,9 @@ from nanochat.checkpoint_manager import find_latest_tag, load_model
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
 from tasks import canonical_name, get_task
-from nanochat.training.chat_eval import chatcore, evaluate_chat_tasks
-from nanochat.training.presets import fill_from_preset, preset_help
-from nanochat.training.stage import mixture_kind
+from nanochat.chat_eval import chatcore, evaluate_chat_tasks
+from nanochat.presets import fill_from_preset, preset_help
+from nanochat.stage import mixture_kind
 
 # The split each task is measured on: never one that training saw.
 EVAL_SPLITS = {"ARC-Easy": "test", "ARC-Challenge": "test", "MMLU": "test", "GSM8K": "test", "HumanEval": "test",

@@ -19,12 +19,12 @@ import torch
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
 from tasks import TaskMixture, get_task
-from nanochat.training.chat_data import ProblemSchedule
-from nanochat.training.chat_eval import evaluate_chat_task
-from nanochat.training.presets import preset_help
-from nanochat.training.optim import lr_multiplier, muon_momentum
-from nanochat.training.recipe import train_step
-from nanochat.training.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
+from nanochat.chat_data import ProblemSchedule
+from nanochat.chat_eval import evaluate_chat_task
+from nanochat.presets import preset_help
+from nanochat.optim import lr_multiplier, muon_momentum
+from nanochat.recipe import train_step
+from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
                                      start_stage, validate_stage_flags)
 
 

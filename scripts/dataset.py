@@ -15,7 +15,7 @@ import os
 import sys
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
-from nanochat.dataset import (SHARD_RE, SOURCES, data_dir_path, download_shards, get_source, shard_filename,
+from nanochat.dataset import (SHARD_RE, SOURCES, data_dir_path, download_shards, get_source, is_plain_name, shard_filename,
                               source_names_on_disk)
 
 
@@ -64,7 +64,7 @@ def import_main(argv):
         raise UserError("pass input files or --hf-repo, not both")
     if not args.hf_repo and not args.inputs:
         raise UserError("nothing to import: pass files, folders or globs, or --hf-repo owner/name")
-    if not ti.is_plain_name(args.name) or args.name in SOURCES:
+    if not is_plain_name(args.name) or args.name in SOURCES:
         ti.build_source(args.name, [], options, reserved=list(SOURCES))  # refuses the name, before reading any input
     if args.hf_repo:
         ti.check_hub_dataset(args.hf_repo, args.config, args.split)

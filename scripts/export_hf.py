@@ -5,13 +5,13 @@ Export a checkpoint to a Hugging Face directory that transformers loads with ide
   python -m scripts.export_hf --out hf/d20                       # latest base checkpoint
   python -m scripts.export_hf -i sft -g d20 -s 700 --out hf/d20-sft --dtype bfloat16
 
-The logic lives in nanochat/model/hf_export.py; this script only parses flags.
+The logic lives in nanochat/interop/hf_export.py; this script only parses flags.
 """
 
 import argparse
 
 from nanochat.common import resolve_device_type, run_main
-from nanochat.model.hf_export import EXPORT_DTYPES, export_checkpoint
+from nanochat.interop.hf_export import EXPORT_DTYPES, export_checkpoint
 
 
 def main():

@@ -31,7 +31,7 @@ from bench import gpu_check as check
 from bench import gpu_suite as suite
 from bench.common import ensure_builtin_workspace, holds_training_data
 from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
-from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
 REPO_ROOT, CHILD_PYTHONPATH = check.REPO_ROOT, check.CHILD_PYTHONPATH
 run_smoke = check.run_smoke

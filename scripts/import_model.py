@@ -6,14 +6,14 @@ becomes an ordinary checkpoint of this base dir, with the same logits.
   python -m scripts.import_model karpathy/nanochat-d32 --as sft                         # a hub repo (HF_ENDPOINT honoured)
   python -m scripts.import_model ./hf/d20 --as base --model-tag d20                     # a transformers directory
 
-The logic lives in nanochat/model/model_import.py; docs/import.md says what is checked and what each era maps to.
+The logic lives in nanochat/interop/model_import.py; docs/import.md says what is checked and what each era maps to.
 """
 
 import argparse
 
 from nanochat.checkpoint_manager import STAGE_DIRS
 from nanochat.common import run_main
-from nanochat.model.model_import import ERAS, import_model
+from nanochat.interop.model_import import ERAS, import_model
 
 
 def main(argv=None):

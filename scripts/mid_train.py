@@ -15,10 +15,10 @@ import time
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.loss_eval import evaluate_loss
 from tasks import CustomJSON, TaskMixture, get_task
-from nanochat.training.chat_data import PackedConversations
-from nanochat.training.optim import lr_multiplier, muon_momentum
-from nanochat.training.recipe import train_step
-from nanochat.training.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
+from nanochat.chat_data import PackedConversations
+from nanochat.optim import lr_multiplier, muon_momentum
+from nanochat.recipe import train_step
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
                                      stage_loop, stage_steps, start_stage, validate_stage_flags)
 
 

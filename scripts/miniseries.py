@@ -20,7 +20,7 @@ import os
 from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, run_main
 from nanochat.report import get_report
 from bench import miniseries as ms
-from nanochat.training.recipe import REFERENCE_BATCH
+from nanochat.recipe import REFERENCE_BATCH
 
 PRESETS = {
     # 2 cores, the CPU preset's sequence and batch (T=256, 2,048 tokens per step), CORE on the built-in bundle at each
@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--data-source", default=None, help="default: $NANOCHAT_DATA_SOURCE or builtin")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--components", default=None, help="base_train --components for every run, 'none' for the plain "
-                   "recipe (default: base_train's, nanochat.training.recipe.DEFAULT_COMPONENTS)")
+                   "recipe (default: base_train's, nanochat.recipe.DEFAULT_COMPONENTS)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs per run (torchrun when > 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (runs, sizes, steps, FLOPs) and stop")
     p.add_argument("--compare", nargs="+", default=None, metavar="NAME",
@@ -72,7 +72,7 @@ def parse_args(argv=None):
     args.name = args.name or f"{args.preset}-{args.mode}"
     if min(args.depths) < 1 or (args.mode == "isoflop" and min(args.budgets) <= 0) or args.ratio <= 0:
         raise UserError("--depths must be >= 1, --budgets and --ratio > 0")
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, canonical_components
+    from nanochat.recipe import DEFAULT_COMPONENTS, canonical_components
 
     args.components = canonical_components(DEFAULT_COMPONENTS if args.components is None else args.components)
     if not ms.plain_name(args.name):
@@ -86,7 +86,7 @@ def main(argv=None):
         return compare(args.compare)
     from nanochat.dataset import list_parquet_files
     from nanochat.tokenizer import get_tokenizer
-    from nanochat.training.recipe import depth_recipe, split_components
+    from nanochat.recipe import depth_recipe, split_components
 
     base_dir = get_base_dir()
     list_parquet_files("train", args.data_source)  # a missing source fails here, before any run
@@ -190,7 +190,7 @@ def finish(args, directory, rows, trajectories):
     markdown = ms.summary_markdown(args.name, args.mode, rows, isoflop, power_law, plots, directory, surface)
     with open(os.path.join(directory, "fits.json"), "w", encoding="utf-8") as f:
         json.dump({"isoflop": isoflop, "power_law": power_law, "loss_surface": surface}, f, indent=1)
-    if surface:  # what base_train --time-budget --scaling-law=<this file> plans with (nanochat.training.time_budget)
+    if surface:  # what base_train --time-budget --scaling-law=<this file> plans with (nanochat.planning.time_budget)
         law = {"name": args.name, "about": f"miniseries {args.name} ({len(done)} runs, {args.data_source or 'builtin'})",
                **surface, "aspect_ratio": args.aspect_ratio, "head_dim": args.head_dim}
         atomic_write_text(os.path.join(directory, "scaling_law.json"), json.dumps(law, indent=1) + "\n")

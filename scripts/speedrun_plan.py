@@ -6,7 +6,7 @@ stage's flags as it starts (docs/time_budget.md "The whole speedrun to a budget"
   python -m scripts.speedrun_plan plan 5m --preset cpu --started-at EPOCH  # measure, decide, print, save
   python -m scripts.speedrun_plan flags chat_sft                           # a stage's flags, as it starts
 
-The logic lives in nanochat/training/pipeline_plan.py (the plan) and time_budget.py (durations); this script only
+The logic lives in nanochat/planning/pipeline_plan.py (the plan) and time_budget.py (durations); this script only
 parses flags. `flags` runs as each stage starts, so its path imports no torch (1-2 s a start on a CPU).
 """
 
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from nanochat.training.pipeline_plan import ORDER, PLAN_FILE, REFERENCE, cmd_flags, cmd_plan
+from nanochat.planning.pipeline_plan import ORDER, PLAN_FILE, REFERENCE, cmd_flags, cmd_plan
 
 
 def parse_args(argv=None):
@@ -45,7 +45,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.command == "budget":
-        from nanochat.training.time_budget import duration_label, parse_duration
+        from nanochat.planning.time_budget import duration_label, parse_duration
 
         total = parse_duration(args.budget, flag="NANOCHAT_TIME_BUDGET")
         print(round(total), duration_label(total))

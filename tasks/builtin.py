@@ -1,5 +1,5 @@
 """
-Built-in chat tasks about the offline world of nanochat.data.builtin, generated from a seed with no network:
+Built-in chat tasks about the offline world of nanochat.corpus, generated from a seed with no network:
 WorldQA (questions about the world's facts), Identity (who the assistant is) and Arithmetic (sums with
 the calculator tool). With SpellingBee and SimpleSpelling they are all the CPU preset's chat data.
 
@@ -15,8 +15,8 @@ import random
 import re
 import zlib
 
-from nanochat.data.builtin.drills import _equation
-from nanochat.data.builtin.world import build_world, render_question, render_statement
+from nanochat.corpus.drills import _equation
+from nanochat.corpus.world import build_world, render_question, render_statement
 from tasks.base import Task, last_number, mentions, validate_conversation
 
 DEFAULT_WORLD_SEED = 42
@@ -24,7 +24,7 @@ DEFAULT_WORLD_SEED = 42
 
 def world_seed():
     """The seed the built-in corpus was built with (its corpus.json), else the corpus's default seed."""
-    from nanochat.data.corpus import read_corpus_info  # lazy: it pulls in the dataset and eval modules
+    from nanochat.corpus.build import read_corpus_info  # lazy: it pulls in the dataset and eval modules
 
     info = read_corpus_info()
     return int(info["seed"]) if info else DEFAULT_WORLD_SEED
@@ -283,7 +283,7 @@ class WorldFacts(WorldQA):
     eval_type = "completion"
 
     def _eval(self, rng, wordings):
-        from nanochat.data.builtin.core_bundle import object_last_templates
+        from nanochat.corpus.core_bundle import object_last_templates
 
         examples = []
         for fact in self.world.eval_facts():

@@ -1,5 +1,5 @@
 """
-Spelling tasks built from the corpus's word list (nanochat.data.builtin.drills), no download needed:
+Spelling tasks built from the corpus's word list (nanochat.corpus.drills), no download needed:
 SpellingBee ("How many r's are in strawberry?", counted with the calculator) and SimpleSpelling
 ("Spell the word garden" -> "g-a-r-d-e-n", the corpus's spelling format). Words are split between
 train and test by a seeded shuffle, so the splits never share a word.
@@ -12,7 +12,7 @@ names are the test split's, so SFT never mentions a held-out subject).
 import random
 import re
 
-from nanochat.data.builtin.drills import SPELLING_WORDS, spell_out
+from nanochat.corpus.drills import SPELLING_WORDS, spell_out
 from tasks.base import Task, last_number, validate_conversation
 from tasks.builtin import get_world, world_seed
 

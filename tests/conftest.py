@@ -68,7 +68,7 @@ def tiny_base_dir(tmp_path_factory):
     old = os.environ.get("NANOCHAT_BASE_DIR")
     os.environ["NANOCHAT_BASE_DIR"] = base
     try:
-        from nanochat.data.corpus import write_corpus
+        from nanochat.corpus.build import write_corpus
         from nanochat.dataset import get_data_dir, parquets_iter_batched
         from nanochat.tokenizer import RustBPETokenizer
 

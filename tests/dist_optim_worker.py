@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanochat.training.optim import DistAdamW, DistMuon  # noqa: E402
+from nanochat.optim import DistAdamW, DistMuon  # noqa: E402
 
 VOCAB, DIM, HIDDEN = 24, 16, 48
 GLOBAL_BATCH, SEQ = 8, 6

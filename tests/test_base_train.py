@@ -310,7 +310,7 @@ def test_flags_not_given_come_from_the_devices_preset_and_the_config_line_says_s
     cpu = ["--device-type=cpu"]  # (a GPU would pick the gpu preset)
     assert vars(mid_train.parse_args(cpu))["total_batch_size"] == 4096
     sft = chat_sft.parse_args(cpu + ["--total-batch-size=64"])  # a flag given wins; the rest from the preset
-    from nanochat.training.presets import PRESETS
+    from nanochat.presets import PRESETS
     cpu_sft = PRESETS["chat_sft"]["cpu"]
     assert (sft.total_batch_size, sft.device_batch_size, sft.num_iterations) == \
         (64, cpu_sft["device_batch_size"], cpu_sft["num_iterations"])

@@ -201,7 +201,7 @@ def test_bf16_matmuls_of_ever_new_shapes_keep_memory_bounded():
 def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer, monkeypatch):  # noqa: F811
     """chat_eval decodes up to 32 problems at once, but no more rows than the device's KV budget holds (a CPU's cache
     is fp32: an imported d20 would otherwise allocate 13 GB), and the replies do not depend on the batch."""
-    from nanochat.training import chat_eval
+    from nanochat import chat_eval
     from nanochat.engine import kv_row_bytes
 
     engines, batch_engine = [], chat_eval.BatchEngine

@@ -53,7 +53,7 @@ def test_train_steps_cycle_batches_made_before_them_and_time_the_loader_apart(ti
     import torch
 
     from bench.train import PREMADE_BATCHES, Run
-    from nanochat.training.recipe import canonical_components
+    from nanochat.recipe import canonical_components
 
     class CountedLoader:  # the real loader, each batch taken from it counted
         def __init__(self, loader):
@@ -251,7 +251,7 @@ def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, c
 def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypatch, capsys):
     # The model stands in as a reply function that knows only capitals: every capital wording is all right, every other
     # all wrong, and the total is the capitals' share; no dev question is an eval one.
-    import nanochat.training.chat_eval
+    import nanochat.chat_eval
     import nanochat.checkpoint_manager
     from tasks.builtin import DEV_QUESTIONS, WorldQA
 
@@ -267,7 +267,7 @@ def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypa
         return [task.world.facts_by_subject[c["subject"]][0].object if c["relation"] == "capital" else "I do not know."
                 for c in conversations]
 
-    monkeypatch.setattr(nanochat.training.chat_eval, "sample_task_replies", replies)
+    monkeypatch.setattr(nanochat.chat_eval, "sample_task_replies", replies)
     bench.main(["wordings"])
     result = last_json_line(capsys.readouterr().out)
     capitals = sum(c["relation"] == "capital" for c in task.conversations)
@@ -284,7 +284,7 @@ def test_estimate_prices_the_8xh100_run_from_a_lease_s_measured_parts(tmp_path, 
     the worst case never beats the best, and an H200's measured step is scaled to an H100's (an H100's file is not);
     a results file without a d24 step is refused in one line naming it."""
     from nanochat.common import UserError
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
+    from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
     h200 = os.path.join(REPO, "dev", "gpu_results", "2026-11-28_193525_1x-NVIDIA-H200-torch-2.11.0-cu130-CUDA-13.0.json")
     bench.main(["estimate", "--results", h200])

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from bench.memory import CATEGORIES, measure_second_step
 from nanochat.gpt import GPT
-from nanochat.training.recipe import DEFAULT_COMPONENTS, canonical_components, depth_recipe, split_components
+from nanochat.recipe import DEFAULT_COMPONENTS, canonical_components, depth_recipe, split_components
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH_BYTES = 4096 * 64 * 4  # the toy's one fp32 batch

@@ -179,7 +179,7 @@ def tokenizer_of(base):
 def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_learn(tiny_base_dir):
     # The 2-rank SFT run above means something only if its data holds empty micro-batches on some rank: check that
     # the same mixture, rows and split (24 tokens, 1 conversation per micro-batch, 2 ranks x 2) gives some.
-    from nanochat.training.chat_data import ConversationBatches
+    from nanochat.chat_data import ConversationBatches
     from scripts.chat_sft import mixtures
 
     train_mix, _ = mixtures("builtin")
@@ -196,7 +196,7 @@ def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_l
 def test_sft_step_groups_its_conversations_by_length_into_micro_batches(tiny_base_dir):
     # A step holds the stream's next conversations, each whole in one row, the shorter ones in the earlier micro-batches,
     # so it pads less than micro-batches in stream order would.
-    from nanochat.training.chat_data import ConversationBatches
+    from nanochat.chat_data import ConversationBatches
     from scripts.chat_sft import mixtures
 
     train_mix, _ = mixtures("builtin")
@@ -220,7 +220,7 @@ def test_sft_step_groups_its_conversations_by_length_into_micro_batches(tiny_bas
 @pytest.mark.quick
 def test_packed_rows_start_with_bos_and_never_split_a_conversation(tiny_base_dir):
     from tasks import TaskMixture, get_task
-    from nanochat.training.chat_data import PackedConversations
+    from nanochat.chat_data import PackedConversations
 
     tokenizer = tokenizer_of(tiny_base_dir)
     bos = tokenizer.get_bos_token_id()
@@ -256,7 +256,7 @@ def test_validation_batches_read_their_conversations_once_then_end(tiny_base_dir
     """mid/SFT validation (single_pass): every conversation once, the same tokens on one rank or split over two, then
     StopIteration on every rank at the same step, however many steps were asked for."""
     from tasks import TaskMixture, get_task
-    from nanochat.training.chat_data import ConversationBatches, PackedConversations
+    from nanochat.chat_data import ConversationBatches, PackedConversations
 
     tokenizer = tokenizer_of(tiny_base_dir)
     task = TaskMixture([get_task("WorldQA", "sft", stop=13), get_task("Arithmetic", "train", stop=8)], seed=1)
@@ -367,7 +367,7 @@ def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trai
     # a stage from a checkpoint of its own stage (an imported SFT model, say) writes under its own --out-tag
     import scripts.chat_sft as chat_sft
     from nanochat.common import UserError
-    from nanochat.training.stage import output_dir
+    from nanochat.stage import output_dir
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
     with pytest.raises(UserError, match="would write this run's checkpoints into .*; give them their own with --out-tag"):
@@ -380,7 +380,7 @@ def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trai
 def test_empty_supervision_adds_zero_not_nan():
     # A micro-batch whose targets are all -1 contributes exactly nothing, and a step of only such batches is finite.
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.training.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers, train_step
 
     torch.manual_seed(0)
     model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32), "cpu")
@@ -418,7 +418,7 @@ class ScriptedModel(torch.nn.Module):
 
 @pytest.mark.quick
 def test_chat_eval_on_a_scripted_model_gives_hand_computed_scores(tiny_base_dir):
-    from nanochat.training.chat_eval import chatcore, evaluate_chat_task
+    from nanochat.chat_eval import chatcore, evaluate_chat_task
     from tasks.base import CategoricalTask, Task, multiple_choice_conversation
 
     tokenizer = tokenizer_of(tiny_base_dir)
@@ -478,7 +478,7 @@ def test_chat_eval_decodes_problems_together_with_each_reply_as_decoded_alone(tr
     output included, is the one Engine gives that problem alone, and a prompt with no room gets None."""
     import torch
 
-    from nanochat.training.chat_eval import completion_prompt, sample_task_replies
+    from nanochat.chat_eval import completion_prompt, sample_task_replies
     from nanochat.checkpoint_manager import load_model
     from nanochat.engine import Engine
     from tasks import get_task

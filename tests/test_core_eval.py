@@ -29,7 +29,7 @@ import yaml
 
 from nanochat import core_eval
 from nanochat.common import UserError
-from nanochat.data.builtin import core_bundle, world as world_mod
+from nanochat.corpus import core_bundle, world as world_mod
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

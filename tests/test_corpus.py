@@ -10,9 +10,9 @@ import pytest
 
 from nanochat import core_eval
 from nanochat.common import UserError
-from nanochat.data import corpus
-from nanochat.data.builtin import core_bundle, documents, drills, world as world_mod
-from scripts.corpus import main as corpus_command
+from nanochat.corpus import build as corpus
+from nanochat.corpus import core_bundle, documents, drills, world as world_mod
+from nanochat.corpus.__main__ import main as corpus_command
 
 SIZE_MB = 0.3
 

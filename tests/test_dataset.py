@@ -16,7 +16,7 @@ import pytest
 
 from nanochat import dataset
 from nanochat.common import UserError
-from nanochat.data.download import sha256_from_etag
+from nanochat.download import sha256_from_etag
 from scripts.dataset import main as dataset_command
 
 REPO = dataset.SOURCES["fineweb-edu"].hf_repo

@@ -1,5 +1,5 @@
 """
-nanochat.data.download against servers that misbehave: an endless body, a drip, a trickle past the deadline, a
+nanochat.download against servers that misbehave: an endless body, a drip, a trickle past the deadline, a
 redirect to file://, and the temp file a killed run left. Every bound is made tiny here (parameters, or the module's
 defaults patched), so each test takes about a second; no test asserts a timing.
 """
@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from nanochat.data import download
-from nanochat.data.download import DownloadError, download_file
+from nanochat import download
+from nanochat.download import DownloadError, download_file
 
 pytestmark = [pytest.mark.quick, pytest.mark.timeout(120)]
 

@@ -1,5 +1,5 @@
 """
-scripts/export_hf and nanochat/model/hf_export: tiny random checkpoints exported and loaded back with transformers
+scripts/export_hf and nanochat/interop/hf_export: tiny random checkpoints exported and loaded back with transformers
 (AutoModelForCausalLM, AutoTokenizer), checked against our model and tokenizer: logits, greedy generation,
 token ids, the chat template, bf16, and the refusals (missing checkpoint, non-empty --out, unknown feature).
 """
@@ -128,7 +128,7 @@ def run_export(base, *args):
 @pytest.fixture(scope="module")
 def exported(export_base, tmp_path_factory):
     """{tag: export dir}: gqa through the real script, the others by direct calls (same code, less startup)."""
-    from nanochat.model.hf_export import export_checkpoint
+    from nanochat.interop.hf_export import export_checkpoint
 
     root = tmp_path_factory.mktemp("exports")
     dirs = {}
@@ -389,7 +389,7 @@ def test_nonempty_out_refused(export_base, tmp_path):
 @pytest.mark.quick
 def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
     from nanochat.common import UserError
-    from nanochat.model.hf_export import check_output_dir
+    from nanochat.interop.hf_export import check_output_dir
 
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="notes.txt is a file, not a directory"):
@@ -401,7 +401,7 @@ def test_out_below_a_file_refused_before_reading_the_checkpoint(tmp_path):
 @pytest.mark.quick
 def test_out_as_a_link_to_an_empty_directory_exports_into_its_target(base_env, tmp_path):
     """The link was checked as an empty directory, then removed with rmdir after the whole export: a traceback."""
-    from nanochat.model.hf_export import export_checkpoint
+    from nanochat.interop.hf_export import export_checkpoint
 
     target, link = tmp_path / "exports" / "gqa", tmp_path / "gqa-link"
     target.mkdir(parents=True)
@@ -428,7 +428,7 @@ class MeddlingTokenizer:
 @pytest.mark.parametrize("out_exists", [True, False], ids=["file_into_empty_out", "file_at_new_out"])
 def test_something_written_at_out_during_the_export_is_kept_and_refused_in_one_line(tmp_path, out_exists):
     from nanochat.common import UserError
-    from nanochat.model.hf_export import write_export_dir
+    from nanochat.interop.hf_export import write_export_dir
 
     out = tmp_path / "out"
     if out_exists:
@@ -456,7 +456,7 @@ def test_unrepresentable_config_refused(export_base, tmp_path):
 @pytest.mark.quick
 def test_merges_from_ranks():
     from nanochat.common import UserError
-    from nanochat.model.hf_export import merges_from_ranks
+    from nanochat.interop.hf_export import merges_from_ranks
 
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({b"bc": 256, b"ab": 257, b"abc": 258})  # abc is reached as a + bc: bc merges before ab
@@ -470,7 +470,7 @@ def test_merges_from_ranks():
 @pytest.mark.quick
 def test_extra_parameter_refused(single_torch_thread):
     from nanochat.common import UserError
-    from nanochat.model.hf_export import hf_state_dict
+    from nanochat.interop.hf_export import hf_state_dict
 
     model = build_model(tiny_config(n_kv_head=4, vocab_size=300), "cpu")
     model.resid_lambdas = torch.nn.Parameter(torch.ones(2))  # a per-layer scalar NanoChat has no place for

@@ -1,4 +1,4 @@
-"""FP8 linear layers (nanochat/model/fp8.py): quantization, the _scaled_mm path against its fp32 emulation (with the
+"""FP8 linear layers (nanochat/kernels/fp8.py): quantization, the _scaled_mm path against its fp32 emulation (with the
 H100's operand layouts and accumulation modes), error against fp32 F.linear, the F.linear fallback, the layouts made
 without transposed copies, module conversion, the op as one opaque node under torch.compile, and training against fp32
 and bf16. All on the CPU, where torch._scaled_mm runs (slowly: training there uses the emulation), so the real fp8 op
@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanochat.model import fp8
+from nanochat.kernels import fp8
 
 FP8_DTYPES = (fp8.E4M3, fp8.E5M2)
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -273,7 +273,7 @@ def test_gpt_blocks_train_with_fp8_matmuls(monkeypatch):
     # base_train --fp8 converts the blocks' linears; every one of them (the MLP too, which the CPU fast path would
     # otherwise run from its weights) must then go through fp8, and the model must learn about as well as in fp32.
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.training.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers, train_step
 
     products = []
     real = fp8._mm_abt
@@ -457,7 +457,7 @@ def test_gpt_training_loss_within_1_percent_of_bf16(monkeypatch):
     # What --fp8=1 must keep: after the same steps on the same data, the loss of a GPT whose block linears run fp8
     # (emulated here) is within 1 % of the bf16 run's. Measured: within 0.35 % on the last step, 0.07 % held out,
     # over 3 seeds at 30 and 60 steps; a broken scale or dtype moves it by far more.
-    from nanochat.training.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers, train_step
 
     products = []
     real = fp8._mm_abt

@@ -222,7 +222,7 @@ def test_tiny_model_overfits_one_batch():
 @pytest.mark.parametrize("eval_chunk_rows", [7, 512])  # a CPU evaluation's loss in chunks of 7 rows (the last one short), or in one
 @torch.no_grad()
 def test_ignore_index_targets_are_excluded_from_loss(monkeypatch, eval_chunk_rows):
-    monkeypatch.setattr("nanochat.model.cpu_ops.LOSS_CHUNK_ROWS", eval_chunk_rows)
+    monkeypatch.setattr("nanochat.kernels.cpu.LOSS_CHUNK_ROWS", eval_chunk_rows)
     model = build(tiny_config())
     idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
     targets = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(7))
@@ -248,7 +248,7 @@ def test_cpu_fast_paths_give_the_reference_loss_and_gradients(monkeypatch, chunk
     # On the CPU in fp32 training runs hand-written autograd Functions (chunked softcap cross-entropy,
     # RMSNorm, rotary, the relu^2 MLP, block-causal attention); their gradients must be those of the
     # plain math, autograd'ed. 7-row chunks / 5-query blocks: several of each, the last one short.
-    import nanochat.model.cpu_ops as cpu_ops
+    import nanochat.kernels.cpu as cpu_ops
 
     monkeypatch.setattr(cpu_ops, "LOSS_CHUNK_ROWS", chunk_rows)
     monkeypatch.setattr(cpu_ops, "ATTENTION_BLOCK", 5 if chunk_rows == 7 else 128)

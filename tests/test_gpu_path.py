@@ -23,7 +23,7 @@ from test_base_train import final_weights, fresh_base, run_train, train_losses, 
 from test_engine import tokenizer  # noqa: F401 (a fixture)
 from test_gpt import build, reference_forward, tiny_config
 
-from nanochat.model import cpu_ops
+from nanochat.kernels import cpu as cpu_ops
 
 BF16 = {"NANOCHAT_DTYPE": "bfloat16"}  # autocast alone sends every op down the plain path, as on a GPU
 COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}  # dynamo says so on stderr if either happens
@@ -319,8 +319,8 @@ def test_an_optimizer_step_on_cuda_never_waits_for_the_device(monkeypatch):
     dispatches: a host-device copy is an op whose tensors sit on both devices; a read is _local_scalar_dense."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from nanochat.training.optim import apply_schedules, muon_momentum
-    from nanochat.training.recipe import build_optimizers, depth_recipe
+    from nanochat.optim import apply_schedules, muon_momentum
+    from nanochat.recipe import build_optimizers, depth_recipe
 
     class HostWaits(TorchDispatchMode):
         def __init__(self):
@@ -362,7 +362,7 @@ def test_train_step_reads_the_loss_once_after_the_optimizer_is_queued(monkeypatc
     from torch.utils._python_dispatch import TorchDispatchMode
 
     monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
-    from nanochat.training.recipe import build_optimizers, depth_recipe, train_step
+    from nanochat.recipe import build_optimizers, depth_recipe, train_step
 
     class Ops(TorchDispatchMode):
         def __init__(self):

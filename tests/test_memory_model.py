@@ -1,5 +1,5 @@
 """
-The memory model of a training step (nanochat/training/memory_model.py), activation checkpointing (gpt.py), and the
+The memory model of a training step (nanochat/planning/memory_model.py), activation checkpointing (gpt.py), and the
 plans that fit a memory limit (time_budget, base_train, FittingBatches' message). No test asserts how many bytes a
 step needs: BENCHMARKS.md holds the prediction against the measured peak (`python -m bench.memory_model predict`).
 """
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanochat.common import UserError
-from nanochat.training import memory_model as mm
-from nanochat.training.recipe import DEFAULT_COMPONENTS, split_components
+from nanochat.common import GIB, MIB, UserError, format_bytes, parse_memory
+from nanochat.planning import memory_model as mm
+from nanochat.recipe import DEFAULT_COMPONENTS, split_components
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_COMPONENTS, OPTIMIZER_COMPONENTS = (tuple(c) for c in split_components(DEFAULT_COMPONENTS))
@@ -43,12 +43,12 @@ def fresh_cache(tmp_path, monkeypatch):
 
 @pytest.mark.quick
 def test_memory_is_read_as_users_write_it_and_nonsense_is_refused():
-    assert mm.parse_memory("24GiB") == 24 * 2**30 == mm.parse_memory("24G") == mm.parse_memory(" 24 gib ")
-    assert mm.parse_memory("80GB") == 80 * 10**9 and mm.parse_memory("512MiB") == 2**29
-    assert mm.parse_memory("1.5TiB") == int(1.5 * 2**40) and mm.parse_memory(str(2**30)) == 2**30
+    assert parse_memory("24GiB") == 24 * 2**30 == parse_memory("24G") == parse_memory(" 24 gib ")
+    assert parse_memory("80GB") == 80 * 10**9 and parse_memory("512MiB") == 2**29
+    assert parse_memory("1.5TiB") == int(1.5 * 2**40) and parse_memory(str(2**30)) == 2**30
     for bad in ("abc", "24 apples", "-1GiB", "0", "1KiB", "", "nan"):
         with pytest.raises(UserError, match="NANOCHAT_GPU_MEMORY="):
-            mm.parse_memory(bad)
+            parse_memory(bad)
 
 
 def loss_and_grads(model, idx):
@@ -64,8 +64,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smalle
     the step's peak (torch.profiler's allocation events, bench memory's measurement) is at least a fifth lower."""
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
-    from nanochat.training.optim import muon_momentum
-    from nanochat.training.recipe import build_optimizers, depth_recipe, train_step
+    from nanochat.optim import muon_momentum
+    from nanochat.recipe import build_optimizers, depth_recipe, train_step
 
     recipe = depth_recipe(4, 512, 128, 8 * 128, 32, 32, num_iterations=1, components=MODEL_COMPONENTS)
     idx = torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(0))
@@ -119,8 +119,8 @@ def test_the_prediction_follows_the_measured_step(fresh_cache, single_torch_thre
     checkpointing: the predicted peak within 15 % of the measured one (torch.profiler's allocation events)."""
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
-    from nanochat.training.optim import muon_momentum
-    from nanochat.training.recipe import build_optimizers, depth_recipe, train_step
+    from nanochat.optim import muon_momentum
+    from nanochat.recipe import build_optimizers, depth_recipe, train_step
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
     spec = tiny_spec(seq_len=128)
@@ -173,7 +173,7 @@ def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
     a smaller device batch or a smaller model, and no plan's predicted peak exceeds its share of its memory; the plan
     prints the predicted peak beside the memory. A memory no model fits is refused before anything is measured,
     naming the least memory that would do."""
-    from nanochat.training import time_budget as tb
+    from nanochat.planning import time_budget as tb
 
     device = torch.device("cpu")
 
@@ -182,7 +182,7 @@ def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
                            32, 1024, None, False, 0.0, memory_limit=limit, checkpoint_activations=None,
                            device_type="cpu", memory_label=f"NANOCHAT_GPU_MEMORY={limit}")
 
-    small, large = 30 * mm.MIB, 400 * mm.MIB
+    small, large = 30 * MIB, 400 * MIB
     for limit in (small, large):  # the probe's seconds per step, as an earlier probe on this machine measured them
         tb.write_measurements(tb.machine_signature(shape(limit), device), {d: (32, 0.002 * d * d) for d in range(1, 13)})
     law = tb.LAWS["cpu-builtin"]
@@ -190,13 +190,13 @@ def test_the_budget_plan_fits_the_memory_it_is_given(fresh_cache):
              for limit in (small, large)}
     for limit, plan in plans.items():
         assert plan.memory_limit == limit and plan.predicted_peak <= mm.MEMORY_SHARE * limit
-        assert "plan | memory: d" in tb.memory_line(plan) and f"predicted peak {mm.format_bytes(plan.predicted_peak)}" \
+        assert "plan | memory: d" in tb.memory_line(plan) and f"predicted peak {format_bytes(plan.predicted_peak)}" \
             in tb.memory_line(plan)
     assert (plans[small].device_batch_size, plans[small].depth) < (plans[large].device_batch_size, plans[large].depth)
     started = time.time()
     with pytest.raises(UserError, match=r"NANOCHAT_GPU_MEMORY=1048576 is too little for d1, the smallest model, .* give "
                                         r"at least [\d.]+ MiB"):
-        tb.plan_pretraining(law, shape(mm.MIB), 600, time.time(), device, torch.autocast("cpu", enabled=False))
+        tb.plan_pretraining(law, shape(MIB), 600, time.time(), device, torch.autocast("cpu", enabled=False))
     assert time.time() - started < 30
 
 
@@ -226,7 +226,7 @@ def test_an_impossible_memory_is_refused_in_one_line_before_any_work(tiny_base_d
 def test_an_out_of_memory_says_how_far_off_the_prediction_was(capsys):
     """FittingBatches still halves the device batch on an out-of-memory in the first steps, and its line gives the
     memory model's peak for the device batch that did not fit."""
-    from nanochat.training.loop import FittingBatches
+    from nanochat.loop import FittingBatches
 
     class Loader:
         def __init__(self, device_batch):
@@ -242,7 +242,7 @@ def test_an_out_of_memory_says_how_far_off_the_prediction_was(capsys):
             pass
 
     batches = FittingBatches(lambda b, state: Loader(b), 8, 8 * 4, 4, 1, 2, torch.device("cpu"),
-                             predicted_peak=lambda b: b * 3 * mm.GIB)
+                             predicted_peak=lambda b: b * 3 * GIB)
     while True:  # base_train's step, with more than 2 rows not fitting
         try:
             if batches.next_step()[0][0].size(0) > 2:
@@ -266,19 +266,19 @@ def test_a_12_gib_card_gets_a_smaller_plan_than_an_80_gib_one(fresh_cache):
     """The GPU's plan at GPU sizes (T 2048, vocabulary 32,768, the compiled bf16 step), with NANOCHAT_GPU_MEMORY at 12
     and 80 GiB: the depth the plan's walk reaches fits a smaller device batch (or needs checkpointing) in 12 GiB, and
     no predicted peak exceeds the share of its memory."""
-    from nanochat.training import time_budget as tb
+    from nanochat.planning import time_budget as tb
 
     def shape(limit):
         return tb.RunShape(32768, 2048, 2**19, 1, 64, 128, None, list(MODEL_COMPONENTS), list(OPTIMIZER_COMPONENTS),
                            False, 256, 0, None, False, 60.0, memory_limit=limit, checkpoint_activations=None,
                            device_type="cuda", compiled=True)
 
-    fits = {gib: tb.plan_memory(20, shape(gib * mm.GIB)) for gib in (12, 80)}
+    fits = {gib: tb.plan_memory(20, shape(gib * GIB)) for gib in (12, 80)}
     assert fits[80] is not None and fits[80].device_batch >= 16 and not fits[80].checkpoint_activations
     small = fits[12]
     assert small is None or small.device_batch < fits[80].device_batch or small.checkpoint_activations
     for gib, fit in fits.items():
-        assert fit is None or fit.memory.peak <= mm.MEMORY_SHARE * gib * mm.GIB
+        assert fit is None or fit.memory.peak <= mm.MEMORY_SHARE * gib * GIB
 
 
 @pytest.mark.quick

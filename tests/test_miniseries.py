@@ -13,7 +13,7 @@ import pytest
 
 from nanochat.common import UserError
 from bench import miniseries as ms
-from nanochat.training.recipe import DEFAULT_COMPONENTS
+from nanochat.recipe import DEFAULT_COMPONENTS
 from scripts import miniseries
 
 from conftest import REPO_ROOT  # noqa: E402

@@ -221,7 +221,7 @@ def long_ids(vocab_size, T=300, seed=1):
     ("2026-03-14", True, False),  # smear, backout, q/k x1.2, quarter windows
 ])
 def test_each_era_imports_with_the_sources_logits_and_greedy_tokens(tmp_path, target, era, padded, compiled_names):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, state, model_config, enc = write_base_dir(str(tmp_path / "theirs"), era, padded=padded,
                                                       compiled_names=compiled_names)
@@ -245,7 +245,7 @@ def test_each_era_imports_with_the_sources_logits_and_greedy_tokens(tmp_path, ta
 @pytest.mark.quick
 def test_an_era_the_files_cannot_tell_is_named_with_era(tmp_path, target):
     """2-8 March 2026 wrote the same files as January with softcap 20: --era says so, and the logits follow."""
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, state, model_config, enc = write_base_dir(str(tmp_path / "theirs"), "2026-01", sequence_len=64)
     import_model(folder, "base", era="2026-03-04")
@@ -266,7 +266,7 @@ def test_an_era_the_files_cannot_tell_is_named_with_era(tmp_path, target):
 
 
 def hf_tokenizer_file(enc, path):
-    from nanochat.model.hf_export import build_hf_tokenizer
+    from nanochat.interop.hf_export import build_hf_tokenizer
     from nanochat.tokenizer import RustBPETokenizer
 
     ours = RustBPETokenizer._from_parts(enc._mergeable_ranks, enc._pat_str, SPECIAL_TOKENS)
@@ -276,7 +276,7 @@ def hf_tokenizer_file(enc, path):
 @pytest.mark.quick
 def test_a_transformers_nanochat_directory_imports_with_its_logits(tmp_path, target):
     import transformers
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     enc = source_encoding()
     torch.manual_seed(0)
@@ -310,8 +310,8 @@ def test_a_transformers_nanochat_directory_imports_with_its_logits(tmp_path, tar
 def test_our_export_round_trips_plain_and_with_every_variant(tmp_path, target):
     """An imported later-era model (components and exact-math variants: our modeling code) and a plain model
     (transformers' NanoChat) go out through export_hf and back in through import_model with the same logits."""
-    from nanochat.model.hf_export import export_checkpoint
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.hf_export import export_checkpoint
+    from nanochat.interop.model_import import import_model
 
     folder, state, model_config, enc = write_base_dir(str(tmp_path / "theirs"), "2026-03-14")
     import_model(folder, "sft")
@@ -336,7 +336,7 @@ def test_our_export_round_trips_plain_and_with_every_variant(tmp_path, target):
 
     # a plain model of ours goes out as transformers' own NanoChat and comes back the same
     from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
-    from nanochat.training.recipe import config_dict
+    from nanochat.recipe import config_dict
     from tests.conftest import random_tiny_gpt
 
     plain = random_tiny_gpt(enc.n_vocab, 512, seed=3)
@@ -397,7 +397,7 @@ class ModelHub:
 
 @pytest.mark.quick
 def test_a_hub_repo_imports_through_the_file_api_and_a_second_import_is_a_no_op(tmp_path, target, monkeypatch, capsys):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, state, model_config, enc = write_base_dir(str(tmp_path / "theirs"), "2026-03-14", step=650)
     root = os.path.dirname(os.path.dirname(folder))
@@ -484,7 +484,7 @@ def corrupt(folder, case, tmp_path):
     ("not a pickle", r"refusing tokenizer .*tokenizer.pkl"),
 ])
 def test_bad_input_is_refused_naming_the_file_and_nothing_is_written(tmp_path, target, case, message):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2026-01", sequence_len=64)
     corrupt(folder, case, tmp_path)
@@ -495,7 +495,7 @@ def test_bad_input_is_refused_naming_the_file_and_nothing_is_written(tmp_path, t
 
 @pytest.mark.quick
 def test_an_existing_checkpoint_or_other_tokenizer_is_never_overwritten(tmp_path, target):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2025-10", sequence_len=64)
     import_model(folder, "base")
@@ -558,7 +558,7 @@ def test_sft_from_an_imported_model_on_custom_conversations_resumes_exactly(tmp_
 @pytest.mark.quick
 def test_imported_checkpoint_cannot_be_resumed_by_base_train_and_says_why(tmp_path, target):
     from nanochat.checkpoint_manager import checkpoint_dir, load_checkpoint
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2025-10", stage_dir="base_checkpoints", sequence_len=64)
     import_model(folder, "base")

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def import_refused(source, message, target):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     with pytest.raises(UserError, match=message) as excinfo:
         import_model(source, "base")

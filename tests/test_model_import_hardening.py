@@ -57,7 +57,7 @@ def set_user_config(folder, user_config, step=20):
 def test_a_checkpoint_that_may_be_january_or_early_march_is_refused_without_era(tmp_path, target, user_config):
     """January's files and those of 2-8 March are alike; a training config written by the scripts of both periods (or
     none) cannot tell them apart, so the import names the --era values instead of taking January's math."""
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2026-01", sequence_len=64)
     set_user_config(folder, user_config)
@@ -70,7 +70,7 @@ def test_a_checkpoint_that_may_be_january_or_early_march_is_refused_without_era(
 def test_a_training_config_older_than_march_tells_january(tmp_path, target, capsys):
     """base_train of 11 January to 2 February saved no fp8 fields: its checkpoint is January's, and the summary
     line says how that was told."""
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2026-01", sequence_len=64)
     set_user_config(folder, {k: v for k, v in BASE_TRAIN_CONFIG.items() if k not in ("fp8", "fp8_recipe")})
@@ -85,7 +85,7 @@ def test_a_training_config_older_than_march_tells_january(tmp_path, target, caps
     ("2025-10", "2026-03-04", "a model_config without window_pattern, which the 2026-03-04 model never had"),
 ])
 def test_an_era_the_files_contradict_is_refused(tmp_path, target, era_written, era_given, message):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder, *_ = write_base_dir(str(tmp_path / "theirs"), era_written, sequence_len=64)
     with pytest.raises(UserError, match=message):
@@ -129,7 +129,7 @@ def test_a_hub_listing_cannot_write_outside_the_cache(tmp_path, target, hub, fol
     """A listed path with '..' parts or an absolute path is refused with the whole listing; one that resolves outside
     the cache through a link there is refused before anything is fetched."""
     from nanochat.data.hub import model_cache_dir
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -149,7 +149,7 @@ def test_a_hub_listing_cannot_write_outside_the_cache(tmp_path, target, hub, fol
 
 @pytest.mark.quick
 def test_a_hub_repo_without_its_meta_is_refused_in_one_line(tmp_path, target, hub):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     hub(hub_files(tmp_path, {"model": "model_000650.pt", "tokenizer": "tokenizer.pkl"})[0])
     with pytest.raises(UserError, match=r"has model_000650.pt but no meta_000650.json beside it"):
@@ -161,7 +161,7 @@ def test_a_hub_repo_without_its_meta_is_refused_in_one_line(tmp_path, target, hu
 def test_a_hub_repo_and_a_local_folder_find_the_tokenizer_alike(tmp_path, target, hub, tokenizer):
     """A checkpoint one folder deep, its tokenizer in its own tokenizer/ or in the repo's: the same search finds it in
     the hub repo and in the same files as a local folder, and both imports give the source's logits."""
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     layout = {"model": "models/model_000650.pt", "meta": "models/meta_000650.json", "tokenizer": tokenizer}
     files, state, model_config, enc = hub_files(tmp_path, layout)
@@ -183,7 +183,7 @@ def test_the_tokenizer_search_of_a_hub_download_stays_in_its_folder(tmp_path, ta
     """A flat hub repo without a tokenizer: a tokenizer.pkl two folders above its download (where a local folder's
     base-dir search would look) is not picked up; the import asks for --tokenizer."""
     from nanochat.data.hub import model_cache_dir
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     files, *_ = hub_files(tmp_path, {"model": "model_000650.pt", "meta": "meta_000650.json"})
     hub(files)
@@ -256,7 +256,7 @@ def test_a_hub_weights_index_cannot_import_a_local_file(tmp_path, target, hub, w
     """The attack: a repo of config.json, tokenizer.json and a model.safetensors.index.json whose weight_map points at
     a .safetensors file of this machine (here a real model's, so the import would succeed, its sha256 in
     imported_from). The index is refused in one line and nothing is written."""
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     files = transformers_files(str(tmp_path / "victim"))
     victim = tmp_path / "victim" / "model.safetensors"
@@ -278,7 +278,7 @@ def test_a_hub_weights_index_cannot_import_a_local_file(tmp_path, target, hub, w
 
 @pytest.mark.quick
 def test_a_weights_index_that_is_not_a_map_of_names_is_one_line(tmp_path, target):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     folder = tmp_path / "hf"
     transformers_files(str(folder))
@@ -295,7 +295,7 @@ def test_a_weights_index_that_is_not_a_map_of_names_is_one_line(tmp_path, target
 @pytest.mark.parametrize("folder, problem", [("a\0b", "control character"), ("x" * 300, "too long to write"),
                                              ("bad\ud800", "not valid Unicode")], ids=["nul", "long", "surrogate"])
 def test_a_listing_with_a_nul_an_overlong_or_an_invalid_name_is_one_line(tmp_path, target, hub, folder, problem):
-    from nanochat.model.model_import import import_model
+    from nanochat.interop.model_import import import_model
 
     layout = {kind: f"{folder}/{name}" for kind, name in (("model", "model_000650.pt"), ("meta", "meta_000650.json"),
                                                           ("tokenizer", "tokenizer.pkl"))}

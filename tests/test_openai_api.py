@@ -43,7 +43,7 @@ def api_base_dir(tiny_base_dir, tmp_path_factory):
     from nanochat.checkpoint_manager import checkpoint_dir, save_checkpoint
     from nanochat.gpt import GPTConfig, build_model
     from nanochat.tokenizer import RustBPETokenizer
-    from nanochat.training.recipe import config_dict
+    from nanochat.recipe import config_dict
 
     base_dir = str(tmp_path_factory.mktemp("openai_api") / "base")
     shutil.copytree(tiny_base_dir, base_dir)
@@ -393,7 +393,7 @@ def test_lm_evaluation_harness_scores_equal_our_own(api_server, model_and_tokeni
     from nanochat import core_eval
     from nanochat.engine import Engine
     from nanochat.serving.chat import READABLE_MARKUP, parse_markup, parts_as_markup
-    from nanochat.training import chat_eval
+    from nanochat import chat_eval
 
     model, tokenizer = model_and_tokenizer
     words = ["city", "language", "people", "name"]

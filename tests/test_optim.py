@@ -1,4 +1,4 @@
-"""Tests for nanochat.training.optim (AdamW and Muon): AdamW math, orthogonalisation, resume, and a real 2-rank run."""
+"""Tests for nanochat.optim (AdamW and Muon): AdamW math, orthogonalisation, resume, and a real 2-rank run."""
 
 import copy
 import importlib.util
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nanochat.training import optim  # noqa: E402
-from nanochat.training.optim import DistAdamW, build_adamw  # noqa: E402
+from nanochat import optim  # noqa: E402
+from nanochat.optim import DistAdamW, build_adamw  # noqa: E402
 from nanochat import common  # noqa: E402
 from nanochat.common import UserError  # noqa: E402
-from nanochat.training.optim import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
+from nanochat.optim import DistMuon, Muon, build_muon, orthogonalize  # noqa: E402
 
 WORKER_PATH = os.path.join(REPO, "tests", "dist_optim_worker.py")
 
@@ -222,7 +222,7 @@ def test_muon_rejects_mixed_shapes_and_vectors():
 
 def reference_muon(p0, grads, lrs, momenta, weight_decay, nesterov=True):
     """
-    Muon for one matrix, written from the math in float64 (nothing from nanochat.training.optim): returns the weights and
+    Muon for one matrix, written from the math in float64 (nothing from nanochat.optim): returns the weights and
     the momentum buffer after every step.
         buf <- buf + (1 - m) (g - buf)                  momentum as an exponential average
         d   <- g + m (buf - g)                          Nesterov look-ahead (or buf without it)
@@ -381,7 +381,7 @@ def test_loading_state_from_another_world_size_is_a_clear_error():
 def test_polar_express_coefficients_are_minimax_and_end_closer_to_one():
     # Each step's quintic is the best worst case over where the singular values are: its error equioscillates,
     # and no small change of its coefficients lowers the worst case.
-    from nanochat.training.optim import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
+    from nanochat.optim import NS_COEFFS, _minimax_odd_quintic, polar_express_coefficients
 
     (a, b, c), error = _minimax_odd_quintic(0.1, 1.0)
     x = np.linspace(0.1, 1.0, 20001)

@@ -1,5 +1,5 @@
 """
-The speedrun to one time budget (nanochat/training/pipeline_plan.py, NANOCHAT_TIME_BUDGET): the plan printed before any stage
+The speedrun to one time budget (nanochat/planning/pipeline_plan.py, NANOCHAT_TIME_BUDGET): the plan printed before any stage
 with every stage's seconds or steps and the evaluations kept and skipped; a budget below this machine's minimum
 refused in one line before any work; no stage planned below its floor at any budget or machine speed; a resumed
 speedrun follows the plan it made; and (slow) a real pipeline at this machine's minimum ending within 10 % of its
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from nanochat.common import UserError
-from nanochat.training import pipeline_plan as pp
+from nanochat.planning import pipeline_plan as pp
 from scripts.speedrun_plan import main as speedrun_plan
 from test_speedrun import commands, dry_run
 

@@ -10,7 +10,7 @@ import torch
 from nanochat.common import UserError
 from nanochat.engine import Engine, RowKVCache
 from nanochat.gpt import COMPONENTS, GPTConfig
-from nanochat.training.optim import NORMUON_BETA2, Muon, _normuon_row_scales
+from nanochat.optim import NORMUON_BETA2, Muon, _normuon_row_scales
 
 from test_gpt import build  # noqa: E402 (random weights everywhere, the components' scalars included)
 
@@ -76,7 +76,7 @@ def plain_smear(x, logits, lam):
 def test_each_fused_component_function_equals_the_plain_math(name):
     # cpu_ops' Functions for the components: output and every input's gradient against the torch expressions
     # gpt.py runs elsewhere, in fp32, with inputs away from the identity (gates far from 0, scalars not 1 / 0).
-    from nanochat.model import cpu_ops
+    from nanochat.kernels import cpu as cpu_ops
 
     g = torch.Generator().manual_seed(3)
     B, T, H, D = 2, 9, 3, 8
@@ -127,7 +127,7 @@ def test_cpu_block_attention_with_a_window_equals_masked_sdpa_and_flex(window):
     # gradients must equal SDPA with the boolean band mask (the eager and decode path), and FlexAttention (the compiled
     # CUDA path; forward only, it has no CPU backward) must give the same output.
     from nanochat.gpt import band_mask, flex_band_attention
-    from nanochat.model import cpu_ops
+    from nanochat.kernels import cpu as cpu_ops
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 300, 16, generator=generator, requires_grad=True) for _ in range(3))
@@ -256,7 +256,7 @@ def test_cautious_weight_decay_only_shrinks_weights_the_update_pushes_toward_zer
 
 @pytest.mark.quick
 def test_loss_goes_down_with_every_component_on():
-    from nanochat.training.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers, train_step
 
     model = build(tiny_config(**ALL_ON), randomize=False)
     model.train()
@@ -285,7 +285,7 @@ def test_value_embeddings_sit_on_the_lower_half_and_old_checkpoints_keep_theirs(
     # New models put them below the middle, off the last layer; a checkpoint saved before value_embed_layers existed
     # had them on the last layer and every second one below, and must load onto those layers.
     from nanochat.gpt import build_model
-    from nanochat.training.recipe import config_dict
+    from nanochat.recipe import config_dict
 
     saved = config_dict(tiny_config(n_layer=n_layer, value_embeds=True))
     assert saved["value_embed_layers"] == "lower_half"
@@ -298,7 +298,7 @@ def test_value_embeddings_sit_on_the_lower_half_and_old_checkpoints_keep_theirs(
 @pytest.mark.quick
 def test_components_in_meta_round_trip_and_plain_meta_stays_as_before():
     from nanochat.checkpoint_manager import validate_meta
-    from nanochat.training.recipe import config_dict
+    from nanochat.recipe import config_dict
 
     plain = config_dict(tiny_config())
     assert set(plain) == {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"}  # as before components

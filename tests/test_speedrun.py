@@ -47,9 +47,9 @@ def commands(stdout):
 @pytest.mark.quick
 @pytest.mark.parametrize("ngpu, device_batch", [(8, "16"), (1, "16"), (8, "4")])
 def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, ngpu, device_batch, monkeypatch):
-    from nanochat.training import presets
-    from nanochat.training.recipe import grad_accum_steps
-    from nanochat.training.stage import micro_steps
+    from nanochat import presets
+    from nanochat.recipe import grad_accum_steps
+    from nanochat.stage import micro_steps
     from scripts import base_train, chat_rl, chat_sft, mid_train
 
     p = dry_run(tmp_path, "gpu", ngpu, NANOCHAT_DEVICE_BATCH=device_batch)
@@ -115,7 +115,7 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
                                 NANOCHAT_BASE_DIR=str(tmp_path / "base")))
     assert [m.split(".")[-1] for m, _, _ in commands(p.stdout) if m.split(".")[-1] in TRAINING] == TRAINING
     # a stage run alone on a CPU gets the numbers this preset passes (presets.PRESETS): no flag here contradicts them
-    from nanochat.training.presets import PRESETS
+    from nanochat.presets import PRESETS
 
     checked = 0
     for module, _, flags in commands(p.stdout):

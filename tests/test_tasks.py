@@ -15,7 +15,7 @@ import pytest
 
 from nanochat.common import UserError
 from nanochat.data import hub
-from nanochat.data.builtin.world import RELATIONS
+from nanochat.corpus.world import RELATIONS
 from nanochat.engine import use_calculator
 from tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
                             TaskSequence, WorldQA, get_task, humaneval, validate_conversation)

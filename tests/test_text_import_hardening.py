@@ -329,7 +329,8 @@ def test_a_hub_file_that_is_not_parquet_is_never_cached(base, monkeypatch):
     try:
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         hub.splits[("someone/essays", "default", "train")] = [b"<html>rate limited</html>"]
-        from nanochat.data import download, hub as hub_module
+        from nanochat import download
+        from nanochat.data import hub as hub_module
 
         monkeypatch.setattr(hub_module, "download_file", functools.partial(download.download_file, backoff=0.001))
 

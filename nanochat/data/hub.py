@@ -1,7 +1,7 @@
 """
 The Hugging Face hub without its client libraries ($HF_ENDPOINT for a mirror or a test server): a dataset split's
 parquet files into <base_dir>/task_data/{repo}/{config}/{split}/, and a model repo's files into
-<base_dir>/hub_cache/models/{owner}/{name}/{revision}/, each through nanochat.data.download with a manifest
+<base_dir>/hub_cache/models/{owner}/{name}/{revision}/, each through nanochat.download with a manifest
 (files.json) written last, so a folder with one is complete and is read again without the network. Every name the
 hub or the user gives becomes a path only when it is plain: nothing is ever written outside those folders.
 """
@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 
 from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, read_json_object
-from nanochat.data.download import HEX64, AttemptFailed, DownloadError, download_file
+from nanochat.dataset import hub_endpoint
+from nanochat.download import HEX64, AttemptFailed, DownloadError, download_file
 
 # Always used with fullmatch: re.match with '$' would accept a name ending in a newline.
 PLAIN_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # one folder name: no '..' or '.', no separator
@@ -26,10 +27,6 @@ REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]
 MAX_NAME_BYTES = 200  # of one part of a listed path: the file system's 255, less the room a temp file's suffix takes
 MAX_PATH_CHARS = 1000
 MANIFEST = "files.json"  # written last into a download directory: its presence means complete
-
-
-def hub_endpoint():
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
 def parse_repo_id(source):

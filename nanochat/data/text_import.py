@@ -31,13 +31,12 @@ from filelock import FileLock
 
 from nanochat.common import (UserError, atomic_write_text, ensure_writable, get_base_dir, print0, read_json_object,
                              sha256_of)
+from nanochat.dataset import IMPORT_MANIFEST, is_plain_name
 
-MANIFEST = "import.json"
 FORMAT_VERSION = 1  # bump when the same inputs and options would give other shards
 VAL_INDEX = 0
 TEXT_EXTS, JSON_EXTS, PARQUET_EXTS = (".txt", ".md"), (".jsonl", ".json"), (".parquet",)
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # with fullmatch: '$' would let "name\n" through
 DEFAULT_VAL_FRAC = 0.01
 SHARD_CHARS = 250_000_000  # about the hub shards' size (~250 M characters each)
 MAX_ROWS_PER_GROUP = 1024  # the hub shards' row groups; smaller for a small source, so 8 ranks x 8 groups exist
@@ -103,10 +102,6 @@ class Input:
     fingerprint: dict = field(default_factory=dict)  # what makes a re-import a no-op when unchanged
     skipped: dict = field(default_factory=dict)  # kind (a key of SKIPPED) -> paths in its folder left unread
     when_unreadable: str = ""  # what to do when one of its files cannot be read (a hub download: delete it)
-
-
-def is_plain_name(name):
-    return bool(NAME_RE.fullmatch(name or ""))
 
 
 def split_extension(path):
@@ -661,7 +656,7 @@ def build_source(name, inputs, options, document_source=None, data_root=None, co
                    "shard_chars": shard_chars}
     with FileLock(os.path.join(data_root, f".{name}.lock")):
         _recover(data_root, name)
-        old = read_json_object(os.path.join(final_dir, MANIFEST))
+        old = read_json_object(os.path.join(final_dir, IMPORT_MANIFEST))
         if old and old.get("fingerprint") == fingerprint and all(
                 os.path.isfile(os.path.join(final_dir, s)) for s in old.get("shards", [])):
             print0(f"import {name}: unchanged since {old['created']} ({len(old['shards'])} shards in {final_dir}); "
@@ -674,7 +669,7 @@ def build_source(name, inputs, options, document_source=None, data_root=None, co
                               shard_chars)
             manifest.update(name=name, fingerprint=fingerprint, command=command or f"python -m nanochat.dataset "
                             f"import {name} ...", created=time.strftime("%Y-%m-%d %H:%M:%S"))
-            atomic_write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=2))
+            atomic_write_text(os.path.join(tmp_dir, IMPORT_MANIFEST), json.dumps(manifest, indent=2))
             _swap_into_place(tmp_dir, final_dir, data_root, name)
         except OSError as e:  # reading errors are UserErrors by now: this is writing (a full disk, a quota)
             shutil.rmtree(tmp_dir, ignore_errors=True)

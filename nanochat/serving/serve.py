@@ -656,7 +656,7 @@ class Routes:
 
     async def tokenizer_info(self):
         """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
-        from nanochat.model.hf_export import CHAT_TEMPLATE
+        from nanochat.interop.hf_export import CHAT_TEMPLATE
 
         return {"tokenizer_class": "nanochat", "bos_token": "<|bos|>", "eos_token": "<|bos|>", "pad_token": None,
                 "model_max_length": self.context, "vocab_size": self.tokenizer.get_vocab_size(),

@@ -1,11 +1,11 @@
 """
 The report card's command line: start it (reset) at the beginning of a run, assemble report.md (generate) at the end.
-Run as `python -m nanochat.report` (karpathy/nanochat's command), which runs this script:
+`python -m nanochat.report` (karpathy/nanochat's command):
 
   python -m nanochat.report reset
   python -m nanochat.report generate --hourly-price 24
 
-The logic lives in nanochat/report.py; this script only parses flags.
+The logic lives in nanochat/report/__init__.py; this only parses flags.
 """
 
 import argparse

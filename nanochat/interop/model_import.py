@@ -171,7 +171,7 @@ def tokenizer_from_parts(ranks, pattern, specials, path):
 
 def tokenizer_from_hf_json(path):
     """Ours, from a transformers byte-level BPE tokenizer.json; checked to encode the probe texts alike."""
-    from nanochat.model.hf_export import INSTALL_HINT, byte_to_unicode, check_tokenizer_matches
+    from nanochat.interop.hf_export import INSTALL_HINT, byte_to_unicode, check_tokenizer_matches
 
     data = read_json(path, "tokenizer")
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
@@ -380,7 +380,7 @@ def make_config(fields, where):
 
 def hf_name_to_ours(name):
     """transformers' NanoChat parameter name -> ours (the inverse of hf_export.hf_weight_name), or None."""
-    from nanochat.model.hf_export import HF_BLOCK_LINEARS, HF_OUTSIDE_BLOCKS
+    from nanochat.interop.hf_export import HF_BLOCK_LINEARS, HF_OUTSIDE_BLOCKS
 
     outside = {hf: ours for ours, hf in HF_OUTSIDE_BLOCKS.items()}
     m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight", name)
@@ -673,7 +673,7 @@ def import_model(source, stage, model_tag=None, step=None, tokenizer_path=None, 
         tokenizer_dir = os.path.join(get_base_dir(), "tokenizer")
         tokenizer.save(tokenizer_dir)
         print0(f"tokenizer: {tokenizer.get_vocab_size():,} tokens -> {tokenizer_dir}")
-    from nanochat.training.recipe import config_dict
+    from nanochat.recipe import config_dict
 
     model_config = config_dict(config)
     meta = {"model_config": model_config, "user_config": {}, "tokenizer_hash": tokenizer.fingerprint(),

@@ -1,6 +1,6 @@
 """
 The built-in corpus (`python -m nanochat.corpus [--seed 42] [--size-mb 6] [--out DIR]`): pretraining shards about the
-synthetic world of nanochat.data.builtin, generated from a seed with no network (same seed, byte-identical files).
+synthetic world of nanochat.corpus, generated from a seed with no network (same seed, byte-identical files).
 The val shard (shard_00000) holds fresh documents about the same world, none identical to a train document. Beside
 the shards go a CORE eval bundle about that world, so `scripts.base_eval --eval-bundle=builtin` needs no network,
 and corpus.json with the seed, so the chat stages know which world to ask about.
@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 
 from nanochat.common import UserError, atomic_write_text, ensure_writable, print0
 from nanochat.core_eval import BUILTIN_BUNDLE_NAME, builtin_eval_bundle_dir
-from nanochat.data.builtin.core_bundle import write_eval_bundle
-from nanochat.data.builtin.documents import generate_world_documents
-from nanochat.data.builtin.drills import arithmetic_document, spelling_document
-from nanochat.data.builtin.world import build_world
+from nanochat.corpus.core_bundle import write_eval_bundle
+from nanochat.corpus.documents import generate_world_documents
+from nanochat.corpus.drills import arithmetic_document, spelling_document
+from nanochat.corpus.world import build_world
 from nanochat.dataset import SHARD_RE, get_data_dir, get_source, shard_filename
 
 CORPUS_VERSION = 1  # bump when the generator changes what a seed produces

@@ -21,40 +21,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nanochat.common import UserError, atomic_write_text, get_base_dir, read_json_object
+from nanochat.common import UserError, atomic_write_text, format_bytes, get_base_dir, parse_memory, read_json_object  # noqa: F401
 
-GIB, MIB = 2**30, 2**20
+
 # The plan fits the predicted peak into this share of the memory: the rest is for what the prediction leaves out (the
 # caching allocator's ~5-10 % in a training loop, the CUDA context and cuBLAS/cuDNN workspaces, a few hundred MB)
 MEMORY_SHARE = 0.9
 CACHE_FILE = "memory_model.json"  # in the base dir: profiles traced before, keyed by everything they depend on
 # The sources whose code decides a step's memory: a profile traced under other sources is traced again
-TRACED_SOURCES = ("nanochat/gpt.py", "nanochat/model/fp8.py", "nanochat/model/cpu_ops.py", "nanochat/training/optim.py",
-                  "nanochat/training/memory_model.py")
-
-
-# -----------------------------------------------------------------------------
-# Sizes, as users write them
-
-
-def parse_memory(text, name="NANOCHAT_GPU_MEMORY"):
-    """'24GiB', '24G', '80 GB', '512MiB', '1.5TiB' or plain bytes -> bytes > 0. Binary units (GiB, MiB, and G, M
-    alone, as nvidia-smi means them); GB and MB are decimal (10^9, 10^6)."""
-    units = {"": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MIB, "mib": MIB, "mb": 10**6, "g": GIB, "gib": GIB,
-             "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
-    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", str(text).strip().lower())
-    if not match or match.group(2) not in units:
-        raise UserError(f"{name}={text} is not an amount of memory: give one such as 24GiB, 80GB or 12G")
-    value = float(match.group(1)) * units[match.group(2)]
-    if not math.isfinite(value) or value < MIB:
-        raise UserError(f"{name}={text} is less than a MiB: give the card's memory, such as 24GiB")
-    return int(value)
-
-
-def format_bytes(n, up=False):
-    """'15.4 GiB', '312 MiB'; up=True rounds up (a least amount stated is then enough)."""
-    rounding = math.ceil if up else round
-    return f"{rounding(n / GIB * 10) / 10:,.1f} GiB" if n >= GIB else f"{rounding(n / MIB):,.0f} MiB"
+TRACED_SOURCES = ("nanochat/gpt.py", "nanochat/kernels/fp8.py", "nanochat/kernels/cpu.py", "nanochat/optim.py",
+                  "nanochat/planning/memory_model.py")
 
 
 # -----------------------------------------------------------------------------
@@ -76,11 +52,11 @@ class StepSpec:
     fp8: bool = False
     checkpoint_activations: bool = False
     compiled: bool = True  # torch.compile'd with inductor (a GPU's step), else eager
-    cpu_ops: bool = False  # the CPU's own fused Functions (nanochat.model.cpu_ops): an eager step on a CPU
+    cpu_ops: bool = False  # the CPU's own fused Functions (nanochat.kernels.cpu): an eager step on a CPU
     device_type: str = "cuda"  # what inductor generates code for: it decides one transient of a compiled step
 
     def model_config(self):
-        from nanochat.training.recipe import model_config_for_depth
+        from nanochat.recipe import model_config_for_depth
 
         return model_config_for_depth(self.depth, self.vocab_size, self.seq_len, self.aspect_ratio, self.head_dim,
                                       self.num_kv_heads, self.model_components)
@@ -148,7 +124,7 @@ def storage_bytes(tensors):
 def traced_as(spec):
     """The process set up to run spec's step on fake CPU tensors as its device runs it (the compute dtype, the CPU's
     Functions), its optimizers as one process's (a rank of several would wait in a collective that never comes)."""
-    import nanochat.training.optim as optim
+    import nanochat.optim as optim
 
     env = {"NANOCHAT_DTYPE": spec.dtype, "NANOCHAT_CPU_OPS": "1" if spec.cpu_ops else "0"}
     saved, rank_world = {name: os.environ.get(name) for name in env}, optim.dist_rank_world
@@ -168,7 +144,7 @@ def traced_as(spec):
 def fake_model(config, spec):
     """spec's model on fake CPU tensors, initialised as base_train initialises it (inside a FakeTensorMode)."""
     from nanochat.gpt import GPT
-    from nanochat.model.fp8 import convert_to_fp8
+    from nanochat.kernels.fp8 import convert_to_fp8
 
     model = GPT(config)
     model.init_weights()  # also stores the embedding tables in the compute dtype
@@ -191,8 +167,8 @@ def trace_static(spec):
     second of two steps, with the state there, and its temporaries."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from nanochat.training.optim import apply_schedules, muon_momentum
-    from nanochat.training.recipe import build_optimizers, depth_recipe
+    from nanochat.optim import apply_schedules, muon_momentum
+    from nanochat.recipe import build_optimizers, depth_recipe
 
     recipe = depth_recipe(spec.depth, spec.vocab_size, spec.seq_len, spec.seq_len, spec.aspect_ratio, spec.head_dim,
                           spec.num_kv_heads, num_iterations=1, components=spec.model_components)
@@ -307,7 +283,7 @@ def trace_eager(config, spec, batch):
 def trace_eager_activations(config, spec):
     """Activations of the eager step, from two device batches (each quantity is a line in the batch). The batches make
     at least LOSS_CHUNK_ROWS rows, so that the CPU loss's chunk buffers are full-sized in both."""
-    from nanochat.model.cpu_ops import LOSS_CHUNK_ROWS
+    from nanochat.kernels.cpu import LOSS_CHUNK_ROWS
 
     small = max(1, math.ceil(LOSS_CHUNK_ROWS / spec.seq_len)) if spec.cpu_ops else 1
     a, b = trace_eager(config, spec, small), trace_eager(config, spec, 2 * small)

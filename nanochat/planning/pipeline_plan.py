@@ -117,8 +117,8 @@ def probe_step_seconds(earlier=None):
     import torch
 
     from nanochat.common import autocast_for, cpu_name
-    from nanochat.training.recipe import DEFAULT_COMPONENTS, split_components
-    from nanochat.training.time_budget import RunShape, machine_signature, time_steps, write_measurements
+    from nanochat.recipe import DEFAULT_COMPONENTS, split_components
+    from nanochat.planning.time_budget import RunShape, machine_signature, time_steps, write_measurements
 
     model_components, optimizer_components = split_components(DEFAULT_COMPONENTS)
     shape = RunShape(4096, 256, 2048, 1, 64, 128, None, model_components, optimizer_components, False, 8, 32768, None,
@@ -169,7 +169,7 @@ def plan_speedrun(budget_seconds, started_at, now, preset, speed, machine, rl=Fa
     times as slow as the reference; BudgetTooShort when the budget cannot hold the stages' floors. rl="auto" (the gpu
     preset's default): chat_rl only where it pays (plan_rl_where_it_pays)."""
     from nanochat.common import format_duration
-    from nanochat.training.time_budget import duration_label
+    from nanochat.planning.time_budget import duration_label
 
     if rl == "auto":
         return plan_rl_where_it_pays(budget_seconds, started_at, now, preset, speed, machine, base_chat_eval, source,
@@ -321,7 +321,7 @@ def read_stage_times(path):
 def describe(plan):
     """The plan as the speedrun prints it before the first stage."""
     from nanochat.common import format_duration
-    from nanochat.training.time_budget import clock
+    from nanochat.planning.time_budget import clock
 
     lines = [f"plan | speedrun in {format_duration(plan.budget_seconds)} from {clock(plan.started_at)}, ending by "
              f"{clock(plan.deadline)} | {plan.machine}: a step of the {plan.preset} preset's base model takes "
@@ -427,11 +427,11 @@ def load(path):
 
 def cmd_plan(args):
     from nanochat.common import UserError, format_duration
-    from nanochat.training.time_budget import clock, duration_label, parse_duration
+    from nanochat.planning.time_budget import clock, duration_label, parse_duration
 
     budget = parse_duration(args.budget, flag="NANOCHAT_TIME_BUDGET")
     if os.environ.get("NANOCHAT_GPU_MEMORY"):  # a bad value is refused now, not when base_train starts
-        from nanochat.training.memory_model import parse_memory
+        from nanochat.common import parse_memory
 
         parse_memory(os.environ["NANOCHAT_GPU_MEMORY"])
     path = args.plan_file

@@ -1,16 +1,16 @@
 """
 Build the built-in corpus: pretraining shards about a synthetic world, and a CORE eval bundle about it, offline.
 
-  python -m nanochat.corpus                      # the documented command: it runs this script
+  python -m nanochat.corpus                      # base_data/builtin and eval_bundle_builtin in the base dir
   python -m nanochat.corpus --seed 43 --size-mb 12 --out /tmp/corpus
 
-The logic lives in nanochat/data/corpus.py; this script only parses flags.
+The logic lives in nanochat/corpus/build.py; this only parses flags.
 """
 
 import argparse
 
 from nanochat.common import run_main
-from nanochat.data.corpus import write_corpus
+from nanochat.corpus.build import write_corpus
 
 
 def main(argv=None):

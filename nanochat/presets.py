@@ -7,7 +7,7 @@ in step), its gpu preset changes some. A flag given on the command line always w
 """
 
 from nanochat.common import resolve_device_type
-from nanochat.training.recipe import REFERENCE_BATCH
+from nanochat.recipe import REFERENCE_BATCH
 
 PRESETS = {
     "base_train": {

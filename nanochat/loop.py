@@ -439,7 +439,7 @@ class FittingBatches:
         out (on CUDA: the most allocated at once, which the failed step's peak exceeds)."""
         if self.predicted_peak is None:
             return ""
-        from nanochat.training.memory_model import format_bytes
+        from nanochat.common import format_bytes
 
         predicted = self.predicted_peak(self.device_batch_size)
         if self.device.type != "cuda" or SIMULATED_LIMIT is not None:

@@ -18,7 +18,7 @@ import torch
 
 from nanochat.common import (UserError, all_reduce_max, atomic_write_text, cpu_name, dist_rank_world, format_duration,
                              get_base_dir, get_compute_dtype, get_peak_flops, is_out_of_memory, print0, read_json_object)
-from nanochat.training.loop import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
+from nanochat.loop import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
 PROBE_SECONDS, PROBE_FRACTION = 60.0, 0.1  # the probe takes at most min(60 s, a tenth of the budget)
@@ -205,7 +205,7 @@ def step_spec(depth, shape, checkpoint_activations=False):
     """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (bf16 for a
     GPU not here); an eager step on a CPU runs its fused Functions where they are on."""
     from nanochat.gpt import cpu_ops_enabled
-    from nanochat.training.memory_model import StepSpec
+    from nanochat.planning.memory_model import StepSpec
 
     device_type = shape.device_type
     here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
@@ -219,7 +219,7 @@ def step_spec(depth, shape, checkpoint_activations=False):
 def plan_memory(depth, shape):
     """This depth's device batch and checkpointing within shape.memory_limit (memory_model.fit_step, up to
     shape.max_device_batch); None if one row does not fit."""
-    from nanochat.training.memory_model import fit_step
+    from nanochat.planning.memory_model import fit_step
 
     rows_per_step = shape.total_batch_size // (shape.seq_len * shape.world_size)
     return fit_step(step_spec(depth, shape), shape.memory_limit, rows_per_step, largest=shape.max_device_batch,
@@ -229,7 +229,7 @@ def plan_memory(depth, shape):
 def refuse_impossible_memory(shape, depth=None):
     """Before any work: a memory limit in which not even one row of `depth` fits (of d1, the smallest model, when the
     plan chooses the depth) is refused in one line naming the least memory that would do."""
-    from nanochat.training.memory_model import MEMORY_SHARE, format_bytes, least_memory
+    from nanochat.planning.memory_model import MEMORY_SHARE, format_bytes, least_memory
 
     least = least_memory(step_spec(depth or 1, shape), shape.checkpoint_activations)
     if least > shape.memory_limit:
@@ -249,7 +249,7 @@ def meta_recipe(depth, shape):
 
 @functools.lru_cache(maxsize=None)
 def _meta_recipe(depth, vocab_size, seq_len, total_batch_size, aspect_ratio, head_dim, num_kv_heads, components):
-    from nanochat.training.recipe import depth_recipe
+    from nanochat.recipe import depth_recipe
 
     return depth_recipe(depth, vocab_size, seq_len, total_batch_size, aspect_ratio, head_dim, num_kv_heads,
                         num_iterations=1, components=components)
@@ -330,8 +330,8 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint
     many as fit in about `seconds` (2 to 6, one count for every rank), a micro-batch and the update timed apart. Running
     out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective (none waits)."""
     from nanochat.gpt import build_model
-    from nanochat.model.fp8 import convert_to_fp8
-    from nanochat.training.recipe import build_optimizers
+    from nanochat.kernels.fp8 import convert_to_fp8
+    from nanochat.recipe import build_optimizers
 
     def agreed(work):  # a rank that runs out of memory in work() makes every rank raise ProbeOutOfMemory
         failed, result = False, None
@@ -584,7 +584,7 @@ def describe_plan(plan, law, probe_seconds, device_label):
 
 def memory_line(plan, label=""):
     """The plan's memory: the predicted peak beside the memory it had to fit in."""
-    from nanochat.training.memory_model import MEMORY_SHARE, format_bytes
+    from nanochat.planning.memory_model import MEMORY_SHARE, format_bytes
 
     return (f"plan | memory: d{plan.depth} at device batch {plan.device_batch_size}, activation checkpointing "
             f"{'on' if plan.checkpoint_activations else 'off'}: predicted peak {format_bytes(plan.predicted_peak)} of "

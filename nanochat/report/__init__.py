@@ -1,5 +1,6 @@
 """
-The report card of a training run. Each stage writes its section into `<base_dir>/report/` (markdown for people,
+The report card (an add-on: the training loop writes its curves through a callback, TrainingLoop's `report`), the
+command line in __main__.py. The report card of a training run. Each stage writes its section into `<base_dir>/report/` (markdown for people,
 JSON with the raw numbers) and the loops append curves to `report/curves/<stage>.jsonl`; `python -m nanochat.report
 reset` (at the start) records the machine and git state, and `generate` (at the end) assembles `report.md`: that
 header, the code's size, the sections in pipeline order, a summary table, wall clock, cost and PNG plots.
@@ -20,9 +21,9 @@ import time
 from collections import Counter
 
 from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, cpu_name, ensure_writable,
-                             format_duration, get_base_dir, get_dist_info, read_json_object, run_main)
+                             format_duration, get_base_dir, get_dist_info, read_json_object)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Sections in the order the pipeline produces them; anything else goes after, oldest first.
 PIPELINE_SECTIONS = ["Tokenizer training", "Tokenizer evaluation", "Base model training", "Base model loss",
@@ -516,9 +517,3 @@ def get_report():
     if rank != 0:
         return DummyReport()
     return Report(os.path.join(get_base_dir(), "report"))
-
-
-if __name__ == "__main__":  # python -m nanochat.report: the command line is scripts/report.py
-    from scripts.report import main
-
-    run_main(main)

@@ -13,8 +13,8 @@ import shutil
 
 import yaml
 
-from nanochat.data.builtin.drills import OP_SYMBOLS, SPELLING_WORDS, spell_out
-from nanochat.data.builtin.world import OCCUPATIONS, RELATIONS, with_article
+from nanochat.corpus.drills import OP_SYMBOLS, SPELLING_WORDS, spell_out
+from nanochat.corpus.world import OCCUPATIONS, RELATIONS, with_article
 
 EVAL_BUNDLE_CHOICES = 4  # options per multiple-choice / schema example
 EVAL_BUNDLE_SHOTS = 3  # few-shot examples for the arithmetic and spelling tasks

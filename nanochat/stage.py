@@ -9,11 +9,11 @@ import os
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_meta,
                                          load_model_from_dir, refuse_to_overwrite, resolve_step)
 from nanochat.common import UserError, autocast_for, get_peak_flops, print0
-from nanochat.training.loop import RunSettings, StartPoint, TrainingLoop, resume_from
-from nanochat.training.presets import PRESETS, fill_from_preset, preset_help
-from nanochat.training.recipe import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs,
+from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
+from nanochat.presets import PRESETS, fill_from_preset, preset_help
+from nanochat.recipe import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs,
                                       optimizer_components_of)
-from nanochat.training.time_budget import (GUESS_MFU, BudgetClock, clock, duration_label, parse_duration, plan_dict,
+from nanochat.planning.time_budget import (GUESS_MFU, BudgetClock, clock, duration_label, parse_duration, plan_dict,
                                            plan_from_dict, plan_stage_steps, stage_start_time)
 
 # -----------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import torch
 from nanochat.common import UserError, all_reduce_mean
 from nanochat.engine import Engine
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
-from nanochat.training.optim import build_adamw, build_muon, step_optimizers
+from nanochat.optim import build_adamw, build_muon, step_optimizers
 # the schedules are the optimizers' (training.optim), re-exported for the bench tools that import them from here
-from nanochat.training.optim import apply_schedules, lr_multiplier, muon_momentum  # noqa: F401
+from nanochat.optim import apply_schedules, lr_multiplier, muon_momentum  # noqa: F401
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -158,7 +158,7 @@ def grad_accum_steps(total_batch_size, device_batch_size, seq_len, world_size):
 # Optimizers and one step
 
 
-OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd", "polar_express")  # Muon options (nanochat.training.optim), off = the plain Muon
+OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd", "polar_express")  # Muon options (nanochat.optim), off = the plain Muon
 # What a new base model gets unless --components says otherwise: the components that lowered real-text val bpb at equal
 # FLOPs beyond seed noise at d4 and d6 (BENCHMARKS "Recipe components, one at a time"). 'none' asks for the plain recipe.
 DEFAULT_COMPONENTS = "value_embeds,residual_scalars,smear,normuon"

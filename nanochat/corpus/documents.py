@@ -6,7 +6,7 @@ in a template sentence drawn at random, and `WorldDocumentWriter.mentions` count
 
 from collections import Counter
 
-from nanochat.data.builtin.world import RELATIONS, Country, Fact, Person, render_question, render_statement, with_article
+from nanochat.corpus.world import RELATIONS, Country, Fact, Person, render_question, render_statement, with_article
 
 _TRAVEL_FILLERS = [
     "The roads were quiet that morning.", "We ate warm bread at a small inn.",
