@@ -129,7 +129,8 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     Muon + AdamW, on random tokens, `steps` whole optimizer steps. Returns {fits, peak_gib, step_s}.
     """
     from nanochat.gpt import build_model
-    from nanochat.recipe import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components, train_step
+    from nanochat.recipe import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components
+    from nanochat.loop import train_step
 
     model_components, optimizer_components = split_components(DEFAULT_COMPONENTS)  # base_train's model and optimizer
     recipe = depth_recipe(depth, vocab_size, seq_len, device_batch_size * seq_len, num_iterations=1,

@@ -215,8 +215,9 @@ def build_ours(args):
     """Our model, optimizers and base_train's step (recipe.train_step, grad_accum 1), built as bench train's Run."""
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
-    from nanochat.recipe import (build_optimizers, depth_recipe, muon_momentum, split_components,
-                                          train_step)
+    from nanochat.recipe import build_optimizers, depth_recipe, split_components
+    from nanochat.optim import muon_momentum
+    from nanochat.loop import train_step
 
     keep_freed_memory_in_process()  # as base_train does: it changes the peak RSS, not the tensors
     torch.manual_seed(42)

@@ -59,7 +59,9 @@ def child_main(argv=None):
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
     from nanochat.kernels.fp8 import convert_to_fp8
-    from nanochat.recipe import build_optimizers, depth_recipe, muon_momentum, split_components, train_step
+    from nanochat.recipe import build_optimizers, depth_recipe, split_components
+    from nanochat.optim import muon_momentum
+    from nanochat.loop import train_step
 
     p = argparse.ArgumentParser(description="bench.memory_model's child: one shape's step, measured")
     for flag in ("depth", "seq-len", "device-batch-size", "vocab-size", "aspect-ratio", "head-dim", "checkpoint",

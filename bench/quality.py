@@ -66,8 +66,9 @@ def quality_run(args, seed, lr_mult, variant="base"):
     from nanochat.gpt import build_model
     from nanochat.loss_eval import evaluate_bpb
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
-    from nanochat.recipe import (SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, lr_multiplier, muon_momentum,
-                                          split_components, train_step)
+    from nanochat.recipe import SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, split_components
+    from nanochat.optim import lr_multiplier, muon_momentum
+    from nanochat.loop import train_step
 
     tokenizer = get_tokenizer()
     model_components, optimizer_components = split_components("" if variant == "base" else variant)

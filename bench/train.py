@@ -17,8 +17,7 @@ import time
 import torch
 
 from bench import compile_cache, profiling
-from bench.common import (OtherLoad, bench_vocab_size, emit_json, ensure_data, log, machine_info,
-                                   print_table)
+from bench.common import OtherLoad, bench_vocab_size, emit_json, ensure_data, log, machine_info, print_table
 from nanochat.common import (UserError, autocast_for, compile_model, compute_init, describe_peak_flops,
                              get_compute_dtype, keep_freed_memory_in_process, measure_matmul_flops, peak_memory_mib,
                              resolve_device_type)
@@ -77,7 +76,8 @@ class Run:
 
     def train_step(self):
         """One real optimizer step (what base_train runs), timed to completion."""
-        from nanochat.recipe import muon_momentum, train_step
+        from nanochat.optim import muon_momentum
+        from nanochat.loop import train_step
 
         t0 = time.perf_counter()
         loss = train_step(self.train_model, self.optimizers, [self.next_batch()], lambda m, xy: m(*xy), 1.0,
@@ -90,7 +90,7 @@ class Run:
         """The same step taken apart into the phases a profile labels, each ended by a sync: seconds spent in each. Its
         data is a batch made before (as the timed step's), or with from_loader the loader's next, as base_train reads
         it (bench dataloader's wait for data)."""
-        from nanochat.recipe import apply_schedules, muon_momentum
+        from nanochat.optim import apply_schedules, muon_momentum
 
         times, t0 = {}, time.perf_counter()
         with profiling.phase("data", self.sync):

@@ -1,21 +1,28 @@
 """
-The plumbing around a training stage's step, written once for every stage: resume, periodic / final / on-signal
-saves, eval cadence, the progress line (tok/s, MFU, ETA), peak memory, wandb and the report's curve (written with each
-checkpoint, so it never runs ahead of where a resume starts); and base_train's FittingBatches. The step itself stays
-in the stage script:
+The training step and what every stage does around it, written once: train_step (one optimizer step: forward and
+backward of each micro-batch, then both optimizers), and TrainingLoop (resume, periodic / final / on-signal saves,
+eval cadence, the progress line with tok/s, MFU and ETA, peak memory, wandb), and base_train's FittingBatches (a
+device batch that runs out of memory in the first steps is halved, the global batch kept). A stage script reads:
 
     start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else StartPoint()
     loader = DataLoader(..., resume_state=start.loader_state)
-    loop = TrainingLoop(RunSettings(name, ckpt_dir, num_iterations, ...), model, optimizers, loader, start, device, autocast)
+    loop = TrainingLoop(RunSettings(name, ckpt_dir, num_iterations, ...), model, optimizers, loader, start, device,
+                        autocast, callbacks=[TrainingReport(name)])
     for step in loop.steps():           # a checkpoint is written here when due, before any eval of that step
         if loop.due(args.eval_every):
             loop.evaluate("val_bpb", evaluate_val_bpb)
         if step == loop.num_iterations:
             break
         t0 = time.perf_counter()
-        loss = train_step(model, optimizers, [next(loader) for _ in range(grad_accum)], loss_fn, lrm, momentum, ...)
+        lrm = lr_multiplier(step, loop.num_iterations, ...)
+        loss = train_step(model, optimizers, next(loader), lrm, muon_momentum(step), autocast)
         loop.end_step(loss, t0, lrm=lrm)  # progress line and logs; after a stop signal steps() saves and ends
     loop.finish("Base model training", [...])
+
+Add-ons attach to a run as callbacks (the report's curves and section, a time budget's calibration): objects with any
+of on_start(loop), on_record(loop, record) (a step's or an evaluation's numbers), on_step_end(loop) (after a step's
+progress line), on_checkpoint(loop) (a checkpoint is about to be written: keep the records up to it, since a resume
+starts there) and on_finish(loop, section, data) (the stage's lines for the report card), in the order given.
 """
 
 import json
@@ -29,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from nanochat.checkpoint_manager import check_compatible, load_checkpoint, load_meta, save_checkpoint
-from nanochat.common import (UserError, all_reduce_max, dist_rank_world, format_duration, get_peak_flops,
-                             is_out_of_memory, peak_memory_mib, print0, set_memory_advice)
+from nanochat.common import (UserError, all_reduce_max, all_reduce_mean, dist_rank_world, format_bytes, format_duration,
+                             get_peak_flops, is_out_of_memory, peak_memory_mib, print0, set_memory_advice)
 from nanochat.loss_eval import describe_eval
-from nanochat.report import get_report
+from nanochat.optim import step_optimizers
 
 
 @dataclass
@@ -122,6 +129,53 @@ def gather_loader_states(state):
 
 
 # -----------------------------------------------------------------------------
+# One optimizer step
+
+
+def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None,
+               fitting=None):
+    """
+    One optimizer step, every stage's: forward and backward of loss_fn(model, batch) / divisor for each micro-batch,
+    then Muon and AdamW at the scheduled lr and momentum (optim.step_optimizers, which averages the gradients across
+    ranks). The default divisor, the number of micro-batches, makes the objective the mean of their mean losses; a
+    stage that weighs tokens differently passes a loss sum and its own divisor (SFT: the step's supervised tokens per
+    rank). fitting: base_train's FittingBatches, which gave these micro-batches: in its first steps a pass that runs
+    out of memory on any rank is taken again from the same data at a smaller device batch, every rank agreeing before
+    any weight moves. Returns the objective averaged over ranks.
+    """
+    per_micro_batch = divisor is None
+    device = next(model.parameters()).device
+    while True:
+        # summed on the device and read once, after the optimizers' work is queued: a read after each backward would
+        # make the host wait for the device, which would then wait for the host to launch the optimizers' kernels
+        total, ran_out = torch.zeros((), dtype=torch.float32, device=device), False
+        divisor = len(micro_batches) if per_micro_batch else divisor
+        try:
+            for batch in micro_batches:
+                with autocast:
+                    loss = loss_fn(model, batch)
+                (loss / divisor).backward()
+                total += loss.detach()
+        except Exception as error:
+            if fitting is None or not fitting.recovers_from(error):
+                raise
+            ran_out, loss = True, None  # the failed pass's graph is let go before a smaller batch is tried
+        if fitting is None or fitting.every_rank_fitted(ran_out):
+            break
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        micro_batches = fitting.shrink()  # the same rows at half the device batch, twice the micro-steps
+    step_optimizers(optimizers, lrm, momentum, grad_clip)
+    return all_reduce_mean(total / divisor, device)  # the step's one read of the device
+
+
+def lm_loss(model, batch):
+    """The language-modelling loss of an (inputs, targets) micro-batch: the mean over its targets."""
+    inputs, targets = batch
+    return model(inputs, targets)
+
+
+# -----------------------------------------------------------------------------
 # The loop
 
 
@@ -146,7 +200,7 @@ class TrainingLoop:
     """Bookkeeping for one stage's run of `settings.num_iterations` optimizer steps. `loader`: anything with
     state_dict(), saved with every checkpoint; `start`: StartPoint() or resume_from()'s."""
 
-    def __init__(self, settings, model, optimizers, loader, start, device, autocast):
+    def __init__(self, settings, model, optimizers, loader, start, device, autocast, callbacks=()):
         self.settings = s = settings
         self.num_iterations, self.meta = s.num_iterations, s.meta
         self.model, self.optimizers, self.loader = model, optimizers, loader
@@ -163,8 +217,7 @@ class TrainingLoop:
         self.peak_flops = get_peak_flops(device) * dist_rank_world()[1] if s.flops_per_token else None
         self.stopper = StopSignal()
         self.timer = StepTimer()
-        self.report = get_report()
-        self.curve = []  # records for the report's curve since the last checkpoint (write_curve)
+        self.callbacks = list(callbacks)
         self.wandb = None  # on rank 0 when --run names a wandb run (WANDB_MODE=offline works without network)
         if s.run != "dummy" and dist_rank_world()[0] == 0:
             import wandb
@@ -173,10 +226,7 @@ class TrainingLoop:
         batch = s.user_config["device_batch_size"]
         set_memory_advice(f"{s.name} (depth {model.config.n_layer}, --device-batch-size={batch})",
                           smaller_batch_advice(batch, s.user_config["total_batch_size"]))
-        if self.start_step == 0:
-            self.report.reset_curve(s.name)
-        else:
-            self.report.truncate_curve(s.name, self.start_step)  # the steps after it will be logged again
+        self.call("on_start")
 
     def announce(self, summary):
         """Print the run's one-line config: the stage's summary, its lrs, where it resumes, and the flags the device's
@@ -236,7 +286,7 @@ class TrainingLoop:
         print0(f"step {self.step:05d} | {name} {fmt.format(value)}{reach} | ({time.time() - t0:.1f}s)")
         if self.wandb:
             self.wandb.log({"step": self.step, name: value})
-        self.curve.append({"step": self.step, name: value})
+        self.call("on_record", {"step": self.step, name: value})
         return value
 
     def end_step(self, loss, t0, lrm=None, tokens=None, **extra):
@@ -272,7 +322,8 @@ class TrainingLoop:
         print0(" | ".join(parts))
         if self.wandb:
             self.wandb.log({"step": self.step, **{"train/" + k.removeprefix("train_"): v for k, v in record.items() if k != "step"}})
-        self.curve.append(record)
+        self.call("on_record", record)
+        self.call("on_step_end")
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -286,7 +337,7 @@ class TrainingLoop:
                 "tokenizer_hash": s.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
                 "loop_state": {"total_train_time": self.total_train_time, "last": self.last, "best": self.best},
                 **self.meta}
-        self.write_curve()  # first: a checkpoint always has its steps in the curve
+        self.call("on_checkpoint")  # first: the records up to a checkpoint are kept before it exists
         self.stopper.saving = True
         t0 = time.time()
         try:
@@ -295,24 +346,24 @@ class TrainingLoop:
             self.stopper.saving = False
         self.save_seconds = time.time() - t0
 
-    def write_curve(self):
-        """Append the records kept since the last write to the report's curve (rank 0's report; others have none)."""
-        for record in self.curve:
-            self.report.log_curve(self.settings.name, record)
-        self.curve = []
+    def call(self, hook, *args):
+        """Each callback's `hook`, where it has one."""
+        for callback in self.callbacks:
+            if hasattr(callback, hook):
+                getattr(callback, hook)(self, *args)
 
     # -- the end -------------------------------------------------------------------------
 
     def finish(self, section, data):
-        """Write the stage's report section (its own data, then the loop's numbers) and a one-line summary."""
+        """The stage's lines for the report card (its own data, then the loop's numbers), to the callbacks, and a
+        one-line summary."""
         summary = {"Steps completed": self.step, "Stopped early": self.step < self.num_iterations,
                    "Total training time": format_duration(self.total_train_time),
                    "Peak memory (MiB)": peak_memory_mib(self.device)}
         for name, value in self.last.items():
             summary[f"Final {name}"] = value
             summary[f"Minimum {name}"] = self.best[name]
-        self.write_curve()
-        self.report.log(section=section, data=[self.settings.user_config, *data, summary])
+        self.call("on_finish", section, [self.settings.user_config, *data, summary])
         evals = " | ".join(f"{name} {value:.4f}" for name, value in self.last.items())
         print0(f"done: {self.step}/{self.num_iterations} steps in {format_duration(self.total_train_time)}"
                + (f" | {evals}" if evals else "") + f" | checkpoint {self.settings.ckpt_dir}")
@@ -362,13 +413,16 @@ class FittingBatches:
     """
     base_train's batches, one optimizer step's micro-batches at a time (next_step), from make_loader(device_batch_size,
     resume_state). When some rank runs out of memory in the first steps, every rank learns it before the optimizers
-    move (every_rank_fitted), and shrink() halves the device batch and rewinds the stream to where the step began: the
-    same rows in the same optimizer steps, with twice the micro-steps. Only a row that does not fit stops the run.
+    move (every_rank_fitted, called by train_step), and shrink() halves the device batch and rewinds the stream to
+    where the step began: the same rows in the same optimizer steps, with twice the micro-steps. Only a row that does
+    not fit stops the run. checkpoint_meta: the dict the checkpoints' meta.json is made from (RunSettings.meta), where
+    the device batch a resume starts at is kept.
     """
 
     def __init__(self, make_loader, device_batch_size, total_batch_size, seq_len, world_size, depth, device,
-                 resume_state=None, predicted_peak=None):
+                 resume_state=None, predicted_peak=None, checkpoint_meta=None):
         self.make_loader, self.depth, self.seq_len, self.device = make_loader, depth, seq_len, device
+        self.checkpoint_meta = {} if checkpoint_meta is None else checkpoint_meta
         self.predicted_peak = predicted_peak  # device batch -> the memory model's peak in bytes, or None
         self.rows_per_step = total_batch_size // (seq_len * world_size)
         self.device_batch_size = device_batch_size
@@ -417,7 +471,8 @@ class FittingBatches:
         return True
 
     def shrink(self):
-        """Go on at the next smaller device batch, from the data stream's state at the start of the failed step."""
+        """Go on at the next smaller device batch, from the data stream's state at the start of the failed step: that
+        step's micro-batches again, smaller and more of them."""
         smaller = smaller_device_batch(self.device_batch_size, self.rows_per_step)
         memory = device_memory(self.device)
         if smaller is None:
@@ -430,17 +485,17 @@ class FittingBatches:
         self.loader.close()
         self.loader = self.make_loader(smaller, self.step_start)
         self.device_batch_size = smaller
+        self.checkpoint_meta["device_batch_size"] = smaller  # the one a resume starts at
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        return self.next_step()
 
     def against_prediction(self):
         """How far off the memory model was: its peak for this device batch, beside what the device held when it ran
         out (on CUDA: the most allocated at once, which the failed step's peak exceeds)."""
         if self.predicted_peak is None:
             return ""
-        from nanochat.common import format_bytes
-
         predicted = self.predicted_peak(self.device_batch_size)
         if self.device.type != "cuda" or SIMULATED_LIMIT is not None:
             return f" (the memory model predicted a peak of {format_bytes(predicted)})"

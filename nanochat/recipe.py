@@ -1,7 +1,6 @@
 """
-The math every training stage shares: the depth dial (model shape, learning rates, weight decay and token budget from
-one number), the optimizers' setup, gradient-accumulation arithmetic, and train_step, one optimizer step for the stages
-whose step has nothing else in it (base_train spells its step out, with the retry of a device batch that does not fit).
+The math every training stage shares: the depth dial (model shape, learning rates, weight decay and the number of
+tokens from one number), the recipe components, the optimizers' setup and gradient-accumulation arithmetic.
 """
 
 import math
@@ -9,12 +8,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from nanochat.common import UserError, all_reduce_mean
+from nanochat.common import UserError
 from nanochat.engine import Engine
 from nanochat.gpt import COMPONENTS, GPT, VARIANT_DEFAULTS, GPTConfig
-from nanochat.optim import build_adamw, build_muon, step_optimizers
-# the schedules are the optimizers' (training.optim), re-exported for the bench tools that import them from here
-from nanochat.optim import apply_schedules, lr_multiplier, muon_momentum  # noqa: F401
+from nanochat.optim import build_adamw, build_muon
 
 REFERENCE_BATCH = 2**19  # tokens per step of the GPU recipe, where the base lrs below were tuned
 BASE_LRS = {"embedding_lr": 0.2, "unembedding_lr": 0.004, "matrix_lr": 0.02}  # at REFERENCE_BATCH
@@ -38,7 +35,7 @@ class Recipe:
     matrix_lr: float
     weight_decay: float
     num_iterations: int
-    budget: str  # which flag set num_iterations
+    steps_from: str  # which flag set num_iterations
     num_params: int
     scaling_params: int  # parameters that cost FLOPs (all but the embedding lookup)
     flops_per_token: int
@@ -121,14 +118,14 @@ def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio
     scaling_params = num_params - model.embedding_params()  # an embedding lookup costs no FLOPs
     flops_per_token = model.estimate_flops()
     if num_iterations:
-        budget = "--num-iterations"
+        steps_from = "--num-iterations"
     elif target_flops:
-        num_iterations, budget = round(target_flops / (flops_per_token * total_batch_size)), "--target-flops"
+        num_iterations, steps_from = round(target_flops / (flops_per_token * total_batch_size)), "--target-flops"
     elif target_param_data_ratio:
         num_iterations = round(target_param_data_ratio * scaling_params / total_batch_size)
-        budget = "--target-param-data-ratio"
+        steps_from = "--target-param-data-ratio"
     else:
-        raise UserError("give a token budget: --num-iterations, --target-flops or --target-param-data-ratio > 0")
+        raise UserError("say how long to train: --num-iterations, --target-flops or --target-param-data-ratio > 0")
     num_iterations = max(1, num_iterations)
     dial = dial_lrs(depth, total_batch_size, lr_batch_exponent, num_iterations if short_run_lrs else None)
     return Recipe(
@@ -137,7 +134,7 @@ def depth_recipe(depth, vocab_size, sequence_len, total_batch_size, aspect_ratio
         unembedding_lr=unembedding_lr or dial["unembedding_lr"],
         matrix_lr=matrix_lr or dial["matrix_lr"],
         weight_decay=dial["weight_decay"] if weight_decay is None else weight_decay,
-        num_iterations=num_iterations, budget=budget,
+        num_iterations=num_iterations, steps_from=steps_from,
         num_params=num_params, scaling_params=scaling_params, flops_per_token=flops_per_token,
     )
 
@@ -202,27 +199,6 @@ def optimizer_components_of(optimizers):
     """The Muon options (OPTIMIZER_COMPONENTS) these optimizers run with, for checkpoint meta."""
     return [name for name in OPTIMIZER_COMPONENTS
             if any(group.get(name) for opt in optimizers for group in opt.param_groups)]
-
-
-def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocast, grad_clip=0.0, divisor=None):
-    """
-    One optimizer step: forward + backward of loss_fn(model, batch) / divisor per micro-batch, then the scheduled
-    update. The default divisor (the number of micro-batches) makes the objective the mean of their mean losses; a
-    stage that weighs tokens differently passes a loss sum and its own divisor (SFT: the step's supervised tokens per
-    rank). The sharded optimizers average the gradients across ranks. Returns the objective averaged over ranks.
-    """
-    divisor = len(micro_batches) if divisor is None else divisor
-    device = next(model.parameters()).device
-    # summed on the device and read once, after the optimizer's work is queued: a read after each backward would make
-    # the host wait for the device, which would then wait for the host to launch the optimizer's kernels one by one
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for batch in micro_batches:
-        with autocast:
-            loss = loss_fn(model, batch)
-        (loss / divisor).backward()
-        total += loss.detach()
-    step_optimizers(optimizers, lrm, momentum, grad_clip)
-    return all_reduce_mean(total / divisor, device)  # the step's one read of the device
 
 
 def greedy_samples(model, tokenizer, prompts, max_tokens=16):

@@ -8,13 +8,10 @@ import os
 
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, find_latest_tag, load_meta,
                                          load_model_from_dir, refuse_to_overwrite, resolve_step)
-from nanochat.common import UserError, autocast_for, get_peak_flops, print0
+from nanochat.common import UserError, autocast_for
 from nanochat.loop import RunSettings, StartPoint, TrainingLoop, resume_from
 from nanochat.presets import PRESETS, fill_from_preset, preset_help
-from nanochat.recipe import (REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs,
-                                      optimizer_components_of)
-from nanochat.planning.time_budget import (GUESS_MFU, BudgetClock, clock, duration_label, parse_duration, plan_dict,
-                                           plan_from_dict, plan_stage_steps, stage_start_time)
+from nanochat.recipe import REFERENCE_BATCH, SCALAR_LR, build_optimizers, config_dict, dial_lrs, optimizer_components_of
 
 # -----------------------------------------------------------------------------
 # Flags
@@ -50,8 +47,6 @@ def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
     default, suffix = preset_default("eval_every", -1)
     p.add_argument("--eval-every", type=int, default=default, help="-1 = only at the start and the end" + suffix)
     p.add_argument("--save-every", type=int, default=-1, help="-1 = only at the end (and on a stop signal)")
-    p.add_argument("--time-budget", default=None, help="wall time for the whole stage (90s, 20m, 4h): the steps that fit "
-                   "in it, instead of --num-iterations (docs/time_budget.md)")
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue this stage's latest checkpoint")
     if conversation_data:
@@ -117,11 +112,8 @@ def validate_training_flags(args):
 
 def validate_stage_flags(args, stage):
     """Fill what was not given from the device's preset, then check every flag."""
-    if args.time_budget is not None:
-        args.time_budget = parse_duration(args.time_budget)
-        if args.num_iterations is not None:
-            raise UserError("--time-budget sets the number of steps itself: drop --num-iterations")
-    fill_from_preset(args, stage, leave=("num_iterations",) if args.time_budget else ())
+    # a time budget (the planning add-on's --time-budget, checked by the script) plans the number of steps
+    fill_from_preset(args, stage, leave=("num_iterations",) if getattr(args, "time_budget", None) else ())
     validate_training_flags(args)
     check_flag(args.num_iterations is None or args.num_iterations == -1 or args.num_iterations >= 1, "num_iterations",
                args.num_iterations, "must be >= 1, or -1 for one epoch")
@@ -179,15 +171,15 @@ def output_dir(stage, args):
 
 
 def stage_loop(name, args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
-               tokens_per_step=None, budget=None):
+               tokens_per_step=None, callbacks=(), meta=None):
     """The TrainingLoop of a chat stage, from its flags and model. tokens_per_step: fixed (mid), or None when each step
-    reports its own count to end_step (SFT, RL); budget: its BudgetClock (stage_budget)."""
+    reports its own count to end_step (SFT, RL); callbacks: the loop's (the report, a time budget's clock); meta: what
+    else goes in each checkpoint's meta.json (a time budget's plan)."""
     settings = RunSettings(name, ckpt_dir, num_iterations, vars(args).copy(), config_dict(model.config),
                            tokenizer.fingerprint(), tokens_per_step, model.estimate_flops(), args.save_every,
                            args.keep_last, args.run,
-                           meta={"lrs": lrs, "optimizer_components": optimizer_components_of(optimizers),
-                                 **({"time_plan": plan_dict(budget.plan)} if budget and budget.plan else {})})
-    return TrainingLoop(settings, model, optimizers, loader, start, device, autocast_for(device))
+                           meta={"lrs": lrs, "optimizer_components": optimizer_components_of(optimizers), **(meta or {})})
+    return TrainingLoop(settings, model, optimizers, loader, start, device, autocast_for(device), callbacks)
 
 
 def stage_steps(loop, eval_every, eval_name, evaluate):
@@ -233,32 +225,3 @@ def start_stage(args, tag, ckpt_dir, device):
                             tokenizer.fingerprint(), device)
         refuse_changed_flags(start.meta, args, STAGE_FIXED_FLAGS, ckpt_dir, new_run="another --out-tag")
     return model, tokenizer, optimizers, lrs, start
-
-
-def stage_budget(args, start, model, device, world_size, step_tokens, eval_tokens, eval_name):
-    """
-    A chat stage's --time-budget as a BudgetClock (calibrate_at None without one); sets args.num_iterations. A resume
-    follows its checkpoint's plan; a new run plans the steps that fit from a guess at seconds per step (step_tokens on
-    all ranks, forward and backward, at GUESS_MFU of peak; eval_tokens forward only), set again from measured steps.
-    """
-    saved = (start.meta or {}).get("time_plan")
-    if saved:
-        args.num_iterations = start.meta["num_iterations"]
-        print0(f"plan | resuming a run planned for {duration_label(saved['budget_seconds'])}: {args.num_iterations:,} "
-               "steps, as saved")
-        return BudgetClock(plan_from_dict(saved), active=False, warmdown_ratio=args.warmdown_ratio, eval_name=eval_name)
-    if not args.time_budget:
-        return BudgetClock(None, active=False, warmdown_ratio=args.warmdown_ratio)
-    if start.meta is not None:
-        raise UserError("this checkpoint was not trained to a time budget: drop --time-budget to resume it")
-    flops_per_second = GUESS_MFU.get(device.type, 0.4) * get_peak_flops(device) * world_size
-    step_seconds = model.estimate_flops() * step_tokens / flops_per_second
-    eval_seconds = 0.5 + model.estimate_flops() / 3 * eval_tokens / flops_per_second
-    plan = plan_stage_steps(args.time_budget, stage_start_time(), step_seconds, eval_seconds, args.eval_every,
-                            args.warmdown_ratio, model.config.n_layer, args.total_batch_size, args.device_batch_size, 1,
-                            device, args.save_every)
-    args.num_iterations = plan.num_iterations
-    print0(f"plan | budget {duration_label(plan.budget_seconds)}, ending by {clock(plan.deadline)}: {plan.num_iterations:,} "
-           f"steps at a guessed {step_seconds * 1000:,.0f} ms each" +
-           (f", set again from measured steps at step {plan.calibrate_at}" if plan.calibrate_at else ""))
-    return BudgetClock(plan, active=True, warmdown_ratio=args.warmdown_ratio, eval_name=eval_name)

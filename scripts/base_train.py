@@ -25,22 +25,22 @@ import torch
 
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_later_checkpoints,
                                          refuse_to_overwrite, resolve_step)
-from nanochat.common import (UserError, all_reduce_mean, autocast_for, compile_backend, compile_choice, compile_model,
-                             compute_cleanup, compute_init, get_compute_dtype, keep_freed_memory_in_process,
-                             peak_memory_mib, print0, resolve_device_type, run_main, seed_everything)
+from nanochat.common import (UserError, autocast_for, compile_backend, compile_choice, compile_model, compute_cleanup,
+                             compute_init, get_compute_dtype, keep_freed_memory_in_process, print0, resolve_device_type,
+                             run_main, seed_everything)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
-from nanochat.report import get_report
-from nanochat.tokenizer import get_tokenizer
-from nanochat.planning import memory_model, time_budget
-from nanochat.loop import FittingBatches, RunSettings, StartPoint, TrainingLoop, resume_from
-from nanochat.optim import lr_multiplier, muon_momentum, step_optimizers
+from nanochat.loop import FittingBatches, RunSettings, StartPoint, TrainingLoop, lm_loss, resume_from, train_step
+from nanochat.optim import lr_multiplier, muon_momentum
+from nanochat.planning.pretraining import add_planning_flags, check_planning_flags, plan_base_train
+from nanochat.planning.time_budget import duration_label
 from nanochat.presets import fill_from_preset, preset_help
-from nanochat.recipe import (DEFAULT_COMPONENTS, build_optimizers, canonical_components, config_dict,
-                                      depth_recipe, grad_accum_steps, greedy_samples, model_config_for_depth,
-                                      split_components)
+from nanochat.recipe import (DEFAULT_COMPONENTS, build_optimizers, canonical_components, config_dict, depth_recipe,
+                             greedy_samples, model_config_for_depth, split_components)
+from nanochat.report import TrainingReport, get_report
 from nanochat.stage import add_optimization_flags, check_flag, refuse_changed_flags, validate_training_flags
+from nanochat.tokenizer import get_tokenizer
 
 SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The word river is spelled", "The opposite of hot is",
                   "If 5*x + 3 = 13, then x is"]
@@ -48,9 +48,6 @@ SAMPLE_PROMPTS = ["The capital of", "The main language of", "12 + 35 =", "The wo
 # Flags a resumed run must keep: they fix the batches, the optimizer shards or the model, so changing them breaks exactness.
 RESUME_FIXED_FLAGS = ["depth", "aspect_ratio", "head_dim", "num_kv_heads", "max_seq_len", "device_batch_size",
                       "total_batch_size", "data_source", "seed", "components", "fp8"]
-# What a time budget's plan decides, unless given: a resume takes them from the checkpoint's flags.
-PLANNED_FLAGS = ["depth", "aspect_ratio", "head_dim", "device_batch_size", "eval_every", "sample_every",
-                 "core_metric_every", "time_budget", "scaling_law"]
 
 
 def main(argv=None):
@@ -63,20 +60,20 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(device_type)
     keep_freed_memory_in_process()
     autocast = autocast_for(device)
-    memory = run_memory(args, device, world_size)
     check_shape(args, tokenizer.get_vocab_size())  # heads and head dim, where the flags fix them
     claim_checkpoint_dir(ckpt_dir)  # one run per model tag; also proves the directory is writable
     get_report()  # proves the report directory is writable, before any training
     resume_step = meta["step"] if meta is not None else refuse_to_overwrite(ckpt_dir)  # None: a new run
     if meta is not None:
         refuse_later_checkpoints(ckpt_dir, resume_step)
-    budget = plan_budget(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast, memory)
+    # the planning add-on: a time budget's depth and steps, the card's device batch and checkpointing (flags in, out)
+    plan = plan_base_train(args, meta, ckpt_dir, tokenizer.get_vocab_size(), device, world_size, autocast)
+    vars(args).update(plan.flags)
     if args.dry_run:
         return compute_cleanup()
-    predicted_peak = fit_memory(args, meta, budget.plan, tokenizer.get_vocab_size(), device, world_size, memory)
     user_config = vars(args).copy()
     recipe = recipe_from_flags(args, tokenizer.get_vocab_size())
-    recipe.budget = "--time-budget" if budget.plan else recipe.budget
+    recipe.steps_from = "--time-budget" if plan.clock.plan else recipe.steps_from
     # fail now, not hours in, if the CORE bundle cannot be had (rank 0 downloads it, the others wait)
     core_bundle_dir = resolve_eval_bundle(args.eval_bundle, all_ranks=True) if args.core_metric_every > 0 else None
     seed_everything(args.seed)
@@ -93,18 +90,21 @@ def main(argv=None):
                                              recipe.num_iterations, tokenizer, device)
     # the device batch halves in the first steps if a step does not fit (loop.FittingBatches); a resume keeps what fit
     device_batch = min(args.device_batch_size, (start.meta or {}).get("device_batch_size", args.device_batch_size))
+    checkpoint_meta = {"lrs": lrs, "device_batch_size": device_batch, "max_seq_len": args.max_seq_len,
+                       "optimizer_components": split_components(args.components)[1], **plan.checkpoint_meta()}
     batches = FittingBatches(lambda b, state: DataLoader(tokenizer, b, args.max_seq_len, split="train", device=device,
                                                          rank=rank, world_size=world_size, source=args.data_source,
                                                          resume_state=state),
                              device_batch, args.total_batch_size, args.max_seq_len, world_size, args.depth, device,
-                             resume_state=start.loader_state, predicted_peak=predicted_peak)
+                             resume_state=start.loader_state, predicted_peak=plan.predicted_peak,
+                             checkpoint_meta=checkpoint_meta)
     val_bpb = val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size)
 
     settings = RunSettings("base_train", ckpt_dir, num_iterations, user_config, model_config, tokenizer.fingerprint(),
                            args.total_batch_size, recipe.flops_per_token, args.save_every, args.keep_last, args.run,
-                           meta={"lrs": lrs, "device_batch_size": device_batch, "max_seq_len": args.max_seq_len,
-                                 "optimizer_components": split_components(args.components)[1], **plan_meta(budget)})
-    loop = TrainingLoop(settings, model, optimizers, batches, start, device, autocast)
+                           meta=checkpoint_meta)
+    loop = TrainingLoop(settings, model, optimizers, batches, start, device, autocast,
+                        callbacks=[TrainingReport(), plan.clock])  # the report's curve; the budget's calibrations
     loop.announce(describe_run(args, recipe, device, world_size, batches, use_compile, num_iterations))
 
     for step in loop.steps():  # a checkpoint is written at the top of a step that is due one
@@ -117,39 +117,17 @@ def main(argv=None):
             print_samples(model, tokenizer, autocast)
         if step == loop.num_iterations:
             break
-
-        # -- one optimizer step: forward and backward of each micro-batch, then the optimizers --
+        # one optimizer step: this rank's micro-batches, forward and backward of each, then Muon and AdamW (in the
+        # first steps taken again at half the device batch if some rank runs out of memory: FittingBatches)
         t0 = time.perf_counter()
-        while True:  # taken again at half the device batch if some rank runs out of memory in the first steps
-            loss = torch.zeros((), device=device)  # summed on the device, read once the optimizers' work is queued
-            try:
-                micro_batches = batches.next_step()  # this rank's grad_accum (inputs, targets) pairs
-                for x, y in micro_batches:
-                    with autocast:
-                        micro_loss = train_model(x, y)
-                    (micro_loss / len(micro_batches)).backward()
-                    loss += micro_loss.detach()
-                ran_out = False
-            except Exception as error:
-                if not batches.recovers_from(error):  # anything but running out of memory in the first steps
-                    raise
-                ran_out, micro_loss = True, None  # (the failed pass's graph let go before a smaller batch is tried)
-            if batches.every_rank_fitted(ran_out):  # every rank agrees before any weight moves
-                break
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            batches.shrink()  # half the device batch, twice the micro-steps, the data rewound to where the step began
-            loop.meta["device_batch_size"] = batches.device_batch_size  # the one a resume starts at
         lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-        step_optimizers(optimizers, lrm, muon_momentum(step), args.grad_clip)
-        loop.end_step(all_reduce_mean(loss / len(micro_batches), device), t0, lrm=lrm)  # the progress line and logs
-        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
-            budget.calibrate(loop)
+        loss = train_step(train_model, optimizers, batches.next_step(), lm_loss, lrm, muon_momentum(step), autocast,
+                          args.grad_clip, fitting=batches)
+        loop.end_step(loss, t0, lrm=lrm)  # the progress line and logs
 
     batches.close()
-    budget.finish(loop)
-    report_memory(predicted_peak, batches.device_batch_size, device)
-    loop.finish("Base model training", report_data(args, recipe, loop, lrs, batches, budget, world_size))
+    plan.finish(loop, batches.device_batch_size)
+    loop.finish("Base model training", report_data(args, recipe, loop, lrs, batches, plan.clock, world_size))
     compute_cleanup()
 
 
@@ -166,7 +144,7 @@ def parse_args(argv=None):
     p.add_argument("--data-source", default=None, help="data source (default: $NANOCHAT_DATA_SOURCE or builtin)")
     # model
     p.add_argument("--depth", type=int, default=None,
-                   help=f"number of layers; sets width, heads, lrs, weight decay, budget {preset_help('base_train', 'depth')}")
+                   help=f"number of layers; sets width, heads, lrs, weight decay, steps {preset_help('base_train', 'depth')}")
     p.add_argument("--aspect-ratio", type=int, default=None, help="n_embd = aspect_ratio * depth, rounded to the head dim "
                    "(default 64; with --time-budget, the scaling law's)")
     p.add_argument("--head-dim", type=int, default=None, help="default 128; with --time-budget, the scaling law's")
@@ -175,23 +153,11 @@ def parse_args(argv=None):
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
                    "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
                    f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); docs/pretraining.md 'Recipe components'")
-    p.add_argument("--checkpoint-activations", default="auto", choices=["auto", "0", "1"],
-                   help="1: each block's activations are recomputed in its backward instead of kept (torch.utils."
-                   "checkpoint: less memory, a third more compute); auto: off, unless the memory to fit in (a GPU's, "
-                   "--gpu-memory) cannot hold one row without it")
-    p.add_argument("--gpu-memory", default=None, help="the memory a step must fit in, e.g. 24GiB or 80GB (default: "
-                   "$NANOCHAT_GPU_MEMORY, else a GPU's free memory): plans the device batch for it and caps a bigger "
-                   "card to it; on a CPU planned for, not enforced")
     p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
                    "(torch._scaled_mm on H100/Ada GPUs; emulated in fp32 elsewhere, CPU included: for the numerics, not for "
                    "speed); docs/pretraining.md 'FP8 matmuls'")
-    # budget: --time-budget, or the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0
-    p.add_argument("--time-budget", default=None, help="wall time for the whole stage (90s, 20m, 4h): measures this "
-                   "machine and picks the depth (unless --depth) and the tokens the scaling law predicts do best in it; "
-                   "docs/time_budget.md")
-    p.add_argument("--scaling-law", default="auto", help="--time-budget's law: auto, a shipped one (gpu-reference, "
-                   "cpu-builtin, cpu-brown) or a miniseries' scaling_law.json")
-    p.add_argument("--num-iterations", type=int, default=None, help="optimizer steps (-1 = from the budget flags below; "
+    # how long: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0; or --time-budget
+    p.add_argument("--num-iterations", type=int, default=None, help="optimizer steps (-1 = from the flags below; "
                    "default: from them on a GPU or when one is given, else 700 on a CPU)")
     p.add_argument("--target-flops", type=float, default=-1.0)
     p.add_argument("--target-param-data-ratio", type=float, default=None, help="training tokens per parameter (default 20)")
@@ -220,21 +186,12 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of --model-tag")
     p.add_argument("--resume-from-step", type=int, default=-1)
     p.add_argument("--compile", default="auto", choices=["auto", "0", "1"], help="torch.compile (auto: on for CUDA)")
-    p.add_argument("--dry-run", action="store_true", help="with --time-budget: measure, print the plan, train nothing")
+    add_planning_flags(p)  # --time-budget, --scaling-law, --gpu-memory, --checkpoint-activations, --dry-run
     args = p.parse_args(argv)
-    # the memory to plan for, checked before any work; a device batch given is kept, an unset one is the memory's
-    source = "--gpu-memory" if args.gpu_memory is not None else "NANOCHAT_GPU_MEMORY"
-    memory_text = args.gpu_memory if args.gpu_memory is not None else os.environ.get("NANOCHAT_GPU_MEMORY") or None
-    args.gpu_memory = None if memory_text is None else memory_model.parse_memory(memory_text, source)
-    args.gpu_memory_label = f"{source}={memory_text}"
-    args.device_batch_given = args.device_batch_size is not None
-    if args.time_budget is not None:
-        check_budget_flags(args)  # the depth (unless given), the steps and the eval cadence come from the plan
-    elif args.dry_run:
-        raise UserError("--dry-run shows a --time-budget's plan: give --time-budget")
-    elif args.num_iterations is None and (args.resume or args.resume_from_step >= 0 or args.target_flops > 0
-                                          or args.target_param_data_ratio is not None):
-        args.num_iterations = -1  # a resume finishes its own run; a budget given is the budget
+    check_planning_flags(args)
+    if args.time_budget is None and args.num_iterations is None and (
+            args.resume or args.resume_from_step >= 0 or args.target_flops > 0 or args.target_param_data_ratio is not None):
+        args.num_iterations = -1  # a resume finishes its own run; --target-flops or a tokens-per-parameter ratio sets the steps
     if args.target_param_data_ratio is None:
         args.target_param_data_ratio = 20.0
     fill_from_preset(args, "base_train", leave=("depth", "num_iterations", "eval_every") if args.time_budget else ())
@@ -243,25 +200,6 @@ def parse_args(argv=None):
         args.head_dim = 128 if args.head_dim is None else args.head_dim
     validate_args(args)
     return args
-
-
-def check_budget_flags(args):
-    """--time-budget: a duration, and no other budget flag beside it; what it leaves to the plan stays None."""
-    args.time_budget = time_budget.parse_duration(args.time_budget)
-    if args.time_budget < time_budget.MIN_BUDGET_SECONDS:
-        raise UserError(f"--time-budget={time_budget.duration_label(args.time_budget)} is too short: start-up, the "
-                        f"probe, an evaluation and one step need at least {time_budget.MIN_BUDGET_SECONDS}s")
-    given = [flag for flag, value in (("--num-iterations", args.num_iterations), ("--target-flops",
-             args.target_flops if args.target_flops > 0 else None), ("--target-param-data-ratio",
-             args.target_param_data_ratio)) if value is not None]
-    if given:
-        raise UserError(f"--time-budget sets the number of steps itself: drop {', '.join(given)}")
-    if args.core_metric_every not in (None, -1):
-        raise UserError("--time-budget does not plan for CORE evaluations during training (their cost is not measured "
-                        "before the run): drop --core-metric-every, and run scripts.base_eval after")
-    args.core_metric_every = -1
-    if args.sample_every is None:
-        args.sample_every = -1  # scripts.base_loss prints samples after the run
 
 
 def validate_args(args):
@@ -298,7 +236,7 @@ def model_tag(args):
     not known until the plan, and a resume must find it again)."""
     if args.model_tag:
         return args.model_tag
-    return f"budget-{time_budget.duration_label(args.time_budget)}" if args.time_budget else f"d{args.depth}"
+    return f"budget-{duration_label(args.time_budget)}" if args.time_budget else f"d{args.depth}"
 
 
 def resuming(args):
@@ -326,7 +264,7 @@ def resolve_components(args, meta, ckpt_dir):
 
 
 def recipe_from_flags(args, vocab_size):
-    """The depth dial's whole run, with every lr, decay and budget flag the user gave winning over it."""
+    """The depth dial's whole run, with every lr, decay and length flag the user gave winning over it."""
     return depth_recipe(args.depth, vocab_size, args.max_seq_len, args.total_batch_size, args.aspect_ratio, args.head_dim,
                         args.num_kv_heads or None, args.lr_batch_exponent, embedding_lr=max(args.embedding_lr, 0),
                         unembedding_lr=max(args.unembedding_lr, 0), matrix_lr=max(args.matrix_lr, 0),
@@ -334,165 +272,6 @@ def recipe_from_flags(args, vocab_size):
                         num_iterations=max(args.num_iterations, 0), target_flops=max(args.target_flops, 0),
                         target_param_data_ratio=max(args.target_param_data_ratio or 0, 0),
                         short_run_lrs=bool(args.short_run_lrs), components=split_components(args.components)[0])
-
-
-# -----------------------------------------------------------------------------
-# The time budget and the card's memory
-
-
-def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast, memory=(None, "")):
-    """
-    A time-budgeted run's plan, its flags filled from it, and the BudgetClock that keeps it on time: read back from the
-    checkpoint on a resume (it follows the plan as saved, and does not calibrate again), else made here (the probe, a
-    few seconds to a minute). Returns a clock whose calibrate_at is None for a run without a budget.
-    """
-    saved = (meta or {}).get("time_plan")
-    if saved:
-        args.checkpoint_activations = meta["user_config"].get("checkpoint_activations", "0")
-    if meta is not None and args.time_budget and not saved:
-        raise UserError(f"{ckpt_dir} was not trained to a time budget: drop --time-budget to resume it")
-    if saved:
-        for flag in PLANNED_FLAGS:
-            setattr(args, flag, meta["user_config"].get(flag, getattr(args, flag)))
-        args.num_iterations = -1  # the checkpoint's run, as planned
-        plan = time_budget.plan_from_dict(saved)
-        print0(f"plan | resuming a run planned for {time_budget.duration_label(plan.budget_seconds)}: d{plan.depth}, "
-               f"{meta['num_iterations']:,} steps{'' if plan.calibrated else ' (as planned before its calibration)'}; "
-               f"the plan is followed as saved, the time not counted again")
-        return time_budget.BudgetClock(plan, active=False, warmdown_ratio=args.warmdown_ratio)
-    if not args.time_budget:
-        return time_budget.BudgetClock(None, active=False, warmdown_ratio=args.warmdown_ratio)
-    started_at = time_budget.stage_start_time()
-    law = time_budget.law_for(args.scaling_law, device.type, args.data_source)
-    args.aspect_ratio = law.aspect_ratio if args.aspect_ratio is None else args.aspect_ratio
-    args.head_dim = law.head_dim if args.head_dim is None else args.head_dim
-    shape = run_shape(args, vocab_size, device, world_size, memory)
-    shape.compile_seconds = time_budget.COMPILE_SECONDS.get(device.type, 30.0) if shape.compiled else 0.0
-    t0 = time.time()
-    plan = time_budget.plan_pretraining(law, shape, args.time_budget, started_at, device, autocast, depth=args.depth,
-                                        warmdown_ratio=args.warmdown_ratio)
-    same_plan_everywhere(plan)
-    dtype = str(get_compute_dtype(device)).replace("torch.", "")
-    print0(time_budget.describe_plan(plan, law, time.time() - t0, f"{device.type} x{world_size} {dtype}"))
-    if plan.memory_limit:
-        print0(time_budget.memory_line(plan, memory[1]))
-    args.depth, args.device_batch_size, args.num_iterations = plan.depth, plan.device_batch_size, plan.num_iterations
-    args.checkpoint_activations = "1" if plan.checkpoint_activations else "0"
-    args.eval_every = plan.eval_every
-    return time_budget.BudgetClock(plan, active=True, warmdown_ratio=args.warmdown_ratio)
-
-
-def run_shape(args, vocab_size, device, world_size, memory):
-    """What the time budget's plan and the memory model need of the flags. With a memory to fit in and no
-    --device-batch-size, the device batch may be as large as each rank's rows per step."""
-    model_components, optimizer_components = split_components(args.components)
-    rows_per_step = args.total_batch_size // (args.max_seq_len * world_size)
-    largest = args.device_batch_size if args.device_batch_given or memory[0] is None else rows_per_step
-    checkpoint = {"auto": None if memory[0] else False, "0": False, "1": True}[args.checkpoint_activations]
-    return time_budget.RunShape(vocab_size, args.max_seq_len, args.total_batch_size, world_size, args.aspect_ratio,
-                                args.head_dim, args.num_kv_heads or None, model_components, optimizer_components,
-                                bool(args.fp8), largest, args.eval_tokens, args.eval_every, args.sample_every > 0, 0.0,
-                                args.save_every, memory_limit=memory[0], checkpoint_activations=checkpoint,
-                                device_type=device.type, compiled=compile_choice(args.compile, device),
-                                memory_label=memory[1])
-
-
-def same_plan_everywhere(plan):
-    """Every rank must train the same plan (it decides from timings all ranks agreed on); a rank that did not would
-    wait forever in a collective the others never reach, so a difference is a bug, refused here."""
-    import torch.distributed as dist
-
-    from nanochat.common import dist_rank_world
-
-    if dist_rank_world()[1] > 1:
-        plans = [None] * dist_rank_world()[1]
-        mine = {k: v for k, v in time_budget.plan_dict(plan).items() if k != "started_at"}
-        dist.all_gather_object(plans, mine)
-        if any(p != plans[0] for p in plans):
-            raise RuntimeError(f"the ranks made different plans: {plans}")
-
-
-def plan_meta(clock):
-    """What a budgeted run adds to every checkpoint's meta.json."""
-    return {"time_plan": time_budget.plan_dict(clock.plan)} if clock.plan else {}
-
-
-def run_memory(args, device, world_size):
-    """(bytes, words) of the memory a step must fit in (memory_model.device_memory_limit), the least of every rank's;
-    (None, "") on a CPU without --gpu-memory / NANOCHAT_GPU_MEMORY. Also checks the exact split of the global batch:
-    a device batch left to the memory plan will divide the rows each rank takes per step."""
-    from nanochat.common import all_reduce_max
-
-    limit, label = memory_model.device_memory_limit(device, args.gpu_memory, args.gpu_memory_label)
-    planned_batch = limit is not None and not args.device_batch_given
-    grad_accum_steps(args.total_batch_size, 1 if planned_batch else args.device_batch_size, args.max_seq_len, world_size)
-    if limit is None:
-        return None, ""
-    if device.type != "cuda":
-        print0(f"memory | {label}: planned for on the {device.type}, not enforced there")
-    least = -all_reduce_max([-float(limit)], device)[0]  # every rank plans alike: for the rank with the least
-    return int(least), label
-
-
-def fit_memory(args, meta, plan, vocab_size, device, world_size, memory):
-    """
-    A run without a time budget (`plan` None), with a memory to fit in (a GPU, or --gpu-memory): the device batch left
-    unset becomes the largest the memory model predicts to fit, with activation checkpointing where one row does not
-    fit without (--checkpoint-activations=auto); a device batch given is kept, with a line when it is predicted not to
-    fit. The predicted peak is printed beside the memory. A resume keeps its checkpoint's device batch and
-    checkpointing. Returns peak_predictor's function (a budgeted run's plan made its own choice already).
-    """
-    if plan is None:
-        fit_without_budget(args, meta, vocab_size, device, world_size, memory)
-    return peak_predictor(args, run_shape(args, vocab_size, device, world_size, memory))
-
-
-def fit_without_budget(args, meta, vocab_size, device, world_size, memory):
-    if meta is not None:
-        saved = meta["user_config"]
-        args.checkpoint_activations = saved.get("checkpoint_activations", "0") if args.checkpoint_activations == "auto" \
-            else args.checkpoint_activations
-        if not args.device_batch_given:
-            args.device_batch_size = saved.get("device_batch_size", args.device_batch_size)
-    if memory[0] is None:
-        args.checkpoint_activations = "1" if args.checkpoint_activations == "1" else "0"
-        return
-    shape = run_shape(args, vocab_size, device, world_size, memory)
-    if meta is None:
-        time_budget.refuse_impossible_memory(shape, args.depth)
-    if meta is None and not args.device_batch_given:
-        rows_per_step = args.total_batch_size // (args.max_seq_len * world_size)
-        fit = memory_model.fit_step(time_budget.step_spec(args.depth, shape), memory[0], rows_per_step,
-                                    largest=shape.max_device_batch, checkpoint=shape.checkpoint_activations)
-        args.device_batch_size = fit.device_batch
-        args.checkpoint_activations = "1" if fit.checkpoint_activations else "0"
-    else:
-        args.checkpoint_activations = "1" if args.checkpoint_activations == "1" else "0"
-    spec = time_budget.step_spec(args.depth, shape, args.checkpoint_activations == "1")
-    step = memory_model.predict(spec, args.device_batch_size)
-    print0(memory_model.describe_fit(step, args.checkpoint_activations == "1", memory[0], memory[1]))
-    if not memory_model.fits(step, memory[0]):
-        print0(f"memory | --device-batch-size={args.device_batch_size} is predicted to need more than the "
-               f"{memory_model.MEMORY_SHARE * 100:.0f} % of {memory_model.format_bytes(memory[0])} planned for: an "
-               f"out-of-memory in the first steps halves it")
-
-
-def peak_predictor(args, shape):
-    """device batch -> the memory model's peak of this run's step, for FittingBatches to say how far off it was when
-    memory runs out anyway; None where no memory was planned for."""
-    if shape.memory_limit is None:
-        return None
-    spec = time_budget.step_spec(args.depth, shape, args.checkpoint_activations == "1")
-    return lambda device_batch: memory_model.predict(spec, device_batch).peak
-
-
-def report_memory(predicted_peak, device_batch, device):
-    """After the run, on a GPU: the memory model's peak against what the steps allocated."""
-    if predicted_peak is None or device.type != "cuda":
-        return
-    peak, predicted = peak_memory_mib(device) * 2**20, predicted_peak(device_batch)
-    print0(f"memory | the run's peak: {memory_model.format_bytes(peak)} allocated (torch.cuda.max_memory_allocated), "
-           f"predicted {memory_model.format_bytes(predicted)} at device batch {device_batch} ({predicted / peak - 1:+.1%})")
 
 
 # -----------------------------------------------------------------------------
@@ -507,7 +286,7 @@ def start_point(args, ckpt_dir, resume_step, model, optimizers, model_config, lr
         return StartPoint(), num_iterations, lrs
     start = resume_from(ckpt_dir, resume_step, model, optimizers, model_config, tokenizer.fingerprint(), device)
     refuse_changed_flags(start.meta, args, RESUME_FIXED_FLAGS, ckpt_dir)
-    if args.num_iterations == -1:  # no explicit budget: finish the run the checkpoint belongs to
+    if args.num_iterations == -1:  # no length given: finish the run the checkpoint belongs to
         num_iterations = start.meta["num_iterations"]
     elif num_iterations != start.meta["num_iterations"]:
         print0(f"resume: --num-iterations {start.meta['num_iterations']} -> {num_iterations}; lr schedule recomputed, "
@@ -524,14 +303,14 @@ def print_samples(model, tokenizer, autocast):
     model.train()
 
 
-def report_data(args, recipe, loop, lrs, batches, budget, world_size):
+def report_data(args, recipe, loop, lrs, batches, clock, world_size):
     """The run's lines in the report card's base training section, before the loop's own."""
     return [{"Number of parameters": recipe.num_params, "FLOPs per token": f"{recipe.flops_per_token:e}",
              "Calculated number of iterations": loop.num_iterations,
              "Number of training tokens": loop.num_iterations * args.total_batch_size, "DDP world size": world_size,
              **lrs},
             {"CORE metric": loop.last.get("core_metric"), "Dataloader crop fraction": batches.crop_fraction(),
-             **budget.report()}]
+             **clock.report()}]
 
 
 def val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size):
@@ -574,7 +353,7 @@ def describe_run(args, recipe, device, world_size, batches, use_compile, num_ite
             f"width {c.n_embd} heads {c.n_head}/{c.n_kv_head} + {args.components or 'none (plain recipe)'} | "
             f"T {args.max_seq_len} | device {device.type} x{world_size} {dtype}{compiled} | "
             f"batch {args.total_batch_size:,} tok = {batches.device_batch_size}x{args.max_seq_len}x{world_size}x{batches.grad_accum} "
-            f"accum | steps {num_iterations} ({recipe.budget}) = {tokens / 1e6:.1f}M tokens, "
+            f"accum | steps {num_iterations} ({recipe.steps_from}) = {tokens / 1e6:.1f}M tokens, "
             f"{tokens / recipe.scaling_params:.1f} tok/param")
 
 

@@ -16,21 +16,24 @@ import time
 
 import torch
 
-from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
-from nanochat.engine import Engine
-from tasks import TaskMixture, get_task
 from nanochat.chat_data import ProblemSchedule
 from nanochat.chat_eval import evaluate_chat_task
-from nanochat.presets import preset_help
+from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
+from nanochat.engine import Engine
+from nanochat.loop import train_step
 from nanochat.optim import lr_multiplier, muon_momentum
-from nanochat.recipe import train_step
-from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_budget, stage_loop, stage_steps,
-                                     start_stage, validate_stage_flags)
+from nanochat.planning.time_budget import add_time_budget_flag, check_time_budget_flag, plan_chat_stage
+from nanochat.presets import preset_help
+from nanochat.report import TrainingReport
+from nanochat.stage import (add_stage_flags, check_flag, mixture_kind, output_dir, stage_loop, stage_steps, start_stage,
+                            validate_stage_flags)
+from tasks import TaskMixture, get_task
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Policy-gradient RL on problems with checkable answers.")
     add_stage_flags(p, "chat_rl", source="sft", batch_unit="problems", conversation_data=False)
+    add_time_budget_flag(p)
     p.add_argument("--task", default="", help="GSM8K, Arithmetic, SpellingBee, or several joined by | (default: Arithmetic "
                                               "when $NANOCHAT_DATA_SOURCE is builtin or unset, else GSM8K)")
     p.add_argument("--num-samples", type=int, default=None,
@@ -41,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-problems", type=int, default=None,
                    help=f"test problems for the periodic pass@1 {preset_help('chat_rl', 'eval_problems')}")
     args = p.parse_args(argv)
+    check_time_budget_flag(args)
     validate_stage_flags(args, "chat_rl")
     for flag in ("num_samples", "max_new_tokens", "top_k", "eval_problems"):
         check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
@@ -111,7 +115,7 @@ def main(argv=None):
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     # decoding a token costs a forward pass of one position at a fraction of the hardware's speed: a guess of 10x its FLOPs
     replies = args.total_batch_size * args.num_samples * args.max_new_tokens
-    budget = stage_budget(args, start, model, device, world_size, 10 * replies, 10 * args.eval_problems * args.max_new_tokens,
+    clock = plan_chat_stage(args, start, model, device, world_size, 10 * replies, 10 * args.eval_problems * args.max_new_tokens,
                           "pass@1")  # sets the steps, if given
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_task.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
@@ -125,7 +129,8 @@ def main(argv=None):
         return accuracy
 
     loop = stage_loop("chat_rl", args, ckpt_dir, model, tokenizer, optimizers, lrs, schedule, num_iterations, start, device,
-                      budget=budget)
+                      callbacks=[TrainingReport(), clock],
+                      meta=clock.checkpoint_meta())
     loop.announce(f"chat_rl | {tag} from {args.source} | task {task_name}: {train_task.num_examples():,} problems | "
                   f"{args.total_batch_size} problems x {args.num_samples} samples per step on {world_size} rank(s) | "
                   f"steps {num_iterations} | temperature {args.temperature} top-k {args.top_k}")
@@ -157,13 +162,11 @@ def main(argv=None):
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _, _ in micro_batches) * world_size, reward=all_reduce_mean(sum(rewards) / len(rewards), device),
                       **{f"pass@{args.num_samples}": all_reduce_mean(solved / len(schedule.problems(step)), device),
                          "length": all_reduce_mean(sum(lengths) / len(lengths), device)})
-        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
-            budget.calibrate(loop)
 
-    budget.finish(loop)
+    clock.finish(loop)
     loop.finish("Chat RL", [{"Task": task_name, "Problems per step": args.total_batch_size,
                              "Samples per problem": args.num_samples, "DDP world size": world_size, **lrs,
-                             **budget.report()}])
+                             **clock.report()}])
     compute_cleanup()
 
 

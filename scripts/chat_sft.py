@@ -15,14 +15,16 @@ import time
 
 import torch
 
-from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
-from nanochat.loss_eval import evaluate_loss
-from tasks import CustomJSON, TaskMixture, get_task
 from nanochat.chat_data import ConversationBatches
+from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
+from nanochat.loop import train_step
+from nanochat.loss_eval import evaluate_loss
 from nanochat.optim import lr_multiplier, muon_momentum
-from nanochat.recipe import train_step
-from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
-                                     stage_loop, stage_steps, start_stage, validate_stage_flags)
+from nanochat.planning.time_budget import add_time_budget_flag, check_time_budget_flag, plan_chat_stage
+from nanochat.report import TrainingReport
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir,
+                            stage_loop, stage_steps, start_stage, validate_stage_flags)
+from tasks import CustomJSON, TaskMixture, get_task
 
 
 def mixtures(kind, identity_file=None):
@@ -43,7 +45,9 @@ def mixtures(kind, identity_file=None):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Supervised fine-tuning on conversations (loss on the assistant's tokens).")
     add_stage_flags(p, "chat_sft", source="mid", batch_unit="conversations")
+    add_time_budget_flag(p)
     args = p.parse_args(argv)
+    check_time_budget_flag(args)
     validate_stage_flags(args, "chat_sft")
     return args
 
@@ -68,7 +72,7 @@ def main(argv=None):
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     sample = range(min(64, train_mix.num_examples()))  # the mean conversation's tokens, for a time budget's guess
     mean_tokens = sum(min(T, len(tokenizer.render_conversation(train_mix[i])[0])) for i in sample) / len(sample)
-    budget = stage_budget(args, start, model, device, world_size, args.total_batch_size * mean_tokens,  # sets the steps
+    clock = plan_chat_stage(args, start, model, device, world_size, args.total_batch_size * mean_tokens,  # sets the steps
                           args.eval_steps * args.device_batch_size * world_size * mean_tokens, "val_loss")
     num_iterations = args.num_iterations if args.num_iterations > 0 else max(1, train_mix.num_examples() // args.total_batch_size)
     autocast = autocast_for(device)
@@ -81,7 +85,8 @@ def main(argv=None):
         return evaluate_loss(model, batches, args.eval_steps)
 
     loop = stage_loop("chat_sft", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
-                      budget=budget)
+                      callbacks=[TrainingReport(), clock],
+                      meta=clock.checkpoint_meta())
     loop.announce(f"chat_sft | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
                   f"({train_mix.name}) | {args.device_batch_size}x{world_size}x{grad_accum} conversations per step, up "
                   f"to {T} tokens each | steps {num_iterations}")
@@ -96,12 +101,10 @@ def main(argv=None):
         loss = train_step(model, optimizers, micro_batches, lambda m, xy: m(*xy, loss_reduction="sum"), lrm,
                           muon_momentum(step), autocast, divisor=divisor)
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _ in micro_batches) * world_size)
-        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
-            budget.calibrate(loop)
 
-    budget.finish(loop)
+    clock.finish(loop)
     loop.finish("Chat SFT", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
-                              "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs, **budget.report()}])
+                              "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs, **clock.report()}])
     compute_cleanup()
 
 

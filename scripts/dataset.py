@@ -15,8 +15,8 @@ import os
 import sys
 
 from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
-from nanochat.dataset import (SHARD_RE, SOURCES, data_dir_path, download_shards, get_source, is_plain_name, shard_filename,
-                              source_names_on_disk)
+from nanochat.dataset import (SHARD_RE, SOURCES, data_dir_path, download_shards, get_source, is_plain_name,
+                              shard_filename, source_names_on_disk)
 
 
 def main(argv=None):

@@ -11,15 +11,16 @@ SmolTalk, MMLU auxiliary_train, GSM8K, identity and spelling (downloaded on firs
 import argparse
 import time
 
-
-from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
-from nanochat.loss_eval import evaluate_loss
-from tasks import CustomJSON, TaskMixture, get_task
 from nanochat.chat_data import PackedConversations
+from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
+from nanochat.loop import train_step
+from nanochat.loss_eval import evaluate_loss
 from nanochat.optim import lr_multiplier, muon_momentum
-from nanochat.recipe import train_step
-from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir, stage_budget,
-                                     stage_loop, stage_steps, start_stage, validate_stage_flags)
+from nanochat.planning.time_budget import add_time_budget_flag, check_time_budget_flag, plan_chat_stage
+from nanochat.report import TrainingReport
+from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir,
+                            stage_loop, stage_steps, start_stage, validate_stage_flags)
+from tasks import CustomJSON, TaskMixture, get_task
 
 
 def mixtures(kind, identity_file=None):
@@ -40,7 +41,9 @@ def mixtures(kind, identity_file=None):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Mid-train a base model on packed conversations.")
     add_stage_flags(p, "mid_train", source="base", batch_unit="tokens")
+    add_time_budget_flag(p)
     args = p.parse_args(argv)
+    check_time_budget_flag(args)
     validate_stage_flags(args, "mid_train")
     return args
 
@@ -58,7 +61,7 @@ def main(argv=None):
     autocast = autocast_for(device)
     loader = PackedConversations(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
                                  resume_state=start.loader_state)
-    budget = stage_budget(args, start, model, device, world_size, args.total_batch_size,  # sets the steps, if given
+    clock = plan_chat_stage(args, start, model, device, world_size, args.total_batch_size,  # sets the steps, if given
                           args.eval_steps * args.device_batch_size * T * world_size, "val_loss")
     num_iterations = args.num_iterations
     if num_iterations == -1:  # one epoch: the mixture's tokens over the tokens of a step (packing pads a little)
@@ -71,7 +74,8 @@ def main(argv=None):
         return evaluate_loss(model, batches, args.eval_steps)
 
     loop = stage_loop("mid_train", args, ckpt_dir, model, tokenizer, optimizers, lrs, loader, num_iterations, start, device,
-                      tokens_per_step=args.total_batch_size, budget=budget)
+                      tokens_per_step=args.total_batch_size, callbacks=[TrainingReport(), clock],
+                      meta=clock.checkpoint_meta())
     loop.announce(f"mid_train | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
                   f"({train_mix.name}) | rows of {T} tokens, {args.device_batch_size}x{world_size}x{grad_accum} per step | "
                   f"steps {num_iterations}")
@@ -81,13 +85,11 @@ def main(argv=None):
         lrm = lr_multiplier(step, loop.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
         loss = train_step(model, optimizers, next(loader), lambda m, xy: m(*xy), lrm, muon_momentum(step), autocast)
         loop.end_step(loss, t0, lrm=lrm)
-        if loop.step == budget.calibrate_at:  # a tenth and half of the way in: the steps that fit in the time left
-            budget.calibrate(loop)
 
-    budget.finish(loop)
+    clock.finish(loop)
     loop.finish("Midtraining", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
                                  "Epochs seen": loader.stream.epoch, "Padding fraction": loader.padding_fraction(),
-                                 "DDP world size": world_size, **lrs, **budget.report()}])
+                                 "DDP world size": world_size, **lrs, **clock.report()}])
     compute_cleanup()
 
 

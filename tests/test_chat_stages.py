@@ -380,7 +380,8 @@ def test_resume_refuses_changed_batches_and_redoes_an_unfinished_final_eval(trai
 def test_empty_supervision_adds_zero_not_nan():
     # A micro-batch whose targets are all -1 contributes exactly nothing, and a step of only such batches is finite.
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers
+    from nanochat.loop import train_step
 
     torch.manual_seed(0)
     model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32), "cpu")

@@ -19,7 +19,8 @@ from nanochat.checkpoint_manager import checkpoint_dir, load_checkpoint, load_mo
 from nanochat.common import UserError
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
-from nanochat.recipe import build_optimizers, train_step
+from nanochat.recipe import build_optimizers
+from nanochat.loop import train_step
 
 LRS = dict(unembedding_lr=0.02, embedding_lr=0.2, matrix_lr=0.03, weight_decay=0.1)
 SAVED_STEP = 2

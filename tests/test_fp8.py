@@ -273,7 +273,8 @@ def test_gpt_blocks_train_with_fp8_matmuls(monkeypatch):
     # base_train --fp8 converts the blocks' linears; every one of them (the MLP too, which the CPU fast path would
     # otherwise run from its weights) must then go through fp8, and the model must learn about as well as in fp32.
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers
+    from nanochat.loop import train_step
 
     products = []
     real = fp8._mm_abt
@@ -457,7 +458,8 @@ def test_gpt_training_loss_within_1_percent_of_bf16(monkeypatch):
     # What --fp8=1 must keep: after the same steps on the same data, the loss of a GPT whose block linears run fp8
     # (emulated here) is within 1 % of the bf16 run's. Measured: within 0.35 % on the last step, 0.07 % held out,
     # over 3 seeds at 30 and 60 steps; a broken scale or dtype moves it by far more.
-    from nanochat.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers
+    from nanochat.loop import train_step
 
     products = []
     real = fp8._mm_abt

@@ -362,7 +362,8 @@ def test_train_step_reads_the_loss_once_after_the_optimizer_is_queued(monkeypatc
     from torch.utils._python_dispatch import TorchDispatchMode
 
     monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
-    from nanochat.recipe import build_optimizers, depth_recipe, train_step
+    from nanochat.recipe import build_optimizers, depth_recipe
+    from nanochat.loop import train_step
 
     class Ops(TorchDispatchMode):
         def __init__(self):

@@ -65,7 +65,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smalle
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
     from nanochat.optim import muon_momentum
-    from nanochat.recipe import build_optimizers, depth_recipe, train_step
+    from nanochat.recipe import build_optimizers, depth_recipe
+    from nanochat.loop import train_step
 
     recipe = depth_recipe(4, 512, 128, 8 * 128, 32, 32, num_iterations=1, components=MODEL_COMPONENTS)
     idx = torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(0))
@@ -120,7 +121,8 @@ def test_the_prediction_follows_the_measured_step(fresh_cache, single_torch_thre
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
     from nanochat.optim import muon_momentum
-    from nanochat.recipe import build_optimizers, depth_recipe, train_step
+    from nanochat.recipe import build_optimizers, depth_recipe
+    from nanochat.loop import train_step
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
     spec = tiny_spec(seq_len=128)

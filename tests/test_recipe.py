@@ -8,8 +8,8 @@ import torch
 from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.optim import apply_schedules, lr_multiplier, muon_momentum
-from nanochat.recipe import (BASE_LRS, batch_lr_scale, build_optimizers, default_weight_decay, depth_recipe,
-                                      dial_lrs, grad_accum_steps, model_config_for_depth, short_run_lr_scale)
+from nanochat.recipe import (BASE_LRS, batch_lr_scale, build_optimizers, default_weight_decay, depth_recipe, dial_lrs,
+                             grad_accum_steps, model_config_for_depth, short_run_lr_scale)
 
 
 @pytest.mark.quick

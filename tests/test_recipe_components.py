@@ -256,7 +256,8 @@ def test_cautious_weight_decay_only_shrinks_weights_the_update_pushes_toward_zer
 
 @pytest.mark.quick
 def test_loss_goes_down_with_every_component_on():
-    from nanochat.recipe import build_optimizers, train_step
+    from nanochat.recipe import build_optimizers
+    from nanochat.loop import train_step
 
     model = build(tiny_config(**ALL_ON), randomize=False)
     model.train()

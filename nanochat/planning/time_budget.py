@@ -1,8 +1,9 @@
 """
 Training to a wall-clock budget: `base_train --time-budget=4h` probes a few depths on this machine (each fitted to the
 card's memory by the memory model first), picks the depth and tokens a scaling law predicts to give the lowest val bpb
-in that time, and calibrates the step count twice before the lr warmdown so that the process ends on time; mid_train
-and chat_sft plan their steps only. How, for users: docs/time_budget.md; the whole speedrun: pipeline_plan.
+in that time (base_train's call: pretraining.py), and calibrates the step count twice before the lr warmdown so that
+the process ends on time (BudgetClock, a training-loop callback); the chat stages plan their steps only
+(plan_chat_stage). How, for users: docs/time_budget.md; the whole speedrun: pipeline_plan.
 """
 
 import functools
@@ -608,6 +609,15 @@ class BudgetClock:
         # calibrate runs none of this module's code
         self.calibrate_at = plan.calibrate_at if active else None
 
+    def on_step_end(self, loop):
+        """The training loop's callback after each step: calibrate at the steps the plan named."""
+        if loop.step == self.calibrate_at:
+            self.calibrate(loop)
+
+    def checkpoint_meta(self):
+        """What a budgeted run adds to every checkpoint's meta.json: its plan, which a resume follows."""
+        return {"time_plan": plan_dict(self.plan)} if self.plan else {}
+
     def calibrate(self, loop):
         """Set loop.num_iterations for the rest of the budget from what the loop measured (agreed by every rank), and
         the plan the checkpoints record; plan the second calibration after the first."""
@@ -661,3 +671,50 @@ plan_dict = asdict  # a RunPlan as the checkpoints' 'time_plan'
 def plan_from_dict(fields):
     return RunPlan(**{k: v for k, v in fields.items() if k in RunPlan.__dataclass_fields__})
 
+
+# -----------------------------------------------------------------------------
+# A chat stage's steps
+
+
+def add_time_budget_flag(parser):
+    """A chat stage's --time-budget (base_train's is pretraining.add_planning_flags')."""
+    parser.add_argument("--time-budget", default=None, help="wall time for the whole stage (90s, 20m, 4h): the steps "
+                        "that fit in it, instead of --num-iterations (docs/time_budget.md)")
+
+
+def check_time_budget_flag(args):
+    """A chat stage's --time-budget as seconds, before any work; it sets the number of steps itself."""
+    if args.time_budget is None:
+        return
+    args.time_budget = parse_duration(args.time_budget)
+    if args.num_iterations is not None:
+        raise UserError("--time-budget sets the number of steps itself: drop --num-iterations")
+
+
+def plan_chat_stage(args, start, model, device, world_size, step_tokens, eval_tokens, eval_name):
+    """
+    A chat stage's --time-budget as a BudgetClock (calibrate_at None without one); sets args.num_iterations. A resume
+    follows its checkpoint's plan; a new run plans the steps that fit from a guess at seconds per step (step_tokens on
+    all ranks, forward and backward, at GUESS_MFU of peak; eval_tokens forward only), set again from measured steps.
+    """
+    saved = (start.meta or {}).get("time_plan")
+    if saved:
+        args.num_iterations = start.meta["num_iterations"]
+        print0(f"plan | resuming a run planned for {duration_label(saved['budget_seconds'])}: {args.num_iterations:,} "
+               "steps, as saved")
+        return BudgetClock(plan_from_dict(saved), active=False, warmdown_ratio=args.warmdown_ratio, eval_name=eval_name)
+    if not args.time_budget:
+        return BudgetClock(None, active=False, warmdown_ratio=args.warmdown_ratio)
+    if start.meta is not None:
+        raise UserError("this checkpoint was not trained to a time budget: drop --time-budget to resume it")
+    flops_per_second = GUESS_MFU.get(device.type, 0.4) * get_peak_flops(device) * world_size
+    step_seconds = model.estimate_flops() * step_tokens / flops_per_second
+    eval_seconds = 0.5 + model.estimate_flops() / 3 * eval_tokens / flops_per_second
+    plan = plan_stage_steps(args.time_budget, stage_start_time(), step_seconds, eval_seconds, args.eval_every,
+                            args.warmdown_ratio, model.config.n_layer, args.total_batch_size, args.device_batch_size, 1,
+                            device, args.save_every)
+    args.num_iterations = plan.num_iterations
+    print0(f"plan | budget {duration_label(plan.budget_seconds)}, ending by {clock(plan.deadline)}: {plan.num_iterations:,} "
+           f"steps at a guessed {step_seconds * 1000:,.0f} ms each" +
+           (f", set again from measured steps at step {plan.calibrate_at}" if plan.calibrate_at else ""))
+    return BudgetClock(plan, active=True, warmdown_ratio=args.warmdown_ratio, eval_name=eval_name)

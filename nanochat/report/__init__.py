@@ -517,3 +517,32 @@ def get_report():
     if rank != 0:
         return DummyReport()
     return Report(os.path.join(get_base_dir(), "report"))
+
+
+class TrainingReport:
+    """
+    A training stage's part of the report card, a callback of its TrainingLoop (nanochat/loop.py): the curve of its
+    steps and evaluations, written up to each checkpoint as it is saved (so the curve never runs ahead of where a
+    resume starts, and a resume truncates it there), and the stage's section at the end.
+    """
+
+    def __init__(self):
+        self.report, self.records = get_report(), []
+
+    def on_start(self, loop):
+        if loop.start_step == 0:
+            self.report.reset_curve(loop.settings.name)
+        else:
+            self.report.truncate_curve(loop.settings.name, loop.start_step)  # the steps after it are logged again
+
+    def on_record(self, loop, record):
+        self.records.append(record)
+
+    def on_checkpoint(self, loop):
+        for record in self.records:
+            self.report.log_curve(loop.settings.name, record)
+        self.records = []
+
+    def on_finish(self, loop, section, data):
+        self.on_checkpoint(loop)
+        self.report.log(section=section, data=data)
