@@ -263,7 +263,7 @@ fi
 if [ -n "$BUDGET" ]; then
     # the plan, before any stage: a budget too short for a chat model that answers is refused here, in one line
     PLAN_FILE=$([ "$DRY_RUN" = 1 ] && mktemp -u /tmp/nanochat_plan_XXXXXX.json || echo "$BASE_DIR/speedrun_plan.json")
-    $PY -m scripts.speedrun_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --source "$SOURCE_KIND" \
+    $PY -m scripts.speedrun_plan plan "$BUDGET" --preset "$PRESET" --started-at "$START_TIME" --data-source "$SOURCE_KIND" \
         --gpus "$NGPU" --rl "$([ -z "${NANOCHAT_RL:-}" ] && [ "$RUN_RL" = 1 ] && echo auto || echo "$RUN_RL")" \
         --base-chat-eval "$([ -n "$BASE_CHAT_EVAL" ] && echo 1 || echo 0)" --plan-file "$PLAN_FILE" \
         $([ "$DRY_RUN" = 1 ] && echo --dry-run) $([ "$FORCE" = 1 ] && echo --fresh) || exit 1

@@ -125,18 +125,18 @@ def cmd_quality(args):
     # what x1 means in base lrs: the dial's scale for a run this long, as base_train would train it
     base_lr_scale = dial_lr_scale(args.total_batch_size, args.lr_batch_exponent, args.steps if args.short_run_lrs else None)
     args.eval_at = sorted(set(args.eval_at) | {args.steps})
-    quality_data(args.source, args.vocab_size)
+    quality_data(args.data_source, args.vocab_size)
     runs = []
     for variant in args.variants:
         for lr_mult in args.lr_mults:
             for seed in args.seeds:
-                log(f"bench quality: {args.source} d{args.depth} T={args.seq_len} batch {args.total_batch_size} "
+                log(f"bench quality: {args.data_source} d{args.depth} T={args.seq_len} batch {args.total_batch_size} "
                     f"{variant} lr x{lr_mult:g} seed {seed} ...")
                 runs.append(quality_run(args, seed, lr_mult, variant))
     rows = [[r["variant"], f"{r['lr_mult']:g}", r["seed"]] + [f"{r['val_bpb'][s]:.4f}" for s in args.eval_at]
             + [f"{r['flops_per_token']:,}", f"{r['tok_per_s']:,.0f}", f"{r['seconds']:.0f}"] for r in runs]
     dtype = str(get_compute_dtype("cpu")).replace("torch.", "")  # what quality_run trained in
-    print_table(f"quality: val bpb on {args.source} ({dtype}), d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
+    print_table(f"quality: val bpb on {args.data_source} ({dtype}), d{args.depth} T={args.seq_len} {args.total_batch_size} tokens/step, "
                 f"{args.steps} steps, lr x scales {'+'.join(args.lr_groups)} (x1 = base lrs x{base_lr_scale:.4g}), "
                 f"wd {'dial' if args.weight_decay < 0 else args.weight_decay}, warmup {args.warmup_ratio} "
                 f"warmdown {args.warmdown_ratio} to {args.final_lr_frac:g}, adam betas {args.adam_betas[0]:g}/{args.adam_betas[1]:g}",
@@ -152,7 +152,7 @@ def cmd_quality(args):
     if len(args.variants) > 1:
         print_variants(args, runs)
     emit_json({"bench": "quality", "machine": machine_info(), "dtype": dtype,
-               "source": args.source, "depth": args.depth,
+               "source": args.data_source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
                "final_lr_frac": args.final_lr_frac, "variants": args.variants, "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,

@@ -3,6 +3,7 @@ Shared plumbing for every nanochat script: where artifacts live, which device an
 init/teardown under torchrun, seeding, printing, and the peak-FLOPs numbers that MFU is measured against.
 """
 
+import argparse
 import contextlib
 import functools
 import gc
@@ -67,6 +68,21 @@ def fail(message):
     if _failure_watch:
         _failure_watch.publish(message)
     sys.exit(1)
+
+
+class RenamedFlag(argparse.Action):
+    """A flag's old spelling, kept for one release: it sets what the new one sets, with a one-line notice. Added as
+    parser.add_argument(OLD, dest=..., action=RenamedFlag, new=NEW, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    beside NEW (hidden, so that --help shows one spelling)."""
+
+    def __init__(self, option_strings, dest, new, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"note: {option_string} is now {self.new} (the old spelling goes in the next release)", file=sys.stderr,
+              flush=True)
+        setattr(namespace, self.dest, values)
 
 
 # -----------------------------------------------------------------------------

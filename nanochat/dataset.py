@@ -34,9 +34,9 @@ class DataSource:
 
 SOURCES = {
     "fineweb-edu": DataSource("fineweb-edu", "karpathy/fineweb-edu-100b-shuffle", 1823, 1822,
-                              "python -m nanochat.dataset -n 8 --source fineweb-edu"),
+                              "python -m nanochat.dataset -n 8 --data-source fineweb-edu"),
     "climbmix": DataSource("climbmix", "karpathy/climbmix-400b-shuffle", 6543, 6542,
-                           "python -m nanochat.dataset -n 8 --source climbmix"),
+                           "python -m nanochat.dataset -n 8 --data-source climbmix"),
     "builtin": DataSource("builtin", None, None, 0, "python -m nanochat.corpus"),
     "brown": DataSource("brown", None, None, 0, "python -m scripts.brown"),  # real English offline, a yardstick
 }

@@ -9,8 +9,8 @@ quality, time budgets.
     python -m scripts.bench dataloader     # packing speed, cropped fraction, time a step waits for data
     python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
-    python -m scripts.bench quality --source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
-    python -m scripts.bench quality --source=brown --variants base smear value_embeds,normuon   # recipe components
+    python -m scripts.bench quality --data-source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
+    python -m scripts.bench quality --data-source=brown --variants base smear value_embeds,normuon   # recipe components
     python -m scripts.bench kernels        # a GPU: fp8 linear and sliding-window attention, numerics and speed
     python -m scripts.bench import --depth=20   # scripts.import_model on a d20 karpathy/nanochat checkpoint: time, memory
     python -m scripts.bench serve -i sft --max-batch 1 64   # chat_web under 1..64 concurrent openai clients
@@ -41,7 +41,7 @@ import argparse
 
 from bench import budget, dataloader, engine, estimate, importing, kernels, memory, quality, serve, tokenizer, train, wordings
 from bench.common import BENCH_TOKENIZER_VOCAB
-from nanochat.common import UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
+from nanochat.common import RenamedFlag, UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
 # -----------------------------------------------------------------------------
 
@@ -186,8 +186,10 @@ def add_inference_benchmarks(sub):
 
 def add_quality_benchmark(sub):
     q = sub.add_parser("quality", help="val bpb after a short run of the CPU preset's geometry, on built-in or real text")
-    q.add_argument("--source", default="builtin",
+    q.add_argument("--data-source", default="builtin",
                    help="builtin, brown, or a source you imported (python -m nanochat.dataset import NAME ...)")
+    q.add_argument("--source", dest="data_source", action=RenamedFlag, new="--data-source",
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     q.add_argument("--depth", type=int, default=4)
     q.add_argument("--seq-len", type=int, default=256)
     q.add_argument("--total-batch-size", type=int, default=2048, help="tokens per step")

@@ -2,7 +2,7 @@
 The data sources' command line: download a hub source's shards, import your own text as a source, list the sources on
 disk. Run as `python -m nanochat.dataset` (karpathy/nanochat's command), which runs this script:
 
-  python -m nanochat.dataset -n 8 --source climbmix          # the first 8 train shards and the val shard
+  python -m nanochat.dataset -n 8 --data-source climbmix          # the first 8 train shards and the val shard
   python -m nanochat.dataset import mybooks ~/books/ --max-doc-chars=8000
   python -m nanochat.dataset list
 
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from nanochat.common import UserError, ensure_writable, get_base_dir, run_main
+from nanochat.common import RenamedFlag, UserError, ensure_writable, get_base_dir, run_main
 from nanochat.dataset import (SHARD_RE, SOURCES, data_dir_path, download_shards, get_source, is_plain_name,
                               shard_filename, source_names_on_disk)
 
@@ -88,7 +88,7 @@ def list_main(argv):
     names = source_names_on_disk()
     if not names:
         print(f"no data sources in {root}; build the built-in one with `python -m nanochat.corpus`, download one with "
-              f"`python -m nanochat.dataset -n 8 --source climbmix`, or import your own with "
+              f"`python -m nanochat.dataset -n 8 --data-source climbmix`, or import your own with "
               f"`python -m nanochat.dataset import NAME FILES...`")
         return
     print(f"data sources in {root}:")
@@ -109,11 +109,14 @@ def download_main(argv=None):
                                      description="Download pretraining shards (first N train shards + the val shard).")
     parser.add_argument("-n", "--num-files", type=int, default=-1, help="train shards to fetch (-1 = all)")
     parser.add_argument("-w", "--num-workers", type=int, default=8, help="parallel downloads")
-    parser.add_argument("--source", default=None, help=f"one of {', '.join(SOURCES)} (default: $NANOCHAT_DATA_SOURCE or builtin)")
+    parser.add_argument("--data-source", default=None,
+                        help=f"one of {', '.join(SOURCES)} (default: $NANOCHAT_DATA_SOURCE or builtin)")
+    parser.add_argument("--source", dest="data_source", action=RenamedFlag, new="--data-source",
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--max-attempts", type=int, default=5, help="tries per shard before giving up")
     args = parser.parse_args(argv)
 
-    src = get_source(args.source)
+    src = get_source(args.data_source)
     if src.hf_repo is None:
         raise UserError(f"source {src.name!r} has no URL to download from; build it with `{src.build_command}`")
     num_train = src.num_shards - 1  # every shard except the val shard

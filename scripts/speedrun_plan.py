@@ -29,7 +29,7 @@ def parse_args(argv=None):
     plan.add_argument("--started-at", type=float, default=time.time(), help="when the speedrun began (epoch seconds)")
     plan.add_argument("--rl", default="0", choices=["0", "1", "auto"],
                       help="1: chat_rl must fit; auto: where its floor fits (the gpu preset's default)")
-    plan.add_argument("--source", default="builtin", choices=["builtin", "brown", "hub", "imported"],
+    plan.add_argument("--data-source", default="builtin", choices=["builtin", "brown", "hub", "imported"],
                       help="the pretraining text's kind: what the data stages and evaluations cost")
     plan.add_argument("--gpus", type=int, default=1, help="the gpu preset's GPUs: a step's cost is shared among them")
     plan.add_argument("--base-chat-eval", type=int, default=1, help="0: the source has no built-in world to recall")

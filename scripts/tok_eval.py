@@ -9,7 +9,7 @@ them cached. More bytes per token = shorter sequences for the same text.
 
 import argparse
 
-from nanochat.common import UserError, print0, run_main
+from nanochat.common import RenamedFlag, UserError, print0, run_main
 from nanochat.dataset import get_default_source, parquets_iter_batched
 from nanochat.report import get_report
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
@@ -79,8 +79,10 @@ COMPARE_WITH = ["gpt2", "cl100k_base"]
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Compare tokenizer compression (bytes per token).")
     parser.add_argument(
-        "--source", default=None, help="data source for the val sample (default: $NANOCHAT_DATA_SOURCE or builtin)"
+        "--data-source", default=None, help="data source for the val sample (default: $NANOCHAT_DATA_SOURCE or builtin)"
     )
+    parser.add_argument("--source", dest="data_source", action=RenamedFlag, new="--data-source",
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument(
         "--val-row-groups", type=int, default=2, help="row groups of the val shard to measure (default 2)"
     )
@@ -108,11 +110,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.val_row_groups < 1:
         raise UserError(f"--val-row-groups must be at least 1, got {args.val_row_groups}")
-    source = args.source or get_default_source()
+    source = args.data_source or get_default_source()
     report = get_report()  # proves the report directory is writable before any work
     docs, reason = val_sample(source, args.val_row_groups)
-    if not docs and args.source:  # asked for by name: its absence is an error, not a note
-        raise UserError(f"--source {args.source}: {reason or 'its val shard is empty'}")
+    if not docs and args.data_source:  # asked for by name: its absence is an error, not a note
+        raise UserError(f"--data-source {args.data_source}: {reason or 'its val shard is empty'}")
 
     tokenizers = {"ours": get_tokenizer()}
     for name in COMPARE_WITH:

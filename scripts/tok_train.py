@@ -12,7 +12,7 @@ characters (so a few giant documents cannot dominate the pair counts), until
 import argparse
 import time
 
-from nanochat.common import UserError, ensure_writable, print0, run_main
+from nanochat.common import RenamedFlag, UserError, ensure_writable, print0, run_main
 from nanochat.dataset import get_default_source, parquets_iter_batched
 from nanochat.report import get_report
 from nanochat.tokenizer import (SPECIAL_TOKENS, TOKEN_BYTES_FILE, RustBPETokenizer, get_tokenizer_dir,
@@ -53,11 +53,13 @@ def parse_args(argv=None):
         help="vocabulary size including the special tokens (default 32768)",
     )
     parser.add_argument(
-        "--source",
+        "--data-source",
         default=None,
         help="data source: builtin, brown, fineweb-edu, climbmix or one you imported "
         "(default: $NANOCHAT_DATA_SOURCE or builtin)",
     )
+    parser.add_argument("--source", dest="data_source", action=RenamedFlag, new="--data-source",
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -100,7 +102,7 @@ def main(argv=None):
         raise UserError(f"--max-chars must be positive, got {args.max_chars}")
     if args.doc_cap <= 0:
         raise UserError(f"--doc-cap must be positive, got {args.doc_cap}")
-    source = args.source or get_default_source()
+    source = args.data_source or get_default_source()
     ensure_writable(get_tokenizer_dir(), "the tokenizer")  # before minutes of training, not after
     ensure_writable(previous_tokenizers_dir(), "a copy of the tokenizer this one replaces")
     get_report()

@@ -194,7 +194,7 @@ def test_train_refuses_a_cache_or_profile_for_several_configurations():
 
 @pytest.mark.quick
 def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys):
-    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+    bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=4", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.5", "1",
                 "--seeds", "1", "--vocab-size=1024"])
     out = capsys.readouterr().out
@@ -207,7 +207,7 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     assert half["lrs"]["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 2)
     assert result["best_lr_mult"] in (0.5, 1.0)
     # --lr-groups: the multiplier scales only the named groups
-    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+    bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.25",
                 "--seeds", "1", "--vocab-size=1024", "--lr-groups", "matrix"])
     quarter = last_json_line(capsys.readouterr().out)["runs"][0]["lrs"]
@@ -215,26 +215,26 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     assert quarter["embedding_lr"] == full["lrs"]["embedding_lr"] and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
     # a 2- or 4-step run trains at base_train's short-run lrs (2x the base ones); --short-run-lrs=0 counts in base lrs
     assert result["base_lr_scale"] == 2.0 and full["lrs"]["matrix_lr"] == 2 * 0.02
-    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+    bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "1",
                 "--seeds", "1", "--vocab-size=1024", "--short-run-lrs=0"])
     base = last_json_line(capsys.readouterr().out)
     assert base["base_lr_scale"] == 1.0 and base["runs"][0]["lrs"]["matrix_lr"] == 0.02
     # --adam-betas reach AdamW: the same run as `full` with other betas ends elsewhere
-    bench.main(["quality", "--source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+    bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=4", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "1",
                 "--seeds", "1", "--vocab-size=1024", "--adam-betas", "0.5", "0.5"])
     result = last_json_line(capsys.readouterr().out)
     assert result["adam_betas"] == [0.5, 0.5] and result["runs"][0]["val_bpb"]["4"] != full["val_bpb"]["4"]
     with pytest.raises(bench.UserError, match="--adam-betas"):  # refused before any data is built or any step is taken
-        bench.main(["quality", "--source=builtin", "--adam-betas", "0.9", "1.0"])
+        bench.main(["quality", "--data-source=builtin", "--adam-betas", "0.9", "1.0"])
     with pytest.raises(bench.UserError, match="--total-batch-size"):
-        bench.main(["quality", "--source=builtin", "--total-batch-size=0"])
+        bench.main(["quality", "--data-source=builtin", "--total-batch-size=0"])
 
 
 @pytest.mark.quick
 def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, capsys):
-    bench.main(["quality", "--source=builtin", "--depth=2", "--seq-len=32", "--total-batch-size=128",
+    bench.main(["quality", "--data-source=builtin", "--depth=2", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=3", "--eval-at", "3", "--eval-tokens=256", "--seeds", "1",
                 "--vocab-size=1024", "--variants", "base", "smear,backout", "normuon"])
     out = capsys.readouterr().out
@@ -245,7 +245,7 @@ def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, c
     assert smear["flops_per_token"] > base["flops_per_token"] == normuon["flops_per_token"]  # the gate's matmul counts
     assert len({r["val_bpb"]["3"] for r in result["runs"]}) == 3 and all(r["tok_per_s"] > 0 for r in result["runs"])
     with pytest.raises(bench.UserError, match="warp"):  # refused before any data is built or any step is taken
-        bench.main(["quality", "--source=builtin", "--variants", "base", "warp"])
+        bench.main(["quality", "--data-source=builtin", "--variants", "base", "warp"])
 
 
 def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypatch, capsys):

@@ -355,19 +355,21 @@ def test_download_shards_reports_failures_and_keeps_going(hub):
 def test_cli_downloads_train_and_val_shards(hub, capsys):
     for i in (0, 1, VAL):
         hub.add(i, parquet_bytes(shard_texts(i)))
-    dataset_command(["-n", "2", "-w", "2", "--source", "fineweb-edu"])
+    dataset_command(["-n", "2", "-w", "2", "--data-source", "fineweb-edu"])
     out = capsys.readouterr().out
     assert "3 downloaded, 0 already present, 0 failed" in out
     assert len(dataset.list_parquet_files("train", "fineweb-edu")) == 2
     assert dataset.list_parquet_files("val", "fineweb-edu")[0].endswith(f"shard_{VAL:05d}.parquet")
-    dataset_command(["-n", "2", "--source", "fineweb-edu"])  # re-run: nothing to fetch
-    assert "0 downloaded, 3 already present" in capsys.readouterr().out
+    dataset_command(["-n", "2", "--source", "fineweb-edu"])  # re-run: nothing to fetch; the flag's old spelling
+    out, err = capsys.readouterr()
+    assert "0 downloaded, 3 already present" in out
+    assert err.splitlines()[0] == "note: --source is now --data-source (the old spelling goes in the next release)", err
     assert hub.requests == {"shard_00000.parquet": 1, "shard_00001.parquet": 1, f"shard_{VAL:05d}.parquet": 1}
 
 
 @pytest.mark.quick
 def test_cli_rejects_builtin_and_bad_flags(hub):
     with pytest.raises(UserError, match="no URL.*python -m nanochat.corpus"):
-        dataset_command(["-n", "2", "--source", "builtin"])
+        dataset_command(["-n", "2", "--data-source", "builtin"])
     with pytest.raises(UserError, match="-n must be between 0 and 1822"):
-        dataset_command(["-n", "5000", "--source", "fineweb-edu"])
+        dataset_command(["-n", "5000", "--data-source", "fineweb-edu"])

@@ -1,6 +1,6 @@
-"""The repository's shape: one name for one thing across the library, tasks/ and scripts/; every `python -m` command
-the README and docs/ name answers --help; no function past 100 lines, and the library importing nothing that lives
-beside it."""
+"""The repository's shape: a small core (nanochat's top-level files) that imports only itself, add-ons in folders that
+the core never imports, no import circle; one name for one thing across the library, tasks/ and scripts/; every
+`python -m` command the README and docs/ name answers --help; no function past 100 lines."""
 
 import ast
 import glob
@@ -85,32 +85,156 @@ def test_every_documented_command_answers_help():
 
 
 @pytest.mark.quick
-def test_functions_short_and_library_free_of_its_tools():
-    """The house rules: no function anywhere runs past 100 lines (a stage script may be as long as its story), and the
-    library never imports the measuring tools (bench/), the chat tasks (tasks/) or the scripts, which live beside it;
-    only a documented command's forwarder (`python -m nanochat.dataset` runs scripts/dataset.py) imports its script."""
-    root = REPO_ROOT
+def test_functions_short():
+    """No function anywhere runs past 100 lines (a stage script may be as long as its story, its functions not)."""
     broken = []
-    for path in sorted(glob.glob(os.path.join(root, "scripts", "*.py")) + glob.glob(os.path.join(root, "tasks", "*.py")) +
-                       glob.glob(os.path.join(root, "nanochat", "**", "*.py"), recursive=True)):
-        with open(path) as f:
-            source = f.read()
-        name = os.path.relpath(path, root)
-        tree = ast.parse(source)
-        forwarders = [range(n.lineno, n.end_lineno + 1) for n in tree.body if isinstance(n, ast.If)
-                      and ast.unparse(n.test) in ("__name__ == '__main__'", '__name__ == "__main__"')]
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "scripts", "*.py")) +
+                       glob.glob(os.path.join(REPO_ROOT, "tasks", "*.py")) +
+                       glob.glob(os.path.join(REPO_ROOT, "nanochat", "**", "*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
-                broken.append(f"{name}: {node.name}() {node.end_lineno - node.lineno + 1} lines")
-            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if not (imported and name.startswith("nanochat")):
-                continue
-            in_forwarder = any(node.lineno in lines for lines in forwarders)
-            beside = ("bench", "tasks") if in_forwarder else ("bench", "tasks", "scripts")
-            if any(m.split(".")[0] in beside for m in imported):
-                broken.append(f"{name}:{node.lineno} imports what lives beside the library ({', '.join(imported)})")
+                broken.append(f"{os.path.relpath(path, REPO_ROOT)}: {node.name}() {node.end_lineno - node.lineno + 1} lines")
     assert not broken, broken
+
+
+PROJECT_FOLDERS = ("nanochat", "scripts", "tasks", "bench")
+
+
+def project_modules(root=REPO_ROOT):
+    """{module name: path} of every module of the project's folders (a package by its __init__'s name)."""
+    modules = {}
+    for folder in PROJECT_FOLDERS:
+        for path in glob.glob(os.path.join(root, folder, "**", "*.py"), recursive=True):
+            name = ".".join(os.path.relpath(path, root)[:-3].split(os.sep))
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def import_graph(root=REPO_ROOT):
+    """{module: {(imported module, line)}} over every import of the project's modules, those inside functions too,
+    each resolved to the project module it names (`from nanochat import gpt` -> nanochat.gpt)."""
+    modules = project_modules(root)
+
+    def resolve(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        edges = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in {resolve(name) for name in names} - {None, module}:
+                if not (path.endswith("__init__.py") and target.startswith(module + ".")):
+                    edges.add((target, node.lineno))
+        graph[module] = edges
+    return graph
+
+
+def is_core(module):
+    """The core: nanochat's top-level files; an add-on: a folder of nanochat/."""
+    return module.startswith("nanochat.") and module.count(".") == 1 and \
+        os.path.isfile(os.path.join(REPO_ROOT, "nanochat", module.split(".")[1] + ".py"))
+
+
+def import_circles(graph):
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _ in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def layering_offenders(graph):
+    """Every import against the layers, named: a core module importing anything of nanochat/ outside the core (an
+    add-on), and anything in nanochat/ importing scripts/, tasks/ or bench/, which live beside the library."""
+    offenders = []
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges):
+            if is_core(module) and target.startswith("nanochat.") and not is_core(target):
+                offenders.append(f"{module} (core) imports the add-on {target} (line {line})")
+            if module.startswith("nanochat.") and target.split(".")[0] in ("scripts", "tasks", "bench"):
+                offenders.append(f"{module} imports {target}, which lives beside the library (line {line})")
+    return offenders
+
+
+@pytest.mark.quick
+def test_the_core_imports_only_itself_the_library_nothing_beside_it_and_no_import_runs_in_a_circle(tmp_path):
+    graph = import_graph()
+    assert {"nanochat.gpt", "nanochat.engine", "nanochat.loop", "scripts.base_train"} <= set(graph)
+    assert is_core("nanochat.gpt") and not is_core("nanochat.serving.serve") and not is_core("scripts.base_train")
+    circles = import_circles(graph)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(group) for group in circles)
+    offenders = layering_offenders(graph)
+    assert not offenders, "\n".join(offenders)
+    # the walk sees what it must: an import inside a function, relative and package imports, in a copy of the tree
+    for folder in ("nanochat/serving", "scripts"):
+        os.makedirs(tmp_path / folder)
+    (tmp_path / "nanochat" / "gpt.py").write_text("def f():\n    from .serving import serve\n")
+    (tmp_path / "nanochat" / "engine.py").write_text("import nanochat.gpt\n")
+    (tmp_path / "nanochat" / "serving" / "__init__.py").write_text("")
+    (tmp_path / "nanochat" / "serving" / "serve.py").write_text("from nanochat import engine\nimport scripts.tool\n")
+    (tmp_path / "scripts" / "tool.py").write_text("from nanochat.serving.serve import x\n")
+    planted = import_graph(tmp_path)
+    assert ("nanochat.serving.serve", 2) in planted["nanochat.gpt"] and ("nanochat.gpt", 1) in planted["nanochat.engine"]
+    assert import_circles(planted) == [["nanochat.engine", "nanochat.gpt", "nanochat.serving.serve"]]
+
+
+CORE_LINES, CORE_FILE_LINES = 7500, 800  # nanochat's top-level files together, and each
+
+
+@pytest.mark.quick
+def test_the_core_is_small_enough_to_read_in_a_sitting():
+    """The core within CORE_LINES lines, no file over CORE_FILE_LINES; base_train within 400, so that its loop is the
+    step a reader points at."""
+    sizes = {}
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "nanochat", "*.py"))):
+        with open(path, encoding="utf-8") as f:
+            sizes[os.path.basename(path)] = len(f.read().splitlines())
+    assert {"gpt.py", "engine.py", "optim.py", "loop.py", "tokenizer.py", "dataloader.py"} <= set(sizes)
+    assert sum(sizes.values()) <= CORE_LINES, f"the core is {sum(sizes.values()):,} lines: {sizes}"
+    assert all(lines <= CORE_FILE_LINES for lines in sizes.values()), \
+        {name: lines for name, lines in sizes.items() if lines > CORE_FILE_LINES}
+    with open(os.path.join(REPO_ROOT, "scripts", "base_train.py"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 400
 
 
 @pytest.mark.quick

@@ -269,7 +269,7 @@ def test_two_concurrent_downloads_of_one_shard_fetch_it_once(tmp_path):
     files = {"shard_00000.parquet": parquet_bytes(["a"] * 2000), "shard_01822.parquet": parquet_bytes(["v"] * 10)}
     server = SlowShardServer(files)
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path), HF_ENDPOINT=server.url, NO_PROXY="127.0.0.1")
-    cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "1", "--source", "fineweb-edu"]
+    cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "1", "--data-source", "fineweb-edu"]
     procs = [subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]

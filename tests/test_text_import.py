@@ -217,7 +217,7 @@ def test_an_imported_source_trains_tokenizes_and_evaluates(base, tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "river")
     capsys.readouterr()
-    bench.main(["quality", "--source=river", "--depth=1", "--seq-len=32", "--total-batch-size=128",
+    bench.main(["quality", "--data-source=river", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--seeds", "1",
                 "--vocab-size=290"])
     assert "quality: val bpb on river" in capsys.readouterr().out

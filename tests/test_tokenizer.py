@@ -467,8 +467,8 @@ def test_tok_train_and_eval_scripts(tmp_path, monkeypatch, capsys):
     results = tok_eval.main([])
     out = capsys.readouterr().out
     assert "gpt2 is not available" in out and "cl100k_base is not available" in out
-    with pytest.raises(UserError, match="--source nosuch"):  # a source asked for by name must be there
-        tok_eval.main(["--source", "nosuch"])
+    with pytest.raises(UserError, match="--data-source nosuch"):  # a source asked for by name must be there
+        tok_eval.main(["--data-source", "nosuch"])
     capsys.readouterr()
     kinds = {kind for kind, _ in results}
     assert {"prose", "code", "math", "multilingual", "val (builtin)"} <= kinds

@@ -451,7 +451,7 @@ def cmd_plan(args):
         speed, machine = 1.0, "(dry run: the reference machine's costs)"
     elif args.preset == "gpu":
         speed, machine = 1.0, (f"{args.gpus} GPU(s), priced from one H200's stages with the built-in corpus" +
-                               ("" if args.source == "builtin" else ", this source's data and tasks guessed"))
+                               ("" if args.data_source == "builtin" else ", this source's data and tasks guessed"))
     else:
         probe, machine = probe_step_seconds()
         speed = probe / REFERENCE[args.preset]["probe_seconds"]
@@ -460,7 +460,7 @@ def cmd_plan(args):
         try:
             plan = plan_speedrun(budget, args.started_at, time.time(), args.preset, speed, machine,
                                  rl=args.rl if args.rl == "auto" else bool(int(args.rl)),
-                                 base_chat_eval=args.base_chat_eval, source=args.source, gpus=args.gpus)
+                                 base_chat_eval=args.base_chat_eval, source=args.data_source, gpus=args.gpus)
             break
         except BudgetTooShort as short:
             # near the minimum a refusal waits for a second probe, the faster deciding (a VM's speed drifts)
