@@ -20,9 +20,11 @@ device batch that runs out of memory in the first steps is halved, the global ba
     loop.finish("Base model training", [...])
 
 Add-ons attach to a run as callbacks (the report's curves and section, a time budget's calibration): objects with any
-of on_start(loop), on_record(loop, record) (a step's or an evaluation's numbers), on_step_end(loop) (after a step's
-progress line), on_checkpoint(loop) (a checkpoint is about to be written: keep the records up to it, since a resume
-starts there) and on_finish(loop, section, data) (the stage's lines for the report card), in the order given.
+of on_start(loop); on_step_end(loop), called after the step whose number the callback holds in its attribute
+call_at_step (None: none; so that a callback acting at a few steps runs none of its code at the others);
+on_checkpoint(loop, records) (a checkpoint is about to be written: the steps' and evaluations' records since the last
+one, which a resume from it will not repeat); and on_finish(loop, section, data, records) (the stage's lines for the
+report card, and the last records). Called in the order given.
 """
 
 import json
@@ -218,6 +220,7 @@ class TrainingLoop:
         self.stopper = StopSignal()
         self.timer = StepTimer()
         self.callbacks = list(callbacks)
+        self.records = []  # each step's and evaluation's numbers since the last checkpoint, for the callbacks
         self.wandb = None  # on rank 0 when --run names a wandb run (WANDB_MODE=offline works without network)
         if s.run != "dummy" and dist_rank_world()[0] == 0:
             import wandb
@@ -286,7 +289,7 @@ class TrainingLoop:
         print0(f"step {self.step:05d} | {name} {fmt.format(value)}{reach} | ({time.time() - t0:.1f}s)")
         if self.wandb:
             self.wandb.log({"step": self.step, name: value})
-        self.call("on_record", {"step": self.step, name: value})
+        self.records.append({"step": self.step, name: value})
         return value
 
     def end_step(self, loss, t0, lrm=None, tokens=None, **extra):
@@ -322,8 +325,10 @@ class TrainingLoop:
         print0(" | ".join(parts))
         if self.wandb:
             self.wandb.log({"step": self.step, **{"train/" + k.removeprefix("train_"): v for k, v in record.items() if k != "step"}})
-        self.call("on_record", record)
-        self.call("on_step_end")
+        self.records.append(record)
+        for callback in self.callbacks:
+            if getattr(callback, "call_at_step", None) == self.step:
+                callback.on_step_end(self)
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -337,7 +342,8 @@ class TrainingLoop:
                 "tokenizer_hash": s.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
                 "loop_state": {"total_train_time": self.total_train_time, "last": self.last, "best": self.best},
                 **self.meta}
-        self.call("on_checkpoint")  # first: the records up to a checkpoint are kept before it exists
+        self.call("on_checkpoint", self.records)  # first: the records up to a checkpoint are kept before it exists
+        self.records = []
         self.stopper.saving = True
         t0 = time.time()
         try:
@@ -363,7 +369,8 @@ class TrainingLoop:
         for name, value in self.last.items():
             summary[f"Final {name}"] = value
             summary[f"Minimum {name}"] = self.best[name]
-        self.call("on_finish", section, [self.settings.user_config, *data, summary])
+        self.call("on_finish", section, [self.settings.user_config, *data, summary], self.records)
+        self.records = []
         evals = " | ".join(f"{name} {value:.4f}" for name, value in self.last.items())
         print0(f"done: {self.step}/{self.num_iterations} steps in {format_duration(self.total_train_time)}"
                + (f" | {evals}" if evals else "") + f" | checkpoint {self.settings.ckpt_dir}")

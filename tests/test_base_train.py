@@ -317,3 +317,44 @@ def test_flags_not_given_come_from_the_devices_preset_and_the_config_line_says_s
     assert "--total-batch-size" not in sft.preset and "--device-batch-size=16" in sft.preset
     assert (chat_rl.parse_args(cpu).num_samples, chat_eval.parse_args(cpu).max_problems) == (8, 200)
     assert (base_loss.parse_args(cpu).split_tokens, base_loss.parse_args(cpu + ["--split-tokens=7"]).split_tokens) == (65536, 7)
+
+
+def files_of_one_step(main, argv, step):
+    """The project's files whose Python code runs, in this thread, during one step of a training script: from its loop
+    asking the schedule for step `step`'s lr to asking it for the next's (optim.lr_multiplier, called once a step)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    files, seen = set(), []
+
+    def project_file(code):
+        path = os.path.relpath(code.co_filename, root)
+        return path if path.split(os.sep)[0] in ("nanochat", "scripts", "tasks", "bench") else None
+
+    def note(frame, event, arg):
+        if event != "call":
+            return
+        if frame.f_code.co_name == "lr_multiplier" and frame.f_code.co_filename.endswith(os.path.join("nanochat", "optim.py")):
+            seen.append(frame.f_locals["step"])
+        if seen and seen[-1] == step:  # the function called, and the code calling it (a script's loop is no call)
+            files.update(f for f in (project_file(frame.f_code), frame.f_back and project_file(frame.f_back.f_code)) if f)
+
+    sys.setprofile(note)
+    try:
+        main(argv)
+    finally:
+        sys.setprofile(None)
+    assert step in seen and step + 1 in seen, seen
+    return files
+
+
+def test_a_training_step_runs_code_of_six_files(tiny_base_dir, tmp_path, monkeypatch):
+    """docs/layout.md: one base_train step, from one lr to the next (the micro-batches, forward and backward, both
+    optimizers, the progress line, the stop signal's check), on the GPU's path (the plain ops) runs code of six
+    files; a step that starts no evaluation, checkpoint or calibration runs none of the add-ons' code."""
+    from scripts import base_train
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", fresh_base(tiny_base_dir, tmp_path, "files"))
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
+    files = files_of_one_step(base_train.main, TINY + ["--num-iterations=8", "--eval-every=-1"], step=5)
+    assert files == {"scripts/base_train.py", "nanochat/loop.py", "nanochat/dataloader.py", "nanochat/gpt.py",
+                     "nanochat/optim.py", "nanochat/common.py"}, sorted(files)

@@ -265,11 +265,11 @@ def test_a_chat_stage_s_guessed_steps_are_set_again_after_its_first_timed_steps(
     assert plan.num_iterations > 50_000 and plan.calibrate_at == tb.MIN_CALIBRATE_STEP
     clock = tb.BudgetClock(plan, active=True, warmdown_ratio=0.5)
     timer = StepTimer()
-    for _ in range(clock.calibrate_at):
+    for _ in range(clock.call_at_step):
         timer.add(0.5)  # each step really takes 500x the guess
-    loop = SimpleNamespace(step=clock.calibrate_at, timer=timer, device=device, eval_seconds={}, save_seconds=None,
+    loop = SimpleNamespace(step=clock.call_at_step, timer=timer, device=device, eval_seconds={}, save_seconds=None,
                            meta={}, num_iterations=plan.num_iterations)
     clock.calibrate(loop)
     left = plan.deadline - time.time() - plan.end_seconds
     assert 10 < loop.num_iterations and (loop.num_iterations - 10) * 0.5 <= left + 0.5
-    assert clock.calibrate_at is not None and clock.calibrate_at < loop.num_iterations  # and once more before the warmdown
+    assert clock.call_at_step is not None and clock.call_at_step < loop.num_iterations  # and once more before the warmdown

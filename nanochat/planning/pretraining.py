@@ -117,7 +117,7 @@ def plan_budget(args, meta, ckpt_dir, vocab_size, device, world_size, autocast, 
     """
     A time-budgeted run's plan, its flags filled from it, and the BudgetClock that keeps it on time: read back from the
     checkpoint on a resume (it follows the plan as saved, and does not calibrate again), else made here (the probe, a
-    few seconds to a minute). Returns a clock whose calibrate_at is None for a run without a budget.
+    few seconds to a minute). Returns a clock whose call_at_step is None for a run without a budget.
     """
     saved = (meta or {}).get("time_plan")
     if saved:

@@ -605,14 +605,13 @@ class BudgetClock:
     def __init__(self, plan, active, warmdown_ratio, eval_name="val_bpb"):
         self.plan, self.active, self.warmdown_ratio, self.eval_name = plan, active, warmdown_ratio, eval_name
         self.timed = (0.0, 0)  # the loop timer's (total seconds, steps) at the last calibration
-        # The step the loop calls calibrate() after (None: never), a plain number so that a step that does not
-        # calibrate runs none of this module's code
-        self.calibrate_at = plan.calibrate_at if active else None
+        # the step the training loop calls on_step_end (calibrate) after, None: never; a plain number, which the loop
+        # reads, so that a step that does not calibrate runs none of this module's code
+        self.call_at_step = plan.calibrate_at if active else None
 
     def on_step_end(self, loop):
-        """The training loop's callback after each step: calibrate at the steps the plan named."""
-        if loop.step == self.calibrate_at:
-            self.calibrate(loop)
+        """The training loop's callback after step call_at_step."""
+        self.calibrate(loop)
 
     def checkpoint_meta(self):
         """What a budgeted run adds to every checkpoint's meta.json: its plan, which a resume follows."""
@@ -639,7 +638,7 @@ class BudgetClock:
                f"{n:,} steps, ending by {clock(end)}")
         second = round(min(SECOND_CALIBRATION, 0.9 * (1 - self.warmdown_ratio)) * n)  # before the warmdown
         plan.calibrate_at = second if not plan.calibrated and step < second < (1 - self.warmdown_ratio) * n else None
-        self.calibrate_at = plan.calibrate_at
+        self.call_at_step = plan.calibrate_at
         plan.num_iterations, plan.step_seconds, plan.eval_seconds, plan.calibrated = n, step_seconds, eval_seconds, True
         self.timed = (timer.total, timer.count)
         loop.num_iterations = n
@@ -693,7 +692,7 @@ def check_time_budget_flag(args):
 
 def plan_chat_stage(args, start, model, device, world_size, step_tokens, eval_tokens, eval_name):
     """
-    A chat stage's --time-budget as a BudgetClock (calibrate_at None without one); sets args.num_iterations. A resume
+    A chat stage's --time-budget as a BudgetClock (call_at_step None without one); sets args.num_iterations. A resume
     follows its checkpoint's plan; a new run plans the steps that fit from a guess at seconds per step (step_tokens on
     all ranks, forward and backward, at GUESS_MFU of peak; eval_tokens forward only), set again from measured steps.
     """

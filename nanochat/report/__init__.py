@@ -527,7 +527,7 @@ class TrainingReport:
     """
 
     def __init__(self):
-        self.report, self.records = get_report(), []
+        self.report = get_report()
 
     def on_start(self, loop):
         if loop.start_step == 0:
@@ -535,14 +535,10 @@ class TrainingReport:
         else:
             self.report.truncate_curve(loop.settings.name, loop.start_step)  # the steps after it are logged again
 
-    def on_record(self, loop, record):
-        self.records.append(record)
-
-    def on_checkpoint(self, loop):
-        for record in self.records:
+    def on_checkpoint(self, loop, records):
+        for record in records:
             self.report.log_curve(loop.settings.name, record)
-        self.records = []
 
-    def on_finish(self, loop, section, data):
-        self.on_checkpoint(loop)
+    def on_finish(self, loop, section, data, records):
+        self.on_checkpoint(loop, records)
         self.report.log(section=section, data=data)
