@@ -31,7 +31,7 @@ _warned_about = set()  # step dirs already reported as unusable: a listing warns
 
 def checkpoints_root(stage):
     if stage not in STAGE_DIRS:
-        raise UserError(f"unknown checkpoint source {stage!r}; expected one of {sorted(STAGE_DIRS)}")
+        raise UserError(f"unknown checkpoint stage {stage!r}; expected one of {sorted(STAGE_DIRS)}")
     return os.path.join(get_base_dir(), STAGE_DIRS[stage])
 
 
@@ -323,7 +323,8 @@ def find_latest_tag(stage):
 
 
 def load_model(source, device, phase="eval", model_tag=None, step=None):
-    """Build a trained model for inference or further training: returns (model, tokenizer, meta)."""
+    """Build a trained model for inference or further training: returns (model, tokenizer, meta). `source` is the
+    checkpoint's stage (base, mid, sft, rl): karpathy/nanochat's name for this argument, and the stage scripts' -i."""
     model_tag = model_tag or find_latest_tag(source)
     model, tokenizer, meta = load_model_from_dir(checkpoint_dir(source, model_tag), device, phase, step)
     meta["model_tag"] = model_tag

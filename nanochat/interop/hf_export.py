@@ -411,24 +411,24 @@ def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
     return written
 
 
-def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="float32", device="cpu"):
-    """Export the checkpoint (source, model_tag, step) to out_dir, every check before anything is written. Returns
+def export_checkpoint(stage, out_dir, model_tag=None, step=None, dtype_name="float32", device="cpu"):
+    """Export the checkpoint (stage, model_tag, step) to out_dir, every check before anything is written. Returns
     {file name: size in bytes}."""
     t0 = time.time()
     if dtype_name not in EXPORT_DTYPES:
         raise UserError(f"--dtype must be one of {sorted(EXPORT_DTYPES)} (got {dtype_name!r})")
     out_dir = check_output_dir(out_dir)
-    model_tag = model_tag or find_latest_tag(source)
-    ckpt_dir = checkpoint_dir(source, model_tag)
+    model_tag = model_tag or find_latest_tag(stage)
+    ckpt_dir = checkpoint_dir(stage, model_tag)
     model_config = raw_model_config(ckpt_dir, step)
     if isinstance(model_config, dict):
         check_representable(model_config)
     step = resolve_step(ckpt_dir, step, fix="check -i/-g, or train that stage first")
-    model, tokenizer, _ = load_model(source, device, model_tag=model_tag, step=step)
+    model, tokenizer, _ = load_model(stage, device, model_tag=model_tag, step=step)
 
     c = model.config
     vocab_size = tokenizer.get_vocab_size()
-    print0(f"export_hf | {source}/{model_tag} step {step} | n_layer={c.n_layer} n_head={c.n_head} "
+    print0(f"export_hf | {stage}/{model_tag} step {step} | n_layer={c.n_layer} n_head={c.n_head} "
            f"n_kv_head={c.n_kv_head} n_embd={c.n_embd} sequence_len={c.sequence_len} vocab={vocab_size} | "
            f"{model.num_params():,} params | {dtype_name} -> {out_dir}")
     if c.vocab_size > vocab_size:
@@ -451,6 +451,6 @@ def export_checkpoint(source, out_dir, model_tag=None, step=None, dtype_name="fl
     written = write_export_dir(out_dir, json_files, hf_tokenizer, weights, code)
     for name, size in written.items():
         print0(f"  {name:<24} {format_size(size):>10}")
-    print0(f"exported {source}/{model_tag} step {step} to {out_dir}: {len(written)} files, "
+    print0(f"exported {stage}/{model_tag} step {step} to {out_dir}: {len(written)} files, "
            f"{format_size(sum(written.values()))}, {time.time() - t0:.1f}s")
     return written
