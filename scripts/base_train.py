@@ -8,20 +8,17 @@ Examples:
   NANOCHAT_GPU_MEMORY=24GiB python -m scripts.base_train --depth=20   # a device batch (and checkpointing) for 24 GiB
 Resume after a crash or a stop with the same command plus --resume (or --resume-from-step=N); a larger
 --num-iterations on resume continues training (the lr schedule is recomputed for the new length). A time-budgeted
-run's plan (nanochat.planning.time_budget) is saved with its checkpoints, and a resume follows it. On a GPU (or with
-NANOCHAT_GPU_MEMORY / --gpu-memory) a device batch left unset is the largest the memory model
-(nanochat.planning.memory_model) predicts to fit, with activation checkpointing where one row does not fit without.
+run's plan is saved with its checkpoints, and a resume follows it. On a GPU (or with NANOCHAT_GPU_MEMORY /
+--gpu-memory) a device batch left unset is the largest the memory model predicts to fit, with activation checkpointing
+where one row does not fit without. Both are the planning add-on's (nanochat/planning/pretraining.py): one call
+before the model is built, which returns the flags it chose.
 
-main() is the run, and its loop the training: each step's micro-batches, their forward and backward passes, the
-optimizers, the log line. What it calls to get there (the flags, the time budget and the card's memory, the pieces
-of the run) follows it, in that order.
+main() is the run, and its loop the training: each step's micro-batches, their forward and backward passes and the
+optimizers (loop.train_step), the log line. What it calls to get there (the flags, the pieces of the run) follows it.
 """
 
 import argparse
-import os
 import time
-
-import torch
 
 from nanochat.checkpoint_manager import (checkpoint_dir, claim_checkpoint_dir, load_meta, refuse_later_checkpoints,
                                          refuse_to_overwrite, resolve_step)

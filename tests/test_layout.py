@@ -250,3 +250,16 @@ def test_karpathy_nanochat_common_helpers_keep_their_names():
     has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     expected = "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
     assert common.autodetect_device_type() == common.resolve_device_type("") == expected
+
+
+@pytest.mark.quick
+def test_the_backward_pass_is_written_once_in_the_core_and_the_scripts():
+    """Every stage's step is loop.train_step: a second `.backward()` in the core or a script is a second step."""
+    calls = []
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "nanochat", "*.py")) +
+                       glob.glob(os.path.join(REPO_ROOT, "scripts", "*.py"))):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        calls += [f"{os.path.relpath(path, REPO_ROOT)}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward"]
+    assert len(calls) == 1 and calls[0].startswith("nanochat/loop.py:"), calls
