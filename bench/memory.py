@@ -215,6 +215,7 @@ def build_ours(args):
     """Our model, optimizers and base_train's step (recipe.train_step, grad_accum 1), built as bench train's Run."""
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.recipe import (build_optimizers, depth_recipe, muon_momentum, split_components,
                                           train_step)
 
@@ -224,7 +225,7 @@ def build_ours(args):
     model_components, optimizer_components = split_components(args.components)
     recipe = depth_recipe(args.depth, args.vocab_size, args.seq_len, args.device_batch_size * args.seq_len,
                           num_iterations=1, components=model_components)
-    model = build_model(recipe.model_config, device)
+    model = use_cpu_kernels(build_model(recipe.model_config, device), device)
     train_model = compile_model(model) if args.compile else model
     optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
     autocast = autocast_for(device)

@@ -31,6 +31,7 @@ from nanochat.common import (UserError, all_reduce_mean, autocast_for, compile_b
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.report import get_report
 from nanochat.tokenizer import get_tokenizer
 from nanochat.planning import memory_model, time_budget
@@ -82,6 +83,7 @@ def main(argv=None):
     seed_everything(args.seed)
 
     model = build_model(recipe.model_config, device)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     model.checkpoint_activations = args.checkpoint_activations == "1"
     if args.fp8:  # before compile, and before the optimizers (the same Parameters either way)
         use_fp8(model, device)

@@ -17,6 +17,7 @@ import time
 import torch
 
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.engine import Engine
 from tasks import TaskMixture, get_task
 from nanochat.chat_data import ProblemSchedule
@@ -109,6 +110,7 @@ def main(argv=None):
                f"{args.total_batch_size} problems x --num-samples={args.num_samples} over {world_size} rank(s))")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     # decoding a token costs a forward pass of one position at a fraction of the hardware's speed: a guess of 10x its FLOPs
     replies = args.total_batch_size * args.num_samples * args.max_new_tokens
     budget = stage_budget(args, start, model, device, world_size, 10 * replies, 10 * args.eval_problems * args.max_new_tokens,
