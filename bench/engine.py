@@ -9,15 +9,18 @@ import torch
 
 from bench.common import BENCH_TOKENIZER_VOCAB, OtherLoad, emit_json, ensure_data, machine_info, print_table
 from nanochat.common import UserError, autocast_for, compute_init, get_compute_dtype, kv_cache_dtype
+from nanochat.kernels.cpu import use_cpu_kernels
 
 
 def engine_model(args, device):
     """(model, tokenizer, description): a checkpoint with --source, else a random-init model from the depth dial;
-    prepared for inference (GPT.prepare_for_inference) as chat_web and chat_cli serve it."""
+    with the CPU's kernels (on a CPU) and prepared for inference (GPT.prepare_for_inference) as chat_web and chat_cli
+    serve it."""
     if args.source:
         from nanochat.checkpoint_manager import load_model
 
         model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag or None, step=args.step)
+        use_cpu_kernels(model, device)
         return model.prepare_for_inference(), tokenizer, f"{args.source}/{meta['model_tag']}"
     from nanochat.gpt import build_model
     from nanochat.tokenizer import get_tokenizer
@@ -32,7 +35,8 @@ def engine_model(args, device):
                           components=model_components)
     torch.manual_seed(42)
     named = ",".join(model_components) or "plain"
-    return build_model(recipe.model_config, device).prepare_for_inference(), tokenizer, f"d{args.depth} random init ({named})"
+    model = use_cpu_kernels(build_model(recipe.model_config, device), device)
+    return model.prepare_for_inference(), tokenizer, f"d{args.depth} random init ({named})"
 
 
 def time_engine_run(engine, prompt, num_samples, max_tokens, temperature, sync):

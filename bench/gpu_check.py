@@ -129,6 +129,7 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     Muon + AdamW, on random tokens, `steps` whole optimizer steps. Returns {fits, peak_gib, step_s}.
     """
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.recipe import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components
     from nanochat.loop import train_step
 
@@ -136,7 +137,7 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     recipe = depth_recipe(depth, vocab_size, seq_len, device_batch_size * seq_len, num_iterations=1,
                           components=model_components)
     try:
-        model = build_model(recipe.model_config, device)
+        model = use_cpu_kernels(build_model(recipe.model_config, device), device)
         train_model = compile_model(model)
         optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
         batch = torch.randint(0, vocab_size, (device_batch_size, seq_len + 1), device=device)

@@ -153,6 +153,7 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     from nanochat.engine import BatchEngine, Sampling
     from nanochat.common import compute_init
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.tokenizer import RustBPETokenizer
     from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
@@ -166,7 +167,7 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
         for block in model.transformer.h:  # last one alone, and a captured step's wrong keys could not show
             block.attn.c_proj.weight.normal_(std=0.05)
             block.mlp.c_proj.weight.normal_(std=0.05)
-    model.prepare_for_inference()
+    use_cpu_kernels(model, device).prepare_for_inference()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = {"engine_batch1_tok_per_s": check.decode_speed(model, tokenizer, 1), "vocab": vocab}
     prompt_tokens, new_tokens = min(128, seq_len // 4), min(64, seq_len // 4)

@@ -215,6 +215,7 @@ def build_ours(args):
     """Our model, optimizers and base_train's step (recipe.train_step, grad_accum 1), built as bench train's Run."""
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.recipe import build_optimizers, depth_recipe, split_components
     from nanochat.optim import muon_momentum
     from nanochat.loop import train_step
@@ -225,7 +226,7 @@ def build_ours(args):
     model_components, optimizer_components = split_components(args.components)
     recipe = depth_recipe(args.depth, args.vocab_size, args.seq_len, args.device_batch_size * args.seq_len,
                           num_iterations=1, components=model_components)
-    model = build_model(recipe.model_config, device)
+    model = use_cpu_kernels(build_model(recipe.model_config, device), device)
     train_model = compile_model(model) if args.compile else model
     optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
     autocast = autocast_for(device)

@@ -58,6 +58,7 @@ def child_main(argv=None):
     from bench.memory import measure_second_step, random_batch
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.kernels.fp8 import convert_to_fp8
     from nanochat.recipe import build_optimizers, depth_recipe, split_components
     from nanochat.optim import muon_momentum
@@ -82,7 +83,7 @@ def child_main(argv=None):
         model_components, optimizer_components = split_components(args.components)
         recipe = depth_recipe(args.depth, args.vocab_size, args.seq_len, args.device_batch_size * args.seq_len,
                               args.aspect_ratio, args.head_dim, num_iterations=1, components=model_components)
-        model = build_model(recipe.model_config, device)
+        model = use_cpu_kernels(build_model(recipe.model_config, device), device)
         if args.fp8:
             convert_to_fp8(model.transformer.h)
         model.checkpoint_activations = bool(args.checkpoint)

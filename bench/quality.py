@@ -64,6 +64,7 @@ def quality_run(args, seed, lr_mult, variant="base"):
     val bpb at each --eval-at step."""
     from nanochat.dataloader import DataLoader, eval_batches
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.loss_eval import evaluate_bpb
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
     from nanochat.recipe import SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, split_components
@@ -81,7 +82,7 @@ def quality_run(args, seed, lr_mult, variant="base"):
         lrs[f"{group}_lr"] *= lr_mult
     device = torch.device("cpu")
     torch.manual_seed(seed)
-    model = build_model(recipe.model_config, device)
+    model = use_cpu_kernels(build_model(recipe.model_config, device), device)
     optimizers = build_optimizers(model, **lrs, adam_betas=tuple(args.adam_betas),
                                   scalar_lr=SCALAR_LR if args.scalar_lr < 0 else args.scalar_lr,
                                   optimizer_components=optimizer_components)

@@ -34,6 +34,7 @@ class Run:
     def __init__(self, depth, seq_len, batch, vocab_size, device, use_compile, components, fp8=""):
         from nanochat.dataloader import DataLoader
         from nanochat.gpt import build_model
+        from nanochat.kernels.cpu import use_cpu_kernels
         from nanochat.tokenizer import get_tokenizer
         from nanochat.recipe import build_optimizers, depth_recipe, split_components
 
@@ -49,7 +50,7 @@ class Run:
         recipe = depth_recipe(depth, vocab_size, seq_len, self.tokens_per_step, num_iterations=1,
                               components=model_components)
         self.config = recipe.model_config
-        self.model = build_model(self.config, device)
+        self.model = use_cpu_kernels(build_model(self.config, device), device)  # as base_train
         self.fp8_linears = 0
         if fp8:  # base_train's --fp8 (ours), or torchao's float8 training: the blocks' linears, before compile
             from nanochat.kernels.fp8 import convert_to_fp8

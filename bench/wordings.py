@@ -14,6 +14,7 @@ def cmd_wordings(args):
     from nanochat.chat_eval import sample_task_replies
     from nanochat.checkpoint_manager import find_latest_tag, load_model
     from nanochat.common import UserError, autocast_for, compute_init
+    from nanochat.kernels.cpu import use_cpu_kernels
     from tasks.builtin import WorldQA
 
     if args.max_new_tokens < 1:
@@ -22,7 +23,7 @@ def cmd_wordings(args):
     _, _, _, _, device = compute_init(args.device_type)
     tag = args.model_tag or find_latest_tag(args.source)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag)
-    model.prepare_for_inference()
+    use_cpu_kernels(model, device).prepare_for_inference()
     conversations = [task.get_example(i) for i in range(len(task))]
     log(f"wordings | {args.source} {tag} step {meta['step']} | WorldQA {args.split}: {len(conversations)} questions, greedy")
     with autocast_for(device):

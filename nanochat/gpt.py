@@ -5,10 +5,14 @@ parameters and linears no biases. For the same weights it equals transformers' N
 nanochat state-dict names. Built on the meta device, then materialised and initialised (`build_model`). The recipe
 components (GPTConfig) are off by default and start at or near the identity. Inference: `forward(idx, kv_cache=rows)`
 with rows of the engine's cache (each row at its own length).
+
+This file is the plain torch math, what a GPU runs. Faster implementations are swapped in after the model is built,
+never chosen here: fp8 linears (nanochat/kernels/fp8.py), and on a CPU hand-written kernels for the same math
+(nanochat/kernels/cpu.py, `use_cpu_kernels`), which override the norms and the methods that compute the elementwise
+pieces ("The blocks" below).
 """
 
 import math
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -18,8 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from nanochat.common import UserError, bound_onednn_caches, get_compute_dtype
-from nanochat.kernels import cpu as cpu_ops
+from nanochat.common import bound_onednn_caches, get_compute_dtype
 
 NORM_EPS = 1e-6  # transformers' NanoChatConfig.rms_norm_eps default; explicit so both sides agree
 ROPE_THETA = 10000.0
@@ -132,61 +135,31 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# The blocks. On a CPU in fp32 the elementwise pieces run as cpu_ops' autograd Functions (same math, fewer passes over
-# memory); elsewhere (CUDA, any autocast, NANOCHAT_CPU_OPS=0) the plain torch expressions below.
-# Whether they apply is decided here, so that a GPU's forward never leaves this file.
+# The blocks. Each norm is an RMSNorm module, and the attention, the MLP and GPT compute their other elementwise pieces
+# (rotary + QK-norm, the gated value embedding, the attention itself, the smear, the residual mix, the loss) in methods
+# of their own: a faster implementation of the same math is swapped in by overriding them (nanochat/kernels/cpu.py).
 
 
-def cpu_ops_enabled():
-    """NANOCHAT_CPU_OPS: 1 (default) runs cpu_ops' Functions for CPU fp32 tensors, 0 the plain torch path everywhere."""
-    value = os.environ.get("NANOCHAT_CPU_OPS", "1")
-    if value not in ("0", "1"):
-        raise UserError(f"NANOCHAT_CPU_OPS must be 0 (the plain torch path, as on a GPU) or 1 (got {value!r})")
-    return value == "1"
-
-
-def is_cpu_fp32(x):
-    """A CPU fp32 tensor outside autocast, with cpu_ops enabled: where the elementwise Functions run."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and cpu_ops_enabled())
-
-
-def cpu_training(activations, weights=()):
-    """Where the training-only Functions apply (block attention, chunked loss): CPU tensors on their way to a backward,
-    activations in fp32, or under CPU autocast in fp32 or its dtype (the matmuls then run in it, softmax and loss in
-    fp32), weights in fp32. Not a compiled autocast model: that is the GPU's path, fused by the compiler."""
-    autocast = torch.is_autocast_enabled("cpu")
-    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
-    fits = all(t.device.type == "cpu" and t.dtype in dtypes for t in activations) \
-        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
-    return fits and cpu_ops_enabled() and torch.is_grad_enabled() and not (autocast and torch.compiler.is_compiling()) \
-        and any(t.requires_grad for t in (*activations, *weights))
-
-
-def norm(x, eps=NORM_EPS):
+class RMSNorm(nn.Module):
     """Parameter-free RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps); eps None is torch's default, the
-    machine epsilon of x's dtype (GPTConfig.norm_eps). The result keeps x's dtype (the kernel sums in fp32)."""
-    if is_cpu_fp32(x):
-        return cpu_ops.rms_norm(x, torch.finfo(x.dtype).eps if eps is None else eps)
-    # CUDA's autocast runs rms_norm in fp32: a bf16 residual stream would come out of every norm as fp32, and its
-    # backward would save that fp32 copy
-    with torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) else nullcontext():
-        return F.rms_norm(x, (x.size(-1),), eps=eps)
+    machine epsilon of x's dtype (GPTConfig.norm_eps). The result keeps x's dtype. It holds no state, so the state
+    dict is the same with it or without it."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        # CUDA's autocast runs rms_norm in fp32: a bf16 residual stream would come out of every norm as fp32, and its
+        # backward would save that fp32 copy
+        autocast = torch.is_autocast_enabled(x.device.type)
+        with torch.autocast(x.device.type, enabled=False) if autocast else nullcontext():
+            return F.rms_norm(x, (x.size(-1),), eps=self.eps)
 
 
 def residual_mix(x, x0, resid_lambda, x0_lambda):
     """The residual_scalars component before a block: the stream rescaled, plus a share of the normed embedding x0."""
     return resid_lambda * x + x0_lambda * x0
-
-
-def rotary_norm(x, cos, sin, eps=NORM_EPS, exact_rotation=True):
-    """Rotary embedding (split halves, transformers' NanoChat's signs), then RMSNorm (the QK-norm), of (B, T, H, D) q
-    or k. cpu_ops' fused version norms before rotating, which needs an exact rotation: not bf16-rounded tables."""
-    if is_cpu_fp32(x) and exact_rotation:
-        return cpu_ops.rotary_norm(x, cos, sin, torch.finfo(x.dtype).eps if eps is None else eps)
-    d = x.size(-1) // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1), eps)
 
 
 def explicit_layers(text, n_layer):
@@ -287,7 +260,8 @@ class CausalSelfAttention(nn.Module):
         self.window = attention_window(config, layer_idx)
         if has_value_embed(config, layer_idx):
             self.ve_gate = nn.Linear(min(config.ve_gate_channels, config.n_embd), self.n_kv_head, bias=False)
-        self.eps, self.qk_scale, self.ve_gate_scale = config.norm_eps, config.qk_scale, config.ve_gate_scale
+        self.qk_norm = RMSNorm(config.norm_eps)
+        self.qk_scale, self.ve_gate_scale = config.qk_scale, config.ve_gate_scale
         self.rotary_bf16 = config.rotary_bf16
         # c_q, c_k, c_v (and ve_gate) stacked by GPT.prepare_for_inference; a buffer so .to() carries it, never saved
         self.register_buffer("inference_weight", None, persistent=False)
@@ -295,7 +269,6 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
         B, T, C = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        exact = not self.rotary_bf16
         if self.inference_weight is not None and not torch.is_grad_enabled():
             # one matmul for q, k, v and the gate (GPT.prepare_for_inference), one rotary + QK-norm for q and k side by
             # side. Only without grad: a backward through it would never reach c_q, c_k, c_v.
@@ -304,24 +277,38 @@ class CausalSelfAttention(nn.Module):
             v = out[..., (H + H_kv) * D:(H + 2 * H_kv) * D].view(B, T, H_kv, D)
             logits = out[..., (H + 2 * H_kv) * D:]
             cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # no-op unless autocast changed the activation dtype
-            q, k = rotary_norm(qk, cos, sin, self.eps, exact).split((H, H_kv), dim=2)
+            q, k = self.rotary_norm(qk, cos, sin).split((H, H_kv), dim=2)
         else:
             q = self.c_q(x).view(B, T, H, D)
             k = self.c_k(x).view(B, T, H_kv, D)
             v = self.c_v(x).view(B, T, H_kv, D)
             logits = self.ve_gate(x[..., :self.ve_gate.in_features]) if value_embed is not None else None
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
-            q, k = rotary_norm(q, cos, sin, self.eps, exact), rotary_norm(k, cos, sin, self.eps, exact)  # rotary, QK-norm
-        if value_embed is not None:  # gate in (0, 2), 1 at init (zero gate weights)
-            value_embed = value_embed.view(B, T, H_kv, D)
-            if is_cpu_fp32(v):
-                v = cpu_ops.gated_add(v, value_embed, logits, self.ve_gate_scale)
-            else:
-                v = v + (self.ve_gate_scale * torch.sigmoid(logits)).unsqueeze(-1) * value_embed
+            q, k = self.rotary_norm(q, cos, sin), self.rotary_norm(k, cos, sin)
+        if value_embed is not None:
+            v = self.add_value_embed(v, value_embed.view(B, T, H_kv, D), logits)
         if self.qk_scale != 1.0:
             q, k = q * self.qk_scale, k * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
+        y = self.attend(q, k, v, kv_cache).transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
 
+    def rotary_norm(self, x, cos, sin):
+        """Rotary embedding (split halves, transformers' NanoChat's signs), then the QK-norm, of (B, T, H, D) q or k
+        (or both side by side)."""
+        d = x.size(-1) // 2
+        x1, x2 = x[..., :d], x[..., d:]
+        return self.qk_norm(torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1))
+
+    def add_value_embed(self, v, value_embed, logits):
+        """v plus the (B, T, H_kv, D) value embedding, gated per kv head by ve_gate_scale * sigmoid(logits): in (0, 2),
+        1 at init (zero gate weights)."""
+        return v + (self.ve_gate_scale * torch.sigmoid(logits)).unsqueeze(-1) * value_embed
+
+    def attend(self, q, k, v, kv_cache):
+        """Causal attention of (B, H, T, D) q over (B, H_kv, T, D) k and v within the layer's window, with a kv_cache
+        over each row's cached prefix too (the cache takes the new k and v). Returns (B, H, T, D)."""
+        T = q.size(2)
         row_mask = None
         if kv_cache is not None:  # independent sequences (engine.RowKVCache): each row its length and mask
             k, v, row_mask = kv_cache.update(self.layer_idx, k, v, self.window)
@@ -332,19 +319,13 @@ class CausalSelfAttention(nn.Module):
             q = q.to(k.dtype)
         # New query i sits at position (keys - T) + i: it sees the cached prefix and the new keys up to itself, within
         # the window. (is_causal would align the mask top-left, wrong when there are fewer queries than keys.)
-        if kv_cache is None and self.n_kv_head == self.n_head and cpu_training((q, k, v)):
-            y = cpu_ops.block_causal_attention(q, k, v, window=self.window)
-        else:
-            mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
-            if mask is not None and kv_cache is None and q.is_cuda and torch.compiler.is_compiling():
-                y = flex_band_attention(q, k, v, self.window)
-            else:
-                # enable_gqa: transformers' repeat_kv grouping without materialising repeated k/v (faster on CPU too)
-                with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext(), attention_backends(q):
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                                       enable_gqa=self.n_kv_head != self.n_head)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        mask = row_mask if row_mask is not None else band_mask(T, k.size(2), self.window, q.device)
+        if mask is not None and kv_cache is None and q.is_cuda and torch.compiler.is_compiling():
+            return flex_band_attention(q, k, v, self.window)
+        # enable_gqa: transformers' repeat_kv grouping without materialising repeated k/v (faster on CPU too)
+        with torch.autocast(q.device.type, enabled=False) if attend_in_fp32 else nullcontext(), attention_backends(q):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                  enable_gqa=self.n_kv_head != self.n_head)
 
 
 class MLP(nn.Module):
@@ -354,8 +335,6 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        if is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
-            return cpu_ops.relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
         # h * h, not h.square(): square is pow, which CUDA's autocast runs in fp32, and the backward would keep that fp32
         # copy of the 4x-wide hidden layer. A bf16 product rounded once is the same number either way.
         h = F.relu(self.c_fc(x))
@@ -367,11 +346,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
-        self.eps = config.norm_eps
+        self.norm = RMSNorm(config.norm_eps)
 
     def forward(self, x, cos, sin, kv_cache, value_embed=None):
-        x = x + self.attn(norm(x, self.eps), cos, sin, kv_cache, value_embed)
-        return x + self.mlp(norm(x, self.eps))
+        x = x + self.attn(self.norm(x), cos, sin, kv_cache, value_embed)
+        return x + self.mlp(self.norm(x))
 
 
 class GPT(nn.Module):
@@ -398,6 +377,7 @@ class GPT(nn.Module):
             self.smear_lambda = nn.Parameter(torch.empty(1))
         if config.backout:
             self.backout_lambda = nn.Parameter(torch.empty(1))
+        self.norm = RMSNorm(config.norm_eps)  # of the embedding and before lm_head
         # base_train --checkpoint-activations: a training choice, so not in the config or a checkpoint. Each block keeps
         # only its input and reruns its forward in the backward: one block's activations alive, a third more compute.
         self.checkpoint_activations = False
@@ -554,8 +534,6 @@ class GPT(nn.Module):
         token; at decode the previous token is the last one the cache saw, whose embedding the cache keeps."""
         channels = self.smear_gate.in_features
         lam = self.smear_lambda.to(x.dtype)  # (1,)-shaped: it would promote a bf16 x to fp32
-        if kv_cache is None and is_cpu_fp32(x):
-            return cpu_ops.smear(x, self.smear_gate(x[..., :channels]), self.smear_lambda)
         if kv_cache is None:
             # slices of x, not a shifted copy: that would be one more (B, T, C) tensor kept for the backward
             gate = torch.sigmoid(self.smear_gate(x[:, 1:, :channels]))
@@ -564,6 +542,23 @@ class GPT(nn.Module):
         previous = torch.cat((previous, x[:, :-1]), dim=1)
         gate = torch.sigmoid(self.smear_gate(x[..., :channels]))
         return x + lam * gate * previous
+
+    def _mix_residual(self, x, x0, i):
+        """The residual_scalars component before block i (residual_mix)."""
+        if torch.compiler.is_compiling():
+            # Recomputed in the backward, not kept: compiled, the partitioner saved every layer's mix beside the
+            # two tensors it is made from, one (B, T, C) a layer (dev/LOG.md); the recompute is one pass.
+            return checkpoint(residual_mix, x, x0, self.resid_lambdas[i], self.x0_lambdas[i], use_reentrant=False)
+        return residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+
+    def _token_losses(self, rows, targets):
+        """(N,) cross-entropy of each of rows (N, C) through lm_head and the softcap against targets (N,); 0 where a
+        target is -1."""
+        return F.cross_entropy(self._softcap_logits(rows), targets, ignore_index=-1, reduction="none")
+
+    def _loss_sum(self, rows, targets):
+        """The cross-entropy of rows (N, C) against targets (N,), summed over the targets that are not -1."""
+        return self._token_losses(rows, targets).sum()
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_at=None):
         """idx (B, T) token ids. Without targets: fp32 logits (B, T, vocab_size), or with logits_at, a (B,) tensor of
@@ -585,19 +580,13 @@ class GPT(nn.Module):
         # table's dtype (autocast leaves lookups alone), so the embedding is cast to it
         autocast = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else self.lm_head.weight.dtype
-        x = norm(x.to(dtype), c.norm_eps)
+        x = self.norm(x.to(dtype))
         if c.smear:
             x = self._smear(x, kv_cache)
         x0, x_mid = x, None
         for i, block in enumerate(self.transformer.h):
-            if c.residual_scalars and is_cpu_fp32(x):
-                x = cpu_ops.residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
-            elif c.residual_scalars and torch.compiler.is_compiling():
-                # Recomputed in the backward, not kept: compiled, the partitioner saved every layer's mix beside the
-                # two tensors it is made from, one (B, T, C) a layer (dev/LOG.md); the recompute is one pass.
-                x = checkpoint(residual_mix, x, x0, self.resid_lambdas[i], self.x0_lambdas[i], use_reentrant=False)
-            elif c.residual_scalars:
-                x = residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+            if c.residual_scalars:
+                x = self._mix_residual(x, x0, i)
             value_embed = self.value_embeds[str(i)](idx).to(x.dtype) if has_value_embed(c, i) else None
             if self.checkpoint_activations and kv_cache is None and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, None, value_embed, use_reentrant=False)
@@ -608,7 +597,7 @@ class GPT(nn.Module):
         if c.backout:
             # the lambda as x's dtype: a (1,)-shaped fp32 parameter times a bf16 tensor would promote it to fp32
             x = x - self.backout_lambda.to(x.dtype) * (x_mid if x_mid is not None else x0)  # one layer: the input
-        x = norm(x, c.norm_eps)
+        x = self.norm(x)
         if kv_cache is not None:
             kv_cache.advance(T)
         if logits_at is not None:
@@ -623,17 +612,9 @@ class GPT(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none' (got {loss_reduction!r})")
         flat_targets = targets.reshape(-1)
         rows = x.view(B * T, -1)
-        # CPU training: the loss in chunks, never the full (B*T, V) logits; elsewhere the plain path (a GPU compiles it)
-        if loss_reduction != "none" and c.logit_softcap is not None and cpu_training((x,), (self.lm_head.weight,)):
-            total = cpu_ops.softcap_cross_entropy_sum(rows, self.lm_head.weight, flat_targets, c.logit_softcap)
-        else:
-            # a CPU evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
-            chunk = cpu_ops.LOSS_CHUNK_ROWS if x.device.type == "cpu" and not torch.is_grad_enabled() else max(1, B * T)
-            losses = torch.cat([F.cross_entropy(self._softcap_logits(rows[i:i + chunk]), flat_targets[i:i + chunk],
-                                                ignore_index=-1, reduction="none") for i in range(0, B * T, chunk)])
-            if loss_reduction == "none":
-                return losses.view(B, T)
-            total = losses.sum()
+        if loss_reduction == "none":
+            return self._token_losses(rows, flat_targets).view(B, T)
+        total = self._loss_sum(rows, flat_targets)
         if loss_reduction == "sum":
             return total
         # Divide by the valid count ourselves so a batch with no valid target gives 0, not NaN.
@@ -644,7 +625,6 @@ def build_model(config, device):
     """A freshly initialised GPT on `device` from a GPTConfig or its dict (built on meta, then materialised)."""
     if not isinstance(config, GPTConfig):
         config = config_from_dict(config)
-    cpu_ops_enabled()  # a bad NANOCHAT_CPU_OPS is refused here, before any compute, not inside the first forward
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)

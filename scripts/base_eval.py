@@ -16,6 +16,7 @@ import re
 import time
 
 from nanochat.checkpoint_manager import find_latest_tag, load_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import (UserError, atomic_write_text, autocast_for, compute_cleanup, compute_init, ensure_writable,
                              get_base_dir, print0, run_main)
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
@@ -75,6 +76,7 @@ def main(argv=None):
         bundle_dir = resolve_eval_bundle(args.eval_bundle)  # before the model: a missing bundle fails fast
         model_tag = args.model_tag or find_latest_tag(args.source)
         model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=model_tag, step=args.step)
+        use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
         step = meta.get("step", args.step)
         autocast = autocast_for(device)  # the precision of training: bf16 where it is fast, plain fp32 elsewhere
         print0(f"CORE evaluation of {args.source} checkpoint {model_tag} step {step} on {world_size} rank(s), "

@@ -9,6 +9,7 @@ import argparse
 import time
 
 from nanochat.checkpoint_manager import load_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.dataloader import eval_batches
 from nanochat.loss_eval import describe_eval, evaluate_bpb
@@ -42,6 +43,7 @@ def main(argv=None):
 
     _, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_model("base", device, phase="eval", model_tag=args.model_tag, step=args.step)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     T = model.config.sequence_len
     autocast = autocast_for(device)
     token_bytes = get_token_bytes(device=device)

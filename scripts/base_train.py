@@ -28,6 +28,7 @@ from nanochat.common import (UserError, autocast_for, compile_backend, compile_c
 from nanochat.core_eval import evaluate_core, resolve_eval_bundle
 from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.loop import FittingBatches, RunSettings, StartPoint, TrainingLoop, lm_loss, resume_from, train_step
 from nanochat.optim import lr_multiplier, muon_momentum
 from nanochat.planning.pretraining import add_planning_flags, check_planning_flags, plan_base_train
@@ -76,6 +77,7 @@ def main(argv=None):
     seed_everything(args.seed)
 
     model = build_model(recipe.model_config, device)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     model.checkpoint_activations = args.checkpoint_activations == "1"
     if args.fp8:  # before compile, and before the optimizers (the same Parameters either way)
         use_fp8(model, device)

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from nanochat.checkpoint_manager import load_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine, Sampling
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, SEED_MODULUS, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE,
@@ -97,6 +98,7 @@ def main(argv=None):
         torch.set_num_threads(inference_threads(device, args.threads))
     status(f"loading the {args.source} model on {device} ...")
     model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     model.prepare_for_inference()
     line = summary_line(model_info(meta, model, device, args.source))
     threads = f", {torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() > 1 else ''}" if device.type == "cpu" else ""

@@ -12,6 +12,7 @@ ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee).
 import argparse
 
 from nanochat.checkpoint_manager import find_latest_tag, load_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
 from tasks import canonical_name, get_task
@@ -64,6 +65,7 @@ def main(argv=None):
     _, rank, _, world_size, device = compute_init(args.device_type)
     tag = args.model_tag or find_latest_tag(args.source)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=args.step)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     model.prepare_for_inference()
     print0(f"chat_eval | {args.source} {tag} step {meta['step']} | {world_size} rank(s) | tasks {', '.join(names)} | "
            f"max problems {args.max_problems if args.max_problems > 0 else 'all'} | temperature {args.temperature}"

@@ -20,6 +20,7 @@ from nanochat.chat_data import ProblemSchedule
 from nanochat.chat_eval import evaluate_chat_task
 from nanochat.common import all_reduce_mean, autocast_for, compute_cleanup, compute_init, run_main, seed_everything
 from nanochat.engine import Engine
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.loop import train_step
 from nanochat.optim import lr_multiplier, muon_momentum
 from nanochat.planning.time_budget import add_time_budget_flag, check_time_budget_flag, plan_chat_stage
@@ -113,6 +114,7 @@ def main(argv=None):
                f"{args.total_batch_size} problems x --num-samples={args.num_samples} over {world_size} rank(s))")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     # decoding a token costs a forward pass of one position at a fraction of the hardware's speed: a guess of 10x its FLOPs
     replies = args.total_batch_size * args.num_samples * args.max_new_tokens
     clock = plan_chat_stage(args, start, model, device, world_size, 10 * replies, 10 * args.eval_problems * args.max_new_tokens,

@@ -17,6 +17,7 @@ import torch
 
 from nanochat.chat_data import ConversationBatches
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.loop import train_step
 from nanochat.loss_eval import evaluate_loss
 from nanochat.optim import lr_multiplier, muon_momentum
@@ -70,6 +71,7 @@ def main(argv=None):
     T = context_length(input_config(args, tag, ckpt_dir), args.max_seq_len)  # checked before the model loads
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     sample = range(min(64, train_mix.num_examples()))  # the mean conversation's tokens, for a time budget's guess
     mean_tokens = sum(min(T, len(tokenizer.render_conversation(train_mix[i])[0])) for i in sample) / len(sample)
     clock = plan_chat_stage(args, start, model, device, world_size, args.total_batch_size * mean_tokens,  # sets the steps

@@ -202,9 +202,11 @@ def main(argv=None):
     if not last.get("error"):
         log("engine decode speed")
         from nanochat.checkpoint_manager import load_model
+        from nanochat.kernels.cpu import use_cpu_kernels
 
         os.environ.update(NANOCHAT_BASE_DIR=last["base_dir"])
         model, tokenizer, _ = load_model("base", "cuda" if cuda else "cpu", model_tag=f"d{args.smoke_depths[-1]}")
+        use_cpu_kernels(model, "cuda" if cuda else "cpu")  # on a CPU, unless NANOCHAT_CPU_OPS=0
         results["decode"] = {batch: check.decode_speed(model, tokenizer, batch) for batch in (1, 16)}
 
     ready, changes = check.verdict(results)

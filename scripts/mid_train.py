@@ -13,6 +13,7 @@ import time
 
 from nanochat.chat_data import PackedConversations
 from nanochat.common import autocast_for, compute_cleanup, compute_init, run_main, seed_everything
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.loop import train_step
 from nanochat.loss_eval import evaluate_loss
 from nanochat.optim import lr_multiplier, muon_momentum
@@ -58,6 +59,7 @@ def main(argv=None):
     grad_accum = micro_steps(args.total_batch_size, args.device_batch_size * T, world_size, "tokens")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
+    use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     autocast = autocast_for(device)
     loader = PackedConversations(train_mix, tokenizer, args.device_batch_size, T, grad_accum, rank, world_size, device,
                                  resume_state=start.loader_state)

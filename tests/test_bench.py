@@ -251,11 +251,13 @@ def test_quality_compares_recipe_variants_with_their_flops_and_speed(tiny_env, c
 def test_wordings_counts_answers_per_wording_on_the_dev_split(tiny_env, monkeypatch, capsys):
     # The model stands in as a reply function that knows only capitals: every capital wording is all right, every other
     # all wrong, and the total is the capitals' share; no dev question is an eval one.
+    import torch
+
     import nanochat.chat_eval
     import nanochat.checkpoint_manager
     from tasks.builtin import DEV_QUESTIONS, WorldQA
 
-    class Model:
+    class Model(torch.nn.Module):  # a module, as the GPT it stands in for is
         def prepare_for_inference(self):
             pass
 

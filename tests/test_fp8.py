@@ -350,12 +350,11 @@ def test_custom_ops_pass_torch_opcheck(native):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_compiled_model_sees_each_fp8_linear_as_one_node(bf16, monkeypatch):
+def test_compiled_model_sees_each_fp8_linear_as_one_node(bf16):
     # The fp8 linear is one opaque op: Dynamo does not trace its quantisation (which made a d24's first compiled step
     # take minutes), the model compiles to one graph with no break, and the forward and backward graphs hold one
     # node per linear and none of the quantisation's ops. Before, each linear was an autograd.Function whose
     # forward and backward Dynamo traced: 12 higher-order nodes, and amax/clamp/casts of every linear in the graphs.
-    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")  # fp32 too takes the GPU's path, not the CPU's hand-written Functions
     model = tiny_gpt()
     assert fp8.convert_to_fp8(model.transformer.h) == 12
     with torch.no_grad():
@@ -414,7 +413,6 @@ def test_fused_bodies_compile_once_per_flag_combination(monkeypatch):
     # Dynamo gives up and runs it eagerly. Layers of three shapes, token counts of training and eval, eager and
     # compiled models must all share one graph per flag combination: the forward with and without the transposes
     # kept for backward, and the backward.
-    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")
     graphs = []
 
     def counting_backend(gm, example_inputs):

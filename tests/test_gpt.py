@@ -1,4 +1,5 @@
-"""Tests for the GPT model (nanochat/gpt.py) and the KV cache it decodes with (nanochat/engine.py)."""
+"""Tests for the GPT model (nanochat/gpt.py) as a CPU runs it (nanochat/kernels/cpu.py swapped in), the CPU's
+Functions against the plain math, and the KV cache it decodes with (nanochat/engine.py)."""
 
 import math
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from nanochat.engine import RowKVCache
 from nanochat.gpt import GPT, GPTConfig
+from nanochat.kernels.cpu import use_cpu_kernels
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -21,7 +23,8 @@ def tiny_config(**overrides):
 
 def build(config, seed=0, randomize=True):
     """Meta-device build + init, then (by default) random weights everywhere, so that the
-    zero-initialised output projections (and the recipe components' identity starts) don't hide anything."""
+    zero-initialised output projections (and the recipe components' identity starts) don't hide anything. With the
+    CPU's kernels swapped in, as every script runs a model on a CPU, unless NANOCHAT_CPU_OPS=0 (the GPU's path)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = GPT(config)
@@ -33,7 +36,7 @@ def build(config, seed=0, randomize=True):
             for p in model.parameters():  # recipe components' scalars (1-D) away from their identity values too
                 p.normal_(0.0, 1.0 if id(p) in tables else 0.5 if p.ndim == 1 else p.shape[1] ** -0.5)
     model.eval()
-    return model
+    return use_cpu_kernels(model, "cpu")
 
 
 def make_cache(model, batch_size, seq_len, dtype=torch.float32):

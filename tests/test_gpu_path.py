@@ -1,7 +1,8 @@
 """
-The path a GPU takes, run on the CPU: the plain torch ops (cpu_ops off), bf16 autocast and torch.compile, in the
-model, base_train (fresh, resumed, 2 ranks), SFT and the engine. On CUDA nanochat trains this way; on a CPU it
-normally runs cpu_ops' hand-written fp32 Functions, so without these tests nothing would keep the GPU path working.
+The path a GPU takes, run on the CPU: the plain torch ops (gpt.py without the CPU's kernels swapped in), bf16
+autocast and torch.compile, in the model, base_train (fresh, resumed, 2 ranks), SFT and the engine. On CUDA nanochat
+trains this way; on a CPU every script swaps in nanochat/kernels/cpu.py's hand-written Functions, so without these
+tests nothing would keep the GPU path working.
 
 Tolerances, measured on tiny models here: fp32 plain ops equal the hand-written reference to float rounding (2e-5);
 bf16 autocast moves the loss by < 1 % and leaves every gradient's direction within cos 0.99 of fp32's; over 12
@@ -82,12 +83,16 @@ def test_plain_ops_give_the_reference_logits_loss_and_gradients(monkeypatch, no_
 
 @pytest.mark.quick
 def test_a_bad_cpu_ops_switch_is_refused_before_any_compute(monkeypatch):
+    """Refused by the line that follows every model's build or load (use_cpu_kernels), on any device."""
     from nanochat.common import UserError
     from nanochat.gpt import build_model
 
     monkeypatch.setenv("NANOCHAT_CPU_OPS", "off")
-    with pytest.raises(UserError, match="NANOCHAT_CPU_OPS must be 0"):
-        build_model(tiny_config(), "cpu")
+    model = build_model(tiny_config(), "cpu")
+    for device in ("cpu", "cuda"):
+        with pytest.raises(UserError, match="NANOCHAT_CPU_OPS must be 0"):
+            cpu_ops.use_cpu_kernels(model, device)
+    assert type(model).__name__ == "GPT"
 
 
 @pytest.mark.quick
@@ -137,7 +142,7 @@ def library_files_run(work):
 @pytest.mark.quick
 def test_a_gpu_s_forward_backward_and_decode_steps_stay_in_their_files(monkeypatch, single_torch_thread, tokenizer):
     """docs/layout.md counts the files a training step and a chat request cross. On the GPU's path (bf16 autocast, the
-    plain ops) the model's forward and backward run code of gpt.py alone: not cpu_ops.py (its switch is gpt.py's)
+    plain ops) the model's forward and backward run code of gpt.py alone: not kernels/cpu.py (swapped in on a CPU only)
     nor common.py; the engine's steps for a request (sampled, steered, with logprobs) run engine.py and gpt.py alone:
     the autocast is chosen when the engine is built."""
     from nanochat.engine import BatchEngine, Sampling
@@ -394,22 +399,24 @@ def test_the_chunked_loss_under_cpu_autocast_is_the_plain_bf16_loss(monkeypatch,
     from nanochat.common import autocast_for
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")  # built plain; the kernels are swapped in below
     model = build(tiny_config(n_kv_head=2))
     model.train()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # logits into the softcap's curved region
     idx, targets = batch()
     monkeypatch.setattr(cpu_ops, "LOSS_CHUNK_ROWS", 7)  # several chunks, the last one short
+    calls = []
+    original = cpu_ops._ChunkedSoftcapCrossEntropy.apply
+    monkeypatch.setattr(cpu_ops._ChunkedSoftcapCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or original(*a))
     results = {}
-    for ops in ("1", "0"):
-        monkeypatch.setenv("NANOCHAT_CPU_OPS", ops)
-        calls = []
-        original = cpu_ops._ChunkedSoftcapCrossEntropy.apply
-        monkeypatch.setattr(cpu_ops._ChunkedSoftcapCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or original(*a))
+    for swapped in (False, True):  # the plain model, then the same one (same Parameters) with the CPU's kernels
+        if swapped:
+            cpu_ops.swap_in_cpu_kernels(model)
         with autocast_for("cpu"):
-            results[ops] = loss_and_grads(model, idx, targets)
-        assert calls == ([torch.bfloat16] if ops == "1" else [])
-    (chunked, chunked_grads), (plain, plain_grads) = results["1"], results["0"]
+            results[swapped] = loss_and_grads(model, idx, targets)
+        assert calls == ([torch.bfloat16] if swapped else [])
+    (chunked, chunked_grads), (plain, plain_grads) = results[True], results[False]
     torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=0)  # the same bf16 logits, so the same loss
     for name, grad in plain_grads.items():
         cos = F.cosine_similarity(chunked_grads[name].flatten().float(), grad.flatten().float(), dim=0)
@@ -445,19 +452,21 @@ def test_block_causal_attention_under_cpu_autocast_follows_the_plain_bf16_attent
         assert error < 2 * plain_error and error < 1e-2, (name, float(error), float(plain_error))
 
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")  # built plain; the kernels are swapped in below
     model = build(tiny_config(n_kv_head=4))
     model.train()
     idx, targets = batch()
+    calls = []
+    original = cpu_ops._BlockCausalAttention.apply
+    monkeypatch.setattr(cpu_ops._BlockCausalAttention, "apply", lambda *a: calls.append(a[0].dtype) or original(*a))
     results = {}
-    for ops in ("1", "0"):
-        monkeypatch.setenv("NANOCHAT_CPU_OPS", ops)
-        calls = []
-        original = cpu_ops._BlockCausalAttention.apply
-        monkeypatch.setattr(cpu_ops._BlockCausalAttention, "apply", lambda *a: calls.append(a[0].dtype) or original(*a))
+    for swapped in (False, True):  # the plain model, then the same one (same Parameters) with the CPU's kernels
+        if swapped:
+            cpu_ops.swap_in_cpu_kernels(model)
         with autocast_for("cpu"):
-            results[ops] = loss_and_grads(model, idx, targets)
-        assert calls == ([torch.bfloat16] * 2 if ops == "1" else [])  # both layers
-    (loss, grads), (plain_loss, plain_grads) = results["1"], results["0"]
+            results[swapped] = loss_and_grads(model, idx, targets)
+        assert calls == ([torch.bfloat16] * 2 if swapped else [])  # both layers
+    (loss, grads), (plain_loss, plain_grads) = results[True], results[False]
     assert abs(loss - plain_loss) / plain_loss < 0.01, (loss, plain_loss)
     for name, g in plain_grads.items():
         cos = F.cosine_similarity(grads[name].flatten().float(), g.flatten().float(), dim=0)

@@ -60,10 +60,12 @@ def loss_and_grads(model, idx):
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smaller_peak(single_torch_thread, monkeypatch):
     """Each block's forward run again in its backward, by the same kernels on the same inputs: the loss and every
-    gradient are equal to the last bit (tolerance 0, fp32 on the CPU, its fused Functions and the plain path alike);
+    gradient are equal to the last bit (tolerance 0, fp32 on the CPU, its fused Functions swapped in and the plain path
+    alike);
     the step's peak (torch.profiler's allocation events, bench memory's measurement) is at least a fifth lower."""
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.optim import muon_momentum
     from nanochat.recipe import build_optimizers, depth_recipe
     from nanochat.loop import train_step
@@ -74,7 +76,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smalle
     for cpu_ops in ("1", "0"):
         monkeypatch.setenv("NANOCHAT_CPU_OPS", cpu_ops)
         torch.manual_seed(0)
-        model = build_model(recipe.model_config, torch.device("cpu"))
+        model = use_cpu_kernels(build_model(recipe.model_config, torch.device("cpu")), "cpu")
         plain = loss_and_grads(model, idx)
         model.checkpoint_activations = True
         checkpointed = loss_and_grads(model, idx)
@@ -85,7 +87,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_and_a_smalle
     def build(checkpoint):
         def make():
             torch.manual_seed(0)
-            model = build_model(recipe.model_config, torch.device("cpu"))
+            model = use_cpu_kernels(build_model(recipe.model_config, torch.device("cpu")), "cpu")
             model.checkpoint_activations = checkpoint
             optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=OPTIMIZER_COMPONENTS)
 
@@ -120,6 +122,7 @@ def test_the_prediction_follows_the_measured_step(fresh_cache, single_torch_thre
     checkpointing: the predicted peak within 15 % of the measured one (torch.profiler's allocation events)."""
     from bench.memory import measure_second_step
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.optim import muon_momentum
     from nanochat.recipe import build_optimizers, depth_recipe
     from nanochat.loop import train_step
@@ -131,7 +134,7 @@ def test_the_prediction_follows_the_measured_step(fresh_cache, single_torch_thre
     idx = torch.randint(0, spec.vocab_size, (4, spec.seq_len), generator=torch.Generator().manual_seed(0))
     for checkpoint in (False, True):
         def build():
-            model = build_model(recipe.model_config, torch.device("cpu"))
+            model = use_cpu_kernels(build_model(recipe.model_config, torch.device("cpu")), "cpu")  # as base_train
             model.checkpoint_activations = checkpoint
             optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=OPTIMIZER_COMPONENTS)
             batch = (idx, idx.roll(-1, dims=1))

@@ -1,6 +1,7 @@
 """The optional recipe components (gpt.COMPONENTS, Muon's normuon / cautious_wd): identity at init, the CPU fast
 path's gradients, the KV cache and the engine, the optimizer math, checkpoints and resume."""
 
+import contextlib
 import json
 import os
 
@@ -96,27 +97,89 @@ def test_each_fused_component_function_equals_the_plain_math(name):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def plain_then_swapped(model, idx, targets, autocast=contextlib.nullcontext):
+    """{False: (loss, {name: grad}) of gpt.py's plain model, True: the same after swap_in_cpu_kernels (the same
+    Parameters)}."""
+    from nanochat.kernels.cpu import swap_in_cpu_kernels
+
+    results = {}
+    for swapped in (False, True):
+        if swapped:
+            swap_in_cpu_kernels(model)
+        model.zero_grad(set_to_none=True)
+        with autocast():
+            loss = model(idx, targets)
+        loss.backward()
+        results[swapped] = (loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()})
+    return results
+
+
 @pytest.mark.quick
 def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
     # The components run as cpu_ops' Functions in the CPU fast path; loss and every gradient must equal the plain
-    # path's (NANOCHAT_CPU_OPS=0, what a GPU runs), and every component parameter must learn.
+    # path's (what a GPU runs), and every component parameter must learn.
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")  # built plain; plain_then_swapped swaps the kernels in
     model = build(tiny_config(**ALL_ON))
     model.train()
     idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(8))
     targets = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(9))
-    grads = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("NANOCHAT_CPU_OPS", flag)
-        model.zero_grad(set_to_none=True)
-        loss = model(idx, targets)
-        loss.backward()
-        grads[flag] = (loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()})
-    torch.testing.assert_close(grads["1"][0], grads["0"][0], atol=1e-5, rtol=1e-5)
-    for name, grad in grads["1"][1].items():
-        torch.testing.assert_close(grad, grads["0"][1][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    grads = plain_then_swapped(model, idx, targets)
+    torch.testing.assert_close(grads[True][0], grads[False][0], atol=1e-5, rtol=1e-5)
+    for name, grad in grads[True][1].items():
+        torch.testing.assert_close(grad, grads[False][1][name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
         assert grad.abs().max() > 0, name
-    component_params = {n for n in grads["1"][1] if "lambda" in n or "gate" in n or n.startswith("value_embeds")}
+    component_params = {n for n in grads[True][1] if "lambda" in n or "gate" in n or n.startswith("value_embeds")}
     assert len(component_params) == 1 + 1 + 2 + 2 + 1  # a value embedding + its gate, resid/x0, smear gate/lambda, backout
+
+
+CPU_FUNCTIONS = ("rms_norm", "rotary_norm", "relu_squared_mlp", "block_causal_attention", "gated_add", "residual_mix",
+                 "smear", "softcap_cross_entropy_sum")
+TRAINING_ONLY = ("block_causal_attention", "softcap_cross_entropy_sum")  # the two that also run under CPU autocast
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpu_kernel_swap_gives_the_plain_model_s_loss_and_gradients(monkeypatch, dtype):
+    """use_cpu_kernels' swap against gpt.py's plain model, every component on and n_kv_head == n_head: in fp32 every
+    Function runs, under CPU bf16 autocast the training-only two. The loss and every parameter's gradient within the
+    kernel tests' tolerances: fp32's float rounding (test_gpt), bf16 as the block attention's (test_gpu_path: the
+    Functions round the scores and d(logits) to bf16 elsewhere than autograd does). 7-row loss chunks and 5-query
+    attention blocks: several of each, the last one short, windows that cut."""
+    from nanochat.kernels import cpu as cpu_ops
+
+    monkeypatch.setenv("NANOCHAT_DTYPE", dtype)  # bf16: the embedding and rotary tables too, as on such a CPU
+    monkeypatch.setenv("NANOCHAT_CPU_OPS", "0")  # built plain; plain_then_swapped swaps the kernels in
+    monkeypatch.setattr(cpu_ops, "LOSS_CHUNK_ROWS", 7)
+    monkeypatch.setattr(cpu_ops, "ATTENTION_BLOCK", 5)
+    calls = {name: 0 for name in CPU_FUNCTIONS}
+    for name in CPU_FUNCTIONS:
+        function = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _f=function, _n=name, **k: calls.update({_n: calls[_n] + 1})
+                            or _f(*a, **k))
+    model = build(tiny_config(n_kv_head=4, **ALL_ON))
+    model.train()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits into the softcap's curved region
+    idx = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(8))
+    targets = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(9))
+    targets[0, :9] = -1  # a whole chunk of ignored rows
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bfloat16" else contextlib.nullcontext
+    results = plain_then_swapped(model, idx, targets, autocast)
+    ran = {name for name, count in calls.items() if count}
+    assert ran == (set(TRAINING_ONLY) if dtype == "bfloat16" else set(CPU_FUNCTIONS)), calls
+    (loss, grads), (plain_loss, plain_grads) = results[True], results[False]
+    if dtype == "float32":
+        torch.testing.assert_close(loss, plain_loss, atol=1e-5, rtol=1e-5)
+    else:
+        assert abs(loss - plain_loss) / plain_loss < 0.01, (loss, plain_loss)
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        if dtype == "float32":
+            torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        else:
+            cos = torch.nn.functional.cosine_similarity(grad.flatten().float(), plain_grads[name].flatten().float(),
+                                                        dim=0)
+            assert cos > 0.99, (name, float(cos))
 
 
 @pytest.mark.quick

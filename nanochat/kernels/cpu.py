@@ -1,13 +1,20 @@
 """
-Hand-written autograd Functions for training the GPT on a CPU: gpt.py's math in fewer passes over memory, which bounds
-a CPU step's elementwise work (measurements: dev/LOG.md). gpt.py decides where they run: CPU fp32 tensors outside
-autocast (`gpt.is_cpu_fp32`), the chunked loss and the block-causal attention also under CPU autocast
-(`gpt.cpu_training`); NANOCHAT_CPU_OPS=0 turns them off, so the GPU's plain path runs anywhere. tests/test_gpt.py
-checks each against the plain math. Model constants (norm eps, softcap) come in as arguments: this module knows nothing
-of the model.
+Hand-written autograd Functions for running the GPT on a CPU: gpt.py's math in fewer passes over memory, which bounds
+a CPU step's elementwise work (measurements: dev/LOG.md), and the swap that attaches them to a built model
+(`use_cpu_kernels(model, device)`, at the end). The swap makes gpt.py's modules their Cpu* subclasses below, which
+decide where the Functions run: CPU fp32 tensors outside autocast (`is_cpu_fp32`), the chunked loss and the
+block-causal attention also under CPU autocast, for training only (`cpu_training`); elsewhere gpt.py's plain math.
+NANOCHAT_CPU_OPS=0 leaves the model unswapped, so the GPU's plain path runs on a CPU too. tests/test_gpt.py checks each
+Function against the plain math, tests/test_recipe_components.py the swapped model against the plain one.
 """
 
+import os
+
 import torch
+import torch.nn as nn
+
+from nanochat import gpt
+from nanochat.common import UserError
 
 
 def _rotate(x, cos, sin, out):
@@ -289,7 +296,7 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# Entry points used by gpt.py (the Functions above give the math)
+# Entry points (the Functions above give the math)
 rms_norm = _RMSNorm.apply
 relu_squared_mlp = _ReluSquaredMLP.apply
 gated_add = _GatedAdd.apply
@@ -323,3 +330,119 @@ def softcap_cross_entropy_sum(x, weight, targets, softcap):
     when autocast is on."""
     matmul_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     return _ChunkedSoftcapCrossEntropy.apply(x, weight, targets, softcap, matmul_dtype)
+
+
+# -----------------------------------------------------------------------------
+# The swap: gpt.py's model with the Functions above where they apply
+
+
+def cpu_kernels_enabled():
+    """NANOCHAT_CPU_OPS: 1 (default) lets use_cpu_kernels swap the kernels in on a CPU, 0 leaves the plain torch path
+    (a GPU's) everywhere; any other value is refused."""
+    value = os.environ.get("NANOCHAT_CPU_OPS", "1")
+    if value not in ("0", "1"):
+        raise UserError(f"NANOCHAT_CPU_OPS must be 0 (the plain torch path, as on a GPU) or 1 (got {value!r})")
+    return value == "1"
+
+
+def is_cpu_fp32(x):
+    """A CPU fp32 tensor outside autocast: where the elementwise Functions run."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def cpu_training(activations, weights=()):
+    """Where the training-only Functions apply (block attention, chunked loss): CPU tensors on their way to a backward,
+    activations in fp32, or under CPU autocast in fp32 or its dtype (the matmuls then run in it, softmax and loss in
+    fp32), weights in fp32. Not a compiled autocast model: that is the GPU's path, fused by the compiler."""
+    autocast = torch.is_autocast_enabled("cpu")
+    dtypes = (torch.float32, torch.get_autocast_dtype("cpu")) if autocast else (torch.float32,)
+    fits = all(t.device.type == "cpu" and t.dtype in dtypes for t in activations) \
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
+    return fits and torch.is_grad_enabled() and not (autocast and torch.compiler.is_compiling()) \
+        and any(t.requires_grad for t in (*activations, *weights))
+
+
+def eps_of(x, eps):
+    """The norm's eps as a number: GPTConfig.norm_eps None is the machine epsilon of x's dtype, as in F.rms_norm."""
+    return torch.finfo(x.dtype).eps if eps is None else eps
+
+
+class CpuRMSNorm(gpt.RMSNorm):
+    def forward(self, x):
+        if is_cpu_fp32(x):
+            return rms_norm(x, eps_of(x, self.eps))
+        return super().forward(x)
+
+
+class CpuCausalSelfAttention(gpt.CausalSelfAttention):
+    def rotary_norm(self, x, cos, sin):
+        # the fused version norms before rotating, which needs an exact rotation: not bf16-rounded tables
+        if is_cpu_fp32(x) and not self.rotary_bf16:
+            return rotary_norm(x, cos, sin, eps_of(x, self.qk_norm.eps))
+        return super().rotary_norm(x, cos, sin)
+
+    def add_value_embed(self, v, value_embed, logits):
+        if is_cpu_fp32(v):
+            return gated_add(v, value_embed, logits, self.ve_gate_scale)
+        return super().add_value_embed(v, value_embed, logits)
+
+    def attend(self, q, k, v, kv_cache):
+        if kv_cache is None and self.n_kv_head == self.n_head and cpu_training((q, k, v)):
+            return block_causal_attention(q, k, v, window=self.window)
+        return super().attend(q, k, v, kv_cache)
+
+
+class CpuMLP(gpt.MLP):
+    def forward(self, x):
+        if is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
+            return relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
+        return super().forward(x)
+
+
+class CpuGPT(gpt.GPT):
+    def _smear(self, x, kv_cache):
+        if kv_cache is None and is_cpu_fp32(x):
+            return smear(x, self.smear_gate(x[..., :self.smear_gate.in_features]), self.smear_lambda)
+        return super()._smear(x, kv_cache)
+
+    def _mix_residual(self, x, x0, i):
+        if is_cpu_fp32(x):
+            return residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+        return super()._mix_residual(x, x0, i)
+
+    def _loss_sum(self, rows, targets):
+        # training: the loss in chunks, never the full (N, V) logits
+        if self.config.logit_softcap is not None and cpu_training((rows,), (self.lm_head.weight,)):
+            return softcap_cross_entropy_sum(rows, self.lm_head.weight, targets, self.config.logit_softcap)
+        return super()._loss_sum(rows, targets)
+
+    def _token_losses(self, rows, targets):
+        # an evaluation in row chunks too: the full logits cost ~200 MB of peak RSS at the CPU preset
+        plain = super()._token_losses
+        if rows.device.type != "cpu" or torch.is_grad_enabled():
+            return plain(rows, targets)
+        return torch.cat([plain(rows[i:i + LOSS_CHUNK_ROWS], targets[i:i + LOSS_CHUNK_ROWS])
+                          for i in range(0, rows.size(0), LOSS_CHUNK_ROWS)])
+
+
+CPU_VERSIONS = {gpt.RMSNorm: CpuRMSNorm, gpt.CausalSelfAttention: CpuCausalSelfAttention, gpt.MLP: CpuMLP,
+                gpt.GPT: CpuGPT}
+
+
+def swap_in_cpu_kernels(model):
+    """Make each of gpt.py's modules below `model` (itself included) its Cpu* version above, in place: a subclass whose
+    overrides run the Functions where they apply and the plain math elsewhere (any device, any dtype), so the swapped
+    model is right anywhere. The same objects with the same Parameters and state-dict keys: before or after the
+    optimizers are built, before torch.compile. Returns the model."""
+    for module in model.modules():
+        if type(module) in CPU_VERSIONS:
+            module.__class__ = CPU_VERSIONS[type(module)]
+    return model
+
+
+def use_cpu_kernels(model, device):
+    """swap_in_cpu_kernels on a CPU unless NANOCHAT_CPU_OPS=0 (a bad value is refused on any device, before any
+    compute): the one line after a model is built or loaded. Returns the model."""
+    if cpu_kernels_enabled() and torch.device(device).type == "cpu":
+        swap_in_cpu_kernels(model)
+    return model

@@ -122,13 +122,13 @@ def storage_bytes(tensors):
 
 @contextlib.contextmanager
 def traced_as(spec):
-    """The process set up to run spec's step on fake CPU tensors as its device runs it (the compute dtype, the CPU's
-    Functions), its optimizers as one process's (a rank of several would wait in a collective that never comes)."""
+    """The process set up to run spec's step on fake CPU tensors as its device runs it (the compute dtype), its
+    optimizers as one process's (a rank of several would wait in a collective that never comes)."""
     import nanochat.optim as optim
 
-    env = {"NANOCHAT_DTYPE": spec.dtype, "NANOCHAT_CPU_OPS": "1" if spec.cpu_ops else "0"}
+    env = {"NANOCHAT_DTYPE": spec.dtype}
     saved, rank_world = {name: os.environ.get(name) for name in env}, optim.dist_rank_world
-    os.environ.update(env)  # only these two are put back after: other threads may read the environment meanwhile
+    os.environ.update(env)  # only this one is put back after: other threads may read the environment meanwhile
     optim.dist_rank_world = lambda: (0, 1)
     try:
         yield
@@ -142,12 +142,16 @@ def traced_as(spec):
 
 
 def fake_model(config, spec):
-    """spec's model on fake CPU tensors, initialised as base_train initialises it (inside a FakeTensorMode)."""
+    """spec's model on fake CPU tensors, initialised as base_train initialises it (inside a FakeTensorMode), with the
+    CPU's Functions swapped in where spec.cpu_ops says."""
     from nanochat.gpt import GPT
+    from nanochat.kernels.cpu import swap_in_cpu_kernels
     from nanochat.kernels.fp8 import convert_to_fp8
 
     model = GPT(config)
     model.init_weights()  # also stores the embedding tables in the compute dtype
+    if spec.cpu_ops:
+        swap_in_cpu_kernels(model)
     if spec.fp8:
         convert_to_fp8(model.transformer.h)
     model.checkpoint_activations = spec.checkpoint_activations

@@ -205,7 +205,7 @@ class RunShape:
 def step_spec(depth, shape, checkpoint_activations=False):
     """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (bf16 for a
     GPU not here); an eager step on a CPU runs its fused Functions where they are on."""
-    from nanochat.gpt import cpu_ops_enabled
+    from nanochat.kernels.cpu import cpu_kernels_enabled
     from nanochat.planning.memory_model import StepSpec
 
     device_type = shape.device_type
@@ -214,7 +214,7 @@ def step_spec(depth, shape, checkpoint_activations=False):
     return StepSpec(depth, shape.seq_len, shape.vocab_size, shape.aspect_ratio, shape.head_dim, shape.num_kv_heads,
                     tuple(shape.model_components), tuple(shape.optimizer_components), dtype, bool(shape.fp8),
                     bool(checkpoint_activations), bool(shape.compiled), device_type=device_type,
-                    cpu_ops=device_type == "cpu" and not shape.compiled and cpu_ops_enabled())
+                    cpu_ops=device_type == "cpu" and not shape.compiled and cpu_kernels_enabled())
 
 
 def plan_memory(depth, shape):
@@ -331,6 +331,7 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint
     many as fit in about `seconds` (2 to 6, one count for every rank), a micro-batch and the update timed apart. Running
     out of memory anywhere raises ProbeOutOfMemory on every rank before any optimizer's collective (none waits)."""
     from nanochat.gpt import build_model
+    from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.kernels.fp8 import convert_to_fp8
     from nanochat.recipe import build_optimizers
 
@@ -348,7 +349,7 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint
 
     def build():
         recipe = meta_recipe(depth, shape)
-        model = build_model(recipe.model_config, device)
+        model = use_cpu_kernels(build_model(recipe.model_config, device), device)
         if shape.fp8:
             convert_to_fp8(model.transformer.h)
         model.checkpoint_activations = checkpoint_activations

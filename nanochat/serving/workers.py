@@ -25,6 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from nanochat.checkpoint_manager import load_model
+from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import (UserError, inference_threads, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
@@ -508,6 +509,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         torch.set_num_threads(1)
         print(f"loading the {source} model on cpu ...", flush=True)
         model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
+        use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
         preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
         context = multiprocessing.get_context("fork")
         # what loading freed back to the kernel, or the workers' allocations would reuse those pages, copying on write
@@ -796,6 +798,7 @@ def worker_main(conn, inherited, device, settings, preloaded):
         if preloaded is None:
             model, tokenizer, meta = load_model(settings.source, device, model_tag=settings.model_tag,
                                                 step=settings.step)
+            use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
             model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
         else:
             model, tokenizer, meta = preloaded
