@@ -153,6 +153,8 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
         total, ran_out = torch.zeros((), dtype=torch.float32, device=device), False
         divisor = len(micro_batches) if per_micro_batch else divisor
         try:
+            if fitting is not None:
+                fitting.rehearse_out_of_memory()
             for batch in micro_batches:
                 with autocast:
                     loss = loss_fn(model, batch)
@@ -459,10 +461,13 @@ class FittingBatches:
     def next_step(self):
         """This rank's micro-batches for one optimizer step: grad_accum (inputs, targets) pairs."""
         self.step_start = self.loader.state_dict() if self.guarded else None
-        micro_batches = [next(self.loader) for _ in range(self.grad_accum)]
+        return [next(self.loader) for _ in range(self.grad_accum)]
+
+    def rehearse_out_of_memory(self):
+        """In the first steps, where NANOCHAT_SIMULATE_OOM_ROWS says this device batch does not fit, the out-of-memory
+        error its passes would raise (train_step calls it as they begin): a smaller card, rehearsed anywhere."""
         if self.guarded:
             simulate_out_of_memory(self.device_batch_size, self.steps_taken)
-        return micro_batches
 
     def recovers_from(self, error):
         """Whether a step that raised `error` on this rank is taken again at a smaller device batch: running out of

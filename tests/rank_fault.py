@@ -14,14 +14,14 @@ import os
 import sys
 import time
 
-from nanochat import checkpoint_manager
+from nanochat import checkpoint_manager, loop
 from nanochat.common import run_main
 from scripts import base_train
 
 fault, step = sys.argv[1].removesuffix("+linger").split("@")
 step = int(step)
 rank1 = os.environ.get("RANK") == "1"
-real_save_file, real_step_optimizers = checkpoint_manager.save_file, base_train.step_optimizers
+real_save_file, real_step_optimizers = checkpoint_manager.save_file, loop.step_optimizers
 steps_taken = 0
 
 
@@ -48,5 +48,5 @@ def linger():
 if rank1 and sys.argv[1].endswith("+linger"):
     atexit.register(linger)
 checkpoint_manager.save_file = save_file
-base_train.step_optimizers = step_optimizers
+loop.step_optimizers = step_optimizers  # what train_step calls for every stage's update
 run_main(lambda: base_train.main(sys.argv[2:]))
