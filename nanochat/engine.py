@@ -543,8 +543,8 @@ class BatchEngine:
             ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
             drawn = choose_tokens([(seq.logits, seq.sampling, seq.generator, seq.counts) for seq in ready])
             emitted = [self._emit(seq, token) for seq, token in zip(ready, drawn)]
-            waiting = [seq for seq in self.running if seq.awaiting_feed]
-            to_feed = waiting if self.row_policy is None else self.row_policy.pick(waiting)
+            awaiting = [seq for seq in self.running if seq.awaiting_feed]
+            to_feed = awaiting if self.row_policy is None else self.row_policy.pick(awaiting)
             if to_feed:
                 self.decode_steps += 1
                 self.shared_steps += len(to_feed) > 1

@@ -96,7 +96,7 @@ class FairShare:
 
     def __init__(self, engine, cost):
         self.engine, self.cost = engine, cost
-        self.carried_seconds = 0.0  # what steps were allowed but did not spend while rows waited: the next may
+        self.carried_seconds = 0.0  # allowed but not spent by the last step, while rows waited: the next may spend it
         self.rows_passed_by = 0  # row-steps a sequence with its next token waited for another's turn (/stats)
         self.picked_shape = None  # step_shape of the rows picked last, for step_took
 
