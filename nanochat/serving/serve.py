@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -461,25 +462,25 @@ async def withdrawn_if_client_leaves(request):
     cancelled where it waits, which withdraws the request (WorkerPool.submit and .score see to it), and ClientGone is
     raised. The block runs in the route's own task, the request's way to its worker a call deeper, not a task away.
     """
-    route, left = asyncio.current_task(), asyncio.Event()
+    route, left = asyncio.current_task(), False
 
     async def watch():
+        nonlocal left
         await disconnected(request)
-        left.set()
+        left = True
         route.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
-        yield
+        yield  # a block that ends in the turn its client leaves may swallow the cancel (wait_for does): it goes on
     except asyncio.CancelledError:
-        if not left.is_set():  # cancelled for another reason: the server is stopping
+        if not left:  # cancelled for another reason: the server is stopping
             raise
-        route.uncancel()
         raise ClientGone() from None
     finally:
         watcher.cancel()
-    if left.is_set():  # the block ended in the same turn the client left, and took the cancel (asyncio.wait_for does)
-        route.uncancel()
+        if left and sys.version_info >= (3, 11):  # from 3.11 a task counts its cancels: this one is handled
+            route.uncancel()
 
 
 async def disconnected(request):
