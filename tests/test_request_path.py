@@ -53,12 +53,21 @@ LIBRARY = os.path.dirname(os.path.abspath(nanochat.engine.__file__)) + os.sep
 SINKS = {"BatchEngine.add_group", "GPT.forward", "sample_next_tokens"}
 
 
+def qualified_name(frame):
+    """"Class.method" or "function" of a frame (Python 3.10's code objects have no co_qualname: self's class)."""
+    code = frame.f_code
+    if hasattr(code, "co_qualname"):
+        return code.co_qualname
+    owner = frame.f_locals.get("self")
+    return f"{type(owner).__name__}.{code.co_name}" if owner is not None else code.co_name
+
+
 def stack_from(frame):
     """The library's functions on the stack from `frame` outwards, up to the first frame that is not the library's (the
     web framework's, a thread's start), outermost first."""
     names = []
     while frame is not None and frame.f_code.co_filename.startswith(LIBRARY):
-        names.append(f"{frame.f_code.co_filename[len(LIBRARY):]}:{frame.f_code.co_qualname}")
+        names.append(f"{frame.f_code.co_filename[len(LIBRARY):]}:{qualified_name(frame)}")
         frame = frame.f_back
     return names[::-1]
 
@@ -80,7 +89,7 @@ def request_stacks(model, tokenizer, body):  # noqa: F811
             stacks.append(stack_from(frame.f_back))
         elif code is Connection.send_bytes.__code__ and is_add(frame.f_locals["buf"]):
             stacks.append(stack_from(frame.f_back))
-        elif code.co_filename.startswith(LIBRARY) and code.co_qualname in SINKS:
+        elif code.co_filename.startswith(LIBRARY) and qualified_name(frame) in SINKS:
             stacks.append(stack_from(frame))
 
     engine = BatchEngine(model, tokenizer, max_batch=2)
