@@ -14,7 +14,8 @@ the same as two eager runs at different row counts (other kernels, no capture) h
     eager 64  vs eager 16   the control no capture is in: eager with more rows, on the first 16 prompts
     eager     vs captured   in fp32: rounding near-ties that far down should not flip
 
-Without CUDA, "captured" runs the static step eagerly (CapturedDecode says so) and the pairs still run, on the CPU.
+Without CUDA, "captured" runs the static step eagerly (nanochat/kernels/decode_graphs.py's CapturedDecode says so)
+and the pairs still run, on the CPU.
 """
 
 import copy
@@ -27,8 +28,10 @@ def decode_greedily(model, tokenizer, prompts, max_tokens, decode, rows):
     """tokens [rows][steps] and the logits each was chosen from [rows][steps] (fp32, on the CPU) of greedy decoding
     of prompts[:rows] on a BatchEngine of `rows` rows in the given decode mode."""
     from nanochat.engine import BatchEngine, Sampling
+    from nanochat.kernels.decode_graphs import use_decode
 
-    engine = BatchEngine(model, tokenizer, max_batch=rows, decode=decode)
+    engine = BatchEngine(model, tokenizer, max_batch=rows)
+    use_decode(engine, decode)
     seqs = [engine.add(prompt, Sampling(temperature=0.0, max_tokens=max_tokens)) for prompt in prompts[:rows]]
     tokens, logits = {id(s): [] for s in seqs}, {id(s): [] for s in seqs}
     # the logits a row's next token will be chosen from, kept before the step that samples it; a reply's first token

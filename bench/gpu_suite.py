@@ -151,6 +151,7 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     128-token prompts: Engine at batch 1, and BatchEngine at each row count, eager and captured; ms a step (median of
     the steps where every row decodes), tok/s, and whether the captured step wrote the eager step's tokens."""
     from nanochat.engine import BatchEngine, Sampling
+    from nanochat.kernels.decode_graphs import use_decode
     from nanochat.common import compute_init
     from nanochat.gpt import build_model
     from nanochat.kernels.cpu import use_cpu_kernels
@@ -175,7 +176,8 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
     prompts = [[tokenizer.get_bos_token_id()] + torch.randint(0, vocab - 9, (prompt_tokens - 1,), generator=generator)
                .tolist() for _ in range(max(rows_list))]
     for decode in ("eager", "captured"):
-        engine = BatchEngine(model, tokenizer, max_batch=max(rows_list), decode=decode)
+        engine = BatchEngine(model, tokenizer, max_batch=max(rows_list))
+        captured = use_decode(engine, decode)  # None for eager: the engine's own step
         for rows in rows_list:
             for max_tokens in (4, new_tokens):  # a short warm-up round first (on a GPU: the captures)
                 seqs = [engine.add(prompt, Sampling(temperature=0.0, max_tokens=max_tokens)) for prompt in prompts[:rows]]
@@ -192,7 +194,7 @@ def decode_worker(depth, seq_len, rows_list, base_dir):
             results[f"{decode}_{rows}"] = {"ms_per_step": step_s * 1000, "tok_per_s": rows / step_s,
                                            "tokens": [tokens[id(seq)] for seq in seqs]}
         if decode == "captured":
-            results["captured_off"] = engine.captured.why_eager
+            results["captured_off"] = captured.why_eager
     def agreement(first, second):
         prefixes = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                     for a, b in zip(first, second) if a != b]

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanochat.engine import BatchEngine, Sampling, kv_budget_bytes, kv_row_bytes
+from nanochat.engine import BatchEngine, Sampling, kv_memory_bytes, kv_row_bytes
 from nanochat.common import dist_rank_world, print0
 
 
@@ -47,7 +47,7 @@ def sample_task_replies(model, tokenizer, conversations, max_tokens, temperature
     """The model's reply to each conversation as text (tool calls included), or None where the prompt leaves no room;
     up to max_batch decoded together, each with its own seed."""
     device = model.get_device()  # fewer rows than max_batch where their KV cache would not fit, as chat_web's
-    max_batch = max(1, min(max_batch, kv_budget_bytes(device) // kv_row_bytes(model.config, device)))
+    max_batch = max(1, min(max_batch, kv_memory_bytes(device) // kv_row_bytes(model.config, device)))
     engine = BatchEngine(model, tokenizer, max_batch=max_batch)
     seeds = list(range(len(conversations))) if seeds is None else seeds
     replies, asked, tokens = [None] * len(conversations), [], {}  # asked keeps each sequence, so its id stays its own

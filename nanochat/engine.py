@@ -1,7 +1,8 @@
 """
 Inference: BatchEngine decodes many independent sequences together, one forward pass a step, joining and leaving
 between steps (continuous batching; docs/serving.md), each in a row of a RowKVCache at its own length, so prompts of
-any length mix. Engine, nanochat's interface for the samples of one prompt, runs on it.
+any length mix. Engine, nanochat's interface for the samples of one prompt, runs on it. Add-ons attach to a built
+BatchEngine (kernels/decode_graphs.py, serving/fair_share.py) by the seams its docstring names; this file knows none.
 """
 
 import ast
@@ -302,7 +303,7 @@ def kv_row_bytes(config, device):
         torch.finfo(kv_cache_dtype(device)).bits // 8
 
 
-def kv_budget_bytes(device, kv_memory_gib=None):
+def kv_memory_bytes(device, kv_memory_gib=None):
     """What the KV caches may take: kv_memory_gib, else half the GPU's free memory, or a quarter of RAM (<= 4 GiB)."""
     if kv_memory_gib is not None:
         return int(kv_memory_gib * 2**30)
@@ -423,147 +424,9 @@ class RowView:
             self.cache.lengths[i] += new
 
 
-class StaticDecodeView:
-    """
-    A decode step of rows 0..batch-1 whose shapes depend on (batch, extent) alone, its inputs loaded into device
-    tensors, so that it can be captured as a CUDA graph (CapturedDecode). A row not fed this step writes its key at the
-    cache's last position, which a sequence reads only after writing it itself, and keeps its smear embedding.
-    """
-
-    def __init__(self, cache, batch, extent):
-        device = cache.device
-        self.cache, self.batch, self.extent = cache, batch, extent
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.write_at = torch.full((batch,), cache.seq_len - 1, dtype=torch.long, device=device)
-        self.fed = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.row_index = torch.arange(batch, device=device)
-        self.key_positions = torch.arange(extent, device=device)
-        self.masks = {}
-
-    def load(self, inputs):
-        """{row: token} of the rows fed this step into the static tensors."""
-        ids, write_at, fed = [0] * self.batch, [self.cache.seq_len - 1] * self.batch, [False] * self.batch
-        for row, token in inputs.items():
-            ids[row], write_at[row], fed[row] = token, self.cache.lengths[row], True
-        self.ids.copy_(torch.tensor(ids, dtype=torch.long)[:, None])
-        self.write_at.copy_(torch.tensor(write_at, dtype=torch.long))
-        self.fed.copy_(torch.tensor(fed))
-        self.masks = {}  # an eager step computes them again; a captured one replays their kernels
-
-    def positions(self, T):
-        return self.write_at[:, None]
-
-    def max_position(self, T):
-        return self.cache.seq_len  # the last position, where unfed rows write
-
-    def update(self, layer, k, v, window):
-        k_cache, v_cache = self.cache.k_cache[layer], self.cache.v_cache[layer]
-        k_cache.index_put_((self.row_index, self.write_at), k[:, :, 0].to(k_cache.dtype))
-        v_cache.index_put_((self.row_index, self.write_at), v[:, :, 0].to(v_cache.dtype))
-        if window not in self.masks:
-            allowed = causal_mask(self.key_positions[None, None, None, :], self.write_at[:, None, None, None], window)
-            # an unfed row's query sits past the extent: with a window it could see no key at all, and a fully masked
-            # row can come out NaN, which its key at the last position would then keep
-            self.masks[window] = allowed | ~self.fed[:, None, None, None]  # (batch, 1, 1, extent)
-        keys, values = k_cache[:self.batch, :self.extent], v_cache[:self.batch, :self.extent]
-        return keys.transpose(1, 2), values.transpose(1, 2), self.masks[window]
-
-    def swap_last_embedding(self, x):
-        stored = self.cache.last_embedding[:self.batch]
-        previous = torch.where((self.write_at > 0)[:, None, None], stored, torch.zeros_like(stored))
-        self.cache.last_embedding[:self.batch] = torch.where(self.fed[:, None, None], x[:, -1:].to(stored.dtype), stored)
-        return previous
-
-    def advance(self, T):
-        pass  # the engine advances the fed rows' lengths on the host
-
-
-def decode_buckets(max_batch, seq_len):
-    """The static step's shapes: rows 1, 2, 4, ... up to max_batch, extents 32, 64, ... up to seq_len."""
-    rows = sorted({min(max_batch, 1 << i) for i in range(max_batch.bit_length() + 1)})
-    extents = sorted({min(seq_len, 32 << i) for i in range(max(1, seq_len.bit_length()))})
-    return rows, extents
-
-
-class CapturedDecode:
-    """
-    The decode step as CUDA graphs, one per (rows, extent) bucket, captured when the engine is built, sharing one
-    memory pool. Where they cannot run (a CPU, a failed capture, capture=False: a control for the captured step), the
-    same static step runs eagerly, and why_eager says why.
-    """
-
-    def __init__(self, model, cache, max_batch, autocast, capture=True):
-        self.model, self.cache, self.autocast = model, cache, autocast
-        self.rows, self.extents = decode_buckets(max_batch, cache.seq_len)
-        self.graphs, self.pool = {}, None
-        self.capture = capture and cache.device.type == "cuda"
-        self.why_eager = None if self.capture else "asked for the static step uncaptured" if not capture else \
-            f"CUDA graphs need a GPU (this is {cache.device.type})"
-        if self.capture:
-            try:
-                with torch.inference_mode(), torch.cuda.device(cache.device):
-                    for batch in self.rows:
-                        for extent in self.extents:
-                            self.graphs[(batch, extent)] = self._capture(batch, extent)
-            except Exception as e:  # decoding goes on eagerly: a server must not fail on an optimisation
-                self.graphs, self.capture = {}, False
-                self.why_eager = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                print(f"captured decode off: {self.why_eager}", flush=True)
-
-    def bucket(self, fed_rows, fed_lengths):
-        batch = next(b for b in self.rows if b > max(fed_rows))
-        extent = next(e for e in self.extents if e > max(fed_lengths))  # the new token's key is at its length
-        return batch, extent
-
-    def step(self, inputs):
-        """{row: token} -> (rows, vocab) logits of rows 0..rows-1 (a row's own are at its index)."""
-        batch, extent = self.bucket(list(inputs), [self.cache.lengths[row] for row in inputs])
-        if self.capture:
-            view, graph, logits = self.graphs[(batch, extent)]
-            view.load(inputs)
-            graph.replay()
-            return logits
-        view = StaticDecodeView(self.cache, batch, extent)
-        view.load(inputs)
-        with self.autocast():
-            return self.model.forward(view.ids, kv_cache=view)[:, -1, :]
-
-    def _capture(self, batch, extent):
-        # bf16 autocast without its cache of cast weights (cache_enabled=False): a graph captured with it would keep
-        # reading casts that are freed when the context exits (PyTorch's CUDA graphs notes)
-        view = StaticDecodeView(self.cache, batch, extent)
-        view.load({})  # every row unfed: the warm-up and capture steps write only the cache's last position
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), autocast_for(self.cache.device, cache_enabled=False):
-            for _ in range(2):  # allocations and lazy initialisation happen outside the capture
-                view.masks = {}
-                self.model.forward(view.ids, kv_cache=view)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph, view.masks, error, logits = torch.cuda.CUDAGraph(), {}, None, None
-        with torch.cuda.stream(side):  # begin and end by hand: a failure inside still ends the capture and the stream
-            graph.capture_begin(pool=self.pool)
-            try:
-                with autocast_for(self.cache.device, cache_enabled=False):
-                    logits = self.model.forward(view.ids, kv_cache=view)[:, -1, :]
-            except Exception as e:
-                error = e
-            try:
-                graph.capture_end()
-            except Exception as e:
-                error = error or e
-        torch.cuda.current_stream().wait_stream(side)
-        if error is not None:
-            raise error
-        self.pool = graph.pool()
-        return view, graph, logits
-
 
 # -----------------------------------------------------------------------------
 # The batching engine
-
-SCORE_LOGITS_BYTES = 512 * 2**20  # fp32 logits one scoring pass may hold
 
 
 @dataclass
@@ -581,91 +444,14 @@ class Sequence:
     next_input: int | None = None  # the token to feed at the next decode step
     counts: dict = field(default_factory=dict)  # token -> times the reply wrote it (for the penalties)
     logprob: tuple | None = None  # the last token's (log p, [(id, log p)] alternatives), when sampling.logprobs asks
-    owner: object = None  # whose it is (a server's client): with a DecodeCost, decode steps are shared between owners
+    owner: object = None  # whose it is (a server's client), for a row policy that shares steps between owners
     awaiting_feed: bool = False  # it has its next token and waits for a decode step to feed it (one may pass it by)
-    last_fed: int = 0  # the decode step that last fed it: the longest-waiting rows of an owner are fed first
-
-
-DECODE_MODES = ("eager", "captured", "static")
-
-# A step shared between owners may cost at most this many times the light owners' rows alone (_share_step): beside
-# one heavy owner a light one keeps about four fifths of its step rate
-FAIR_STRETCH = 1.25
+    last_fed: int = 0  # the decode step that last fed it: a row policy feeds the longest-waiting first
 
 
 def rounded_batch(count, max_batch):
     """The rows a bf16 CPU's decode step computes for `count` fed ones: 1, 2, 4, 8, then a multiple of 8."""
     return min(max_batch, 1 << (count - 1).bit_length() if count <= 8 else -(-count // 8) * 8)
-
-
-class DecodeCost:
-    """
-    What one decode step costs, in seconds: fixed + rows * (per_row + (per_row_key + gather_per_row_key if gathered)
-    * extent), where extent is the key positions each row reads and gathered says the rows are not one run (RowView
-    copies their keys out). measure_decode_cost times it at start; given the shapes it timed (`measured`), observe()
-    then refits the four numbers by least squares to the steps as they run, recent ones weighing most, since a CPU's
-    step costs what the rest of the machine and the rows' sampling let it, which a measurement at start cannot know.
-    """
-
-    FOLLOW_DECAY = 0.998  # a step's weight in the fit falls by this at each step after it: the last ~500 steps count
-    PRIOR_STEPS = 20  # what the shapes measured at start weigh, in steps
-    REFIT_EVERY = 32  # steps between two fits (each solves 4 equations)
-    OUTLIER = 3.0  # a step timed at more than this many times its prediction counts as that much (the OS paused it)
-
-    def __init__(self, fixed, per_row, per_row_key, gather_per_row_key=0.0, measured=()):
-        """measured: [(rows, extent, gathered)] the shapes timed; none: the numbers stay as given."""
-        self.fixed, self.per_row, self.per_row_key, self.gather_per_row_key = \
-            fixed, per_row, per_row_key, gather_per_row_key
-        self.follows = bool(measured)
-        self.steps_seen = 0
-        # normal equations of the fit: the steps seen (fading) and the measured shapes at their measured seconds
-        self.xx, self.xy = [[0.0] * 4 for _ in range(4)], [0.0] * 4
-        self.prior_xx, self.prior_xy = [[0.0] * 4 for _ in range(4)], [0.0] * 4
-        for rows, extent, gathered in measured:
-            x, y = self._features(rows, extent, gathered), self.seconds(rows, extent, gathered)
-            self._accumulate(self.prior_xx, self.prior_xy, x, y, self.PRIOR_STEPS / len(measured))
-
-    def seconds(self, rows, extent, gathered=False):
-        per_key = self.per_row_key + (self.gather_per_row_key if gathered else 0.0)
-        return self.fixed + rows * (self.per_row + per_key * extent)
-
-    def observe(self, rows, extent, gathered, seconds):
-        """A step of that shape took `seconds`: fold it into the fit (refitted every REFIT_EVERY steps)."""
-        if not self.follows:
-            return
-        seconds = min(seconds, self.OUTLIER * self.seconds(rows, extent, gathered))
-        self._accumulate(self.xx, self.xy, self._features(rows, extent, gathered), seconds, 1.0, self.FOLLOW_DECAY)
-        self.steps_seen += 1
-        if self.steps_seen % self.REFIT_EVERY == 0:
-            self._refit()
-
-    def summary(self):
-        return (f"a decode step {1e3 * self.fixed:.2f} ms + {1e3 * self.per_row:.3f} ms a row + "
-                f"{1e6 * self.per_row_key:.3f} ms a row per 1,000 positions (+{1e6 * self.gather_per_row_key:.3f} "
-                f"gathered)")
-
-    @staticmethod
-    def _features(rows, extent, gathered):
-        keys = rows * extent / 1000  # in thousands: the four columns of the fit of comparable sizes
-        return [1.0, float(rows), keys, keys if gathered else 0.0]
-
-    @staticmethod
-    def _accumulate(xx, xy, x, y, weight, decay=1.0):
-        """Fade the normal equations by `decay`, then add a step x with seconds y."""
-        for i in range(4):
-            xy[i] = xy[i] * decay + weight * x[i] * y
-            for j in range(4):
-                xx[i][j] = xx[i][j] * decay + weight * x[i] * x[j]
-
-    def _refit(self):
-        a = torch.tensor([[p + q for p, q in zip(*rows)] for rows in zip(self.prior_xx, self.xx)], dtype=torch.float64)
-        b = torch.tensor([p + q for p, q in zip(self.prior_xy, self.xy)], dtype=torch.float64)
-        try:
-            fit = torch.linalg.solve(a, b).clamp_(min=0.0).tolist()
-        except RuntimeError:  # singular: the numbers stay as they were
-            return
-        self.fixed, self.per_row, self.per_row_key, self.gather_per_row_key = \
-            fit[0], fit[1], fit[2] / 1000, fit[3] / 1000
 
 
 class BatchEngine:
@@ -677,16 +463,16 @@ class BatchEngine:
             for seq, token, mask in engine.step():  # mask 0: a forced token; seq.finished: None, "stop", "length"
                 ...
 
-    A step prefills at most prefill_chunk prompt tokens, so a long prompt never stalls the rows decoding. With a
-    decode_cost, a step is shared between the owners of its rows (_share_step); without one it feeds every row.
-    max_len: the most positions a sequence may reach (default and at most the model's sequence_len).
+    A step prefills at most prefill_chunk prompt tokens, so a long prompt never stalls the rows decoding. max_len: the
+    most positions a sequence may reach (default and at most the model's sequence_len). Add-ons attach once it is
+    built: `row_policy` (None: a decode step feeds every sequence that has its next token; else its pick(ready) says
+    which, and it hears step_took(seconds): serving/fair_share.py), and `decode_step` with `decode_rows`, the step and
+    the rows it computes for a count (kernels/decode_graphs.py swaps in a step captured as CUDA graphs).
     """
 
-    def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, decode="eager", max_len=None):
+    def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, max_len=None):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1 (got {max_batch}, {prefill_chunk})")
-        if decode not in DECODE_MODES:
-            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)} (got {decode!r})")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         c = model.config
@@ -703,24 +489,18 @@ class BatchEngine:
         self.running = []  # sequences holding a row, in admission order
         self.shared_steps = 0  # decode forwards that carried more than one sequence: batching really happened
         self.decode_steps = 0  # decode forwards so far (a sequence's last_fed is one of them)
-        self.rows_passed_by = 0  # row-steps a sequence with its next token waited because owners shared the step
-        self.decode_cost = None  # a DecodeCost: share steps between owners (_share_step); None: feed every row
-        self.carried_budget = 0.0  # seconds of step budget left unused while rows waited (_share_step)
+        self.row_policy = None  # which sequences a decode step feeds: None, every one (the docstring has the seam)
         dtype = get_compute_dtype(self.device)
         # every forward's autocast, chosen once (common.autocast_for's choice): a step enters torch's context directly
         self.autocast = partial(torch.autocast, self.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext
         self.round_batches = self.device.type == "cpu" and dtype == torch.bfloat16
-        self.captured = CapturedDecode(model, self.cache, max_batch, self.autocast, capture=decode == "captured") \
-            if decode in ("captured", "static") else None
-
-    # -- requests ----------------------------------------------------------------------
 
     def add(self, prompt, sampling, owner=None):
         return self.add_group(prompt, [sampling], owner)[0]
 
     def add_group(self, prompt, samplings, owner=None):
         """n sequences of one prompt (one per Sampling): they get rows together, and the prompt is prefilled once.
-        owner: whose they are (any hashable; chat_web's client), for sharing decode steps."""
+        owner: whose they are (any hashable; chat_web's client), for a row policy that shares decode steps."""
         prompt = [int(t) for t in prompt]
         if not prompt or len(prompt) >= self.context:
             raise ValueError(f"a prompt needs 1 to {self.context - 1} tokens (got {len(prompt)}): the reply needs room")
@@ -749,75 +529,35 @@ class BatchEngine:
     def busy(self):
         return bool(self.num_waiting or self.running)
 
-    @torch.inference_mode()
-    def score(self, prompts, top):
-        """
-        Per prompt, [(log p, [(id, log p)] of the `top` most likely)] of its tokens 1.. given those before (None for
-        token 0), and its last position's (1, V) logits; in as few padded forward passes as SCORE_LOGITS_BYTES allows.
-        The cache is not touched: rows that are decoding go on.
-        """
-        results, start = [], 0
-        vocab = self.model.config.vocab_size
-        while start < len(prompts):
-            rows = max(1, SCORE_LOGITS_BYTES // (4 * vocab * max(len(p) for p in prompts[start:start + 64])))
-            results += self._score_rows(prompts[start:start + rows], top)
-            start += rows
-        return results
-
-    def _score_rows(self, prompts, top):
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        with self.autocast():
-            logits = self.model.forward(ids).float()
-        last = [logits[b, len(prompt) - 1][None].clone() for b, prompt in enumerate(prompts)]
-        logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one copy of (B, T, V) at a time
-        chosen = logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
-        if top:
-            values, indices = torch.topk(logprobs[:, :-1], min(top, logprobs.size(-1)), dim=-1)
-            values, indices = values.tolist(), indices.tolist()
-        results = []
-        for b, prompt in enumerate(prompts):
-            scored = [(None, [])] + [(chosen[b][i], list(zip(indices[b][i], values[b][i])) if top else [])
-                                     for i in range(len(prompt) - 1)]
-            results.append((scored, last[b]))
-        return results
-
     def occupancy(self):
         return {"rows": self.max_batch, "active": len(self.running), "waiting": self.num_waiting,
                 "shared_steps": self.shared_steps}
 
-    # -- one step ----------------------------------------------------------------------
-
     def step(self):
-        """Admit, prefill a chunk, sample the ready sequences, decode those that go on: [(seq, token, mask)]."""
+        """Admit, prefill a chunk, sample the ready sequences, decode those that go on: [(seq, token, mask)]. Every
+        token the engine gives is drawn here, by choose_tokens, from logits a prefill or a decode step left."""
         started = time.perf_counter()
         self._admit()
         with torch.inference_mode():
             prefilled = self._prefill()
-            emitted = self._sample()
-            ready = [seq for seq in self.running if seq.awaiting_feed]
-            to_feed = self._share_step(ready)
-            self.rows_passed_by += len(ready) - len(to_feed)
+            ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
+            drawn = choose_tokens([(seq.logits, seq.sampling, seq.generator, seq.counts) for seq in ready])
+            emitted = [self._emit(seq, token) for seq, token in zip(ready, drawn)]
+            awaiting = [seq for seq in self.running if seq.awaiting_feed]
+            to_feed = awaiting if self.row_policy is None else self.row_policy.pick(awaiting)
             if to_feed:
                 self.decode_steps += 1
                 self.shared_steps += len(to_feed) > 1
-                shape = self._step_shape(to_feed) if self.decode_cost is not None else None
                 for seq in to_feed:
                     seq.awaiting_feed, seq.last_fed = False, self.decode_steps
                 # rows in order: often one run, which the cache reads without a copy
-                self._decode(sorted(to_feed, key=lambda seq: seq.row))
-                if self.decode_cost is not None and not prefilled:  # a prompt's chunk is no decode step's cost
-                    self.decode_cost.observe(*shape, time.perf_counter() - started)
+                self.decode_step(sorted(to_feed, key=lambda seq: seq.row))
+                if self.row_policy is not None and not prefilled:  # a prompt's chunk is no decode step's cost
+                    self.row_policy.step_took(time.perf_counter() - started)
         return emitted
 
-    def _decode(self, to_feed):
+    def decode_step(self, to_feed):
         """One forward pass feeding each sequence of `to_feed` (sorted by row) its next_input: their next logits."""
-        if self.captured is not None:
-            logits = self.captured.step({seq.row: seq.next_input for seq in to_feed})
-            for seq in to_feed:  # copies: the next replay writes the same output tensor
-                seq.logits = logits[seq.row:seq.row + 1].clone()
-                self.cache.lengths[seq.row] += 1
-            return
         fed = [seq.row for seq in to_feed]
         padding = self._padding_rows(fed) if self.round_batches else []
         rows = sorted(fed + padding)
@@ -831,125 +571,15 @@ class BatchEngine:
         for seq in to_feed:
             seq.logits = logits[where[seq.row]:where[seq.row] + 1]
 
-    # -- sharing a step between owners -----------------------------------------------------
-
-    def _batch_rows(self, count):
-        """The rows a decode step feeding `count` sequences computes (what its cost goes by)."""
-        if self.captured is not None:  # the static step's bucket: rows 1, 2, 4, ... (by row index; about the count)
-            return next(b for b in self.captured.rows if b >= count)
+    def decode_rows(self, count):
+        """The rows a decode step feeding `count` sequences computes (what it costs by)."""
         return rounded_batch(count, self.max_batch) if self.round_batches else count
 
-    def _step_shape(self, seqs):
-        """(rows computed, extent, gathered) of a decode step feeding `seqs`: each writes its key at its length."""
-        rows = sorted(seq.row for seq in seqs)
-        extent = max(self.cache.lengths[row] for row in rows) + 1
-        return self._batch_rows(len(rows)), extent, rows[-1] - rows[0] >= len(rows)
-
-    def _share_step(self, ready):
-        """
-        The sequences of `ready` this decode step feeds; the others wait, their cache kept. Every one, unless there is
-        a decode_cost and more than one owner has rows ready. Then the light owners, whose rows alone cost at most
-        FAIR_STRETCH times the cheapest owner's, are fed whole, and the budget is FAIR_STRETCH times their step, or, if
-        more, their step plus, for each heavier owner, what the heaviest light owner's rows cost beyond the fixed part
-        (15 rows beside 16 are both fed whole). The heavier owners' rows join a row each in turn, the longest-waiting
-        first, while the step stays within budget; an owner whose next row does not fit waits whole. Budget left unused
-        while rows wait is carried to the next step, so every row gets in within a few steps.
-        """
-        if self.decode_cost is None:
-            return ready
-        owners = {}
-        for seq in ready:
-            owners.setdefault(seq.owner, []).append(seq)
-        alone = {owner: self.decode_cost.seconds(*self._step_shape(seqs)) for owner, seqs in owners.items()}
-        cheapest = min(alone.values(), default=0.0)
-        light = [owner for owner in owners if alone[owner] <= FAIR_STRETCH * cheapest]
-        if len(light) == len(owners):  # one owner, or owners alike: every row, as without sharing
-            self.carried_budget = 0.0
-            return ready
-        fed = [seq for owner in light for seq in owners[owner]]
-        base = self.decode_cost.seconds(*self._step_shape(fed))
-        heavy = [sorted(seqs, key=lambda seq: seq.last_fed) for owner, seqs in owners.items() if owner not in light]
-        heavy.sort(key=lambda seqs: seqs[0].last_fed)
-        heaviest_light = max(alone[owner] for owner in light) - self.decode_cost.fixed
-        budget = max(FAIR_STRETCH * base, base + len(heavy) * heaviest_light) + self.carried_budget
-        count, extent = len(fed), max(self.cache.lengths[seq.row] for seq in fed) + 1
-        waits = set()  # owners whose next row did not fit
-        for turn in range(max(len(seqs) for seqs in heavy)):
-            for i, seqs in enumerate(heavy):
-                if turn >= len(seqs) or i in waits:
-                    continue
-                wider = max(extent, self.cache.lengths[seqs[turn].row] + 1)
-                if self.decode_cost.seconds(self._batch_rows(count + 1), wider, gathered=True) > budget:
-                    waits.add(i)
-                    continue
-                fed.append(seqs[turn])
-                count, extent = count + 1, wider
-        spent = self.decode_cost.seconds(self._batch_rows(count), extent, gathered=True)
-        self.carried_budget = budget - spent if waits else 0.0
-        return fed
-
-    def measure_decode_cost(self, repeats=3):
-        """
-        A DecodeCost from whole steps timed now, before any sequence is added, on stand-in sequences: one row at a
-        short length; several rows (what a row adds); the same at half the context (what keys add); and scattered
-        (what gathering adds). Each shape's time is the fastest of a few steps in a row (as in serving, where a step
-        follows one of its kind), timed `repeats` times in turn so that a burst of other work slows them alike.
-        """
-        if self.running or self.num_waiting:
-            raise RuntimeError("measure_decode_cost times empty rows: call it before adding sequences")
-        many = 1 << (min(8, self.max_batch).bit_length() - 1)  # a power of two: a bf16 CPU pads no row to it
-        short = min(32, self.context // 2)
-        long = max(short, self.context // 2)
-        if many == 1 or long == short:
-            return DecodeCost(fixed=min(self._time_steps([0], short) for _ in range(repeats)), per_row=0.0,
-                              per_row_key=0.0)
-        run, scattered = list(range(many)), list(range(0, 2 * many, 2)) if 2 * many <= self.max_batch else None
-        shapes = [([0], short), (run, short), (run, long)] + ([(scattered, long)] if scattered else [])
-        best = [float("inf")] * len(shapes)
-        counters = self.decode_steps, self.shared_steps
-        for attempt in range(repeats + 1):  # the first round warms up: a fresh process's first steps are slower
-            for i, shape in enumerate(shapes):
-                seconds = self._time_steps(*shape)
-                best[i] = min(best[i], seconds) if attempt else best[i]
-        self.decode_steps, self.shared_steps = counters  # stand-ins are no one's steps
-        one, run_short, run_long = best[:3]
-        per_row_key = max(0.0, (run_long - run_short) / (many * (long - short)))
-        row_at_short = max(0.0, (run_short - one) / (many - 1))  # per_row + per_row_key * short
-        gather = max(0.0, (best[3] - run_long) / (many * long)) if scattered else 0.0
-        timed = [(1, short + 1, False), (many, short + 1, False), (many, long + 1, False), (many, long + 1, True)]
-        return DecodeCost(fixed=max(0.0, one - row_at_short), per_row=max(0.0, row_at_short - per_row_key * short),
-                          per_row_key=per_row_key, gather_per_row_key=gather, measured=timed)
-
-    def _time_steps(self, rows, length, steps=4):
-        """The fastest of `steps` steps (after a warm-up) of stand-in sequences on `rows`, each holding about `length`
-        positions (whatever is in them), sampling as chat_web does by default."""
-        self.free_rows = [row for row in self.free_rows if row not in rows]
-        seqs = []
-        for row in rows:
-            seq = Sequence([0], Sampling(temperature=0.6, top_k=50), prefilled=1, next_input=0, awaiting_feed=True)
-            seq.leader, seq.row = seq, row
-            seq.generator = torch.Generator(device=self.device).manual_seed(0)
-            self.cache.lengths[row] = length - 1
-            self.running.append(seq)
-            seqs.append(seq)
-        self.step()  # fed: their logits are ready
-        fastest = float("inf")
-        for _ in range(steps):  # each samples them (reading the tokens back: the device has finished) and feeds them
-            started = time.perf_counter()
-            self.step()
-            fastest = min(fastest, time.perf_counter() - started)
-        for seq in seqs:
-            self.cancel(seq)  # its row is free and empty again (one that drew a stop token has left already)
-        heapq.heapify(self.free_rows)
-        return fastest
-
     def _padding_rows(self, fed):
-        """
-        Free rows that round the decode batch `fed` (sorted) up to rounded_batch, so that oneDNN's bf16 kernels on a CPU
-        see few shapes (each compiled once, in a bounded cache: common.bound_onednn_caches): gaps inside the run first,
-        then rows after it, then before, so that the rows stay one run where they can. A padding row writes one
-        position of a free row, which is reset after.
-        """
+        """Free rows that round the decode batch `fed` (sorted) up to rounded_batch, so that oneDNN's bf16 kernels on a
+        CPU see few shapes (each compiled once, in a bounded cache: common.bound_onednn_caches): gaps inside the run
+        first, then rows after it, then before, so the rows stay one run where they can. A padding row writes one
+        position of a free row, which is reset after."""
         count = len(fed)
         target = rounded_batch(count, self.max_batch)
         if target <= count:
@@ -976,14 +606,14 @@ class BatchEngine:
 
     def _prefill(self):
         """Up to prefill_chunk prompt tokens, oldest sequences first, in one forward pass; whether there were any."""
-        budget, chunks = self.prefill_chunk, []
+        room, chunks = self.prefill_chunk, []  # room: prompt tokens this pass may still take
         for seq in self.running:
-            if budget <= 0:
+            if room <= 0:
                 break
             if seq.leader is seq and seq.prefilled < len(seq.prompt) and seq.finished is None:
-                chunk = seq.prompt[seq.prefilled:seq.prefilled + budget]
+                chunk = seq.prompt[seq.prefilled:seq.prefilled + room]
                 chunks.append((seq, chunk))
-                budget -= len(chunk)
+                room -= len(chunk)
         if not chunks:
             return False
         lengths = [len(chunk) for _, chunk in chunks]
@@ -1005,28 +635,24 @@ class BatchEngine:
                         follower.prefilled, follower.logits = seq.prefilled, seq.logits
         return True
 
-    def _sample(self):
-        """Give every sequence whose logits are ready its token; those that go on then await a decode step."""
-        emitted = []
-        ready = [seq for seq in self.running if seq.logits is not None and seq.finished is None]
-        sampled = choose_tokens([(seq.logits, seq.sampling, seq.generator, seq.counts) for seq in ready])
-        for seq, choice in zip(ready, sampled):
-            token, mask = seq.tool.take(choice, self.ids, self.tokenizer)
-            if seq.sampling.logprobs is not None:  # of the token the sequence gets (a forced one's too)
-                seq.logprob = token_logprobs(seq.logits, token, seq.sampling.logprobs)
-            seq.counts[token] = seq.counts.get(token, 0) + 1
-            seq.generated += 1
-            seq.logits = None
-            if seq.tool.finished_with is not None:
-                seq.finished = "stop"
-            elif seq.generated >= seq.sampling.max_tokens or len(seq.prompt) + seq.generated >= self.context:
-                seq.finished = "length"
-            emitted.append((seq, token, mask))
-            if seq.finished is None:
-                seq.next_input, seq.awaiting_feed = token, True
-            else:
-                self._release(seq)
-        return emitted
+    def _emit(self, seq, drawn):
+        """(seq, token, mask) of a sequence that drew `drawn` (a tool may force another token); then it awaits a decode
+        step, or its row is freed."""
+        token, mask = seq.tool.take(drawn, self.ids, self.tokenizer)
+        if seq.sampling.logprobs is not None:  # of the token the sequence gets (a forced one's too)
+            seq.logprob = token_logprobs(seq.logits, token, seq.sampling.logprobs)
+        seq.counts[token] = seq.counts.get(token, 0) + 1
+        seq.generated += 1
+        seq.logits = None
+        if seq.tool.finished_with is not None:
+            seq.finished = "stop"
+        elif seq.generated >= seq.sampling.max_tokens or len(seq.prompt) + seq.generated >= self.context:
+            seq.finished = "length"
+        if seq.finished is None:
+            seq.next_input, seq.awaiting_feed = token, True
+        else:
+            self._release(seq)
+        return seq, token, mask
 
     def _release(self, seq):
         if seq in self.running:
@@ -1047,8 +673,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer):
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.on_rows = "logits_at" in inspect.signature(model.forward).parameters
 
     def generate(self, tokens, num_samples=1, max_tokens=None, temperature=1.0, top_k=None, top_p=None, seed=42):

@@ -23,7 +23,7 @@ from nanochat.common import UserError, compute_init, inference_threads, run_main
 from nanochat.engine import Engine, Sampling
 from nanochat.serving.chat import (MAX_TOKENS_RANGE, SEED_MODULUS, TEMPERATURE_RANGE, TERMINAL_MARKUP, TOP_K_RANGE,
                                    Finish, MarkupWriter, Piece, RequestError, check_number, fit_conversation, fit_text,
-                                   generate_replies, model_info, prompt_budget, summary_line)
+                                   generate_replies, model_info, prompt_token_limit, summary_line)
 
 
 def parse_args(argv=None):
@@ -74,12 +74,12 @@ def stream_reply(engine, prompt_ids, args, chat):
 def answer(engine, tokenizer, conversation, text, args, chat):
     """Add the user's text to the conversation (chat) or take it as a prompt (base), and stream the reply."""
     context = engine.model.config.sequence_len
-    budget = prompt_budget(context, args.max_tokens)
+    prompt_limit = prompt_token_limit(context, args.max_tokens)
     if not chat:
-        prompt = fit_text(tokenizer, text, budget)
+        prompt = fit_text(tokenizer, text, prompt_limit)
     else:
         try:
-            prompt = fit_conversation(tokenizer, conversation + [{"role": "user", "content": text}], budget)
+            prompt = fit_conversation(tokenizer, conversation + [{"role": "user", "content": text}], prompt_limit)
         except RequestError as e:
             status(f"note: {e.reason}")
             return

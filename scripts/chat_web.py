@@ -18,8 +18,9 @@ longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_AP
 `Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
 names). A reply whose client stops reading is closed after --write-timeout, and one client (a key, or a peer
 address) holds at most --client-share of the server (docs/serving.md "Under hostile load"). The server itself
-(workers, batching, cancellation, both APIs) is nanochat/serving/serve.py; request limits are the constants at the
-top of nanochat/serving/chat.py.
+is nanochat/serving/: the app and its routes (serve.py), the OpenAI protocol (protocol.py), the defences (guards.py),
+the worker processes (workers.py) and how they share decode steps between clients (fair_share.py); request limits
+are the constants at the top of nanochat/serving/chat.py.
 """
 
 import argparse
@@ -31,9 +32,9 @@ import uvicorn
 
 from nanochat.common import UserError, print0, run_main
 from nanochat.serving.chat import MAX_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_K_RANGE, RequestError, check_number
-from nanochat.serving.serve import bind_socket, create_app
-from nanochat.serving.serve import (HEADER_TIMEOUT, LOOPBACK, STALL_BYTES, WRITE_TIMEOUT, ConnectionGuard,
-                                   allowed_host_names, default_max_connections, raise_open_file_limit)
+from nanochat.serving.guards import (HEADER_TIMEOUT, LOOPBACK, STALL_BYTES, WRITE_TIMEOUT, ConnectionGuard,
+                                    allowed_host_names, bind_socket, default_max_connections, raise_open_file_limit)
+from nanochat.serving.serve import create_app
 from nanochat.serving.workers import CLIENT_SHARE, WorkerPool, load_workers
 
 

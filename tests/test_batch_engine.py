@@ -14,8 +14,10 @@ import torch
 import torch.nn as nn
 from test_engine import tool_script, tokenizer  # noqa: F401 (a fixture)
 
-from nanochat.engine import BatchEngine, DecodeCost, Engine, Sampling
+from nanochat.engine import BatchEngine, Engine, Sampling
 from nanochat.gpt import GPTConfig, build_model
+from nanochat.kernels.decode_graphs import use_decode
+from nanochat.serving.fair_share import DecodeCost, FairShare, measure_decode_cost
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -198,8 +200,8 @@ def test_bf16_matmuls_of_ever_new_shapes_keep_memory_bounded():
 
 
 @pytest.mark.quick
-def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer, monkeypatch):  # noqa: F811
-    """chat_eval decodes up to 32 problems at once, but no more rows than the device's KV budget holds (a CPU's cache
+def test_chat_eval_takes_no_more_rows_than_the_kv_memory_holds(model, tokenizer, monkeypatch):  # noqa: F811
+    """chat_eval decodes up to 32 problems at once, but no more rows than the device's KV memory holds (a CPU's cache
     is fp32: an imported d20 would otherwise allocate 13 GB), and the replies do not depend on the batch."""
     from nanochat import chat_eval
     from nanochat.engine import kv_row_bytes
@@ -211,7 +213,7 @@ def test_chat_eval_takes_no_more_rows_than_the_kv_budget_holds(model, tokenizer,
     monkeypatch.setattr(chat_eval, "BatchEngine", recording_engine)
     conversations = [{"messages": [{"role": "user", "content": f"tell me {word}"}]} for word in ("one", "two", "three")]
     wide = chat_eval.sample_task_replies(model, tokenizer, conversations, max_tokens=6)
-    monkeypatch.setattr(chat_eval, "kv_budget_bytes", lambda device: 2 * kv_row_bytes(model.config, device) + 1)
+    monkeypatch.setattr(chat_eval, "kv_memory_bytes", lambda device: 2 * kv_row_bytes(model.config, device) + 1)
     narrow = chat_eval.sample_task_replies(model, tokenizer, conversations, max_tokens=6)
     assert [engine.max_batch for engine in engines] == [32, 2] and narrow == wide
 
@@ -385,7 +387,8 @@ def test_the_static_decode_step_gives_the_eager_tokens(model, tokenizer):  # noq
     joins = {0: [(ps[0], greedy), (ps[1], sampled)], 2: [(ps[3], greedy)], 5: [(ps[2], greedy)], 12: [(ps[4], sampled)]}
     results = {}
     for decode in ("eager", "captured"):
-        engine = BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8, decode=decode)
+        engine = BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8)
+        captured = use_decode(engine, decode)
         seqs = engine.add_group(ps[4], [Sampling(temperature=0.0, max_tokens=10), sampled])
         tokens = {id(seq): [] for seq in seqs}
         for step in range(200):
@@ -402,10 +405,10 @@ def test_the_static_decode_step_gives_the_eager_tokens(model, tokenizer):  # noq
     assert results["eager"] == results["captured"]
     lengths = [len(t) for t in results["captured"][0]]
     assert lengths[3] < 24 and max(lengths) == 24 and max(len(p) for p in ps) + 24 > 32  # cancelled; across the window
-    assert engine.captured.why_eager.startswith("CUDA graphs need a GPU")
-    assert engine.captured.bucket([0, 2], [5, 40]) == (4, 64) and engine.captured.bucket([0], [31]) == (1, 32)
+    assert captured.why_eager.startswith("CUDA graphs need a GPU")
+    assert captured.bucket([0, 2], [5, 40]) == (4, 64) and captured.bucket([0], [31]) == (1, 32)
     with pytest.raises(ValueError, match="decode must be one of"):
-        BatchEngine(model, tokenizer, max_batch=2, decode="graphs")
+        use_decode(BatchEngine(model, tokenizer, max_batch=2), "graphs")
 
 
 @pytest.mark.quick
@@ -415,7 +418,8 @@ def test_the_static_decode_step_in_bf16_agrees_to_rounding(model, tokenizer, mon
     monkeypatch.setenv("NANOCHAT_DTYPE", "bfloat16")
     monkeypatch.setattr("nanochat.engine.kv_cache_dtype", lambda device: torch.bfloat16)
     ps = prompts(tokenizer, [5, 17, 30])
-    engines = {d: BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8, decode=d) for d in ("eager", "captured")}
+    engines = {d: BatchEngine(model, tokenizer, max_batch=4, prefill_chunk=8) for d in ("eager", "captured")}
+    use_decode(engines["captured"], "captured")
     assert engines["captured"].cache.k_cache.dtype == torch.bfloat16
     seqs = {d: [e.add(p, Sampling(temperature=0.0, max_tokens=30)) for p in ps] for d, e in engines.items()}
     compared = 0
@@ -485,7 +489,7 @@ def test_owners_share_decode_steps_and_a_row_that_waits_resumes_exactly(model, t
     samplings = [Sampling(temperature=0.0 if i % 2 else 1.0, top_k=20, max_tokens=20 if i else 12, seed=i)
                  for i in range(7)]
     engine = BatchEngine(model, tokenizer, max_batch=8)
-    engine.decode_cost = DecodeCost(fixed=3.0, per_row=1.0, per_row_key=0.0)
+    share = engine.row_policy = FairShare(engine, DecodeCost(fixed=3.0, per_row=1.0, per_row_key=0.0))
     light = engine.add(ps[0], samplings[0], owner="light")
     heavy = [engine.add(prompt, sampling, owner="heavy") for prompt, sampling in zip(ps[1:], samplings[1:])]
     tokens, fed_while_light_ran = {id(seq): [] for seq in [light, *heavy]}, []
@@ -502,21 +506,21 @@ def test_owners_share_decode_steps_and_a_row_that_waits_resumes_exactly(model, t
     assert len(fed_while_light_ran) >= 10 and all(len(fed) == 1 for fed in fed_while_light_ran), fed_while_light_ran
     turns = [fed[0] for fed in fed_while_light_ran]
     assert all(sorted(turns[i:i + 6]) == list(range(6)) for i in range(len(turns) - 5)), turns  # a strict rotation
-    assert engine.rows_passed_by >= 5 * len(fed_while_light_ran)
-    assert sorted(engine.free_rows) == list(range(8)) and engine.carried_budget == 0.0
+    assert share.rows_passed_by >= 5 * len(fed_while_light_ran)
+    assert sorted(engine.free_rows) == list(range(8)) and share.carried_seconds == 0.0
 
 
 @pytest.mark.quick
 def test_what_does_not_fit_a_step_waits_its_turn_and_owners_alike_are_fed_whole(model, tokenizer):  # noqa: F811
     """Rows of 40 positions whose keys are dear (a long row makes every row of its step read 40 keys) do not fit a
-    short row's budget at all: the budget left unused is carried until the longest-waiting one gets in, so they still
-    advance while the short row writes its 12 tokens (once or a few times: each costs ~6 of its steps), and write
-    their own tokens. One owner, or two whose rows cost
-    alike, are fed whole at every step, and with no decode cost every row is fed."""
+    step the short row's cost allows at all: the seconds allowed but left unused are carried until the longest-waiting
+    one gets in, so they still advance while the short row writes its 12 tokens (once or a few times: each costs ~6 of
+    its steps), and write their own tokens. One owner, or two whose rows cost alike, are fed whole at every step, and
+    with no row policy every row is fed."""
     ps = prompts(tokenizer, [3, 40, 40, 40])
     greedy = Sampling(temperature=0.0, max_tokens=12)
     engine = BatchEngine(model, tokenizer, max_batch=4)
-    engine.decode_cost = DecodeCost(fixed=1.0, per_row=0.0, per_row_key=0.1)
+    engine.row_policy = FairShare(engine, DecodeCost(fixed=1.0, per_row=0.0, per_row_key=0.1))
     light = engine.add(ps[0], greedy, owner=1)
     heavy = [engine.add(prompt, greedy, owner=2) for prompt in ps[1:]]
     tokens = {id(seq): [] for seq in [light, *heavy]}
@@ -532,11 +536,13 @@ def test_what_does_not_fit_a_step_waits_its_turn_and_owners_alike_are_fed_whole(
         assert tokens[id(seq)] == alone(model, tokenizer, prompt, 12, temperature=0.0)
     for owners in ([5, 5, 5], [5, 6, 7], None):
         engine = BatchEngine(model, tokenizer, max_batch=3)
-        engine.decode_cost = DecodeCost(fixed=1.0, per_row=1.0, per_row_key=0.01) if owners else None
+        if owners:
+            engine.row_policy = FairShare(engine, DecodeCost(fixed=1.0, per_row=1.0, per_row_key=0.01))
         seqs = [engine.add(prompt, greedy, owner=owner) for prompt, owner in zip(ps[1:], owners or [1, 2, 3])]
         while engine.busy():
             engine.step()
-        assert engine.rows_passed_by == 0 and all(seq.generated == 12 for seq in seqs)
+        assert all(seq.generated == 12 for seq in seqs) and all(seq.last_fed == engine.decode_steps for seq in seqs)
+        assert (engine.row_policy.rows_passed_by if owners else 0) == 0
 
 
 @pytest.mark.quick
@@ -567,15 +573,15 @@ def test_a_decode_step_is_measured_and_leaves_the_engine_as_it_was(tokenizer):  
                        n_embd=32)
     small = build_model(config, "cpu").eval()
     engine = BatchEngine(small, tokenizer, max_batch=8)
-    cost = engine.measure_decode_cost(repeats=2)
+    cost = measure_decode_cost(engine, repeats=2)
     assert cost.fixed > 0 and cost.per_row >= 0 and cost.per_row_key >= 0, cost
     assert cost.seconds(8, 129) >= cost.seconds(1, 33) and "a decode step" in cost.summary()
     assert not engine.busy() and sorted(engine.free_rows) == list(range(8)) and engine.cache.lengths == [0] * 8
-    assert engine.decode_steps == engine.shared_steps == engine.rows_passed_by == 0
+    assert engine.decode_steps == engine.shared_steps == 0 and engine.row_policy is None
     prompt, greedy = prompts(tokenizer, [9])[0], Sampling(temperature=0.0, max_tokens=10)
     after, _, _ = run(engine, {0: [(prompt, greedy)]})
     fresh, _, _ = run(BatchEngine(small, tokenizer, max_batch=8), {0: [(prompt, greedy)]})
     assert list(after.values()) == list(fresh.values())
     engine.add(prompt, greedy)
     with pytest.raises(RuntimeError, match="before adding sequences"):
-        engine.measure_decode_cost()
+        measure_decode_cost(engine)

@@ -20,7 +20,7 @@ from nanochat.gpt import GPTConfig, build_model
 from nanochat.serving.chat import (MAX_MESSAGE_CHARS, MAX_MESSAGES, MAX_TOTAL_CHARS, TERMINAL_MARKUP, Finish,
                                    MarkupWriter, Piece, RequestError, ReplyStream, fit_conversation, generate_replies,
                                    parse_markup, parts_as_markup, validate_messages)
-from nanochat.serving.serve import read_sampling
+from nanochat.serving.protocol import read_sampling
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

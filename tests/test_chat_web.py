@@ -378,7 +378,7 @@ def test_samples_go_to_a_worker_with_rows_for_all_of_them():
     import asyncio
 
     from nanochat.serving.chat import RequestError
-    from nanochat.serving.serve import read_sampling
+    from nanochat.serving.protocol import read_sampling
     from nanochat.serving.workers import WorkerPool
 
     class FakeWorker:

@@ -217,7 +217,7 @@ def test_a_keyless_server_on_any_address_answers_only_to_its_own_names(web_base_
     """Without a key, --host 0.0.0.0 checks Host too (a page that rebinds evil.com to this machine sends
     'Host: evil.com'), and says at start which names it answers to; --allowed-hosts adds one. A body cut off midway is
     one line in the log, not a traceback; the UI's page may not be framed by another site."""
-    from nanochat.serving.serve import allowed_host_names, host_name
+    from nanochat.serving.guards import allowed_host_names, host_name
 
     server = Server(web_base_dir, "--host", "0.0.0.0", "--allowed-hosts", "chat.example")
     try:
@@ -469,7 +469,7 @@ def test_a_client_decoding_its_whole_share_leaves_another_its_pace(web_base_dir)
     """Alice holds her whole share of rows decoding (16 of 64: two streams of n 8 she never reads, each under the
     kernel's buffers); Bob's stream keeps at least a third of its pace alone, and her rows still advance. On a CPU a
     decode step's cost grows with its rows, and every step fed her 16 rows beside his one: he kept ~15 %. Now her rows
-    take turns within a budget set by the cost of his own step (BatchEngine's decode_cost, measured at start)."""
+    take turns within a budget set by the cost of his own step (serving/fair_share.py's DecodeCost, measured at start)."""
     server = Server(web_base_dir, "--api-key", "alice", "--api-key", "bob", "--queue-timeout", "60")
     alices = []
     try:

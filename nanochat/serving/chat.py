@@ -213,9 +213,9 @@ class Prompt:
     note: str = ""  # what was dropped or cut to fit the context, "" when nothing was
 
 
-def prompt_budget(context, max_tokens):
-    """Prompt tokens allowed: the context less max_tokens, but at most half of it (a long reply cannot squeeze the
-    conversation out; it ends at the context, finish reason "length")."""
+def prompt_token_limit(context, max_tokens):
+    """The prompt tokens a request may send: the context less max_tokens, but at most half of it (a long reply cannot
+    squeeze the conversation out; it ends at the context, finish reason "length")."""
     return context - min(max_tokens, context // 2)
 
 

@@ -28,9 +28,11 @@ from nanochat.checkpoint_manager import load_model
 from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import (UserError, inference_threads, resolve_device_type, return_freed_memory,
                              use_cuda_device)
-from nanochat.engine import BatchEngine, choose_tokens, kv_budget_bytes, kv_row_bytes, token_logprobs
+from nanochat.engine import BatchEngine, choose_tokens, kv_memory_bytes, kv_row_bytes, token_logprobs
+from nanochat.kernels.decode_graphs import use_decode
 from nanochat.serving.chat import (Add, Admitted, Cancel, Ended, Events, Failure, Occupancy, Ready, ReplyStream,
                                    RequestError, Score, Scored, Stop, StopStrings, Token, model_info, summary_line)
+from nanochat.serving.fair_share import share_decode_steps
 from nanochat.tokenizer import get_tokenizer
 
 # Prompt tokens that may wait to be scored, over all workers (~40 MB on the server): 8 requests of 64 prompts of 2,048
@@ -38,6 +40,7 @@ MAX_SCORING_TOKENS = 8 * 64 * 2048
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
 SCORE_SLICE_TOKENS = 2048  # prompt tokens (padded to the slice's longest) scored in one forward pass
+SCORE_LOGITS_BYTES = 512 * 2**20  # fp32 logits one scoring pass may hold
 # While rows decode, scoring gets at most this share of the worker's time: after a slice of s seconds, 2s of decoding
 # (docs/serving.md has what was measured)
 SCORING_SHARE = 1 / 3
@@ -78,7 +81,9 @@ class Worker:
 
     def submit(self, generation):
         self.requests[generation.key] = generation
-        self.send(Add(generation.key, generation.prompt_ids, generation.samplings, generation.chat, generation.owner))
+        add = Add(generation.key, generation.prompt_ids, generation.samplings, generation.chat, generation.owner)
+        # send()'s line, not a call to it: a request's way to its token stays as docs/layout.md lists it
+        self.outgoing.put(ForkingPickler.dumps(add))
 
     def send(self, message):
         # pickled here, so a message that cannot be fails its request, not the sender thread
@@ -250,7 +255,7 @@ class WorkerPool:
         if not roomy:
             rows = max(w.rows for w in alive)
             raise RequestError("n", f"at most {rows} replies per request on this server (a worker's batch has {rows} "
-                               f"rows: --max-batch, or the KV cache's memory budget); got {sampling.num_samples}")
+                               f"rows: --max-batch, or what the KV caches may take); got {sampling.num_samples}")
         share = self.share_of(client)
         if not share.has_room(sampling.num_samples, self.client_rows) and share.held_back >= self.client_queue:
             self.requests_rejected += 1
@@ -557,7 +562,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
     tokenizer = preloaded[1] if preloaded else get_tokenizer()
     print(f"loaded {summary_line(info)}; {len(workers)} worker process{'es' if len(workers) > 1 else ''}, each "
           f"batching up to {rows} sequences (KV cache {cache_bytes / 2**20:,.0f} MiB"
-          f"{'' if rows == max_batch else f', fewer than --max-batch {max_batch}: the memory budget'}"
+          f"{'' if rows == max_batch else f', fewer than --max-batch {max_batch}: what the KV memory holds'}"
           f"; prompts prefilled {prefill_chunk} tokens a step; {threads} torch thread{'s' if threads > 1 else ''})",
           flush=True)
     if replies[0].decode_cost:
@@ -572,26 +577,62 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
 class ScoringJob:
     """A scoring request as its worker process sees it: its prompts, scored a slice at a time from `next` on."""
 
-    def __init__(self, key, prompts, top, samplings):
-        self.key, self.prompts, self.top, self.samplings = key, prompts, top, samplings
+    def __init__(self, score):
+        self.key, self.prompts, self.top, self.samplings = score.key, score.prompts, score.top, score.samplings
         self.next, self.started = 0, time.perf_counter()
 
     def next_slice(self):
         """The prompts of the next slice: as many as fit SCORE_SLICE_TOKENS padded to their longest, at least one."""
         end, width = self.next + 1, len(self.prompts[self.next])
-        while end < len(self.prompts) and (end + 1 - self.next) * max(width, len(self.prompts[end])) <= SCORE_SLICE_TOKENS:
-            width = max(width, len(self.prompts[end]))
+        prompts = self.prompts
+        while end < len(prompts) and (end + 1 - self.next) * max(width, len(prompts[end])) <= SCORE_SLICE_TOKENS:
+            width = max(width, len(prompts[end]))
             end += 1
         return range(self.next, end)
+
+
+@torch.inference_mode()
+def score_prompts(engine, prompts, top):
+    """
+    Per prompt, [(log p, [(id, log p)] of the `top` most likely)] of its tokens 1.. given those before (None for
+    token 0), and its last position's (1, V) logits, by the engine's model; in as few padded forward passes as
+    SCORE_LOGITS_BYTES allows. The engine's cache is not touched: rows that are decoding go on.
+    """
+    results, start = [], 0
+    vocab = engine.model.config.vocab_size
+    while start < len(prompts):
+        rows = max(1, SCORE_LOGITS_BYTES // (4 * vocab * max(len(p) for p in prompts[start:start + 64])))
+        results += _score_rows(engine, prompts[start:start + rows], top)
+        start += rows
+    return results
+
+
+def _score_rows(engine, prompts, top):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=engine.device)
+    with engine.autocast():
+        logits = engine.model.forward(ids).float()
+    last = [logits[b, len(prompt) - 1][None].clone() for b, prompt in enumerate(prompts)]
+    logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # in place: one copy of (B, T, V) at a time
+    chosen = logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].tolist()
+    if top:
+        values, indices = torch.topk(logprobs[:, :-1], min(top, logprobs.size(-1)), dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+    results = []
+    for b, prompt in enumerate(prompts):
+        scored = [(None, [])] + [(chosen[b][i], list(zip(indices[b][i], values[b][i])) if top else [])
+                                 for i in range(len(prompt) - 1)]
+        results.append((scored, last[b]))
+    return results
 
 
 class GenerationJob:
     """A request as its worker process sees it: its sequences in the engine and its replies' text so far."""
 
-    def __init__(self, key, samplings, stop, chat, tokenizer):
-        self.key, self.samplings = key, samplings
-        stops = StopStrings(stop)  # built once, read by each sample's stream
-        self.streams = [ReplyStream(tokenizer, stops, chat) for _ in samplings]
+    def __init__(self, add, tokenizer):
+        self.key, self.samplings = add.key, add.samplings
+        stops = StopStrings(add.samplings[0].stop)  # built once, read by each sample's stream
+        self.streams = [ReplyStream(tokenizer, stops, add.chat) for _ in add.samplings]
         self.seqs = []
         self.outbox = []  # events not yet sent to the server
         self.admitted, self.started, self.tokens, self.replies_finished = False, None, 0, 0
@@ -624,35 +665,56 @@ class GenerationJob:
 
 
 class EngineLoop:
-    """The worker process: between two decode steps it takes the server's messages and sends the requests' events."""
+    """The worker process: between two steps of the engine it takes the server's messages and sends the requests'
+    events. run() hands a request to the engine and steps it itself: a request's path to its tokens is one call deep
+    here (docs/layout.md counts it)."""
 
     def __init__(self, conn, engine):
         self.conn, self.engine = conn, engine
         self.jobs = {}  # key -> GenerationJob, given to the engine (waiting for rows, or running)
         self.scoring_jobs = OrderedDict()  # key -> ScoringJob, served a slice each in turn
         self.ended = []  # ended since the last flush: their last events are still to be sent
-        self.owner = {}  # id(Sequence) -> (GenerationJob, sample index)
+        self.sample_of = {}  # id(Sequence) -> (GenerationJob, sample index)
         self.flushed = 0.0  # when events were last sent
         self.trimmed = True  # nothing allocated since the last malloc_trim
         self.decode_owed = 0.0  # seconds of decoding due before the next scoring slice (SCORING_SHARE)
 
     def run(self):
+        """Until Stop, or until the server is gone: the server's messages in, a step of the engine, a scoring slice
+        when one is due, the requests' events out."""
         try:
             while True:
-                self._flush(force=not self.jobs and not self.scoring_jobs)
-                if not self.jobs and not self.scoring_jobs:  # idle: wait for the next message
-                    if not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
-                        return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
-                        self.trimmed = True
-                    if not self._handle(self.conn.recv()):
-                        return
-                    continue
-                while self.conn.poll():
-                    if not self._handle(self.conn.recv()):
-                        return
+                idle = not self.jobs and not self.scoring_jobs
+                self._flush(force=idle)
+                if idle and not self.trimmed and not self.conn.poll(IDLE_TRIM_SECONDS):
+                    return_freed_memory()  # a busy spell's freed temporaries back to the kernel, not kept for ever
+                    self.trimmed = True
+                while idle or self.conn.poll():  # idle: wait for the next message
+                    idle, message = False, self.conn.recv()
+                    match message:
+                        case Stop():
+                            return
+                        case Add():
+                            job = GenerationJob(message, self.engine.tokenizer)
+                            try:  # the server fits every prompt first: one the engine refuses is a bug
+                                job.seqs = self.engine.add_group(message.prompt_ids, message.samplings, message.owner)
+                            except ValueError as e:
+                                job.outbox.append(Failure(f"generation failed: {e}"))
+                                self._end(job)
+                            else:
+                                self._track(job)
+                        case Score():
+                            self.scoring_jobs[message.key] = ScoringJob(message)
+                        case Cancel(key=key):
+                            self._cancel(key)
                 if self.engine.busy():
-                    started = time.perf_counter()
-                    self._step()
+                    started, self.trimmed = time.perf_counter(), False
+                    try:
+                        emitted = self.engine.step()
+                    except Exception as e:  # a bug, or the device failing: every request in flight gets a 500
+                        emitted = []
+                        self._fail_jobs(e)
+                    self._deliver(emitted)
                     # decoding beyond what is owed earns scoring nothing: a slice never waits on an idle stretch
                     self.decode_owed = max(0.0, self.decode_owed - (time.perf_counter() - started))
                 else:
@@ -665,43 +727,40 @@ class EngineLoop:
         except (EOFError, OSError):  # the server process is gone: nobody is left to answer
             return
 
-    def _handle(self, message):
-        match message:
-            case Stop():
-                return False
-            case Add():
-                self._add(message)
-            case Score():
-                self.scoring_jobs[message.key] = ScoringJob(message.key, message.prompts, message.top, message.samplings)
-            case Cancel(key=key) if key in self.jobs:
-                self._drop(self.jobs[key])
-            case Cancel(key=key) if key in self.scoring_jobs:  # its client left: the slices not yet run never run
-                job = self.scoring_jobs.pop(key)
-                self.conn.send(Events([(job.key, [Ended(0, time.perf_counter() - job.started, 0)])],
-                                      self._occupancy()))
-        return True
+    def _track(self, job):
+        """A job the engine took: its samples' tokens go to it."""
+        for index, seq in enumerate(job.seqs):
+            self.sample_of[id(seq)] = (job, index)
+        self.jobs[job.key] = job
+
+    def _cancel(self, key):
+        if key in self.jobs:
+            self._drop(self.jobs[key])
+        elif key in self.scoring_jobs:  # its client left: the slices not yet run never run
+            job = self.scoring_jobs.pop(key)
+            self.conn.send(Events([(job.key, [Ended(0, time.perf_counter() - job.started, 0)])], self._occupancy()))
 
     def _occupancy(self):
-        return Occupancy(**self.engine.occupancy(), rows_passed_by=self.engine.rows_passed_by)
+        share = self.engine.row_policy  # a FairShare, or None: every row fed, none passed by
+        return Occupancy(**self.engine.occupancy(), rows_passed_by=share.rows_passed_by if share else 0)
 
-    def _step(self):
-        self.trimmed = False
-        try:
-            steps = self.engine.step()
-        except Exception as e:  # a bug, or the device failing: every request in flight gets a 500
-            traceback.print_exc()
-            for job in list(self.jobs.values()):
-                job.outbox.append(Failure(f"generation failed: {type(e).__name__}: {e}"))
-                self._drop(job)
-            return
+    def _deliver(self, emitted):
+        """A step's tokens to their replies' streams; a sample whose reply ended there (a stop string, a turn token the
+        engine does not end on) is cancelled in the engine, and finished requests leave."""
         for job in self.jobs.values():
             job.note_admission()
-        for seq, token, _ in steps:
-            job, index = self.owner[id(seq)]
+        for seq, token, _ in emitted:
+            job, index = self.sample_of[id(seq)]
             job.push(index, token, seq)
             if job.streams[index].finish_reason is not None and seq.finished is None:
-                self.engine.cancel(seq)  # a stop string, or a turn token the engine does not end on
+                self.engine.cancel(seq)
         for job in [j for j in self.jobs.values() if j.done()]:
+            self._drop(job)
+
+    def _fail_jobs(self, error):
+        traceback.print_exc()
+        for job in list(self.jobs.values()):
+            job.outbox.append(Failure(f"generation failed: {type(error).__name__}: {error}"))
             self._drop(job)
 
     def _flush(self, force=False):
@@ -717,26 +776,13 @@ class EngineLoop:
         if ready or force:
             self.conn.send(Events(ready, self._occupancy()))
 
-    def _add(self, add):
-        job = GenerationJob(add.key, add.samplings, add.samplings[0].stop, add.chat, self.engine.tokenizer)
-        try:
-            job.seqs = self.engine.add_group(add.prompt_ids, add.samplings, owner=add.owner)
-        except ValueError as e:  # a prompt the engine cannot take (the server fits it first, so a bug)
-            job.outbox.append(Failure(f"generation failed: {e}"))
-            job.end()
-            self.ended.append(job)
-            return
-        for index, seq in enumerate(job.seqs):
-            self.owner[id(seq)] = (job, index)
-        self.jobs[add.key] = job
-
     def _score_slice(self):
         """The next slice of the first scoring request (one forward pass), with each Sampling's token after each
         prompt; then the request goes to the back of the line. The last slice ends it."""
         key, job = next(iter(self.scoring_jobs.items()))
         events, indices = [], job.next_slice()
         try:
-            scored = self.engine.score([job.prompts[i] for i in indices], job.top)
+            scored = score_prompts(self.engine, [job.prompts[i] for i in indices], job.top)
             for i, (tokens, _) in zip(indices, scored):
                 # tuples, not lists: the garbage collector stops tracking those of plain numbers
                 events.append(Scored(i, tuple((logprob, tuple(top)) for logprob, top in tokens)))
@@ -762,8 +808,11 @@ class EngineLoop:
     def _drop(self, job):
         for seq in job.seqs:
             self.engine.cancel(seq)
-            self.owner.pop(id(seq), None)
+            self.sample_of.pop(id(seq), None)
         del self.jobs[job.key]
+        self._end(job)
+
+    def _end(self, job):
         job.end()
         self.ended.append(job)
 
@@ -803,18 +852,19 @@ def worker_main(conn, inherited, device, settings, preloaded):
         else:
             model, tokenizer, meta = preloaded
         row_bytes = kv_row_bytes(model.config, device)
-        budget = kv_budget_bytes(device, settings.kv_memory_gib)
-        budget //= settings.num_workers if device.type != "cuda" else 1  # CPU workers share the memory
-        rows = min(settings.max_batch, budget // row_bytes)
+        memory = kv_memory_bytes(device, settings.kv_memory_gib)
+        memory //= settings.num_workers if device.type != "cuda" else 1  # CPU workers share the memory
+        rows = min(settings.max_batch, memory // row_bytes)
         if rows < 1:
             raise UserError(f"one sequence's KV cache needs {row_bytes / 2**20:.0f} MiB, more than the "
-                            f"{budget / 2**20:.0f} MiB budget; give --kv-memory-gib more")
-        engine = BatchEngine(model, tokenizer, rows, settings.prefill_chunk, decode=settings.decode)
-        if rows > 1:  # clients share its decode steps by what they cost here (BatchEngine's docstring)
-            engine.decode_cost = engine.measure_decode_cost()
+                            f"{memory / 2**20:.0f} MiB the KV caches may take; give --kv-memory-gib more")
+        engine = BatchEngine(model, tokenizer, rows, settings.prefill_chunk)
+        use_decode(engine, settings.decode)  # --decode: the engine's own step, or one captured as CUDA graphs
+        # clients share its decode steps by what they cost here (fair_share.py), measured on the step just chosen
+        share = share_decode_steps(engine) if rows > 1 else None
     except Exception as e:  # reported by the server, which stops before serving anything
         conn.send(Failure(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
         return
     conn.send(Ready(model_info(meta, model, str(device), settings.source), rows, engine.cache.nbytes(),
-                    engine.decode_cost.summary() if engine.decode_cost else ""))
+                    share.cost.summary() if share else ""))
     EngineLoop(conn, engine).run()
