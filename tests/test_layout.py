@@ -211,10 +211,14 @@ def test_the_core_imports_only_itself_the_library_nothing_beside_it_and_no_impor
     (tmp_path / "nanochat" / "engine.py").write_text("import nanochat.gpt\n")
     (tmp_path / "nanochat" / "serving" / "__init__.py").write_text("")
     (tmp_path / "nanochat" / "serving" / "serve.py").write_text("from nanochat import engine\nimport scripts.tool\n")
-    (tmp_path / "scripts" / "tool.py").write_text("from nanochat.serving.serve import x\n")
+    (tmp_path / "scripts" / "tool.py").write_text("import os\n")
     planted = import_graph(tmp_path)
     assert ("nanochat.serving.serve", 2) in planted["nanochat.gpt"] and ("nanochat.gpt", 1) in planted["nanochat.engine"]
     assert import_circles(planted) == [["nanochat.engine", "nanochat.gpt", "nanochat.serving.serve"]]
+    assert layering_offenders(planted) == [
+        "nanochat.gpt (core) imports the add-on nanochat.serving (line 2)",
+        "nanochat.gpt (core) imports the add-on nanochat.serving.serve (line 2)",
+        "nanochat.serving.serve imports scripts.tool, which lives beside the library (line 2)"]
 
 
 CORE_LINES, CORE_FILE_LINES = 7500, 800  # nanochat's top-level files together, and each

@@ -16,7 +16,7 @@ import pytest
 from nanochat.common import UserError
 from nanochat.data import hub
 from nanochat.corpus.world import RELATIONS
-from nanochat.engine import use_calculator
+from nanochat.calculator import use_calculator
 from tasks import (TASKS, Arithmetic, CustomJSON, Identity, SimpleSpelling, SpellingBee, Task, TaskMixture,
                             TaskSequence, WorldQA, get_task, humaneval, validate_conversation)
 from tasks.builtin import ANSWER_TEMPLATES, DEV_QUESTIONS, EVAL_IDENTITY_QUESTIONS, EVAL_QUESTIONS, EVAL_RELATIONS, SFT_ASKS, SFT_FRAMES, \
