@@ -318,6 +318,55 @@ class RustBPETokenizer:
         return "\n".join(f"{i:>7} {m} {self.id_to_token(i)!r}" for i, m in zip(ids, mask))
 
 
+# render_conversation / render_for_completion as a Jinja template (for transformers' apply_chat_template: an
+# export's tokenizer, vLLM's /tokenizer_info): a leading system message merged into the
+# first user turn (system + "\n\n" + user); add_generation_prompt drops a final assistant message and primes
+# <|assistant_start|>.
+CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
+{%- if content is string -%}{{- content -}}
+{%- else -%}{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}
+{%- else -%}{{- raise_exception('user and system content must be a string or text parts') -}}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(first=0, last=0) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- if messages | length < 2 or messages[1]['role'] != 'user' -%}
+{{- raise_exception('a system message must be followed by a user message') -}}
+{%- endif -%}
+{%- set ns.first = 1 -%}
+{%- endif -%}
+{%- set ns.last = messages | length -%}
+{%- if add_generation_prompt and messages and messages[-1]['role'] == 'assistant' -%}
+{%- set ns.last = ns.last - 1 -%}
+{%- endif -%}
+{{- '<|bos|>' -}}
+{%- for message in messages[ns.first:ns.last] -%}
+{%- if message['role'] != (loop.index0 % 2 == 0 and 'user' or 'assistant') -%}
+{{- raise_exception('roles must alternate user/assistant, starting with user (after an optional system message)') -}}
+{%- endif -%}
+{%- if message['role'] == 'user' -%}
+{{- '<|user_start|>' -}}
+{%- if loop.first and ns.first == 1 -%}{{- text_of(messages[0]['content']) + '\n\n' -}}{%- endif -%}
+{{- text_of(message['content']) + '<|user_end|>' -}}
+{%- else -%}
+{{- '<|assistant_start|>' -}}
+{%- if message['content'] is string -%}{{- message['content'] -}}
+{%- else -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'text' -%}{{- part['text'] -}}
+{%- elif part['type'] == 'python' -%}{{- '<|python_start|>' + part['text'] + '<|python_end|>' -}}
+{%- elif part['type'] == 'python_output' -%}{{- '<|output_start|>' + part['text'] + '<|output_end|>' -}}
+{%- else -%}{{- raise_exception('assistant content parts must have type text, python or python_output') -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|assistant_end|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|assistant_start|>' -}}{%- endif -%}
+"""
+
+
 # -----------------------------------------------------------------------------
 # The project's tokenizer under the base dir
 

@@ -33,6 +33,7 @@ from nanochat.serving.protocol import (CHAT_FIELDS, CHAT_TOP_LOGPROBS, COMPLETIO
                                        openai_usage, openai_usage_chunk, read_prompts, read_sampling,
                                        read_stream_options, reply_length_field, reply_room)
 from nanochat.serving.workers import NoWorkerAlive, QueueTimeout, ServerStopping
+from nanochat.tokenizer import CHAT_TEMPLATE
 
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
 
@@ -336,7 +337,6 @@ class Routes:
 
     async def tokenizer_info(self):
         """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
-        from nanochat.interop.hf_export import CHAT_TEMPLATE
 
         return {"tokenizer_class": "nanochat", "bos_token": "<|bos|>", "eos_token": "<|bos|>", "pad_token": None,
                 "model_max_length": self.context, "vocab_size": self.tokenizer.get_vocab_size(),
