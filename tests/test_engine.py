@@ -95,7 +95,7 @@ def test_greedy_equals_full_recompute_and_stops_at_the_context(model, tokenizer)
 
 @pytest.mark.quick
 def test_greedy_samples_write_what_the_loop_they_replaced_wrote(model, tokenizer):
-    """training.recipe.greedy_samples (base_train's and base_loss's look at a model) decodes on the engine: the same
+    """recipe.greedy_samples (base_train's and base_loss's look at a model) decodes on the engine: the same
     text as the loop it replaced, which fed the whole sequence for every token and stopped at <|bos|>."""
     from nanochat.recipe import greedy_samples
 

@@ -1,10 +1,10 @@
 """
-The report card (an add-on: the training loop writes its curves through a callback, TrainingLoop's `report`), the
-command line in __main__.py. The report card of a training run. Each stage writes its section into `<base_dir>/report/` (markdown for people,
-JSON with the raw numbers) and the loops append curves to `report/curves/<stage>.jsonl`; `python -m nanochat.report
-reset` (at the start) records the machine and git state, and `generate` (at the end) assembles `report.md`: that
-header, the code's size, the sections in pipeline order, a summary table, wall clock, cost and PNG plots.
-Only rank 0 writes; other ranks get a DummyReport that does nothing.
+The report card of a training run (an add-on). Each stage writes its section into `<base_dir>/report/` (markdown for
+people, JSON with the raw numbers), a training stage through TrainingReport, a callback of its TrainingLoop, which
+also appends the stage's curve to `report/curves/<stage>.jsonl`. `python -m nanochat.report reset` (at the start,
+__main__.py) records the machine and git state, and `generate` (at the end) assembles `report.md`: that header, the
+code's size, the sections in pipeline order, a summary table, wall clock, cost and PNG plots. Only rank 0 writes;
+other ranks get a DummyReport that does nothing.
 """
 
 import datetime
