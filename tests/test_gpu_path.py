@@ -33,7 +33,8 @@ COMPILE_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}  # dynamo says so on st
 @pytest.fixture
 def no_cpu_ops(monkeypatch):
     """Fail the test if any of cpu_ops' Functions runs."""
-    for name in ("rms_norm", "rotary_norm", "relu_squared_mlp", "block_causal_attention", "softcap_cross_entropy_sum"):
+    for name in ("fused_rms_norm", "fused_rotary_norm", "fused_relu_squared_mlp", "block_causal_attention",
+                 "softcap_cross_entropy_sum"):
         monkeypatch.setattr(cpu_ops, name, lambda *a, _name=name, **k: pytest.fail(f"cpu_ops.{_name} ran on the plain path"))
 
 

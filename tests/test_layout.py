@@ -21,7 +21,6 @@ SHARED_NAMES = {
     "parse_args": "a stage script's flags, one parser per script",
     "mixtures": "a chat stage script's (train, val) task mixtures: mid_train and chat_sft each have theirs",
     "conversation_from_row": "each hub task module's row -> conversation mapping (tasks/arc.py, gsm8k.py, ...)",
-    "residual_mix": "kernels/cpu.py's hand-written kernel carries the name of the gpt.py operation it computes",
 }
 
 

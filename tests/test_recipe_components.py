@@ -73,7 +73,7 @@ def plain_smear(x, logits, lam):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("name", ["gated_add", "residual_mix", "smear"])
+@pytest.mark.parametrize("name", ["fused_gated_add", "fused_residual_mix", "fused_smear"])
 def test_each_fused_component_function_equals_the_plain_math(name):
     # cpu_ops' Functions for the components: output and every input's gradient against the torch expressions
     # gpt.py runs elsewhere, in fp32, with inputs away from the identity (gates far from 0, scalars not 1 / 0).
@@ -82,14 +82,14 @@ def test_each_fused_component_function_equals_the_plain_math(name):
     g = torch.Generator().manual_seed(3)
     B, T, H, D = 2, 9, 3, 8
     inputs = {
-        "gated_add": ((B, T, H, D), (B, T, H, D), (B, T, H)),
-        "residual_mix": ((B, T, H * D), (B, T, H * D), (), ()),
-        "smear": ((B, T, H * D), (B, T, 1), (1,)),
+        "fused_gated_add": ((B, T, H, D), (B, T, H, D), (B, T, H)),
+        "fused_residual_mix": ((B, T, H * D), (B, T, H * D), (), ()),
+        "fused_smear": ((B, T, H * D), (B, T, 1), (1,)),
     }[name]
     args = [(2 * torch.randn(shape, generator=g)).requires_grad_() for shape in inputs]
-    extra = (1.7,) if name == "gated_add" else ()  # the gate's scale
+    extra = (1.7,) if name == "fused_gated_add" else ()  # the gate's scale
     fused = getattr(cpu_ops, name)(*args, *extra)
-    plain = globals()[f"plain_{name}"](*args, *extra)
+    plain = globals()[f"plain_{name.removeprefix('fused_')}"](*args, *extra)
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
     grad_out = torch.randn(fused.shape, generator=g)
     for got, want in zip(torch.autograd.grad(fused, args, grad_out), torch.autograd.grad(plain, args, grad_out)):
@@ -132,8 +132,8 @@ def test_cpu_fast_path_gradients_with_every_component(monkeypatch):
     assert len(component_params) == 1 + 1 + 2 + 2 + 1  # a value embedding + its gate, resid/x0, smear gate/lambda, backout
 
 
-CPU_FUNCTIONS = ("rms_norm", "rotary_norm", "relu_squared_mlp", "block_causal_attention", "gated_add", "residual_mix",
-                 "smear", "softcap_cross_entropy_sum")
+CPU_FUNCTIONS = ("fused_rms_norm", "fused_rotary_norm", "fused_relu_squared_mlp", "block_causal_attention",
+                 "fused_gated_add", "fused_residual_mix", "fused_smear", "softcap_cross_entropy_sum")
 TRAINING_ONLY = ("block_causal_attention", "softcap_cross_entropy_sum")  # the two that also run under CPU autocast
 
 

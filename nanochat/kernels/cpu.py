@@ -296,19 +296,19 @@ class _ChunkedSoftcapCrossEntropy(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# Entry points (the Functions above give the math)
-rms_norm = _RMSNorm.apply
-relu_squared_mlp = _ReluSquaredMLP.apply
-gated_add = _GatedAdd.apply
-smear = _Smear.apply
+# Entry points (the Functions above give the math); fused_X computes gpt.py's operation X
+fused_rms_norm = _RMSNorm.apply
+fused_relu_squared_mlp = _ReluSquaredMLP.apply
+fused_gated_add = _GatedAdd.apply
+fused_smear = _Smear.apply
 
 
-def rotary_norm(x, cos, sin, eps):
+def fused_rotary_norm(x, cos, sin, eps):
     """(B, T, H, D) -> the rotated and RMS-normalised tensor, as a (B, T, H, D) view of a contiguous (B, H, T, D) one."""
     return _RotaryNorm.apply(x, cos, sin, eps)
 
 
-def residual_mix(x, x0, a, b):
+def fused_residual_mix(x, x0, a, b):
     """a * x + b * x0 for same-shape x, x0 and 0-dim a, b."""
     return _ResidualMix.apply(x, x0, a, b)
 
@@ -370,7 +370,7 @@ def eps_of(x, eps):
 class CpuRMSNorm(gpt.RMSNorm):
     def forward(self, x):
         if is_cpu_fp32(x):
-            return rms_norm(x, eps_of(x, self.eps))
+            return fused_rms_norm(x, eps_of(x, self.eps))
         return super().forward(x)
 
 
@@ -378,12 +378,12 @@ class CpuCausalSelfAttention(gpt.CausalSelfAttention):
     def rotary_norm(self, x, cos, sin):
         # the fused version norms before rotating, which needs an exact rotation: not bf16-rounded tables
         if is_cpu_fp32(x) and not self.rotary_bf16:
-            return rotary_norm(x, cos, sin, eps_of(x, self.qk_norm.eps))
+            return fused_rotary_norm(x, cos, sin, eps_of(x, self.qk_norm.eps))
         return super().rotary_norm(x, cos, sin)
 
     def add_value_embed(self, v, value_embed, logits):
         if is_cpu_fp32(v):
-            return gated_add(v, value_embed, logits, self.ve_gate_scale)
+            return fused_gated_add(v, value_embed, logits, self.ve_gate_scale)
         return super().add_value_embed(v, value_embed, logits)
 
     def attend(self, q, k, v, kv_cache):
@@ -395,19 +395,19 @@ class CpuCausalSelfAttention(gpt.CausalSelfAttention):
 class CpuMLP(gpt.MLP):
     def forward(self, x):
         if is_cpu_fp32(x) and type(self.c_fc) is nn.Linear:  # a swapped-in linear (fp8) runs its own forward
-            return relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
+            return fused_relu_squared_mlp(x, self.c_fc.weight, self.c_proj.weight)
         return super().forward(x)
 
 
 class CpuGPT(gpt.GPT):
     def _smear(self, x, kv_cache):
         if kv_cache is None and is_cpu_fp32(x):
-            return smear(x, self.smear_gate(x[..., :self.smear_gate.in_features]), self.smear_lambda)
+            return fused_smear(x, self.smear_gate(x[..., :self.smear_gate.in_features]), self.smear_lambda)
         return super()._smear(x, kv_cache)
 
     def _mix_residual(self, x, x0, i):
         if is_cpu_fp32(x):
-            return residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
+            return fused_residual_mix(x, x0, self.resid_lambdas[i], self.x0_lambdas[i])
         return super()._mix_residual(x, x0, i)
 
     def _loss_sum(self, rows, targets):

@@ -569,9 +569,9 @@ def generate_replies(engine, prompt_ids, sampling, chat=True):
 # Models
 
 
-def model_info(meta, model, device, source):
+def model_info(meta, model, device, stage):
     """What was loaded, as a dict (for /health)."""
-    return {"source": source, "tag": meta.get("model_tag"), "step": meta.get("step"), "params": model.num_params(),
+    return {"source": stage, "tag": meta.get("model_tag"), "step": meta.get("step"), "params": model.num_params(),
             "context": model.config.sequence_len, "device": str(device)}
 
 

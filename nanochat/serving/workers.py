@@ -487,7 +487,7 @@ class ScoringRequest:
 # Starting up
 
 
-def load_workers(source, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
+def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
                  threads=0, start_method=None, decode="eager"):
     """
     (workers, tokenizer, model info), a process a worker: one per GPU (num_workers 0: every GPU), or on CPU sharing one
@@ -507,13 +507,13 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
             raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
         devices = [device] * count
     threads = inference_threads(device, threads, count)
-    settings = WorkerSettings(source, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode)
+    settings = WorkerSettings(stage, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode)
     preloaded = None
     if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
         # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
         torch.set_num_threads(1)
-        print(f"loading the {source} model on cpu ...", flush=True)
-        model, tokenizer, meta = load_model(source, device, model_tag=model_tag, step=step)
+        print(f"loading the {stage} model on cpu ...", flush=True)
+        model, tokenizer, meta = load_model(stage, device, model_tag=model_tag, step=step)
         use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
         preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
         context = multiprocessing.get_context("fork")
@@ -521,7 +521,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
         gc.collect()
         return_freed_memory()
     else:
-        print(f"loading the {source} model on {', '.join(str(d) for d in devices)} (a process each) ...", flush=True)
+        print(f"loading the {stage} model on {', '.join(str(d) for d in devices)} (a process each) ...", flush=True)
         context = multiprocessing.get_context(start_method or "spawn")
     started = []
     # the workers start with SIGINT and SIGTERM ignored (worker_main says why), a spawned one while it imports torch
@@ -558,7 +558,7 @@ def load_workers(source, model_tag, step, device_type, num_workers, max_batch, k
     workers = [Worker(index, process, conn, reply.rows) for (index, process, conn), reply in zip(started, replies)]
     info, rows, cache_bytes = replies[0].info, replies[0].rows, replies[0].cache_bytes
     info["device"] = ", ".join(sorted({str(d) for d in devices}))
-    info["id"] = f"nanochat-{source}-{info['tag']}"
+    info["id"] = f"nanochat-{stage}-{info['tag']}"
     tokenizer = preloaded[1] if preloaded else get_tokenizer()
     print(f"loaded {summary_line(info)}; {len(workers)} worker process{'es' if len(workers) > 1 else ''}, each "
           f"batching up to {rows} sequences (KV cache {cache_bytes / 2**20:,.0f} MiB"
@@ -821,7 +821,7 @@ class EngineLoop:
 class WorkerSettings:
     """What a worker process is started with: load_workers' arguments, its threads, how many workers share the machine."""
 
-    source: str
+    stage: str  # the checkpoint's: base, mid, sft or rl
     model_tag: str | None
     step: int | None
     threads: int
@@ -845,7 +845,7 @@ def worker_main(conn, inherited, device, settings, preloaded):
         if device.type == "cuda":
             use_cuda_device(device)  # CUDA ops go to the process's current GPU: this replica's
         if preloaded is None:
-            model, tokenizer, meta = load_model(settings.source, device, model_tag=settings.model_tag,
+            model, tokenizer, meta = load_model(settings.stage, device, model_tag=settings.model_tag,
                                                 step=settings.step)
             use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
             model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
@@ -865,6 +865,6 @@ def worker_main(conn, inherited, device, settings, preloaded):
     except Exception as e:  # reported by the server, which stops before serving anything
         conn.send(Failure(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(Ready(model_info(meta, model, str(device), settings.source), rows, engine.cache.nbytes(),
+    conn.send(Ready(model_info(meta, model, str(device), settings.stage), rows, engine.cache.nbytes(),
                     share.cost.summary() if share else ""))
     EngineLoop(conn, engine).run()
