@@ -212,7 +212,7 @@ def random_batch(args):
 
 
 def build_ours(args):
-    """Our model, optimizers and base_train's step (recipe.train_step, grad_accum 1), built as bench train's Run."""
+    """Our model, optimizers and base_train's step (loop.train_step, grad_accum 1), built as bench train's Run."""
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
     from nanochat.kernels.cpu import use_cpu_kernels

@@ -194,7 +194,7 @@ def parse_args(argv=None):
     if args.target_param_data_ratio is None:
         args.target_param_data_ratio = 20.0
     fill_from_preset(args, "base_train", leave=("depth", "num_iterations", "eval_every") if args.time_budget else ())
-    if not args.time_budget:  # with one, the scaling law's shape (plan_budget below)
+    if not args.time_budget:  # with one, the scaling law's shape (the planning add-on's)
         args.aspect_ratio = 64 if args.aspect_ratio is None else args.aspect_ratio
         args.head_dim = 128 if args.head_dim is None else args.head_dim
     validate_args(args)
