@@ -249,9 +249,9 @@ def machine_label(env):
 
 
 def markdown_rows(results, date, commit):
-    """Rows in BENCHMARKS.md's table format: date | machine | check | result | command."""
+    """Rows in BENCHMARKS.md's GPU table format: check | result | machine | command | commit | date."""
     machine = machine_label(results["environment"])
-    command = f"`python -m scripts.gpu_check` at {commit}"
+    command = "`python -m scripts.gpu_check`"
     rows = []
     for name, smoke in results["smokes"].items():
         if smoke.get("error"):
@@ -270,5 +270,5 @@ def markdown_rows(results, date, commit):
                      f"{t['relative_difference']:.2%} at the end ({'agree' if t['agrees'] else 'DISAGREE'})"])
     for batch, speed in results.get("decode", {}).items():
         rows.append([f"engine decode, batch {batch}", f"{speed:,.0f} tok/s" if speed else "-"])
-    return [f"| {date} | {machine} | {check} | {result} | {command} |" for check, result in rows]
+    return [f"| {check} | {result} | {machine} | {command} | {commit} | {date} |" for check, result in rows]
 

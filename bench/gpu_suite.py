@@ -527,9 +527,9 @@ def main(args, log):
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=check.REPO_ROOT,
                                            capture_output=True, text=True).stdout.strip() or "unknown commit"
     machine, date = check.machine_label(env), datetime.date.today().isoformat()
-    command = f"`python -m scripts.gpu_check --suite` at {commit}"
-    table = "| date | machine | check | result | command |\n|---|---|---|---|---|\n" + "\n".join(
-        f"| {date} | {machine} | {name} | {result} | {command} |" for name, result in rows)
+    command = "`python -m scripts.gpu_check --suite`"
+    table = "| check | result | machine | command | commit | date |\n|---|---|---|---|---|---|\n" + "\n".join(
+        f"| {name} | {result} | {machine} | {command} | {commit} | {date} |" for name, result in rows)
     summary = json.dumps({"gpu_suite": {"machine": machine, "commit": commit, "rows": rows, "results": results}},
                          default=str)
     print("\n" + table)

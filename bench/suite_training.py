@@ -37,10 +37,10 @@ class Cost:
     step_s: float
 
 
-# One H200 at device batch 16 x 2048, torch 2.11 (dev/LOG.md "gpu_check --suite on one H200", BENCHMARKS.md "GPU",
-# 2026-11-27; our fp8 on the H100 of 2026-11-28): max_memory_allocated, the compiled first steps with inductor's cache
-# empty, the median steps. torchao's compile did not finish in 149 s: its figures are that bound, bf16's memory (it
-# keeps bf16 weights and casts each matmul's operands) and bf16's step.
+# One H200 at device batch 16 x 2048, torch 2.11 (dev/LOG.md "gpu_check --suite on one H200", 2026-11-27; our fp8 on
+# the H100 of 2026-11-28): max_memory_allocated, the compiled first steps with inductor's cache empty, the median steps.
+# torchao's compile did not finish in 149 s: its figures are that bound, bf16's memory (it keeps bf16 weights and casts
+# each matmul's operands) and bf16's step.
 GPU_COSTS = {("ours", 12, ""): Cost(18.4, 57, 0.075), ("reference", 12, ""): Cost(14.8, 66, 0.066),
              ("ours", 24, ""): Cost(68.8, 92, 0.382), ("reference", 24, ""): Cost(54.9, 92, 0.368),
              ("ours", 24, "ours"): Cost(55.4, 184, 0.386), ("ours", 24, "torchao"): Cost(68.8, 150, 0.39)}

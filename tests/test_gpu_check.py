@@ -87,5 +87,5 @@ def test_the_verdict_says_what_to_change():
     assert check.rank_agreement({0: 3.0, 30: 2.0}, {0: 3.0, 30: 2.01}, 30)["agrees"]
     assert not check.rank_agreement({0: 3.0, 30: 2.0}, {0: 3.1, 30: 2.0}, 30)["agrees"]
     rows = check.markdown_rows(results_for(), "2026-11-25", "abc1234")
-    assert rows[0] == "| 2026-11-25 | 8x NVIDIA H100 80GB HBM3, torch 2.15, CUDA 13.2 | d12 | 1,000,000 tok/s, MFU 40.0 % " \
-                      "| `python -m scripts.gpu_check` at abc1234 |"
+    assert rows[0] == "| d12 | 1,000,000 tok/s, MFU 40.0 % | 8x NVIDIA H100 80GB HBM3, torch 2.15, CUDA 13.2 " \
+                      "| `python -m scripts.gpu_check` | abc1234 | 2026-11-25 |"
