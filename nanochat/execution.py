@@ -323,8 +323,8 @@ def _report(status_fd, exc):
 
 class _CandidateFunction:
     """In the tests process, the candidate's function: each call goes to the candidate process and comes back as plain
-    data, or as the exception it raised (a built-in exception type by name, else RuntimeError). A class, not a closure:
-    a function would hand the tests' namespace its __globals__, this module's, pipes and all."""
+    data, or as the exception it raised (see _candidates_exception). A class, not a closure: a function would hand the
+    tests' namespace its __globals__, this module's, pipes and all."""
 
     def __init__(self, name, requests_fd, replies_fd):
         self.name, self.requests_fd, self.replies_fd = name, requests_fd, replies_fd
@@ -337,14 +337,23 @@ class _CandidateFunction:
         if reply is None:
             raise RuntimeError(f"the candidate's process ended before {self.name}() returned")
         if "raised" in reply:
-            name, message = (str(part) for part in reply["raised"])
-            exception = RuntimeError(f"{name}: {message}")
-            exception_type = getattr(builtins, name, None)
-            if isinstance(exception_type, type) and issubclass(exception_type, Exception):
-                with contextlib.suppress(TypeError):  # a type whose constructor wants more (UnicodeDecodeError)
-                    exception = exception_type(message)
-            raise exception
+            raise _candidates_exception(*(str(part) for part in reply["raised"]))
         return _from_message(reply["value"])
+
+
+def _candidates_exception(name, message):
+    """The exception the candidate's function raised, as the tests see it: a built-in exception type by name, so that
+    the tests can catch what they expect (the name is the candidate's to choose, its class never travels), else
+    RuntimeError. StopIteration and StopAsyncIteration arrive as RuntimeError too, as PEP 479 turns a StopIteration that
+    leaves a generator into one: raised inside map(), filter(), zip(), next(..., default) or `async for`, they would end
+    the tests' loop quietly, every assert in it skipped, and a function that only raises would pass. The other
+    exceptions that end things quietly (GeneratorExit, KeyboardInterrupt, SystemExit) are not Exceptions."""
+    exception_type = getattr(builtins, name, None)
+    if (isinstance(exception_type, type) and issubclass(exception_type, Exception)
+            and not issubclass(exception_type, (StopIteration, StopAsyncIteration))):
+        with contextlib.suppress(TypeError):  # a type whose constructor wants more (UnicodeDecodeError)
+            return exception_type(message)
+    return RuntimeError(f"{name}: {message}")
 
 
 def _serve_calls(namespace, requests_fd, replies_fd):

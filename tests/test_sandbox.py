@@ -13,7 +13,7 @@ import tempfile
 import psutil
 import pytest
 
-from nanochat.execution import PROCESS_LIMIT, TMPFS_BYTES, execute_code, isolation_mode
+from nanochat.execution import PROCESS_LIMIT, TMPFS_BYTES, execute_code, execute_tests, isolation_mode
 from tasks.humaneval import HumanEval
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +70,57 @@ def test_humaneval_verdict_cannot_be_forged(forgery):
     scorer = HumanEval.__new__(HumanEval)  # scoring needs no rows
     assert scorer.evaluate(CONVERSATION, f"```python\n{RIGHT}```")
     assert not scorer.evaluate(CONVERSATION, f"```python\n{FORGERIES[forgery]}```")
+
+
+# Tests whose loops end quietly on StopIteration: map() and filter() stop, and zip() and next(..., default) with them.
+QUIET_LOOPS = """
+for got, want in zip(map(total, [[1, 2, 3], [4]]), [6, 4]):
+    assert got == want
+assert not list(filter(lambda numbers: total(numbers) != sum(numbers), [[1, 2, 3]]))
+assert next(map(total, [[5]]), 5) == 5
+"""
+# ... and `async for` on StopAsyncIteration. The coroutine runs by hand: asyncio needs a socketpair, which the guards
+# refuse.
+QUIET_ASYNC_LOOP = """
+class Totals:
+    def __init__(self, lists):
+        self.lists = iter(lists)
+    def __aiter__(self):
+        return self
+    async def __anext__(self):
+        numbers = next(self.lists, None)
+        if numbers is None:
+            raise StopAsyncIteration
+        return numbers, total(numbers)
+async def check():
+    async for numbers, got in Totals([[1, 2, 3], [4]]):
+        assert got == sum(numbers)
+try:
+    check().send(None)
+except StopIteration:  # how a coroutine that awaits nothing returns
+    pass
+"""
+LOOP_ENDERS = {
+    "raises StopIteration": ("def total(numbers):\n    raise StopIteration('no total')\n", QUIET_LOOPS),
+    "its own class named StopIteration": ("class StopIteration(Exception):\n    pass\n"
+                                          "def total(numbers):\n    raise StopIteration('no total')\n", QUIET_LOOPS),
+    "a result whose __iter__ raises StopIteration": ("class Total(list):\n    def __iter__(self):\n"
+                                                     "        raise StopIteration('no total')\n"
+                                                     "def total(numbers):\n    return Total()\n", QUIET_LOOPS),
+    "raises StopAsyncIteration": ("def total(numbers):\n    raise StopAsyncIteration('no total')\n", QUIET_ASYNC_LOOP),
+}
+
+
+@pytest.mark.parametrize("attack", LOOP_ENDERS)
+def test_candidates_exception_cannot_end_the_tests_loop(attack):
+    code, tests = LOOP_ENDERS[attack]
+    assert execute_tests(RIGHT, tests, "total").success  # the tests pass a right answer
+    result = execute_tests(code, tests, "total")
+    assert not result.success, result
+    # It fails with the candidate's exception, as a RuntimeError (as PEP 479 reports a StopIteration that leaves a
+    # generator).
+    raised = "StopAsyncIteration" if "StopAsyncIteration" in attack else "StopIteration"
+    assert result.error == f"RuntimeError: {raised}: no total", result.error
 
 
 # -----------------------------------------------------------------------------
