@@ -154,8 +154,8 @@ def _probe_isolation():
         refusals.append(f"{mode}: {reason}")
     else:
         raise RuntimeError(f"the code sandbox cannot run on this machine ({'; '.join(refusals) or sys.platform})")
-    missing = {"user": "no namespaces: the code runs as nobody, can write where anyone may and leave processes "
-                       "behind; network off on Linux",
+    missing = {"user": "no namespaces: the code runs as nobody, can leave processes behind and sees the host's "
+                       "/dev; network and keyrings off on Linux",
                "guards": "no OS isolation: the code runs as this user, with only Python-level guards that code "
                          "which sets out to can get past, and a verdict it can forge"}
     if mode in missing:  # once per process: the first run pays for the probe
@@ -461,10 +461,21 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # 442 on every architecture
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 1, 22, 38, 2
-# The seccomp filter's view of the machine: the audit architecture and the number of socket() on it.
-SECCOMP_ARCHITECTURES = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+# The seccomp filter's view of the machine: the audit architecture and the calls it refuses: socket(), add_key(),
+# request_key() and keyctl().
+SECCOMP_ARCHITECTURES = {"x86_64": (0xC000003E, (41, 248, 249, 250)), "aarch64": (0xC00000B7, (198, 217, 218, 219))}
 SYS_IO_URING_SETUP = 425  # the same on both
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: the same calls under other numbers
+EPERM = 1
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # on every architecture
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+# Landlock's rights to change the filesystem (write or truncate a file; make or remove one; rename or link across
+# directories) by the ABI version that brought them; reading and running files stay unrestricted.
+LANDLOCK_WRITE_FILE, LANDLOCK_TRUNCATE = 1 << 1, 1 << 14
+LANDLOCK_CHANGES = {1: 0x1FF2, 2: 1 << 13, 3: LANDLOCK_TRUNCATE}  # 1: WRITE_FILE, REMOVE_* and MAKE_*; 2: REFER
+# The devices the code finds in its /dev ("namespaces" mode) and may write to (where Landlock runs): what the standard
+# library opens (os.devnull, os.urandom's fallback) and their kin. Not /dev/ptmx: a terminal made there is the host's.
+SANDBOX_DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 def _isolation_modes_to_try():
@@ -498,7 +509,8 @@ def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds):
     if mode in ("namespaces", "user") and sys.platform == "linux":
         # No setuid program can give privileges back; and seccomp requires this of an unprivileged process.
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
-        _forbid_sockets()
+        _restrict_writes(sandbox)
+        _filter_system_calls()
     limits = [("RLIMIT_FSIZE", FILE_SIZE_LIMIT_BYTES), ("RLIMIT_CORE", 0), ("RLIMIT_CPU", cpu_seconds)]
     if maximum_memory_bytes:
         limits += [("RLIMIT_AS", maximum_memory_bytes), ("RLIMIT_DATA", maximum_memory_bytes)]
@@ -575,6 +587,7 @@ def _mount_private_root(sandbox, root):
                         ctypes.byref(attributes), ctypes.c_size_t(ctypes.sizeof(attributes))), "mount_setattr")
     if root:
         _expose_interpreter(*_sandbox_user())
+    _mount_minimal_dev()
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace's processes only
     owner = ",uid={},gid={}".format(*_sandbox_user()) if root else ""
     _mount("tmpfs", sandbox, "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMPFS_BYTES},mode=0700{owner}")
@@ -605,6 +618,22 @@ def _expose_interpreter(uid, gid):
             _mount(f"/proc/self/fd/{handle}", path, None, MS_BIND | MS_REC)
             os.close(handle)
         _mount(None, barrier, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _mount_minimal_dev():
+    """A /dev of SANDBOX_DEVICES only, bound from the host's, on a read-only tmpfs: device files ignore the read-only
+    mount, and the host's /dev holds ones that reach outside (/dev/ptmx makes a terminal on the host's devpts, which
+    its processes can open). Bind mounts, not mknod, which a user namespace may not do."""
+    handles = {name: os.open(f"/dev/{name}", os.O_PATH) for name in SANDBOX_DEVICES if os.path.exists(f"/dev/{name}")}
+    _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+    for name, handle in handles.items():
+        open(f"/dev/{name}", "x").close()
+        _mount(f"/proc/self/fd/{handle}", f"/dev/{name}", None, MS_BIND)
+        os.close(handle)
+    for name, target in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")]:
+        os.symlink(target, f"/dev/{name}")
+    _mount(None, "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def _ancestors(path):
@@ -644,29 +673,79 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _forbid_sockets():
-    """A seccomp filter: socket() and io_uring_setup() (which can open sockets) fail with EPERM, since a Unix socket
-    on disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; a system call of another ABI (i386's
-    int 0x80, x32) kills the process, since there the same numbers mean other calls. Written for x86_64 and aarch64."""
+def _filter_system_calls():
+    """A seccomp filter. It refuses (EPERM): socket() and io_uring_setup() (which can open sockets), since a Unix socket
+    on disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; and the keyring calls, since the
+    kernel keeps a user's keyring after the run ends (root's sandbox user, nobody, is the same in every run), so that a
+    key one run adds a later one reads. A system call of another ABI (i386's int 0x80, x32) kills the process, since
+    there the same numbers mean other calls. Written for x86_64 and aarch64."""
     if sys.platform != "linux" or platform.machine() not in SECCOMP_ARCHITECTURES:
         return
-    architecture, sys_socket = SECCOMP_ARCHITECTURES[platform.machine()]
+    architecture, refused = SECCOMP_ARCHITECTURES[platform.machine()]
     load_word, jump_if_equal, jump_if_at_least, return_ = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ...
-    allow, fail_eperm, kill = 0x7FFF0000, 0x00050000 | 1, 0x80000000  # SECCOMP_RET_ALLOW, _ERRNO | EPERM, _KILL_PROCESS
+    allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
+    fail = lambda errno: 0x00050000 | errno  # noqa: E731  (SECCOMP_RET_ERRNO)
+    # (code, jump if true, jump if false, k); jumps name a label below them, None goes on to the next instruction.
     program = [
-        (load_word, 0, 0, 4),  # seccomp_data.arch
-        (jump_if_equal, 0, 6, architecture),  # another ABI: to `kill`
-        (load_word, 0, 0, 0),  # seccomp_data.nr
-        (jump_if_at_least, 3, 0, X32_SYSCALL_BIT),  # to `fail_eperm`
-        (jump_if_equal, 2, 0, sys_socket),
-        (jump_if_equal, 1, 0, SYS_IO_URING_SETUP),
-        (return_, 0, 0, allow),
-        (return_, 0, 0, fail_eperm),
-        (return_, 0, 0, kill),
+        (load_word, None, None, 4),  # seccomp_data.arch
+        (jump_if_equal, None, "kill", architecture),
+        (load_word, None, None, 0),  # seccomp_data.nr
+        (jump_if_at_least, "refuse", None, X32_SYSCALL_BIT),
+        *[(jump_if_equal, "refuse", None, number) for number in (*refused, SYS_IO_URING_SETUP)],
+        "allow", (return_, None, None, allow),
+        "refuse", (return_, None, None, fail(EPERM)),
+        "kill", (return_, None, None, kill),
     ]
-    filters = (_SockFilter * len(program))(*[_SockFilter(*instruction) for instruction in program])
-    filter_program = _SockFprog(len(program), filters)
+    labels, instructions = {}, []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(instructions)
+        else:
+            instructions.append(item)
+    offset = lambda at, label: 0 if label is None else labels[label] - at - 1  # noqa: E731
+    filters = (_SockFilter * len(instructions))(*[_SockFilter(code, offset(at, true), offset(at, false), k)
+                                                  for at, (code, true, false, k) in enumerate(instructions)])
+    filter_program = _SockFprog(len(instructions), filters)
     _prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(filter_program))
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _restrict_writes(sandbox):
+    """Where the kernel has Landlock (Linux 5.19 and later, with ABI 2; see the constants above): the code may change
+    files only below `sandbox`, and write only to SANDBOX_DEVICES elsewhere. The read-only mount ("namespaces" mode)
+    leaves special files writable, a FIFO anyone may write to among them, which a reader outside would get; in "user"
+    mode, where nothing is mounted read-only, it keeps the code out of the directories anyone may write to. Without
+    Landlock, or with ABI 1 (which refuses every rename across directories), it does nothing."""
+    libc = _libc()
+    version = libc.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                           ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    if version < 2:
+        return
+    handled = sum(rights for abi, rights in LANDLOCK_CHANGES.items() if abi <= version)
+    ruleset = libc.syscall(ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), ctypes.byref(ctypes.c_uint64(handled)),
+                           ctypes.c_size_t(8), ctypes.c_uint32(0))  # the struct's first field: handled_access_fs
+    if ruleset < 0:
+        _check(ruleset, "landlock_create_ruleset")
+    try:
+        rules = [(sandbox, handled)] + [(f"/dev/{name}", handled & (LANDLOCK_WRITE_FILE | LANDLOCK_TRUNCATE))
+                                        for name in SANDBOX_DEVICES if os.path.exists(f"/dev/{name}")]
+        for path, rights in rules:
+            handle = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = _PathBeneathAttr(allowed_access=rights, parent_fd=handle)
+                _check(libc.syscall(ctypes.c_long(SYS_LANDLOCK_ADD_RULE), ctypes.c_int(ruleset),
+                                    ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0)),
+                       f"landlock_add_rule {path}")
+            finally:
+                os.close(handle)
+        _check(libc.syscall(ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+               "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
 
 
 # -----------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The code sandbox's OS layer against real attacks: the escapes past the Python guards that the audit of Hardening IV
 found, each run through the sandbox as model-written code and checked for its effect outside (docs/sandbox.md)."""
 
+import ctypes
 import json
 import os
+import platform
 import random
 import shutil
 import socket
@@ -272,6 +274,99 @@ def test_code_opens_no_socket(attack, listeners):
     result = execute_code(code + "\nprint('connected')", timeout=10.0)
     assert not result.success and "connected" not in result.stdout
     # The `listeners` fixture checks on teardown that no connection reached either server.
+
+
+# -----------------------------------------------------------------------------
+# Channels the read-only mount leaves open: special files and the kernel's keyrings
+
+
+@pytest.fixture
+def fifo():
+    """A FIFO on the host that anyone may write to, with a reader outside the sandbox waiting on it."""
+    # Only Landlock refuses the write (a read-only mount does not); CI's kernel has it.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(444, None, 0, 1) < 2 and not os.environ.get("CI"):  # landlock_create_ruleset(): the ABI version
+        pytest.skip("the kernel has no Landlock (ABI 2 or later)")
+    directory = tempfile.mkdtemp(prefix="nanochat_fifo_")
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "pipe")
+    os.mkfifo(path)
+    os.chmod(path, 0o666)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # open first, so that a writer's open() neither blocks nor fails
+    try:
+        yield path
+        try:
+            received = os.read(reader, 1 << 10)
+        except BlockingIOError:  # a writer still holds it open, having written nothing
+            received = b""
+        assert received == b""
+    finally:
+        os.close(reader)
+        shutil.rmtree(directory)
+
+
+def test_code_writes_into_no_fifo_outside(fifo):
+    code = """
+import sys
+del sys.modules['posix']
+import posix
+fd = posix.open(PATH, posix.O_WRONLY | posix.O_NONBLOCK)
+posix.write(fd, posix.uname().nodename.encode())
+"""
+    result = execute_code(code.replace("PATH", repr(fifo)), timeout=10.0)
+    assert not result.success, result
+    # The `fifo` fixture checks on teardown that the reader outside received nothing.
+
+
+def test_code_opens_only_the_devices_python_needs():
+    # /dev/ptmx makes a terminal on the host's devpts, which processes outside can open; the rest of the host's /dev
+    # is no better. What stays: the few that the standard library opens.
+    code = """
+import sys
+del sys.modules['posix']
+import posix
+opened = []
+for name, flags in [('ptmx', posix.O_RDWR), ('kmsg', posix.O_RDONLY), ('tty', posix.O_RDWR), ('null', posix.O_RDWR),
+                    ('zero', posix.O_RDONLY), ('urandom', posix.O_RDONLY)]:
+    try:
+        posix.close(posix.open('/dev/' + name, flags | posix.O_NOCTTY))
+        opened.append(name)
+    except OSError:
+        pass
+print(' '.join(opened))
+"""
+    result = execute_code(code, timeout=10.0)
+    assert result.stdout == "null zero urandom\n", result
+
+
+KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
+KEYRING_CODE = """
+import sys
+sys.modules.pop('ctypes')
+sys.modules.pop('_ctypes')
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, REQUEST_KEY, KEYCTL = KEY_SYSCALLS
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in KEY_SYSCALLS, reason="system call numbers known for x86_64 and aarch64")
+def test_runs_share_no_keyring():
+    # One run leaves a key in its user's keyring (uid nobody's, when the caller is root: the same in every run and
+    # kept by the kernel after the run ends); a later run looks it up and reads it.
+    tag = str(random.randrange(10**9))
+    store = KEYRING_CODE + "print(libc.syscall(ADD_KEY, b'user', b'nanochat-TAG', b'secret-TAG', len(b'secret-TAG'), -4))\n"
+    fetch = KEYRING_CODE + """
+key = libc.syscall(REQUEST_KEY, b'user', b'nanochat-TAG', None, 0)
+buffer = ctypes.create_string_buffer(64)
+libc.syscall(KEYCTL, 11, key, buffer, 64)  # KEYCTL_READ
+print(buffer.value)
+"""
+    for code in (store, fetch):
+        result = execute_code(code.replace("KEY_SYSCALLS", repr(KEY_SYSCALLS[platform.machine()]))
+                              .replace("TAG", tag), timeout=10.0)
+        assert result.success, result
+    assert f"secret-{tag}" not in result.stdout
 
 
 # -----------------------------------------------------------------------------
