@@ -154,8 +154,8 @@ def _probe_isolation():
         refusals.append(f"{mode}: {reason}")
     else:
         raise RuntimeError(f"the code sandbox cannot run on this machine ({'; '.join(refusals) or sys.platform})")
-    missing = {"user": "no namespaces: the code runs as nobody, can leave processes behind and sees the host's "
-                       "/dev; network and keyrings off on Linux",
+    missing = {"user": "no namespaces: the code runs as nobody and sees every process and the host's /dev; on Linux "
+                       "no sockets, keyrings or processes of its own",
                "guards": "no OS isolation: the code runs as this user, with only Python-level guards that code "
                          "which sets out to can get past, and a verdict it can forge"}
     if mode in missing:  # once per process: the first run pays for the probe
@@ -461,12 +461,14 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # 442 on every architecture
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 1, 22, 38, 2
-# The seccomp filter's view of the machine: the audit architecture and the calls it refuses: socket(), add_key(),
-# request_key() and keyctl().
-SECCOMP_ARCHITECTURES = {"x86_64": (0xC000003E, (41, 248, 249, 250)), "aarch64": (0xC00000B7, (198, 217, 218, 219))}
-SYS_IO_URING_SETUP = 425  # the same on both
+# The seccomp filter's view of the machine: the audit architecture, the number of clone(), and the calls it refuses:
+# socket(), fork() and vfork() (aarch64 has neither), add_key(), request_key() and keyctl().
+SECCOMP_ARCHITECTURES = {"x86_64": (0xC000003E, 56, (41, 57, 58, 248, 249, 250)),
+                         "aarch64": (0xC00000B7, 220, (198, 217, 218, 219))}
+SYS_IO_URING_SETUP, SYS_CLONE3 = 425, 435  # the same on both
 X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: the same calls under other numbers
-EPERM = 1
+CLONE_THREAD = 0x00010000
+EPERM, ENOSYS = 1, 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # on every architecture
 LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
 # Landlock's rights to change the filesystem (write or truncate a file; make or remove one; rename or link across
@@ -675,14 +677,17 @@ class _SockFprog(ctypes.Structure):
 
 def _filter_system_calls():
     """A seccomp filter. It refuses (EPERM): socket() and io_uring_setup() (which can open sockets), since a Unix socket
-    on disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; and the keyring calls, since the
-    kernel keeps a user's keyring after the run ends (root's sandbox user, nobody, is the same in every run), so that a
-    key one run adds a later one reads. A system call of another ABI (i386's int 0x80, x32) kills the process, since
-    there the same numbers mean other calls. Written for x86_64 and aarch64."""
+    on disk (a D-Bus or ssh-agent socket) is reachable from any network namespace; the keyring calls, since the kernel
+    keeps a user's keyring after the run ends (root's sandbox user, nobody, is the same in every run), so that a key one
+    run adds a later one reads; and every new process (fork(), vfork(), clone() but for a thread; clone3(), whose flags
+    a filter cannot read, fails with ENOSYS, so that the C library makes its threads with clone()). One process and its
+    threads share one address space, so RLIMIT_AS bounds all the memory the code maps, where each of 64 processes could
+    map that much. A system call of another ABI (i386's int 0x80, x32) kills the process, since there the same numbers
+    mean other calls. Written for x86_64 and aarch64."""
     if sys.platform != "linux" or platform.machine() not in SECCOMP_ARCHITECTURES:
         return
-    architecture, refused = SECCOMP_ARCHITECTURES[platform.machine()]
-    load_word, jump_if_equal, jump_if_at_least, return_ = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ...
+    architecture, sys_clone, refused = SECCOMP_ARCHITECTURES[platform.machine()]
+    load_word, jump_if_equal, jump_if_at_least, jump_if_set, return_ = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, ...
     allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
     fail = lambda errno: 0x00050000 | errno  # noqa: E731  (SECCOMP_RET_ERRNO)
     # (code, jump if true, jump if false, k); jumps name a label below them, None goes on to the next instruction.
@@ -692,8 +697,13 @@ def _filter_system_calls():
         (load_word, None, None, 0),  # seccomp_data.nr
         (jump_if_at_least, "refuse", None, X32_SYSCALL_BIT),
         *[(jump_if_equal, "refuse", None, number) for number in (*refused, SYS_IO_URING_SETUP)],
+        (jump_if_equal, "no such call", None, SYS_CLONE3),
+        (jump_if_equal, None, "allow", sys_clone),
+        (load_word, None, None, 16),  # the low half of seccomp_data.args[0] (little-endian, both): clone()'s flags
+        (jump_if_set, "allow", "refuse", CLONE_THREAD),
         "allow", (return_, None, None, allow),
         "refuse", (return_, None, None, fail(EPERM)),
+        "no such call", (return_, None, None, fail(ENOSYS)),
         "kill", (return_, None, None, kill),
     ]
     labels, instructions = {}, []

@@ -292,7 +292,7 @@ def fifo():
     path = os.path.join(directory, "pipe")
     os.mkfifo(path)
     os.chmod(path, 0o666)
-    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # open first, so that a writer's open() neither blocks nor fails
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # first, so that a writer's open() neither blocks nor fails
     try:
         yield path
         try:
@@ -355,7 +355,7 @@ def test_runs_share_no_keyring():
     # One run leaves a key in its user's keyring (uid nobody's, when the caller is root: the same in every run and
     # kept by the kernel after the run ends); a later run looks it up and reads it.
     tag = str(random.randrange(10**9))
-    store = KEYRING_CODE + "print(libc.syscall(ADD_KEY, b'user', b'nanochat-TAG', b'secret-TAG', len(b'secret-TAG'), -4))\n"
+    store = KEYRING_CODE + "libc.syscall(ADD_KEY, b'user', b'nanochat-TAG', b'secret-TAG', len(b'secret-TAG'), -4)\n"
     fetch = KEYRING_CODE + """
 key = libc.syscall(REQUEST_KEY, b'user', b'nanochat-TAG', None, 0)
 buffer = ctypes.create_string_buffer(64)
@@ -370,11 +370,13 @@ print(buffer.value)
 
 
 # -----------------------------------------------------------------------------
-# Processes left behind, too many processes, the disk filled
+# Processes left behind, too many processes, too much memory, the disk filled
 
 
 def test_no_process_outlives_the_run():
-    # A grandchild in a session of its own escapes a kill of the process group; a unique argument finds it after.
+    # A grandchild in a session of its own escapes a kill of the process group; a unique argument finds it after. The
+    # kernel refuses the fork itself (seccomp: the run is one process, so that its memory limit is the run's); the PID
+    # namespace, which ends every process in it with the run, is the layer below.
     tag = f"{random.randrange(10**6, 10**7)}.5"
     code = """
 import sys, time
@@ -387,7 +389,7 @@ time.sleep(0.5)
 print('forked')
 """
     result = execute_code(code.replace("TAG", repr(tag)), timeout=10.0)
-    assert result.stdout == "forked\n", result
+    assert result.error == "PermissionError: [Errno 1] Operation not permitted", result  # the kernel's, not the guards'
     survivors = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", tag]]
     for survivor in survivors:
         survivor.kill()
@@ -395,11 +397,13 @@ print('forked')
 
 
 def test_process_count_is_limited():
+    # Processes, which the kernel refuses outright, and threads, which RLIMIT_NPROC counts (and RLIMIT_AS: each stack
+    # takes address space).
     code = """
-import sys, time
+import sys, threading, time
 del sys.modules['posix']
 import posix
-started = 0
+forks = threads = 0
 for _ in range(200):
     try:
         pid = posix.fork()
@@ -408,12 +412,53 @@ for _ in range(200):
     if pid == 0:
         time.sleep(30)
         posix._exit(0)
-    started += 1
-print(started)
+    forks += 1
+for _ in range(200):
+    try:
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    except RuntimeError:
+        break
+    threads += 1
+print(forks, threads)
 """
     result = execute_code(code, timeout=20.0)
     assert result.success, result
-    assert int(result.stdout) < PROCESS_LIMIT
+    forks, threads = map(int, result.stdout.split())
+    assert forks == 0 and threads < PROCESS_LIMIT
+
+
+def test_memory_limit_covers_every_process_of_the_run():
+    # Each process under the limit, together far over it: six children and the run itself each write 100 MiB and hold
+    # it until the run ends; each reports whether it could, and the run adds up what was held at once.
+    code = """
+import sys, time
+del sys.modules['posix']
+import posix
+reports, report = posix.pipe()
+def hold():
+    try:
+        return b'x' * (100 << 20)  # written, so resident
+    except MemoryError:
+        return b''
+children = 0
+for _ in range(6):
+    try:
+        pid = posix.fork()
+    except OSError:
+        break
+    if pid == 0:
+        block = hold()
+        posix.write(report, b'1' if block else b'0')
+        time.sleep(30)
+        posix._exit(0)
+    children += 1
+block = hold()
+held = bool(block) + sum(int(posix.read(reports, 1)) for _ in range(children))
+print(held * 100)
+"""
+    result = execute_code(code, timeout=20.0)
+    assert result.stdout.strip(), result
+    assert int(result.stdout) <= 256  # MiB: the limit execute_code sets by default
 
 
 def test_disk_writes_are_capped_in_total():
