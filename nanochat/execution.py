@@ -532,10 +532,10 @@ def _confine(mode, sandbox, maximum_memory_bytes, cpu_seconds):
 
 def _enter_namespaces(sandbox):
     root, parent = os.geteuid() == 0, os.getppid()
+    uid, gid = os.getuid(), os.getgid()  # before unshare: until the map below, a new user namespace shows 65534
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     _check(_libc().unshare(flags | (0 if root else CLONE_NEWUSER)), "unshare")
     if not root:  # inside the user namespace this user is itself; nothing else is mapped
-        uid, gid = os.getuid(), os.getgid()
         for name, text in [("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")]:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)

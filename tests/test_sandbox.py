@@ -32,6 +32,35 @@ def needs_namespaces():
 
 
 # -----------------------------------------------------------------------------
+# The mode for a caller who is not root
+
+
+def test_namespaces_mode_runs_for_a_user_who_is_not_root():
+    # Such a user maps itself into a user namespace of its own; the uid to map is the one from before unshare(), since
+    # inside the namespace every uid reads 65534 until the map is written (so the user is not nobody, 65534, here).
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run as another user")
+    as_user = dict(user=4242, group=4242, extra_groups=[], capture_output=True, text=True, timeout=60)
+    can_unshare = ("import ctypes, sys\nsys.path.insert(0, sys.argv[1])\nimport nanochat.execution\n"
+                   "sys.exit(ctypes.CDLL(None).unshare(0x10000000))  # CLONE_NEWUSER\n")
+
+    def usable(python):
+        try:
+            return subprocess.run([python, "-I", "-c", can_unshare, REPO_ROOT], **as_user).returncode == 0
+        except OSError:  # the user may not run it
+            return False
+    pythons = [python for python in (sys.executable, "/usr/bin/python3") if usable(python)]
+    if not pythons:
+        pytest.skip("no Python and repository that others may read, or no user namespaces for users but root")
+    caller = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom nanochat.execution import execute_code\n"
+              "print(execute_code('import os\\nprint(os.getuid(), 6 * 7)').stdout, end='')\n")
+    run = subprocess.run([pythons[0], "-I", "-c", caller, REPO_ROOT], env={"NANOCHAT_SANDBOX": "namespaces"},
+                         **as_user)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "4242 42\n"
+
+
+# -----------------------------------------------------------------------------
 # Forging the verdict
 
 
