@@ -15,7 +15,8 @@ import tempfile
 import psutil
 import pytest
 
-from nanochat.execution import PROCESS_LIMIT, TMPFS_BYTES, execute_code, execute_tests, isolation_mode
+from nanochat.execution import execute_code, execute_tests, isolation_mode
+from nanochat.isolation import PROCESS_LIMIT, TMPFS_BYTES
 from tasks.humaneval import HumanEval
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
