@@ -75,7 +75,7 @@ def _sandbox_user():
 
 def confine(mode, sandbox, maximum_memory_bytes, cpu_seconds):
     """Confine this process, the sandbox child, before it runs any model-written code; `sandbox` is its working
-    directory. In "namespaces" mode only the forked child returns (see the section's opening comment). Every mode
+    directory. In "namespaces" mode only the forked child returns (see the comment above the constants). Every mode
     limits memory, CPU time (a backstop to the parent's wall-clock timeout), each file's size and core dumps."""
     if mode == "namespaces":
         _enter_namespaces(sandbox)
