@@ -359,20 +359,29 @@ def _too_long(path, limit, what="a document"):
             "the file (--split-on blank-lines cuts a text file at its blank lines; a .json list can become .jsonl)")
 
 
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{},:]')  # a string (maybe cut short), a bracket, a separator
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def check_json_values(text, where, start=0):
-    """Refuse a record that would parse into more than MAX_RECORD_VALUES values, counting before parsing. Every value
-    but the first follows a ',', ':', '[' or '{', so their count over the text bounds it (a value is at least a
-    character: a shorter text needs no count); only where that count is high are they counted again outside strings."""
-    if len(text) - start <= MAX_RECORD_VALUES:
+    """Refuse the record at text[start:] when parsing it would make more than MAX_RECORD_VALUES values, counted before
+    it is parsed: each value but the first follows a ',' or ':', or opens with '[' or '{'. A value takes a character at
+    least, so a shorter text needs no count, and one count over all the text (its strings, and any records after this
+    one, included) clears most others; the rest are counted token by token, strings skipped, to the record's end."""
+    start = _JSON_SPACE.match(text, start).end()
+    if len(text) - start <= MAX_RECORD_VALUES or text[start:start + 1] not in ("[", "{") or \
+            1 + sum(text.count(c, start) for c in ",:[{") <= MAX_RECORD_VALUES:
         return
-    count = lambda t, s=0: 1 + sum(t.count(c, s) for c in ",:[{")  # noqa: E731
-    if count(text, start) > MAX_RECORD_VALUES and count(_JSON_STRING.sub("", text[start:])) > MAX_RECORD_VALUES:
-        raise UserError(f"{where}: a record of more than {MAX_RECORD_VALUES:,} JSON values (arrays, numbers, keys...), "
-                        "more than an import builds at once; keep the text in a field and little else")
+    depth, values = 0, 1
+    for token in _JSON_TOKEN.finditer(text, start):
+        kind = token.group()[0]
+        depth += (kind in "[{") - (kind in "]}")
+        values += kind in ",:[{"
+        if values > MAX_RECORD_VALUES:
+            raise UserError(f"{where}: a record of more than {MAX_RECORD_VALUES:,} JSON values (arrays, numbers, keys...), "
+                            "more than an import builds at once; keep the text in a field and little else")
+        if depth == 0:
+            return
 
 
 def parse_json(text, where, hint):
