@@ -110,8 +110,11 @@ class _Watchdog:
         self.timer.start()
 
     def watch(self, connection):
+        """A connection just connected: cut at once if the time is up already (it was connecting then)."""
         with self.lock:
             self.connections.append(connection)
+            if self.fired:
+                self.cut(connection)
 
     def fire(self):
         with self.lock:
@@ -119,11 +122,14 @@ class _Watchdog:
                 return
             self.fired = True
             for connection in self.connections:
-                sock = getattr(connection, "sock", None)
-                try:  # socket's own shutdown, under TLS too: the blocked read sees the end of the stream
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                except (OSError, TypeError):  # not connected yet, or closed already
-                    pass
+                self.cut(connection)
+
+    @staticmethod
+    def cut(connection):
+        try:  # socket's own shutdown, under TLS too: the blocked read sees the end of the stream
+            socket.socket.shutdown(connection.sock, socket.SHUT_RDWR)
+        except (OSError, TypeError):  # closed already
+            pass
 
     def stop(self):
         """The headers are in (or the request failed): from here the body's own checks bound the attempt. True when
@@ -135,11 +141,11 @@ class _Watchdog:
 
 
 def _watch_pools(manager, watch):
-    """Make every connection of a urllib3 pool manager report itself to `watch` as it connects."""
+    """Make every connection of a urllib3 pool manager report itself to `watch` once connected."""
     def watched(connection_cls):
         def connect(self):
-            watch(self)
             connection_cls.connect(self)
+            watch(self)
 
         return type(connection_cls.__name__, (connection_cls,), {"connect": connect})
 
