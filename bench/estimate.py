@@ -14,11 +14,10 @@ the data loader (measured at 0.1-0.2 ms of a step).
 """
 
 import glob
-import json
 import os
 
 from bench.common import emit_json, print_table
-from nanochat.common import UserError
+from nanochat.common import UserError, json_load_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_HOURS = 1.65  # karpathy/nanochat's leaderboard, entry 6 (2026-03-14): CORE 0.2626 against GPT-2's 0.2565
@@ -47,8 +46,7 @@ def newest_results():
 
 def read_results(path):
     try:
-        with open(path) as f:
-            suite = json.load(f)["gpu_suite"]
+        suite = json_load_file(path)["gpu_suite"]
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{path} is not a gpu_check --suite results file ({e}): give one from dev/gpu_results/") from None
     if "ours_d24" not in suite["results"] or "breakdown_ms" not in suite["results"]["ours_d24"]:

@@ -6,7 +6,6 @@ all-reduce bandwidth, engine decode speed, and the verdict with what to change; 
 base_train process in a base dir of its own. The script wires these together.
 """
 
-import json
 import os
 import shutil
 import statistics
@@ -15,7 +14,7 @@ import time
 
 import torch
 
-from nanochat.common import autocast_for, child_pythonpath, compile_model, cpu_name
+from nanochat.common import autocast_for, child_pythonpath, compile_model, cpu_name, json_loads
 from nanochat.recipe import REFERENCE_BATCH
 
 # The speedrun's base model (speedrun.sh, gpu preset): depth 24, 2^19 tokens per step of 2048-token rows, 10 tokens per
@@ -116,7 +115,7 @@ def curve_summary(base_dir, skip=3):
     """Median tok/s and MFU of a finished base_train run (its first `skip` steps, compile and warmup, left out), and its
     val bpb by step, from the run's report curve."""
     with open(os.path.join(base_dir, "report", "curves", "base_train.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        records = [json_loads(line) for line in f if line.strip()]
     steps = [r for r in records if "tok_per_sec" in r][skip:]
     return {"tok_per_sec": statistics.median(r["tok_per_sec"] for r in steps) if steps else None,
             "mfu": statistics.median(r["mfu"] for r in steps) if steps and "mfu" in steps[0] else None,

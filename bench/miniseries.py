@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanochat.common import UserError, atomic_write_text, get_base_dir
+from nanochat.common import UserError, atomic_write_text, get_base_dir, json_load_file
 from nanochat.report import _new_figure, _save_png, read_jsonl
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,8 +81,7 @@ def check_family(directory, settings):
     """
     path = os.path.join(directory, "family.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            before = json.load(f)
+        before = json_load_file(path)
     except FileNotFoundError:
         before = None
     except (OSError, ValueError) as e:
@@ -119,8 +118,7 @@ def latest_meta(run_dir, tag):
     steps = sorted(n for n in os.listdir(ckpt_dir) if n.startswith("step_")) if os.path.isdir(ckpt_dir) else []
     for name in reversed(steps):
         try:
-            with open(os.path.join(ckpt_dir, name, "meta.json"), encoding="utf-8") as f:
-                return json.load(f)
+            return json_load_file(os.path.join(ckpt_dir, name, "meta.json"))
         except (OSError, ValueError):
             continue
     return None
@@ -193,8 +191,7 @@ def curve_points(run_dir, recipe, total_batch_size):
 def read_results(directory):
     """The rows of an earlier invocation, by run name ({} if none)."""
     try:
-        with open(os.path.join(directory, "results.json"), encoding="utf-8") as f:
-            return {row["run"]: row for row in json.load(f)}
+        return {row["run"]: row for row in json_load_file(os.path.join(directory, "results.json"))}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 

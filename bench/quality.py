@@ -6,7 +6,6 @@ per token against the plain model's, and its speed.
 """
 
 import hashlib
-import json
 import os
 import tempfile
 import time
@@ -14,7 +13,7 @@ import time
 import torch
 
 from bench.common import emit_json, holds_training_data, log, machine_info, print_table
-from nanochat.common import UserError, autocast_for, get_base_dir, get_compute_dtype
+from nanochat.common import UserError, autocast_for, get_base_dir, get_compute_dtype, json_load_file
 
 
 def quality_data(source, vocab_size):
@@ -33,8 +32,7 @@ def quality_data(source, vocab_size):
     imported_dir = None
     if source not in ("builtin", "brown"):  # your own data: its shards, linked, with a tokenizer of the bench's size
         imported_dir = os.path.join(get_base_dir(), "base_data", src.name)
-        with open(os.path.join(imported_dir, "import.json"), encoding="utf-8") as f:
-            created = json.load(f)["created"]
+        created = json_load_file(os.path.join(imported_dir, "import.json"))["created"]
         name = f"{source}-{hashlib.sha256(f'{imported_dir} {created}'.encode()).hexdigest()[:10]}"
     base = os.path.join(tempfile.gettempdir(), "nanochat_bench_quality", name)
     os.environ["NANOCHAT_BASE_DIR"] = base

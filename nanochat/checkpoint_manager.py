@@ -19,7 +19,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanochat.common import UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, print0, sha256_of
+from nanochat.common import (UserError, dist_rank_world, ensure_writable, get_base_dir, get_dist_info, json_load_file,
+                             print0, sha256_of)
 from nanochat.gpt import OPTIONAL_FIELDS, config_from_dict
 
 STAGE_DIRS = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -110,30 +111,46 @@ def validate_meta(meta):
     return None
 
 
-def list_steps(ckpt_dir):
-    """Steps of the usable checkpoints in ckpt_dir, ascending. Temp dirs of interrupted saves are ignored; a step dir
-    with a missing, unreadable or invalid meta.json is named in a warning (once) and skipped."""
+def scan_steps(ckpt_dir):
+    """(steps of the usable checkpoints in ckpt_dir ascending, {step dir: why it is not usable}). Temp dirs of
+    interrupted saves are ignored; a step dir with a missing, unreadable or invalid meta.json is named in a warning
+    (once) and skipped, and its reason kept: when nothing is usable, the refusal says why rather than "train first"."""
     if not os.path.isdir(ckpt_dir):
-        return []
-    steps = []
-    for name in os.listdir(ckpt_dir):
+        return [], {}
+    steps, unusable = [], {}
+    for name in sorted(os.listdir(ckpt_dir)):
         m = STEP_DIR_RE.match(name)
         if not m:
             continue
         step_dir = os.path.join(ckpt_dir, name)
         try:
-            with open(os.path.join(step_dir, "meta.json")) as f:
-                reason = validate_meta(json.load(f))
+            reason = validate_meta(json_load_file(os.path.join(step_dir, "meta.json")))
         except FileNotFoundError:
             reason = "it has no meta.json (a save from before atomic saves, or files deleted by hand)"
         except (OSError, ValueError) as e:
             reason = f"its meta.json is unreadable ({e})"
         if reason is None:
             steps.append(int(m.group(1)))
-        elif step_dir not in _warned_about:
+            continue
+        unusable[step_dir] = reason
+        if step_dir not in _warned_about:
             _warned_about.add(step_dir)
             print0(f"warning: skipping checkpoint {step_dir}: {reason}; delete it or restore its files")
-    return sorted(steps)
+    return sorted(steps), unusable
+
+
+def list_steps(ckpt_dir):
+    """Steps of the usable checkpoints in ckpt_dir, ascending (scan_steps)."""
+    return scan_steps(ckpt_dir)[0]
+
+
+def unusable_note(unusable):
+    """What a refusal for want of a checkpoint adds when step dirs were skipped: the first one and its reason."""
+    if not unusable:
+        return ""
+    step_dir, reason = next(iter(unusable.items()))
+    more = f" (and {len(unusable) - 1} more)" if len(unusable) > 1 else ""
+    return f": {step_dir}{more} is skipped because {reason}; delete it or restore its files, or"
 
 
 # -----------------------------------------------------------------------------
@@ -226,9 +243,9 @@ def save_checkpoint(ckpt_dir, step, model, optimizers, meta, keep_last=2):
 
 
 def resolve_step(ckpt_dir, step=None, fix="train one first, or drop --resume"):
-    steps = list_steps(ckpt_dir)
+    steps, unusable = scan_steps(ckpt_dir)
     if not steps:
-        raise UserError(f"no checkpoint found in {ckpt_dir}; {fix}")
+        raise UserError(f"no checkpoint found in {ckpt_dir}{unusable_note(unusable) or ';'} {fix}")
     if step is None:
         return steps[-1]
     if step not in steps:
@@ -239,9 +256,8 @@ def resolve_step(ckpt_dir, step=None, fix="train one first, or drop --resume"):
 def load_meta(ckpt_dir, step):
     path = os.path.join(ckpt_dir, f"step_{step:06d}", "meta.json")
     try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json_load_file(path)
+    except (OSError, ValueError) as e:
         raise UserError(f"checkpoint metadata {path} is unreadable ({e}); delete that step directory and use an older one") from e
     reason = validate_meta(meta)
     if reason:
@@ -280,8 +296,11 @@ def load_checkpoint(ckpt_dir, step, device, rank=0, load_optimizer=True):
                         "that stage is its own), which starts its own")
     tensors_path = _verified_path(step_dir, f"optim_rank{rank}.safetensors", meta)
     json_path = _verified_path(step_dir, f"optim_rank{rank}.json", meta)
-    with open(json_path) as f:
-        rest = json.load(f)
+    try:
+        rest = json_load_file(json_path)
+    except (OSError, ValueError) as e:  # its hash matched: written so, not damaged since
+        raise UserError(f"checkpoint file {json_path} is unreadable ({e}); delete {step_dir} and resume from an older "
+                        "step") from None
     return model_state, _unflatten_optimizer_state(load_file(tensors_path, device=str(device)), rest), meta
 
 
@@ -316,9 +335,14 @@ def _check_tokenizer(ckpt_dir, meta, current_hash, alternative):
 
 def find_latest_tag(stage):
     root = checkpoints_root(stage)
-    tags = [t for t in os.listdir(root) if list_steps(os.path.join(root, t))] if os.path.isdir(root) else []
+    tags, unusable = [], {}
+    for tag in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        steps, skipped = scan_steps(os.path.join(root, tag))
+        tags += [tag] if steps else []
+        unusable.update(skipped)
     if not tags:
-        raise UserError(f"no {stage} checkpoints under {root}; train that stage first")
+        raise UserError(f"no {'usable ' if unusable else ''}{stage} checkpoints under {root}"
+                        f"{unusable_note(unusable) or ';'} train that stage first")
     return max(tags, key=lambda t: os.path.getmtime(os.path.join(root, t)))
 
 
@@ -351,6 +375,22 @@ def check_weights_fit(model_state, model_config, where):
                     + "; delete that step directory and use an older one")
 
 
+def count_not_finite(tensor, chunk=1 << 24):
+    """The NaN and infinite values in a tensor, counted a slice at a time: isfinite's mask takes a byte per value."""
+    if not tensor.is_floating_point():
+        return 0
+    return sum(int(piece.numel() - torch.isfinite(piece).sum()) for piece in tensor.reshape(-1).split(chunk))
+
+
+def check_weights_finite(model_state, where, fix):
+    """Every weight a number: a NaN or inf one loads and serves without a word (the text may never reach it)."""
+    for name, tensor in model_state.items():
+        bad = count_not_finite(tensor)
+        if bad:
+            raise UserError(f"{where}: {name} holds {bad:,} NaN or infinite values; the weights are damaged (a run "
+                            f"that diverged, or a broken copy): {fix}")
+
+
 def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train that stage first, or check -i / -g"):
     """load_model for a checkpoint directory named by its path (a stage resuming its own checkpoints)."""
     from nanochat.gpt import build_model
@@ -360,6 +400,8 @@ def load_model_from_dir(ckpt_dir, device, phase="eval", step=None, fix="train th
     step = resolve_step(ckpt_dir, step, fix=fix)
     model_state, _, meta = load_checkpoint(ckpt_dir, step, device, load_optimizer=False)
     check_weights_fit(model_state, meta["model_config"], f"checkpoint {ckpt_dir} step {step}")
+    check_weights_finite(model_state, f"checkpoint {ckpt_dir} step {step}",
+                         "delete that step directory and use an older one")
     model = build_model(meta["model_config"], device)
     model.load_state_dict(model_state, strict=True)
     model.train(phase == "train")

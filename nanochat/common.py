@@ -158,11 +158,31 @@ def sha256_of(path):
     return h.hexdigest()
 
 
+JSON_TOO_DEEP = "JSON nested too deep to read"
+
+
+def json_loads(text):
+    """json.loads for every JSON the project reads: JSON nested deeper than the parser's stack (200,000 brackets) is a
+    JSONDecodeError like any other malformed JSON, where json.loads raises RecursionError, which `except ValueError`
+    misses. Its message is JSON_TOO_DEEP alone: where the parser gave up says nothing."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        error = json.JSONDecodeError(JSON_TOO_DEEP, "", 0)
+        error.args = (JSON_TOO_DEEP,)
+        raise error from None
+
+
+def json_load_file(path):
+    """The JSON value in a UTF-8 file: OSError when it cannot be read, ValueError when it is not JSON (json_loads)."""
+    with open(path, encoding="utf-8") as f:
+        return json_loads(f.read())
+
+
 def read_json_object(path):
     """A JSON object from a file, or None when it is missing or unreadable (or not an object)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        obj = json_load_file(path)
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None

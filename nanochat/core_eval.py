@@ -24,7 +24,7 @@ import yaml
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.common import UserError, dist_rank_world, get_base_dir, print0
+from nanochat.common import UserError, dist_rank_world, get_base_dir, json_loads, print0
 from nanochat.download import DownloadError, download_file
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -195,7 +195,7 @@ def load_task_data(path):
         with open(path, encoding="utf-8") as f:
             for line_number, line in enumerate(f, start=1):
                 if line.strip():
-                    data.append(json.loads(line))
+                    data.append(json_loads(line))
     except OSError as e:
         raise UserError(f"cannot read CORE task data {path} ({e}); delete the eval bundle to re-download") from e
     except json.JSONDecodeError as e:

@@ -2,8 +2,9 @@
 The one way nanochat fetches a file over HTTP (shards, the CORE eval bundle, hub files): `download_file`. Each
 attempt streams into a temp file of its own, is checked (announced size, sha256, size cap, the caller's `validate`)
 and only then renamed into place; network errors, 5xx answers and failed checks are retried with backoff, a 4xx is
-final. Whatever the server does, a download is bounded in size, in time (stall, drip, DEADLINE) and in scheme
-(http(s) only, redirects included); temp files a killed run left are removed by the next download of the same file.
+final. Whatever the server does, a download is bounded in size, in time (stall, drip, DEADLINE, from the request's
+start: its headers too) and in where it goes (http(s) only; plain http never to another host); temp files a killed run
+left are removed by the next download of the same file.
 """
 
 import hashlib
@@ -11,9 +12,10 @@ import os
 import random
 import re
 import shutil
+import socket
 import threading
 import time
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import requests
 import urllib3
@@ -97,22 +99,149 @@ class _Clock:
             self.start_attempt()
 
 
+class _Watchdog:
+    """Cuts an attempt's connections when its answer has not begun in time. A socket's read timeout restarts with
+    every byte, so without it a server trickling its headers a byte every few seconds holds a request forever."""
+
+    def __init__(self, seconds):
+        self.lock, self.connections, self.fired, self.answered = threading.Lock(), [], False, False
+        self.timer = threading.Timer(seconds, self.fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def watch(self, connection):
+        """A connection just connected: cut at once if the time is up already (it was connecting then)."""
+        with self.lock:
+            self.connections.append(connection)
+            if self.fired:
+                self.cut(connection)
+
+    def fire(self):
+        with self.lock:
+            if self.answered:
+                return
+            self.fired = True
+            for connection in self.connections:
+                self.cut(connection)
+
+    @staticmethod
+    def cut(connection):
+        try:  # socket's own shutdown, under TLS too: the blocked read sees the end of the stream
+            socket.socket.shutdown(connection.sock, socket.SHUT_RDWR)
+        except (OSError, TypeError):  # closed already
+            pass
+
+    def stop(self):
+        """The headers are in (or the request failed): from here the body's own checks bound the attempt. True when
+        the watchdog had fired first, so that what the request returned is cut short."""
+        with self.lock:
+            self.answered = True
+        self.timer.cancel()
+        return self.fired
+
+
+def _watch_pools(manager, watch):
+    """Make every connection of a urllib3 pool manager report itself to `watch` once connected."""
+    def watched(connection_cls):
+        def connect(self):
+            connection_cls.connect(self)
+            watch(self)
+
+        return type(connection_cls.__name__, (connection_cls,), {"connect": connect})
+
+    manager.pool_classes_by_scheme = {
+        scheme: type(pool.__name__, (pool,), {"ConnectionCls": watched(pool.ConnectionCls)})
+        for scheme, pool in manager.pool_classes_by_scheme.items()}
+
+
+class _WatchedAdapter(requests.adapters.HTTPAdapter):
+    def __init__(self, watch):
+        self.watch = watch  # before HTTPAdapter's __init__, which makes the pool manager
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **kwargs)
+        _watch_pools(self.poolmanager, self.watch)
+
+    def proxy_manager_for(self, proxy, **kwargs):
+        fresh = proxy not in self.proxy_manager
+        manager = super().proxy_manager_for(proxy, **kwargs)
+        if fresh and hasattr(manager, "pool_classes_by_scheme"):
+            _watch_pools(manager, self.watch)
+        return manager
+
+
+def redirect_problem(source, target):
+    """Why a download may not follow a redirect from `source` to `target`, or None. Plain http only within the plain
+    http server it came from: elsewhere (a downgrade from https, another host) anyone on the way may answer, and a file
+    no sha256 vouches for would be kept as it came. Other schemes are requests' to refuse (InvalidSchema)."""
+    before, after = urlsplit(source), urlsplit(target)
+    if after.scheme.lower() != "http" or (before.scheme.lower() == "http" and before.netloc.lower() == after.netloc.lower()):
+        return None
+    return "plain http on another server" if before.scheme.lower() == "http" else "plain http from https"
+
+
+class _Session(requests.Session):
+    """requests' session with our bounds on redirects: where they lead (redirect_problem), and their bodies, which are
+    never read (requests would read one whole into memory, and it may not end)."""
+
+    def __init__(self, watch):
+        super().__init__()
+        adapter = _WatchedAdapter(watch)
+        self.mount("http://", adapter)
+        self.mount("https://", adapter)
+
+    def get_redirect_target(self, response):
+        target = super().get_redirect_target(response)
+        if target:
+            target_url = urljoin(response.url, target)
+            problem = redirect_problem(response.url, target_url)
+            if problem:
+                raise DownloadError(f"cannot download {response.url}: it redirects to {target_url[:200]}, {problem}; a "
+                                    "download follows a redirect to https, or within its own plain http server (not "
+                                    "retrying)")
+            response.raw.close()
+            response._content, response._content_consumed = b"", True
+        return target
+
+
 def _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, stop, clock):
     """Stream url into tmp_path and check it. Raises AttemptFailed (retry) or DownloadError (give up)."""
     connect_timeout, read_timeout = timeout if isinstance(timeout, tuple) else (timeout, timeout)
     # A read may not outlast the deadline: the socket's timeout is the smaller of the two.
     read_timeout = min(read_timeout, clock.remaining())
-    # identity encoding: Content-Length and the hash must describe exactly the bytes we store
+    # The rate's window opens with the request, and the answer must have begun (its headers in) within that window or
+    # by the deadline, whichever comes first: the watchdog cuts the connection then.
+    clock.start_attempt()
+    deadline_first = clock.remaining() <= clock.rate_window
+    watchdog = _Watchdog(min(clock.rate_window, clock.remaining()))
+    session = _Session(watchdog.watch)
+    error = None
     try:
-        response = requests.get(url, stream=True, timeout=(connect_timeout, read_timeout),
-                                headers={"Accept-Encoding": "identity"})
-    except (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
-            requests.exceptions.TooManyRedirects) as e:
-        # a redirect to file://, or in circles: asking again gets the same answer
-        raise DownloadError(f"cannot download {url}: {type(e).__name__}: {e} (not retrying)") from None
+        # identity encoding: Content-Length and the hash must describe exactly the bytes we store
+        response = session.get(url, stream=True, timeout=(connect_timeout, read_timeout),
+                               headers={"Accept-Encoding": "identity"})
     except requests.RequestException as e:
-        raise AttemptFailed(f"request failed ({type(e).__name__}: {e})") from e
-    with response:
+        error = e
+    except BaseException:  # a redirect refused (DownloadError), an interrupt
+        watchdog.stop()
+        session.close()
+        raise
+    if watchdog.stop() or error is not None:
+        session.close()
+    if watchdog.fired:  # the answer had not begun in time: whatever the request returned was cut short
+        if deadline_first:
+            raise DownloadError(f"cannot download {url}: not finished within the {clock.deadline:g} s deadline for one "
+                                "file (its answer had not begun)")
+        raise AttemptFailed(f"too slow: the answer had not begun (its headers incomplete) {clock.rate_window:g} s after "
+                            f"the request, under the minimum rate of {clock.min_rate:,} bytes/s")
+    if isinstance(error, (requests.exceptions.InvalidSchema, requests.exceptions.InvalidURL,
+                          requests.exceptions.MissingSchema, requests.exceptions.TooManyRedirects)):
+        # a redirect to file://, or in circles: asking again gets the same answer
+        raise DownloadError(f"cannot download {url}: {type(error).__name__}: {error} (not retrying)") from None
+    if error is not None:
+        raise AttemptFailed(f"request failed ({type(error).__name__}: {error})") from error
+    with session, response:
         status = response.status_code
         if status >= 400:
             message = f"HTTP {status} {response.reason}"
@@ -130,7 +259,6 @@ def _fetch_once(url, tmp_path, timeout, expected_sha256, max_bytes, on_bytes, st
         limit = size if size is not None else max_bytes  # the body may never outgrow what was announced
         hasher = hashlib.sha256()
         received = 0
-        clock.start_attempt()
         try:
             with open(tmp_path, "wb") as f:
                 while True:

@@ -237,11 +237,12 @@ class _SandboxChild:
 
 
 def _parse_status(raw):
-    # The report comes from a child that may run hostile code: only a well-formed one counts.
+    # The report comes from a child that may run hostile code: only a well-formed one counts. RecursionError: JSON
+    # nested too deep (common.json_loads says so, but this module imports nothing of nanochat: the child runs it too).
     try:
         status = json.loads(raw)
         error, memory_exceeded = status["error"], status["memory_exceeded"]
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
     if not (error is None or isinstance(error, str)) or not isinstance(memory_exceeded, bool):
         return None

@@ -44,6 +44,9 @@ OPTIONAL_FIELDS = COMPONENTS + ("value_embed_layers",) + tuple(VARIANT_DEFAULTS)
 # rotary tables are built for ROTARY_LENGTH_FACTOR times it (dev/LOG.md).
 SHAPE_LIMITS = {"sequence_len": 2**18, "vocab_size": 2**20, "n_layer": 1024, "n_head": 2**16, "n_kv_head": 2**16,
                 "n_embd": 2**16, "ve_gate_channels": 2**16, "smear_gate_channels": 2**16}
+# The rotary tables grow with context x head_dim, not with the weights: a 315 KiB model of one head and a 2^18 context
+# built 2 GiB of them. They may take this much in fp32, or as much as the weights do when that is more.
+ROTARY_BYTES_FLOOR = 1 << 28
 
 
 def shape_problem(name, value):
@@ -132,6 +135,19 @@ class GPTConfig:
         head_dim = self.n_embd // self.n_head
         if head_dim % 2 != 0:
             raise ValueError(f"GPTConfig: head_dim = n_embd/n_head = {head_dim} must be even for rotary embeddings")
+        rotary_bytes = 2 * 4 * ROTARY_LENGTH_FACTOR * self.sequence_len * (head_dim // 2)  # cos and sin, fp32
+        weight_bytes = 4 * self.plain_params()
+        if rotary_bytes > max(ROTARY_BYTES_FLOOR, weight_bytes):
+            raise ValueError(f"GPTConfig: sequence_len {self.sequence_len} x head_dim {head_dim} needs rotary tables of "
+                             f"{rotary_bytes / 2**20:,.0f} MiB ({ROTARY_LENGTH_FACTOR}x the context), more than the "
+                             f"{weight_bytes / 2**20:,.1f} MiB of weights or {ROTARY_BYTES_FLOOR >> 20} MiB: shorten the "
+                             "context, or use more heads")
+
+    def plain_params(self):
+        """The parameters of the plain model of this shape (the components only add to them): embedding, head, and
+        per layer q, k, v and the output projection, and the MLP's 4x expansion."""
+        kv_width = self.n_kv_head * (self.n_embd // self.n_head)
+        return 2 * self.vocab_size * self.n_embd + self.n_layer * (10 * self.n_embd ** 2 + 2 * self.n_embd * kv_width)
 
 
 # -----------------------------------------------------------------------------

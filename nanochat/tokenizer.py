@@ -16,7 +16,7 @@ import numpy as np
 import rustbpe
 import tiktoken
 
-from nanochat.common import UserError, atomic_write_text, get_base_dir, read_json_object
+from nanochat.common import UserError, atomic_write_text, get_base_dir, json_load_file, read_json_object
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # starts every document and every conversation
@@ -102,8 +102,7 @@ class RustBPETokenizer:
             if not os.path.isfile(path):
                 raise UserError(f"no tokenizer at {tokenizer_dir} ({os.path.basename(path)} missing): {TRAIN_HINT}")
         try:
-            with open(meta_path, encoding="utf-8") as f:
-                meta = json.load(f)
+            meta = json_load_file(meta_path)
             with open(ranks_path, encoding="utf-8") as f:
                 ranks_text = f.read()
             if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:

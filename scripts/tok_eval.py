@@ -9,7 +9,7 @@ them cached. More bytes per token = shorter sequences for the same text.
 
 import argparse
 
-from nanochat.common import RenamedFlag, UserError, print0, run_main
+from nanochat.common import RenamedFlag, UserError, json_loads, print0, run_main
 from nanochat.dataset import get_default_source, parquets_iter_batched
 from nanochat.report import get_report
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
@@ -38,7 +38,7 @@ def load_scores(path: Path) -> dict[str, float]:
             if not line:
                 continue
             try:
-                record = json.loads(line)
+                record = json_loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_number}: {e}") from None
             scores[record["name"]] = float(record["score"])

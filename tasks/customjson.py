@@ -6,7 +6,7 @@ Generative, with no automatic check (evaluate raises).
 
 import json
 
-from nanochat.common import UserError
+from nanochat.common import UserError, json_loads
 from tasks.base import Task, validate_conversation
 
 
@@ -26,7 +26,7 @@ class CustomJSON(Task):
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
+                item = json_loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
             conversation = {"messages": item} if isinstance(item, list) else item

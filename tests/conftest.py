@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny built-in corpus and tokenizer, built once per test session; a local stand-in hub."""
 
+import contextlib
 import io
 import json
 import os
@@ -47,6 +48,34 @@ def random_tiny_gpt(vocab_size, sequence_len, seed=0, n_layer=2, n_embd=64):
             block.mlp.c_proj.weight.normal_(std=0.1)
         model.lm_head.weight.normal_(std=0.3)
     return model.eval()
+
+
+@contextlib.contextmanager
+def rss_growth():
+    """Measures how far this process's resident memory rose while the block ran: {"bytes": ...} once it ends, raising
+    or not. The kernel's high-water mark (VmHWM) is reset through /proc/self/clear_refs after the heap's free memory is
+    handed back, so that memory freed earlier is neither reused unseen nor counted. Linux only; skipped elsewhere."""
+    import gc
+
+    from nanochat.common import return_freed_memory
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) << 10
+
+    gc.collect()
+    return_freed_memory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its peak memory (/proc/self/clear_refs)")
+    grew = {}
+    before = status("VmRSS")
+    try:
+        yield grew
+    finally:
+        grew["bytes"] = status("VmHWM") - before
 
 
 @pytest.fixture

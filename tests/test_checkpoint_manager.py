@@ -259,3 +259,61 @@ def test_weights_that_do_not_fit_the_meta_are_refused_in_one_line_before_buildin
     with pytest.raises(UserError, match=r"missing parameters: transformer\.h\.2\.") as excinfo:
         load_model("base", "cpu", model_tag="tiny")
     assert "\n" not in str(excinfo.value)
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 6 and 7: a checkpoint's files, read by chat_cli, chat_web, the evaluations and --resume
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("damage", ["nested", "truncated"])
+def test_a_bad_meta_json_is_refused_in_one_line_with_its_reason(base_copy, damage):
+    """chat_cli (and chat_web, the evaluations) load the stage's latest checkpoint. A meta.json nested 200,000 deep was
+    a RecursionError traceback; a truncated one ended as "no base checkpoints ...; train that stage first", its reason
+    only in a warning above. Either is now the refusal's own line: the step directory, and why it is skipped."""
+    meta_path = save_untrained(get_tokenizer())
+    text = "[" * 200_000 + "]" * 200_000 if damage == "nested" else read_bytes(meta_path).decode()[:40]
+    write_bytes(meta_path, text.encode())
+    reason = r"JSON nested too deep to read" if damage == "nested" else r"(Unterminated string|Expecting)"
+    skipped = rf"step_000001 is skipped because its meta.json is unreadable \({reason}.*; delete it or restore its files"
+    with pytest.raises(UserError, match=rf"no usable base checkpoints under .*{skipped}, or train that stage first"
+                       ) as excinfo:
+        load_model("base", "cpu")
+    assert "\n" not in str(excinfo.value)
+    with pytest.raises(UserError, match=rf"no checkpoint found in .*tiny: .*{skipped}") as excinfo:
+        load_model("base", "cpu", model_tag="tiny")
+    assert "\n" not in str(excinfo.value)
+
+
+@pytest.mark.quick
+def test_an_optimizer_json_nested_200000_deep_is_one_line_on_resume(base_copy, single_torch_thread):
+    """optim_rank0.json, hashed as written (meta.json vouches for it), read on --resume: a traceback before."""
+    train_and_save(get_tokenizer())
+    optim_json = os.path.join(step_dir(), "optim_rank0.json")
+    write_bytes(optim_json, ("[" * 200_000 + "]" * 200_000).encode())
+    meta_path = os.path.join(step_dir(), "meta.json")
+    meta = json.loads(read_bytes(meta_path))
+    meta["files"]["optim_rank0.json"] = hashlib.sha256(read_bytes(optim_json)).hexdigest()
+    write_bytes(meta_path, json.dumps(meta).encode())
+    with pytest.raises(UserError, match=r"optim_rank0\.json is unreadable \(JSON nested too deep to read\); delete "
+                                        r".*step_000002 and resume from an older step") as excinfo:
+        load_checkpoint(checkpoint_dir("base", "tiny"), SAVED_STEP, "cpu", load_optimizer=True)
+    assert "\n" not in str(excinfo.value)
+
+
+@pytest.mark.quick
+def test_a_nan_weight_with_consistent_hashes_is_refused_naming_the_tensor(base_copy, single_torch_thread):
+    """A run that diverged saves a checkpoint whose hashes are right: it loaded and served without a word wherever the
+    text never reached the NaN (imports already refused such weights)."""
+    tokenizer = get_tokenizer()
+    config = tiny_config(tokenizer)
+    model = build_model(config, "cpu")
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[3, 5] = float("nan")
+        model.lm_head.weight[0, :2] = float("inf")
+    meta = {"model_config": dataclasses.asdict(config), "tokenizer_hash": tokenizer.fingerprint()}
+    save_checkpoint(checkpoint_dir("base", "tiny"), 1, model, [], meta)
+    with pytest.raises(UserError, match=r"checkpoint .*tiny step 1: (transformer\.h\.1\.mlp\.c_fc\.weight holds 1|"
+                                        r"lm_head\.weight holds 2) NaN or infinite values; .* delete that step") as excinfo:
+        load_model("base", "cpu", model_tag="tiny")
+    assert "\n" not in str(excinfo.value)

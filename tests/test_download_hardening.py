@@ -4,6 +4,7 @@ redirect to file://, and the temp file a killed run left. Every bound is made ti
 defaults patched), so each test takes about a second; no test asserts a timing.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -174,3 +175,121 @@ def test_the_temp_file_of_a_killed_download_is_removed_by_the_next(serve, tmp_pa
     download_file(server.url + "/file", str(tmp_path / "f.bin"))
     assert (tmp_path / "f.bin").read_bytes() == body
     assert leftovers(tmp_path) == ["f.bin", live.name]
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 5 and 7: the answer's headers, the documented cap, where a redirect may lead, what an error echoes
+
+
+def trickle_headers(req):
+    """A status line, then a header a byte every 50 ms: every read sees a byte long before its timeout (for up to
+    20 s, a bound for the test; then the headers end, with a 5-byte body). The bytes it got out are counted in
+    req.server.trickled."""
+    req.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    for _ in range(400):
+        req.wfile.write(b"x")
+        req.wfile.flush()
+        req.server.trickled = getattr(req.server, "trickled", 0) + 1
+        time.sleep(0.05)
+    req.wfile.write(b"\r\nContent-Length: 5\r\n\r\nhello")
+
+
+def test_headers_trickled_a_byte_at_a_time_meet_the_minimum_rate(serve, tmp_path):
+    """The rate's window opens with the request, not the body: headers still arriving when it closes fail the
+    attempt, as a body that slow would. Before, each byte restarted the read timeout and the rate was never looked at."""
+    server = serve({"/slow": trickle_headers})
+    with pytest.raises(DownloadError, match=r"after 2 attempts: too slow: the answer had not begun \(its headers "
+                                            r"incomplete\) 0.5 s after the request"):
+        download_file(server.url + "/slow", str(tmp_path / "f.bin"), max_attempts=2, backoff=0.01, rate_window=0.5)
+    assert server.requests["/slow"] == 2 and leftovers(tmp_path) == []
+
+
+def test_headers_trickled_a_byte_at_a_time_end_at_the_deadline(serve, tmp_path):
+    """One deadline from the request's start: a trickle of headers ends there, not retried."""
+    server = serve({"/slow": trickle_headers})
+    with pytest.raises(DownloadError, match=r"not finished within the 1 s deadline for one file \(its answer had not "
+                                            r"begun\)"):
+        download_file(server.url + "/slow", str(tmp_path / "f.bin"), backoff=0.01, deadline=1.0)
+    assert server.requests["/slow"] == 1 and leftovers(tmp_path) == []
+    time.sleep(0.2)  # the server's next byte meets the closed connection
+    assert server.server.trickled < 100  # cut off at the deadline, not when the server chose to finish (400)
+
+
+def test_a_hub_model_file_of_no_listed_size_stops_at_the_documented_cap(serve, tmp_path, monkeypatch):
+    """Listed without a size and sent without Content-Length, a model file was capped at 256 GiB in code, where
+    docs/data.md says 16 GiB: it is download_file's cap now (made 1 MiB here)."""
+    from nanochat.common import UserError
+    from nanochat.data.hub import fetch_model_files
+
+    monkeypatch.setattr(download, "DEFAULT_MAX_BYTES", 1 << 20, raising=False)
+    listing = json.dumps([{"type": "file", "path": "model_000001.pt"}]).encode()
+    server = serve({"/api/models/o/n/tree/main?recursive=true": lambda req: (headers(req, len(listing)),
+                                                                             req.wfile.write(listing)),
+                    "/o/n/resolve/main/model_000001.pt": endless})
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match=r"model_000001.pt: more than the 1,048,576 bytes this file may have"):
+        fetch_model_files("o/n", "main", lambda listing: ["model_000001.pt"])
+    assert server.requests["/o/n/resolve/main/model_000001.pt"] == 1
+
+
+def test_a_redirect_to_plain_http_elsewhere_is_refused_at_once(serve, tmp_path):
+    """A hub's redirect to its CDN is https; one to plain http on another host (here: the same server by another
+    name) is refused, not followed, and not retried. Within the same plain http server it is followed."""
+    body = b"the whole file"
+    server = serve({"/file": lambda req: (headers(req, len(body)), req.wfile.write(body))})
+    elsewhere = server.url.replace("127.0.0.1", "localhost") + "/file"
+
+    def redirect(location):
+        def answer(req):
+            req.send_response(302)
+            req.send_header("Location", location)
+            req.send_header("Content-Length", "0")
+            req.end_headers()
+        return answer
+
+    server.routes.update({"/away": redirect(elsewhere), "/here": redirect("/file")})
+    with pytest.raises(DownloadError, match=rf"it redirects to {elsewhere}, plain http on another server; .*not "
+                                            r"retrying"):
+        download_file(server.url + "/away", str(tmp_path / "f.bin"), backoff=0.01)
+    assert server.requests["/away"] == 1 and "/file" not in server.requests and leftovers(tmp_path) == []
+    download_file(server.url + "/here", str(tmp_path / "f.bin"))
+    assert (tmp_path / "f.bin").read_bytes() == body
+    from nanochat.download import redirect_problem  # a downgrade from https, which a local test server cannot offer
+
+    assert redirect_problem("https://hub.example/x", "http://hub.example/x") == "plain http from https"
+    assert redirect_problem("https://hub.example/x", "https://cdn.example/y") is None
+
+
+def test_a_redirects_body_is_never_read(serve, tmp_path):
+    """requests read a redirect's body whole into memory before following it; one that does not end (64 MiB here, a
+    bound for the test) is now left unread: the connection is closed after its headers."""
+    body, sent = b"the whole file", []
+
+    def redirect_with_a_body(req):
+        req.send_response(302)
+        req.send_header("Location", "/file")
+        req.end_headers()
+        block = b"x" * 65536
+        for _ in range(1024):
+            req.wfile.write(block)
+            sent.append(len(block))
+
+    server = serve({"/redirect": redirect_with_a_body, "/file": lambda req: (headers(req, len(body)),
+                                                                              req.wfile.write(body))})
+    download_file(server.url + "/redirect", str(tmp_path / "f.bin"))
+    assert (tmp_path / "f.bin").read_bytes() == body
+    time.sleep(0.2)  # the server's writes end at the closed connection
+    assert sum(sent) < 32 << 20, sum(sent)
+
+
+def test_a_json_answer_that_is_not_json_is_described_not_echoed(serve, tmp_path):
+    """A failed listing quoted 200 characters of the server's answer into the error (a terminal's escape sequences,
+    whatever it liked); it says what the answer was now."""
+    from nanochat.data.hub import fetch_json
+
+    answer = b"<html>\x1b]0;owned\x07 secret-session-token-4242 </html>"
+    server = serve({"/api": lambda req: (headers(req, len(answer)), req.wfile.write(answer))})
+    with pytest.raises(DownloadError, match=r"expected JSON, got 50 characters that are not \(Expecting value") as e:
+        fetch_json(server.url + "/api")
+    assert "secret" not in str(e.value) and "owned" not in str(e.value) and "html" not in str(e.value)

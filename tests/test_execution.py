@@ -279,3 +279,13 @@ def test_without_os_isolation_one_line_says_so():
     assert run.returncode == 0, run.stderr
     assert run.stdout == "1\n 2\n"
     assert run.stderr.count("nanochat sandbox: guards mode") == 1 and len(run.stderr.splitlines()) == 1, run.stderr
+
+
+@pytest.mark.quick
+def test_a_status_report_nested_200000_deep_counts_as_no_report():
+    """The child's report may come from the code it ran: JSON nested too deep raised RecursionError in the parent,
+    past its `except ValueError`, where any other malformed report counts as none."""
+    from nanochat.execution import _parse_status
+
+    assert _parse_status("[" * 200_000 + "]" * 200_000) is None
+    assert _parse_status('{"error": null, "memory_exceeded": false}') == {"error": None, "memory_exceeded": False}

@@ -476,3 +476,31 @@ def test_extra_parameter_refused(single_torch_thread):
     model.resid_lambdas = torch.nn.Parameter(torch.ones(2))  # a per-layer scalar NanoChat has no place for
     with pytest.raises(UserError, match="resid_lambdas"):
         hf_state_dict(model, 300, torch.float32)
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 7: --out's name
+
+
+@pytest.mark.quick
+def test_an_out_name_of_250_bytes_exports(tmp_path):
+    """A valid name: the temp directory beside it was named after it, prefix and suffix added, past the 255 bytes a
+    name may have (ENAMETOOLONG)."""
+    from nanochat.interop.hf_export import check_output_dir, write_export_dir
+
+    out = check_output_dir(str(tmp_path / ("é" * 125)))  # 250 bytes in UTF-8
+    write_export_dir(out, {"config.json": {"a": 1}}, MeddlingTokenizer(lambda: None), {"w": torch.zeros(2)})
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert os.listdir(tmp_path) == ["é" * 125]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["hf\nd20", "hf\td20", "d20\n"])
+def test_an_out_with_a_control_character_is_refused(tmp_path, name):
+    """Every other name the project takes refuses a newline; --out took one and wrote a directory named so."""
+    from nanochat.common import UserError
+    from nanochat.interop.hf_export import check_output_dir
+
+    with pytest.raises(UserError, match=r"--out .* holds a control character \(a newline, a tab...\)") as excinfo:
+        check_output_dir(str(tmp_path / name))
+    assert "\n" not in str(excinfo.value) and os.listdir(tmp_path) == []

@@ -304,3 +304,105 @@ def test_a_listing_with_a_nul_an_overlong_or_an_invalid_name_is_one_line(tmp_pat
         import_model("someone/nanochat-d4", "sft")
     assert not [r for r in server.requests if "/resolve/" in r]
     assert not os.path.exists(os.path.join(target, "chatsft_checkpoints"))
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 4: memory grows with a file's size, not with what it unpacks to or describes
+
+
+@pytest.mark.quick
+def test_a_pt_whose_records_unpack_past_its_size_is_refused_before_inflating(tmp_path, target):
+    """The attack: a .pt re-zipped with its pickle deflated, 128 MiB of zeros after the pickle's end, in a file of a
+    few hundred KB. torch.load inflates the record whole (twice over, here ~256 MiB) and then loads the model as if
+    nothing were wrong; the import now sums the sizes the zip declares and refuses it before torch reads a byte."""
+    import zipfile
+
+    from conftest import rss_growth
+    from nanochat.interop.model_import import import_model
+
+    folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2025-10", sequence_len=64)
+    model_file = os.path.join(folder, "model_000020.pt")
+    with zipfile.ZipFile(model_file) as archive:
+        records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(model_file, "w", compresslevel=1) as archive:
+        for name, data in records:
+            info = zipfile.ZipInfo(name)
+            if not name.endswith("/data.pkl"):
+                archive.writestr(info, data)
+                continue
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(info, "w", force_zip64=True) as record:
+                record.write(data)
+                zeros = bytes(1 << 20)
+                for _ in range(128):
+                    record.write(zeros)
+    assert os.path.getsize(model_file) < 2 << 20
+    with rss_growth() as grew, pytest.raises(UserError, match=r"refusing .*model_000020\.pt: its records unpack to "
+                                                              r"1\d\d,\d{3},\d{3} bytes, more than the file's own"):
+        import_model(folder, "base")
+    assert grew["bytes"] < 48 << 20, grew
+    assert not os.path.exists(target)
+
+
+@pytest.mark.quick
+def test_a_model_of_a_long_context_and_one_head_is_refused_before_its_rotary_tables(tmp_path, target):
+    """The attack: a model of a few hundred KB, one head of 64 channels and a 2^18 context, every weight consistent.
+    Its rotary tables (ten times the context x head_dim) took ~1 GiB to build and it imported; the meta is now refused,
+    naming the shapes, before the tokenizer or the weights are read."""
+    from conftest import rss_growth
+    from nanochat.interop.model_import import import_model
+    from test_model_import import source_state
+
+    folder, _, model_config, enc = write_base_dir(str(tmp_path / "theirs"), "2025-10", sequence_len=64)
+    torch.save(source_state("2025-10", enc.n_vocab, n_head=1, n_kv_head=1), os.path.join(folder, "model_000020.pt"))
+    meta_file = os.path.join(folder, "meta_000020.json")
+    meta = json.load(open(meta_file))
+    meta["model_config"].update(sequence_len=2**18, n_head=1, n_kv_head=1)
+    json.dump(meta, open(meta_file, "w"))
+    with rss_growth() as grew, pytest.raises(UserError, match=r"meta_000020\.json: the model it describes cannot be built "
+                                                              r"\(GPTConfig: sequence_len 262144 x head_dim 64 needs "
+                                                              r"rotary tables of 640 MiB") as excinfo:
+        import_model(folder, "base")
+    assert "\n" not in str(excinfo.value) and grew["bytes"] < 48 << 20, grew
+    assert not os.path.exists(target)
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 6: JSON nested 200,000 deep in any file the import reads is one line
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("which", ["meta", "config.json", "tokenizer.json"])
+def test_json_nested_200000_deep_in_an_imported_file_is_one_line(tmp_path, target, which):
+    """json.load raises RecursionError there, which no `except ValueError` caught: a traceback."""
+    from nanochat.interop.model_import import import_model
+    from test_model_import_bad_files import transformers_dir
+
+    deep = "[" * 200_000 + "]" * 200_000
+    if which == "meta":
+        folder, *_ = write_base_dir(str(tmp_path / "theirs"), "2025-10", sequence_len=64)
+        path = os.path.join(folder, "meta_000020.json")
+    else:
+        folder = transformers_dir(str(tmp_path / "hf"))
+        path = os.path.join(folder, which)
+    with open(path, "w") as f:
+        f.write(deep)
+    with pytest.raises(UserError, match=rf"{path} is unreadable \(JSON nested too deep to read\)") as excinfo:
+        import_model(folder, "base")
+    assert "\n" not in str(excinfo.value)
+    assert not os.path.exists(os.path.join(target, "base_checkpoints"))
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 7: a revision is its own cache folder
+
+
+@pytest.mark.quick
+def test_revisions_x_slash_y_and_x_dashes_y_have_folders_of_their_own(target):
+    """'x/y' was written 'x--y': the other revision's cached files were imported as this one's."""
+    from nanochat.data.hub import model_cache_dir, parse_repo_id
+
+    folders = {model_cache_dir("someone/nanochat-d4", revision) for revision in ("x/y", "x--y", "x-y", "x_y")}
+    assert len(folders) == 4 and all(os.path.dirname(f) == os.path.dirname(next(iter(folders))) for f in folders)
+    assert parse_repo_id("someone/nanochat-d4@" + "/".join(["ab"] * 60)) is None  # as one folder, over 200 bytes
+    assert parse_repo_id("someone/nanochat-d4@" + "/".join(["ab"] * 40)) == ("someone/nanochat-d4", "/".join(["ab"] * 40))

@@ -340,3 +340,85 @@ def test_a_hub_file_that_is_not_parquet_is_never_cached(base, monkeypatch):
         assert sorted(os.listdir(split)) == [".lock"]
     finally:
         hub.close()
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI, 4: memory grows with a file's size, not with what it decompresses to
+
+
+@pytest.mark.quick
+def test_a_parquet_of_huge_cells_is_refused_from_its_footer_before_any_is_built(base, tmp_path, monkeypatch):
+    """The attack at 1/16 of its size, the limits too (a document 2^22 characters, a row group 2^24 bytes): a zstd
+    parquet of a few KB whose 8 cells hold 6.25 M characters each. Arrow built the whole batch and Python every cell
+    before the first was measured (1.6 GiB at full size); the row group's size in the footer is refused first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import rss_growth
+
+    monkeypatch.setattr(text_import, "MAX_DOC_CHARS", 1 << 22, raising=False)
+    monkeypatch.setattr(text_import, "MAX_ROW_GROUP_BYTES", 1 << 24, raising=False)
+    path = tmp_path / "cells.parquet"
+    pq.write_table(pa.table({"text": ["x" * 6_250_000] * 8}), path, compression="zstd", use_dictionary=False)
+    assert path.stat().st_size < 100_000
+    with rss_growth() as grew, pytest.raises(UserError, match=r"cells.parquet: row group 0 holds 50,000,\d{3} bytes of "
+                                                              r"column 'text' decompressed, more than the 16,777,216"):
+        dataset_command(["import", "x", str(path)])
+    assert grew["bytes"] < 24 << 20, grew
+    assert holds_nothing(base)
+
+
+@pytest.mark.quick
+def test_a_parquet_dictionary_value_is_not_decoded_once_per_row(tmp_path):
+    """1,000 rows naming one 256 K-character dictionary value, in a file of a few KB: Arrow decoded the value once per
+    row (256 MB, and as much again in Python strings) before any cell was measured. Read as a dictionary, each row's
+    text is made as it is reached."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import rss_growth
+
+    path = tmp_path / "dictionary.parquet"
+    pq.write_table(pa.table({"text": [story(0) * 2800] * 1000}), path, compression="zstd")
+    assert path.stat().st_size < 100_000 and pq.ParquetFile(path).metadata.row_group(0).column(0).has_dictionary_page
+    count = 0
+    with rss_growth() as grew:
+        for text in text_import.documents_in_file(str(path), text_import.ImportOptions(), text_import.InputStats("d")):
+            count += len(text) == len(story(0)) * 2800
+    assert count == 1000 and grew["bytes"] < 48 << 20, grew
+
+
+@pytest.mark.quick
+def test_a_json_list_is_read_a_record_at_a_time(tmp_path):
+    """The attack scaled down: a .json.gz of 20,000 records, each a text and 100 empty lists (6 MB of JSON in a few
+    tens of KB). json.loads of the whole file built all 2 M lists (~130 MB here; 4.8 M tiny records took 2 GiB at a
+    quarter of the size allowed); read a record at a time, one is held."""
+    from conftest import rss_growth
+
+    record = json.dumps({"text": story(1), "x": [[]] * 100}, separators=(",", ":"))
+    path = tmp_path / "many.json.gz"
+    path.write_bytes(gzip.compress(("[" + ",".join([record] * 20_000) + "]").encode(), 1))
+    count = 0
+    with rss_growth() as grew:
+        for text in text_import.documents_in_file(str(path), text_import.ImportOptions(), text_import.InputStats("m")):
+            count += text == story(1)
+    assert count == 20_000 and grew["bytes"] < 24 << 20, grew
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("kind", [".jsonl", ".json"])
+def test_a_record_of_more_json_values_than_the_bound_is_refused_before_parsing(base, tmp_path, monkeypatch, kind):
+    """One record, 6 M characters of '[],': 2 M lists (~130 MB) once parsed, from a line a tenth of the 2^26 a document
+    may have. The values are counted in the text, and refused, before anything is parsed; the bound is lowered to
+    2^16 here, so that the .json file is refused as its first 256 KB are read rather than after 1 MB of them."""
+    from conftest import rss_growth
+
+    monkeypatch.setattr(text_import, "MAX_RECORD_VALUES", 1 << 16, raising=False)
+    record = json.dumps({"text": story(2), "x": [[]] * 2_000_000}, separators=(",", ":"))
+    path = tmp_path / f"wide{kind}"
+    path.write_text(json.dumps({"text": story(3)}) + "\n" + record + "\n" if kind == ".jsonl" else f"[{record}]")
+    where = f"{path} line 2" if kind == ".jsonl" else f"{path} item 0"
+    with rss_growth() as grew, pytest.raises(UserError, match=rf"{where}: a record of more than 65,536 JSON values"):
+        dataset_command(["import", "x", str(path)])
+    assert grew["bytes"] < 48 << 20, grew
+    assert holds_nothing(base)

@@ -15,7 +15,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import UserError, atomic_write_text, ensure_writable, print0
+from nanochat.common import UserError, atomic_write_text, ensure_writable, json_load_file, print0
 from nanochat.core_eval import BUILTIN_BUNDLE_NAME, builtin_eval_bundle_dir
 from nanochat.corpus.core_bundle import write_eval_bundle
 from nanochat.corpus.documents import generate_world_documents
@@ -126,6 +126,5 @@ def read_corpus_info(out_dir=None):
     path = os.path.join(out_dir or get_data_dir("builtin"), "corpus.json")
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json_load_file(path)
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import UserError, atomic_write_text, get_base_dir, print0, read_json_object
+from nanochat.common import UserError, atomic_write_text, get_base_dir, json_loads, print0, read_json_object
 from nanochat.dataset import hub_endpoint
 from nanochat.download import HEX64, AttemptFailed, DownloadError, download_file
 
@@ -34,13 +34,18 @@ def parse_repo_id(source):
     repo, _, revision = source.partition("@")
     if not REPO_RE.fullmatch(repo) or ".." in repo or (source.count("@") and not revision):
         return None
-    if revision and (not REVISION_RE.fullmatch(revision) or len(revision) > MAX_NAME_BYTES):
+    if revision and (not REVISION_RE.fullmatch(revision) or len(revision_folder(revision)) > MAX_NAME_BYTES):
         return None
     return repo, revision or "main"
 
 
+def revision_folder(revision):
+    """A revision as one folder name, one to one: '/' is written %2F, which no revision holds (x/y and x--y differ)."""
+    return quote(revision, safe="")
+
+
 def model_cache_dir(repo, revision):
-    return os.path.join(get_base_dir(), "hub_cache", "models", repo, revision.replace("/", "--"))
+    return os.path.join(get_base_dir(), "hub_cache", "models", repo, revision_folder(revision))
 
 
 def repo_path_problem(name):
@@ -74,31 +79,39 @@ def local_path_in(directory, name):
 
 
 def fetch_json(url, attempts=3, backoff=1.0):
-    """(value, text) of a JSON answer of the hub's API, fetched like every file (download_file's retries). An answer
-    that is not JSON raises DownloadError at once: asking again would get the same."""
+    """The value of a JSON answer of the hub's API, fetched like every file (download_file's retries). An answer that
+    is not JSON raises DownloadError at once: asking again would get the same. Errors say what the answer is, never
+    echo it: it is a server's text, and a terminal is no place for it."""
     answer = {}
 
     def read(path):
         with open(path, encoding="utf-8", errors="replace") as f:
-            answer["text"] = f.read()
+            text = f.read()
         try:
-            answer["value"] = json.loads(answer["text"])
-        except (ValueError, RecursionError):  # RecursionError: arrays nested too deep to parse
-            raise DownloadError(f"expected JSON, got {answer['text'][:200]!r}") from None
+            answer["value"] = json_loads(text)
+        except ValueError as e:
+            raise DownloadError(f"expected JSON, got {len(text):,} characters that are not ({e})") from None
 
     with tempfile.TemporaryDirectory() as tmp:
         download_file(url, os.path.join(tmp, "answer.json"), max_attempts=attempts, backoff=backoff, max_bytes=16 << 20,
                       validate=read)
-    return answer["value"], answer["text"]
+    return answer["value"]
+
+
+def json_kind(value):
+    """What a JSON value is (an object, a list of 3 items, a string...), for an error that must not echo it."""
+    if isinstance(value, list):
+        return f"a list of {len(value):,} items"
+    return {dict: "an object", str: "a string", bool: "true or false", type(None): "null"}.get(type(value), "a number")
 
 
 def list_model_files(repo, revision):
     """{path: {"size": int or None, "sha256": str or None}} of every file in the repo at `revision`."""
     url = f"{hub_endpoint()}/api/models/{repo}/tree/{quote(revision, safe='')}?recursive=true"
     try:
-        entries, text = fetch_json(url)
+        entries = fetch_json(url)
         if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("path"), str) for e in entries):
-            raise DownloadError(f"expected a JSON list of files, got {text[:200]!r}")
+            raise DownloadError(f"expected a JSON list of files (objects with a path), got {json_kind(entries)}")
     except DownloadError as e:
         raise UserError(f"cannot list the files of hub repo {repo}@{revision} at {url}: {e}; check the repo name "
                         "and revision, the network, or set HF_ENDPOINT to a reachable mirror") from None
@@ -149,8 +162,8 @@ def fetch_model_files(repo, revision, choose):
         url = f"{hub_endpoint()}/{repo}/resolve/{quote(revision, safe='')}/{quote(name)}"
         size = listing[name]["size"]
         try:
-            download_file(url, path, expected_sha256=listing[name]["sha256"],
-                          max_bytes=size if size is not None else 256 << 30)
+            # no listed size: download_file's cap for a size nobody announced (docs/data.md's 16 GiB)
+            download_file(url, path, expected_sha256=listing[name]["sha256"], max_bytes=size)
         except DownloadError as e:
             raise UserError(f"hub repo {repo}@{revision}: {e}; run the import again to resume") from None
     atomic_write_text(os.path.join(directory, MANIFEST), json.dumps({"files": names}, indent=2))
@@ -203,9 +216,9 @@ def _list_parquet_urls(label, repo, config, split, how_to_fix):
     """The split's parquet URLs, from the hub's listing: fetched like every file (download_file's retries)."""
     url = f"{hub_endpoint()}/api/datasets/{repo}/parquet/{config}/{split}"
     try:
-        urls, text = fetch_json(url, attempts=LIST_ATTEMPTS, backoff=LIST_BACKOFF_SECONDS)
+        urls = fetch_json(url, attempts=LIST_ATTEMPTS, backoff=LIST_BACKOFF_SECONDS)
         if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
-            raise DownloadError(f"expected a non-empty JSON list of parquet URLs, got {text[:200]!r}")
+            raise DownloadError(f"expected a non-empty JSON list of parquet URLs, got {json_kind(urls)}")
     except DownloadError as e:
         raise UserError(f"{label}: cannot list the parquet files of {repo} ({config}/{split}) at {url}: {e}; "
                         f"{how_to_fix}") from None

@@ -25,12 +25,14 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.common import (UserError, atomic_write_text, ensure_writable, get_base_dir, print0, read_json_object,
-                             sha256_of)
+from nanochat.common import (JSON_TOO_DEEP, UserError, atomic_write_text, ensure_writable, get_base_dir, json_loads,
+                             print0, read_json_object, sha256_of)
 from nanochat.dataset import IMPORT_MANIFEST, is_plain_name
 
 FORMAT_VERSION = 1  # bump when the same inputs and options would give other shards
@@ -45,7 +47,13 @@ CHARS_PER_TOKEN = 4.0  # the estimate when no tokenizer has been trained yet (En
 RECORD = struct.Struct("<QQIII")  # piece hash, document hash, input index, piece index, text bytes
 READ_BYTES = 1 << 18  # files are read, decompressed and decoded this much at a time
 MAX_DOC_CHARS = 1 << 26  # one document held whole (a .txt file with --split-on file, a JSONL line): ~64 M characters
-MAX_JSON_CHARS = 1 << 28  # a .json file, parsed whole (a .jsonl file is read a line at a time)
+# What a parse builds, beyond its text: a record's JSON values (a JSONL line, an item of a .json list), each an object
+# of 24-64 bytes for 2-3 characters ("[],"), so 2^26 characters of them would be ~2 GiB; this many are ~70 MB.
+MAX_RECORD_VALUES = 1 << 20
+# A parquet row group's text column, decompressed, as its footer says: a batch of it is built before any cell can be
+# measured, so it may hold one longest document in 4-byte UTF-8 and no more (8 cells of 100 M took 1.6 GiB).
+MAX_ROW_GROUP_BYTES = 4 * MAX_DOC_CHARS
+PARQUET_SLICE_CHARS = 1 << 22  # a parquet batch's cells become Python strings about this many characters at a time
 BLANK_LINE = re.compile(r"[ \t]*")
 KINDS = "/".join(TEXT_EXTS + JSON_EXTS + PARQUET_EXTS) + " (optionally .gz or .zst)"  # for error messages
 SKIPPED = {  # what a folder or glob holds that is not read, as the summary words it
@@ -351,13 +359,102 @@ def _too_long(path, limit, what="a document"):
             "the file (--split-on blank-lines cuts a text file at its blank lines; a .json list can become .jsonl)")
 
 
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{},:]')  # a string (maybe cut short), a bracket, a separator
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def check_json_values(text, where, start=0):
+    """Refuse the record at text[start:] when parsing it would make more than MAX_RECORD_VALUES values, counted before
+    it is parsed: each value but the first follows a ',' or ':', or opens with '[' or '{'. A value takes a character at
+    least, so a shorter text needs no count, and one count over all the text (its strings, and any records after this
+    one, included) clears most others; the rest are counted token by token, strings skipped, to the record's end."""
+    start = _JSON_SPACE.match(text, start).end()
+    if len(text) - start <= MAX_RECORD_VALUES or text[start:start + 1] not in ("[", "{") or \
+            1 + sum(text.count(c, start) for c in ",:[{") <= MAX_RECORD_VALUES:
+        return
+    depth, values = 0, 1
+    for token in _JSON_TOKEN.finditer(text, start):
+        kind = token.group()[0]
+        depth += (kind in "[{") - (kind in "]}")
+        values += kind in ",:[{"
+        if values > MAX_RECORD_VALUES:
+            raise UserError(f"{where}: a record of more than {MAX_RECORD_VALUES:,} JSON values (arrays, numbers, keys...), "
+                            "more than an import builds at once; keep the text in a field and little else")
+        if depth == 0:
+            return
+
+
 def parse_json(text, where, hint):
+    check_json_values(text, where)
     try:
-        return json.loads(text)
+        return json_loads(text)
     except ValueError as e:
-        raise UserError(f"{where}: not JSON ({e}); {hint}") from None
-    except RecursionError:  # arrays or objects nested deeper than the parser's stack
-        raise UserError(f"{where}: JSON nested too deep to read; {hint}") from None
+        reason = JSON_TOO_DEEP if getattr(e, "msg", None) == JSON_TOO_DEEP else f"not JSON ({e})"
+        raise UserError(f"{where}: {reason}; {hint}") from None
+
+
+def json_list_items(path, stats):
+    """The items of a .json file's top-level list, each decoded as the text reaches it: json.loads of the whole file
+    built every record at once (4.8 M tiny ones, 2 GiB). Held: one item's text, at most MAX_DOC_CHARS."""
+    hint = "a .json input is a list of records (or use .jsonl)"
+    chunks, decoder = text_chunks(path, stats), json.JSONDecoder()
+    text, at, ended = "", 0, False
+
+    def read_on(need):
+        """Read until `need` characters lie unparsed past `at`, or the file ends; what was parsed is dropped."""
+        nonlocal text, at, ended
+        pieces, held = [text[at:]], len(text) - at
+        while held < need and not ended:
+            chunk = next(chunks, None)
+            ended = chunk is None
+            pieces.append(chunk or "")
+            held += len(chunk or "")
+        text, at = "".join(pieces), 0
+
+    def next_char():
+        """The next character past white space (`at` moved to it), or '' at the end of the file."""
+        nonlocal at
+        while True:
+            at = _JSON_SPACE.match(text, at).end()
+            if at < len(text) or ended:
+                return text[at:at + 1]
+            read_on(1)
+
+    first = next_char()
+    if first != "[":
+        kind = {"{": "an object", '"': "a string", "": "nothing"}.get(first, "something else")
+        raise UserError(f"{path}: a .json input must be a JSON list of records or strings, not {kind}; {hint}")
+    at += 1
+    separator = "]" if next_char() == "]" else ","  # an empty list, or the first item
+    at += separator == "]"
+    index = 0
+    while separator == ",":
+        next_char()
+        while True:  # one item, decoded once its whole text is held
+            check_json_values(text, f"{path} item {index}", at)
+            try:
+                item, end = decoder.raw_decode(text, at)
+                if ended or end + 3 <= len(text):  # else a number may go on in the next chunk ("1." then "5e+3")
+                    break
+            except RecursionError:
+                raise UserError(f"{path}: {JSON_TOO_DEEP} (item {index}); {hint}") from None
+            except ValueError as e:
+                # cut short by the end of what is held: a string left open, or a value wanted at the very end
+                cut = e.msg.startswith("Unterminated string") or e.pos >= len(text) - 8
+                if ended or not cut:
+                    raise UserError(f"{path} item {index}: not JSON ({e}); {hint}") from None
+            if len(text) - at > MAX_DOC_CHARS:
+                raise UserError(_too_long(path, MAX_DOC_CHARS, "a record"))
+            read_on(2 * (len(text) - at))  # twice what is held, so an item's text is parsed O(1) times over
+        at = end
+        yield item
+        index += 1
+        separator = next_char()
+        if separator not in (",", "]"):
+            raise UserError(f"{path}: not JSON after item {index - 1} (a ',' or ']' was expected); {hint}")
+        at += 1
+    if next_char():
+        raise UserError(f"{path}: not JSON: more follows the list's closing ']'; {hint}")
 
 
 def _field_text(record, dotted, where):
@@ -398,12 +495,7 @@ def documents_in_file(path, options, stats):
             record = parse_json(line, f"{path} line {lineno}", "each line of a .jsonl file is one JSON object")
             yield _field_text(record, options.field, f"{path} line {lineno}")
     else:
-        records = parse_json(whole_text(path, stats, MAX_JSON_CHARS), path,
-                             "a .json input is a list of records (or use .jsonl)")
-        if not isinstance(records, list):
-            raise UserError(f"{path}: a .json input must be a JSON list of records or strings, "
-                            f"not a {type(records).__name__}")
-        for i, record in enumerate(records):
+        for i, record in enumerate(json_list_items(path, stats)):
             yield _field_text(record, options.field, f"{path} item {i}")
 
 
@@ -426,18 +518,57 @@ def _parquet_documents(path, options):
         if not pa.types.is_string(kind) and not pa.types.is_large_string(kind):
             raise UserError(f"{path}: column {options.column!r} holds {kind}, not text; pass --column with a string "
                             f"column")
-        batches = pf.iter_batches(columns=[options.column], batch_size=4096)
-        while True:
-            try:
-                batch = next(batches, None)
-            except (pa.ArrowException, OSError) as e:  # a damaged data page passes the footer check, fails only here
-                raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
-            if batch is None:
-                return
-            for text in batch.column(0).to_pylist():
-                if text and len(text) > MAX_DOC_CHARS:
-                    raise UserError(_too_long(path, MAX_DOC_CHARS))
-                yield text or ""
+        chunks = parquet_text_chunks(pf, options.column, path)
+        # A dictionary-encoded chunk is read as a dictionary: decoded, 8 rows of one 100 M value would be 800 M.
+        pf_dictionary = pq.ParquetFile(spool or path, read_dictionary=[options.column]) if any(
+            chunk.has_dictionary_page for chunk in chunks) else None
+        for group, chunk in enumerate(chunks):
+            reader = pf_dictionary if chunk.has_dictionary_page else pf
+            batches = reader.iter_batches(batch_size=4096, row_groups=[group], columns=[options.column])
+            while True:
+                try:
+                    batch = next(batches, None)
+                except (pa.ArrowException, OSError) as e:  # a damaged data page passes the footer check, fails here
+                    raise UserError(f"cannot read {path} as parquet ({type(e).__name__}: {e})") from None
+                if batch is None:
+                    break
+                yield from parquet_cells(batch.column(0), path)
+
+
+def parquet_text_chunks(pf, column, path):
+    """The text column's chunk in each row group, every one's decompressed size (the footer's) checked before any is
+    read: a batch is built whole before its cells can be measured."""
+    meta = pf.metadata
+    leaf = next(j for j in range(meta.num_columns) if meta.schema.column(j).path == column)
+    chunks = [meta.row_group(group).column(leaf) for group in range(meta.num_row_groups)]
+    for group, chunk in enumerate(chunks):
+        if chunk.total_uncompressed_size > MAX_ROW_GROUP_BYTES:
+            raise UserError(f"{path}: row group {group} holds {chunk.total_uncompressed_size:,} bytes of column "
+                            f"{column!r} decompressed, more than the {MAX_ROW_GROUP_BYTES:,} an import reads at once; "
+                            "write the file with smaller row groups (pyarrow: pq.write_table(..., row_group_size=N))")
+    return chunks
+
+
+def parquet_cells(column, path):
+    """A batch's cells as Python strings ("" for a null): each measured in Arrow first, one over MAX_DOC_CHARS refused
+    before any is built, then built a slice of about PARQUET_SLICE_CHARS at a time (a dictionary's value once a row)."""
+    dictionary = column.dictionary if pa.types.is_dictionary(column.type) else None
+    if dictionary is not None:
+        column = column.indices  # its slices are decoded one at a time below
+        lengths = pc.take(pc.utf8_length(dictionary), column)
+    else:
+        lengths = pc.utf8_length(column)
+    ends = np.cumsum(lengths.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+    if len(ends) and np.diff(ends, prepend=0).max() > MAX_DOC_CHARS:
+        raise UserError(_too_long(path, MAX_DOC_CHARS))
+    start = 0
+    while start < len(ends):
+        before = int(ends[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(ends, before + PARQUET_SLICE_CHARS, side="right")))
+        piece = column.slice(start, stop - start)
+        for text in (piece if dictionary is None else pc.take(dictionary, piece)).to_pylist():
+            yield text or ""
+        start = stop
 
 
 _CUTS = [re.compile(r"\n[ \t]*\n"), re.compile(r"\n"), re.compile(r"[.!?][\"')\]]*[ \t]+"), re.compile(r"[ \t]+")]

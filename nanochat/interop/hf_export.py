@@ -319,7 +319,10 @@ def hf_tokenizer_config(sequence_len):
 
 def check_output_dir(out_dir):
     """--out with a link resolved to its target (the export replaces the empty directory it names, which a link cannot
-    be), new or empty, and writable; said before the checkpoint is read."""
+    be), new or empty, and writable; said before the checkpoint is read. A control character (a newline...) is refused
+    as every name the project takes is: a directory named so is a mistake, and breaks whatever lists it."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in out_dir):
+        raise UserError(f"--out {out_dir!r} holds a control character (a newline, a tab...); name a directory without one")
     out_dir = os.path.realpath(out_dir)
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         raise UserError(f"--out {out_dir} already exists and is not empty; choose a new directory or remove it first")
@@ -343,7 +346,8 @@ def write_export_dir(out_dir, json_files, hf_tokenizer, weights, code=None):
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    # not named after out_dir: a name of 250 bytes is a valid --out, and it with a prefix and suffix is not
+    tmp_dir = tempfile.mkdtemp(prefix=".export_hf.", suffix=".tmp", dir=parent)
     try:
         for name, content in json_files.items():
             with open(os.path.join(tmp_dir, name), "w", encoding="utf-8") as f:

@@ -14,12 +14,13 @@ import pickle
 import posixpath
 import re
 import time
+import zipfile
 
 import torch
 
-from nanochat.checkpoint_manager import (STAGE_DIRS, TAG_RE, checkpoint_dir, list_steps, load_meta, save_checkpoint,
-                                         sha256_of)
-from nanochat.common import UserError, get_base_dir, print0
+from nanochat.checkpoint_manager import (STAGE_DIRS, TAG_RE, checkpoint_dir, count_not_finite, list_steps, load_meta,
+                                         save_checkpoint, sha256_of)
+from nanochat.common import UserError, get_base_dir, json_load_file, json_loads, print0
 from nanochat.gpt import COMPONENTS, GPT, VALUE_EMBED_LAYERS, GPTConfig, has_value_embed, shape_problem
 from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 
@@ -72,9 +73,26 @@ TOKENIZER_SEARCH = ("tokenizer.pkl", "tokenizer/tokenizer.pkl", "../tokenizer.pk
 # Files: safe reads, hashes
 
 
+def check_record_sizes(path):
+    """torch.save stores a .pt's records in its zip uncompressed, so together they are the file's size; torch.load
+    inflates a compressed one whole before any check (a 1.5 MB file reached 2.2 GiB). The sizes the zip declares are
+    summed first, and more than the file holds is refused. A file that is no zip is torch's legacy format, unpacked."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return  # torch.load says what is wrong with it
+    size = os.path.getsize(path)
+    if declared > size:
+        raise UserError(f"refusing {path}: its records unpack to {declared:,} bytes, more than the file's own {size:,}; "
+                        "torch.save stores them uncompressed, so it is not a .pt as torch.save wrote it (re-save it "
+                        "with torch.save, or copy the original)")
+
+
 def load_torch_weights(path):
     """A state dict of tensors from a torch.save file, with weights_only=True (no code runs). Read whole, not mapped:
     torch.load(mmap=True) does not check a record's size against the pickle's: a short record read on into the next."""
+    check_record_sizes(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, a short record, not a torch file, a pickle weights_only refuses
@@ -100,8 +118,7 @@ def load_safetensors_weights(paths):
 
 def read_json(path, what):
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        value = json_load_file(path)
     except FileNotFoundError:
         raise UserError(f"{what} {path} is missing") from None
     except (OSError, ValueError) as e:
@@ -189,7 +206,7 @@ def tokenizer_from_hf_json(path):
     patterns = re.findall(r'"Regex":\s*("(?:[^"\\]|\\.)*")', json.dumps(data.get("pre_tokenizer")))
     if len(patterns) != 1:
         raise UserError(f"tokenizer {path}: expected one split Regex in its pre_tokenizer, found {len(patterns)}")
-    tokenizer = tokenizer_from_parts(ranks, json.loads(patterns[0]), specials, path)
+    tokenizer = tokenizer_from_parts(ranks, json_loads(patterns[0]), specials, path)
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -354,6 +371,7 @@ def check_shapes(fields, where):
         problem = shape_problem(name, fields[name])
         if problem:
             raise UserError(f"{where}: the model it describes cannot be built ({problem})")
+    make_config({name: fields[name] for name in KARPATHY_CONFIG_FIELDS}, where)  # the shapes together: rotary tables
 
 
 def as_float(value):
@@ -517,7 +535,7 @@ def to_our_state(state, expected, where):
             raise UserError(f"{where}: {name} has shape {tuple(tensor.shape)}, the model needs {want}")
         tensor = tensor.to(torch.float32).contiguous()
         # a NaN or inf weight loads and serves without a word (the probe's logits may never reach it): named here
-        not_finite = int(tensor.numel() - torch.isfinite(tensor).sum())
+        not_finite = count_not_finite(tensor)
         if not_finite:
             raise UserError(f"{where}: {name} holds {not_finite:,} NaN or infinite values; the weights are damaged "
                             "(a diverged run, or a broken copy): import a checkpoint from before, or copy it again")

@@ -417,9 +417,9 @@ def save(plan, path):
 
 def load(path):
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             fields = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # common.json_loads would import torch on the flags path
         sys.exit(f"error: no speedrun plan to follow in {path} ({e}); run speedrun.sh with NANOCHAT_TIME_BUDGET again")
     fields["stages"] = [Stage(**s) for s in fields["stages"]]
     return SpeedrunPlan(**fields)

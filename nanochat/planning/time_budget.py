@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nanochat.common import (UserError, all_reduce_max, atomic_write_text, cpu_name, dist_rank_world, format_duration,
+from nanochat.common import (UserError, json_load_file, all_reduce_max, atomic_write_text, cpu_name, dist_rank_world, format_duration,
                              get_base_dir, get_compute_dtype, get_peak_flops, is_out_of_memory, print0, read_json_object)
 from nanochat.loop import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
@@ -126,8 +126,7 @@ def law_for(spec, device_type, data_source):
         raise UserError(f"--scaling-law={spec} is neither a law the project ships ({', '.join(LAWS)}) nor a file; "
                         f"give a miniseries' scaling_law.json (docs/time_budget.md)")
     try:
-        with open(path, encoding="utf-8") as f:
-            fields = json.load(f)
+        fields = json_load_file(path)
         fields = fields.get("loss_surface", fields)  # a miniseries' fits.json holds it under this key
         return ScalingLaw(name=fields.get("name", os.path.basename(path)), about=fields.get("about", path),
                           **{k: float(fields[k]) for k in ("E", "A", "alpha", "B", "beta")},

@@ -20,7 +20,7 @@ import subprocess
 import time
 from collections import Counter
 
-from nanochat.common import (UserError, atomic_write_bytes, atomic_write_text, cpu_name, ensure_writable,
+from nanochat.common import (UserError, json_loads, atomic_write_bytes, atomic_write_text, cpu_name, ensure_writable,
                              format_duration, get_base_dir, get_dist_info, read_json_object)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -309,7 +309,7 @@ def read_jsonl(path):
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                record = json.loads(line)
+                record = json_loads(line)
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict):

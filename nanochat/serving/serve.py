@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from nanochat.common import print0
+from nanochat.common import json_loads, print0
 from nanochat.serving.chat import (MODEL_MARKUP, READABLE_MARKUP, Failure, Finish, Piece, RequestError, check_number,
                                    fit_conversation, prompt_token_limit, validate_messages, whole_conversation)
 from nanochat.serving.guards import AnswerOverBound, LOOPBACK, RequireJSONAndHost, RequireKey, client_of
@@ -50,8 +50,8 @@ async def read_json_body(request):
         print0(f"a client left in the middle of its request's body ({size} bytes in)")
         raise ClientGone() from None
     try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        body = json_loads(b"".join(chunks))
+    except ValueError as e:  # JSONDecodeError (nested too deep included) and UnicodeDecodeError are ValueErrors
         raise HTTPProblem(400, f"request body is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(body, dict):
         raise HTTPProblem(400, "request body must be a JSON object")
