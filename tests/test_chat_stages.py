@@ -182,7 +182,7 @@ def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_l
     from nanochat.chat_data import ConversationBatches
     from scripts.chat_sft import mixtures
 
-    train_mix, _ = mixtures("builtin")
+    train_mix, _, _ = mixtures("builtin")
     tokenizer = tokenizer_of(tiny_base_dir)
     empty = {rank: 0 for rank in (0, 1)}
     for rank in (0, 1):
@@ -199,7 +199,7 @@ def test_sft_step_groups_its_conversations_by_length_into_micro_batches(tiny_bas
     from nanochat.chat_data import ConversationBatches
     from scripts.chat_sft import mixtures
 
-    train_mix, _ = mixtures("builtin")
+    train_mix, _, _ = mixtures("builtin")
     tokenizer = tokenizer_of(tiny_base_dir)
     bos = tokenizer.get_bos_token_id()
     rendered = [tuple(tokenizer.render_conversation(train_mix[i], max_tokens=129)[0]) for i in range(24)]
