@@ -209,7 +209,7 @@ class Repeated(Task):
     A task's examples `times` times over (times > 0, a float): every example int(times) times, then a seeded choice of
     round(fraction x examples) of them once more. A mixture walks the same order every epoch, so a fraction's choice
     is the same every epoch: 0.5 trains on one half of the task, never the other (2.5: all twice, one half a third
-    time). Rows are computed, not stored: a large task times a large weight costs no memory.
+    time). Rows are computed from the index, not copied: a mixture holding this keeps one index per row all the same.
     """
 
     def __init__(self, task, times, seed=0, **slice_args):
