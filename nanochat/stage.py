@@ -51,9 +51,18 @@ def add_stage_flags(parser, stage, source, batch_unit, conversation_data=True):
     p.add_argument("--resume", action="store_true", help="continue this stage's latest checkpoint")
     if conversation_data:
         p.add_argument("--max-seq-len", type=int, default=-1, help="tokens per row (-1 = the model's context)")
-        p.add_argument("--mixture", default="", choices=["", "builtin", "hub"],
-                       help="builtin (offline) or hub data (default: builtin when $NANOCHAT_DATA_SOURCE is builtin or unset)")
-        p.add_argument("--identity-file", default=None, help="a JSONL file of identity conversations (CustomJSON)")
+        p.add_argument("--mixture", default="", choices=["", "builtin", "hub", "none"],
+                       help="builtin (offline) or hub data, or none: your --data alone (default: builtin when "
+                       "$NANOCHAT_DATA_SOURCE is builtin or unset)")
+        p.add_argument("--data", action="append", default=[], metavar="FILE[:WEIGHT]",
+                       help="your conversations (JSONL: a JSON list of {role, content} messages a line), WEIGHT times "
+                       "per epoch (default 1; 2.5 = each twice and a fixed half of them once more; 0.5 = a fixed half); "
+                       f"repeatable. Without --val-data a file of {HELD_OUT_MIN} or more lends 1 in {HELD_OUT_EVERY} "
+                       "(rounded up, chosen by content hash) to val_loss")
+        p.add_argument("--val-data", action="append", default=[], metavar="FILE",
+                       help="validation conversations (JSONL; repeatable): given, every --data conversation is trained on")
+        p.add_argument("--identity-file", default=None, help="a JSONL file of identity conversations in place of the "
+                       "built-in ones (the mixture's identity slot: once per epoch in SFT, twice in mid), none held out")
         default, suffix = preset_default("eval_steps", 8)
         p.add_argument("--eval-steps", type=int, default=default, help="validation batches per evaluation (at most one "
                        "pass of the validation conversations)" + suffix)
@@ -68,6 +77,40 @@ def add_optimization_flags(parser, weight_decay, warmdown_ratio):
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps warming the lr up linearly")
     p.add_argument("--warmdown-ratio", type=float, default=warmdown_ratio, help="fraction of steps decaying it linearly")
     p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr multiplier at the last step")
+
+
+# Without --val-data, a --data file of at least HELD_OUT_MIN conversations lends 1 in HELD_OUT_EVERY of them (rounded
+# up) to val_loss: 5 % is the usual share, and a smaller file would give up much of its training for a val_loss of one
+# or two conversations. tasks/customjson.py makes the split; the numbers are here, with the flag that states them.
+HELD_OUT_EVERY = 20
+HELD_OUT_MIN = 10
+MAX_DATA_WEIGHT = 1000
+
+
+def data_files(specs):
+    """
+    [(path, weight)] of --data FILE[:WEIGHT] flags; UserError for a weight that is not a number in (0, 1000]. A spec
+    that names an existing file is that file at weight 1, so a path with a colon in it needs no weight to be read.
+    Above 1000 an epoch is better made longer with --num-iterations than with copies (each one a mixture entry).
+    """
+    files = []
+    for spec in specs:
+        path, colon, weight = spec.rpartition(":")
+        if os.path.exists(spec) or not colon:
+            path, weight = spec, "1"
+        if not path:
+            raise UserError(f"--data {spec} names no file: give --data FILE or --data FILE:WEIGHT")
+        try:
+            value = float(weight)
+        except ValueError:
+            raise UserError(f"--data {spec}: no file is named that, and {weight!r} after the last ':' is not a weight "
+                            f"(a number > 0 and <= {MAX_DATA_WEIGHT}: how many times the file's conversations enter each "
+                            "epoch)") from None
+        if not (0 < value <= MAX_DATA_WEIGHT):  # nan fails this too
+            raise UserError(f"--data {spec}: the weight {weight} is not valid: must be > 0 and <= {MAX_DATA_WEIGHT} "
+                            "(how many times the file's conversations enter each epoch; leave the file out for none)")
+        files.append((path, value))
+    return files
 
 
 def mixture_kind(choice=""):
@@ -122,6 +165,9 @@ def validate_stage_flags(args, stage):
     if hasattr(args, "max_seq_len"):
         check_flag(args.max_seq_len == -1 or args.max_seq_len >= 16, "max_seq_len", args.max_seq_len, "must be >= 16, or -1")
         check_flag(args.eval_steps >= 1, "eval_steps", args.eval_steps, "must be >= 1")
+        data_files(args.data)
+        check_flag(args.mixture != "none" or args.data, "mixture", args.mixture,
+                   "none trains on your files alone: give one or more --data FILE[:WEIGHT]")
 
 
 def refuse_changed_flags(meta, args, fixed_flags, ckpt_dir, new_run="another --model-tag"):
@@ -148,7 +194,7 @@ def micro_steps(total, per_micro, world_size, unit):
 # Flags a resumed chat stage must keep (those a stage lacks are ignored): they fix the input model, the data order,
 # the batches and the sampled replies, so changing them breaks an exact continuation. --num-iterations may grow.
 STAGE_FIXED_FLAGS = ["source", "seed", "device_batch_size", "total_batch_size", "max_seq_len", "mixture", "identity_file",
-                     "task", "num_samples", "max_new_tokens", "temperature", "top_k"]
+                     "data", "val_data", "task", "num_samples", "max_new_tokens", "temperature", "top_k"]
 
 
 def output_dir(stage, args):

@@ -3,19 +3,23 @@ Evaluate a chat model on tasks and sum it up as ChatCORE; writes its section of 
 
   python -m scripts.chat_eval -i sft                         # every task of the suite
   python -m scripts.chat_eval -i rl -a GSM8K -x 200          # one task, its first 200 problems
+  python -m scripts.chat_eval -i sft -a file:held_out.jsonl  # your questions: right when a reply contains the answer
   torchrun --standalone --nproc_per_node=8 -m scripts.chat_eval -- -i sft
 The default suite is the built-in one (offline: WorldQA on held-out subjects, Identity, Arithmetic,
 SpellingBee, SimpleSpelling) when $NANOCHAT_DATA_SOURCE is builtin or unset, else the hub one (ARC-Easy,
-ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee).
+ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee). A file:PATH task is a JSONL file of conversations (as chat_sft's
+--data reads) whose last assistant message is the expected answer: a reply is right when it contains that answer, both
+casefolded with punctuation and whitespace runs made one space, as whole words (tasks/customjson.py, answer_matches).
 """
 
 import argparse
 
-from nanochat.checkpoint_manager import find_latest_tag, load_model
+from nanochat.checkpoint_manager import checkpoint_dir, find_latest_tag, load_meta, load_model, resolve_step
 from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
-from tasks import canonical_name, get_task
+from nanochat.tokenizer import get_tokenizer
+from tasks import CustomJSON, canonical_name, get_task
 from nanochat.chat_eval import chatcore, evaluate_chat_tasks
 from nanochat.presets import fill_from_preset, preset_help
 from nanochat.stage import mixture_kind
@@ -31,7 +35,8 @@ SUITES = {"builtin": ["WorldQA", "Identity", "Arithmetic", "SpellingBee", "Simpl
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a chat model; ChatCORE over the tasks.")
     p.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"])
-    p.add_argument("-a", "--tasks", default="", help="task names separated by | (default: the whole suite)")
+    p.add_argument("-a", "--tasks", default="", help="task names separated by | (default: the whole suite); file:PATH "
+                   "for a JSONL file of your questions, each conversation's last assistant message its expected answer")
     p.add_argument("-x", "--max-problems", type=int, default=None,
                    help=f"problems per task, -1 = all {preset_help('chat_eval', 'max_problems')}")
     p.add_argument("-g", "--model-tag", default=None)
@@ -56,14 +61,25 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     suite = mixture_kind(args.suite)
-    names = [canonical_name(n) for n in args.tasks.split("|") if n] or SUITES[suite]
-    unknown = [n for n in names if n not in EVAL_SPLITS]
+    files = {n: n[len("file:"):] for n in args.tasks.split("|") if n.startswith("file:")}  # your questions, by path
+    names = [n if n in files else canonical_name(n) for n in args.tasks.split("|") if n] or SUITES[suite]
+    unknown = [n for n in names if n not in EVAL_SPLITS and n not in files]
     if unknown:
-        raise UserError(f"{', '.join(unknown)} cannot be evaluated here; tasks with an eval split: {', '.join(EVAL_SPLITS)}")
-    tasks = {name: get_task(name, EVAL_SPLITS[name]) for name in names}  # downloads (or fails) before the model loads
+        raise UserError(f"{', '.join(unknown)} cannot be evaluated here; tasks with an eval split: {', '.join(EVAL_SPLITS)}"
+                        ", or file:PATH (a JSONL file of your questions)")
+    if "" in files.values():
+        raise UserError("-a file: names no file: give file:PATH, a JSONL file of conversations")
+    # downloads (or fails, naming a bad line) before the model loads
+    tasks = {name: CustomJSON(files[name]) if name in files else get_task(name, EVAL_SPLITS[name]) for name in names}
+    tag = args.model_tag or find_latest_tag(args.source)
+    if files:  # a line no reply could pass (no room for its answer) is refused before the model loads, too
+        ckpt_dir = checkpoint_dir(args.source, tag)
+        context = load_meta(ckpt_dir, resolve_step(ckpt_dir, args.step))["model_config"]["sequence_len"]
+        tokenizer = get_tokenizer()
+        for name in files:
+            tasks[name].check_answerable(tokenizer, context, args.max_new_tokens)
     get_report()  # proves the report directory is writable
     _, rank, _, world_size, device = compute_init(args.device_type)
-    tag = args.model_tag or find_latest_tag(args.source)
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=args.step)
     use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     model.prepare_for_inference()

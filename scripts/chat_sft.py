@@ -23,24 +23,31 @@ from nanochat.loss_eval import evaluate_loss
 from nanochat.optim import lr_multiplier, muon_momentum
 from nanochat.planning.time_budget import add_time_budget_flag, check_time_budget_flag, plan_chat_stage
 from nanochat.report import TrainingReport
-from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir,
-                            stage_loop, stage_steps, start_stage, validate_stage_flags)
-from tasks import CustomJSON, TaskMixture, get_task
+from nanochat.stage import (add_stage_flags, context_length, data_files, input_config, micro_steps, mixture_kind,
+                            output_dir, stage_loop, stage_steps, start_stage, validate_stage_flags)
+from nanochat.tokenizer import get_tokenizer
+from tasks import get_task
+from tasks.customjson import OwnData
 
 
-def mixtures(kind, identity_file=None):
-    """(train mixture, validation mixture) of a kind; identity conversations come from a JSONL file if given."""
-    identity = [CustomJSON(identity_file)] if identity_file else [get_task("Identity", "sft")]
+def mixtures(kind, identity_file=None, data=(), val_data=()):
+    """(train mixture, validation mixture, the user's files: OwnData) of a kind: builtin, hub, or none (the user's files
+    alone). data: [(path, weight)] of --data, val_data: --val-data's paths; identity conversations come from a JSONL
+    file if given."""
+    own = OwnData(data, val_data, identity_file)
+    identity = own.identity([get_task("Identity", "sft")] if kind != "none" else [])
     if kind == "builtin":
         train = [get_task("WorldQA", "sft"), *identity, get_task("Arithmetic", "train"), get_task("SpellingBee", "train"),
                  get_task("SimpleSpelling", "train")]
         val = [get_task("WorldQA", "sft", step=50), get_task("Arithmetic", "test", stop=100)]
-    else:
+    elif kind == "hub":
         train = [get_task("ARC-Easy", "train"), get_task("ARC-Challenge", "train"), get_task("GSM8K", "train"),
                  get_task("SmolTalk", "train", stop=10_000), *identity, get_task("SpellingBee", "train", stop=300),
                  get_task("SimpleSpelling", "train", stop=300)]
         val = [get_task("SmolTalk", "test", stop=1000)]
-    return TaskMixture(train, seed=3), TaskMixture(val, seed=4)
+    else:
+        train, val = identity, []
+    return own.mixtures(train, val, train_seed=3, val_seed=4)
 
 
 def parse_args(argv=None):
@@ -64,11 +71,13 @@ def supervised_tokens(micro_batches, device, world_size):
 def main(argv=None):
     args = parse_args(argv)
     kind = mixture_kind(args.mixture)
-    train_mix, val_mix = mixtures(kind, args.identity_file)  # fails now, not after loading, if data is missing
+    # fails now, not after loading, if data is missing or a line of the user's is bad
+    train_mix, val_mix, own = mixtures(kind, args.identity_file, data_files(args.data), args.val_data)
     tag, ckpt_dir = output_dir("sft", args)
     _, rank, _, world_size, device = compute_init(args.device_type)
     grad_accum = micro_steps(args.total_batch_size, args.device_batch_size, world_size, "conversations")
     T = context_length(input_config(args, tag, ckpt_dir), args.max_seq_len)  # checked before the model loads
+    own.check_rows(get_tokenizer(), T + 1, f"with --max-seq-len={T}")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
     use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
@@ -91,7 +100,7 @@ def main(argv=None):
                       meta=clock.checkpoint_meta())
     loop.announce(f"chat_sft | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
                   f"({train_mix.name}) | {args.device_batch_size}x{world_size}x{grad_accum} conversations per step, up "
-                  f"to {T} tokens each | steps {num_iterations}")
+                  f"to {T} tokens each | steps {num_iterations}" + (f" | your data: {own.describe()}" if own.notes else ""))
 
     for step in stage_steps(loop, args.eval_every, "val_loss", val_loss):  # evaluates at both ends too
         t0 = time.perf_counter()
@@ -105,7 +114,8 @@ def main(argv=None):
         loop.end_step(loss, t0, lrm=lrm, tokens=sum(x.numel() for x, _ in micro_batches) * world_size)
 
     clock.finish(loop)
-    loop.finish("Chat SFT", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
+    loop.finish("Chat SFT", [{"Mixture": kind, "Your data": own.describe() or "-",
+                              "Conversations in the mixture": train_mix.num_examples(),
                               "Epochs seen": loader.stream.epoch, "DDP world size": world_size, **lrs, **clock.report()}])
     compute_cleanup()
 

@@ -19,24 +19,31 @@ from nanochat.loss_eval import evaluate_loss
 from nanochat.optim import lr_multiplier, muon_momentum
 from nanochat.planning.time_budget import add_time_budget_flag, check_time_budget_flag, plan_chat_stage
 from nanochat.report import TrainingReport
-from nanochat.stage import (add_stage_flags, context_length, input_config, micro_steps, mixture_kind, output_dir,
-                            stage_loop, stage_steps, start_stage, validate_stage_flags)
-from tasks import CustomJSON, TaskMixture, get_task
+from nanochat.stage import (add_stage_flags, context_length, data_files, input_config, micro_steps, mixture_kind,
+                            output_dir, stage_loop, stage_steps, start_stage, validate_stage_flags)
+from nanochat.tokenizer import get_tokenizer
+from tasks import get_task
+from tasks.customjson import OwnData
 
 
-def mixtures(kind, identity_file=None):
-    """(train mixture, validation mixture) of a kind; identity conversations come from a JSONL file if given."""
-    identity = [CustomJSON(identity_file)] if identity_file else [get_task("Identity", "sft")]
+def mixtures(kind, identity_file=None, data=(), val_data=()):
+    """Mid-training's (train mixture, validation mixture, OwnData): `kind` builtin or hub, which the files of --data
+    (data: [(path, weight)]) join, or none, those files alone; validation on --val-data's paths where given. Identity
+    conversations (--identity-file's, else the built-in ones) enter twice."""
+    own = OwnData(data, val_data, identity_file)
+    identity = own.identity([get_task("Identity", "sft")] if kind != "none" else [])
     if kind == "builtin":
         train = [get_task("WorldQA", "sft"), *identity, *identity, get_task("Arithmetic", "train"),
                  get_task("SpellingBee", "train"), get_task("SimpleSpelling", "train")]
         val = [get_task("WorldQA", "sft", step=50), get_task("Arithmetic", "test", stop=200),
                get_task("SpellingBee", "test", stop=100)]
-    else:
+    elif kind == "hub":
         train = [get_task("SmolTalk", "train"), get_task("MMLU-aux"), get_task("GSM8K", "train"), *identity, *identity,
                  get_task("SpellingBee", "train"), get_task("SimpleSpelling", "train")]
         val = [get_task("SmolTalk", "test", stop=2000), get_task("MMLU", "test", step=20), get_task("GSM8K", "test", stop=200)]
-    return TaskMixture(train, seed=1), TaskMixture(val, seed=2)
+    else:
+        train, val = [*identity, *identity], []
+    return own.mixtures(train, val, train_seed=1, val_seed=2)
 
 
 def parse_args(argv=None):
@@ -52,10 +59,12 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     kind = mixture_kind(args.mixture)
-    train_mix, val_mix = mixtures(kind, args.identity_file)  # fails now, not after loading, if data is missing
+    # fails now, not after loading, if data is missing or a line of the user's is bad
+    train_mix, val_mix, own = mixtures(kind, args.identity_file, data_files(args.data), args.val_data)
     tag, ckpt_dir = output_dir("mid", args)
     _, rank, _, world_size, device = compute_init(args.device_type)
     T = context_length(input_config(args, tag, ckpt_dir), args.max_seq_len)  # checked before the model loads
+    own.check_rows(get_tokenizer(), T + 1, f"with --max-seq-len={T}")
     grad_accum = micro_steps(args.total_batch_size, args.device_batch_size * T, world_size, "tokens")
     seed_everything(args.seed)
     model, tokenizer, optimizers, lrs, start = start_stage(args, tag, ckpt_dir, device)
@@ -80,7 +89,7 @@ def main(argv=None):
                       meta=clock.checkpoint_meta())
     loop.announce(f"mid_train | {tag} from {args.source} | mixture {kind}: {train_mix.num_examples():,} conversations "
                   f"({train_mix.name}) | rows of {T} tokens, {args.device_batch_size}x{world_size}x{grad_accum} per step | "
-                  f"steps {num_iterations}")
+                  f"steps {num_iterations}" + (f" | your data: {own.describe()}" if own.notes else ""))
 
     for step in stage_steps(loop, args.eval_every, "val_loss", val_loss):  # evaluates at both ends too
         t0 = time.perf_counter()
@@ -89,7 +98,8 @@ def main(argv=None):
         loop.end_step(loss, t0, lrm=lrm)
 
     clock.finish(loop)
-    loop.finish("Midtraining", [{"Mixture": kind, "Conversations in the mixture": train_mix.num_examples(),
+    loop.finish("Midtraining", [{"Mixture": kind, "Your data": own.describe() or "-",
+                                 "Conversations in the mixture": train_mix.num_examples(),
                                  "Epochs seen": loader.stream.epoch, "Padding fraction": loader.padding_fraction(),
                                  "DDP world size": world_size, **lrs, **clock.report()}])
     compute_cleanup()

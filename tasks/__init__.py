@@ -2,17 +2,18 @@
 Chat tasks: what mid-training and SFT train on, what RL rewards and what chat_eval measures.
 
     get_task("ARC-Easy", split="test")          any task by name (case-insensitive)
-    TaskMixture([...], seed=42), TaskSequence([...])
+    TaskMixture([...], seed=42), TaskSequence([...]), Repeated(task, 2.5)
     python -m tasks                    every task, its splits, eval type and an example
 
 Hub tasks (ARC, MMLU, GSM8K, HumanEval, SmolTalk) download their parquet files into
 <base_dir>/task_data/ on first use; the built-in tasks (WorldQA, Identity, Arithmetic, SpellingBee,
-SimpleSpelling) are generated offline; CustomJSON reads your own JSONL file.
+SimpleSpelling) are generated offline; CustomJSON reads your own JSONL file (and judges a reply by whether it
+contains the file's answer).
 """
 
 from nanochat.common import UserError
 from tasks.arc import ARC
-from tasks.base import CategoricalTask, Task, TaskMixture, TaskSequence, validate_conversation
+from tasks.base import CategoricalTask, Repeated, Task, TaskMixture, TaskSequence, validate_conversation
 from tasks.builtin import Arithmetic, Identity, WorldFacts, WorldQA
 from tasks.customjson import CustomJSON
 from tasks.gsm8k import GSM8K
@@ -65,6 +66,6 @@ def get_task(name, split=None, **kwargs):
     return cls(split=split, **fixed, **kwargs)
 
 
-__all__ = ["Task", "CategoricalTask", "TaskMixture", "TaskSequence", "validate_conversation", "ARC", "MMLU",
+__all__ = ["Task", "CategoricalTask", "TaskMixture", "TaskSequence", "Repeated", "validate_conversation", "ARC", "MMLU",
            "GSM8K", "HumanEval", "SmolTalk", "CustomJSON", "SpellingBee", "SimpleSpelling", "WorldQA", "WorldFacts", "Identity",
            "Arithmetic", "TASKS", "HUB_TASKS", "BUILTIN_TASKS", "get_task"]

@@ -82,7 +82,7 @@ def main(argv=None):
         elif name in BUILTIN_TASKS:
             row, example = builtin_row(name)
         else:  # CustomJSON
-            row, example = [name, "your JSONL file (path=...)", "generative", "-"], None
+            row, example = [name, "your JSONL file (--data FILE, chat_eval -a file:PATH)", "generative", "0.000"], None
         rows.append(row)
         if example:
             examples.append((name, example))

@@ -204,6 +204,39 @@ class TaskMixture(Task):
         return _owner(self, conversation).reward(conversation, completion)
 
 
+class Repeated(Task):
+    """
+    A task's examples `times` times over (times > 0, a float): every example int(times) times, then a seeded choice of
+    round(fraction x examples) of them once more. A mixture walks the same order every epoch, so a fraction's choice
+    is the same every epoch: 0.5 trains on one half of the task, never the other (2.5: all twice, one half a third
+    time). Rows are computed from the index, not copied: a mixture holding this keeps one index per row all the same.
+    """
+
+    def __init__(self, task, times, seed=0, **slice_args):
+        super().__init__(**slice_args)
+        if not times > 0:
+            raise ValueError(f"times={times} must be > 0")
+        self.task, self.times = task, times
+        self.name = f"{task.name} x{times:g}"
+        n = task.num_examples()
+        self.whole = int(times)
+        extra = int((times - self.whole) * n + 0.5)
+        self.chosen = sorted(random.Random(seed).sample(range(n), extra))
+
+    def num_rows(self):
+        return self.whole * self.task.num_examples() + len(self.chosen)
+
+    def get_row(self, index):
+        n = self.task.num_examples()
+        return self.task.get_example(index % n if index < self.whole * n else self.chosen[index - self.whole * n])
+
+    def evaluate(self, conversation, completion):
+        return self.task.evaluate(conversation, completion)
+
+    def reward(self, conversation, completion):
+        return self.task.reward(conversation, completion)
+
+
 class TaskSequence(Task):
     """The tasks' examples one task after the other, in the order given."""
 

@@ -182,7 +182,7 @@ def test_sft_split_used_by_the_two_rank_test_has_micro_batches_with_nothing_to_l
     from nanochat.chat_data import ConversationBatches
     from scripts.chat_sft import mixtures
 
-    train_mix, _ = mixtures("builtin")
+    train_mix, _, _ = mixtures("builtin")
     tokenizer = tokenizer_of(tiny_base_dir)
     empty = {rank: 0 for rank in (0, 1)}
     for rank in (0, 1):
@@ -199,7 +199,7 @@ def test_sft_step_groups_its_conversations_by_length_into_micro_batches(tiny_bas
     from nanochat.chat_data import ConversationBatches
     from scripts.chat_sft import mixtures
 
-    train_mix, _ = mixtures("builtin")
+    train_mix, _, _ = mixtures("builtin")
     tokenizer = tokenizer_of(tiny_base_dir)
     bos = tokenizer.get_bos_token_id()
     rendered = [tuple(tokenizer.render_conversation(train_mix[i], max_tokens=129)[0]) for i in range(24)]
@@ -334,6 +334,105 @@ def test_flags_that_need_the_models_context_fail_before_it_loads(trained_base, t
         monkeypatch.setattr(script, "start_stage", no_load)
         with pytest.raises(UserError, match=re.escape(words)):
             script.main(flags + [f"--out-tag=case{i}"])  # each its own directory: this process keeps each one's lock
+
+
+# Your own conversations (tests/data): a few dozen teaching six invented facts, several wordings each, and held-out
+# questions asking the same facts in other words.
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+FACTS, HELD_OUT = os.path.join(DATA, "own_facts.jsonl"), os.path.join(DATA, "own_facts_held_out.jsonl")
+OWN_SFT = ["-i", "base", "--data", FACTS, "--mixture=none", "--device-batch-size=8", "--total-batch-size=16",
+           "--init-lr-frac=1.0", "--eval-steps=1"]
+
+
+def held_out_accuracy(output):
+    line = next(line for line in output.splitlines() if line.startswith(f"file:{HELD_OUT}"))
+    return float(re.search(r"accuracy +([\d.]+)% of +12 ", line).group(1)) / 100
+
+
+def test_sft_on_your_conversations_alone_learns_the_facts_its_held_out_questions_ask(trained_base, tmp_path, monkeypatch,
+                                                                                      capsys, single_torch_thread):
+    # Calibrated on this test's base model (30 steps of base_train) with base_train seeds 42, 1, 2, 3 and 4, the
+    # commands as here: 0 of 12 held-out questions right before SFT on every seed; after it 83-100 % at 30 steps,
+    # 75-100 % at 60 and at 100. The bar, 50 %, is 6 of 12 questions asked in wordings SFT never saw.
+    import scripts.chat_eval as chat_eval
+
+    base = copy_base(trained_base, tmp_path, "own")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
+    chat_eval.main(["-i", "base", "-a", f"file:{HELD_OUT}", "--max-new-tokens=24"])
+    before = held_out_accuracy(capsys.readouterr().out)
+    p = run(base, "chat_sft", OWN_SFT + ["--num-iterations=30"])
+    assert ("mixture none: 34 conversations (own_facts.jsonl x1) | 8x1x2 conversations per step, up to 128 tokens each | "
+            "steps 30 | your data: own_facts.jsonl: 34 conversations x1 = 34 per epoch, 2 held out for val_loss") in p.stdout
+    val_loss = [r["val_loss"] for r in curve(base, "chat_sft") if "val_loss" in r]
+    assert len(val_loss) == 2 and val_loss[1] < val_loss[0] / 4, val_loss  # on the 2 held-out conversations
+    chat_eval.main(["-i", "sft", "-a", f"file:{HELD_OUT}", "--max-new-tokens=24"])
+    after = held_out_accuracy(capsys.readouterr().out)
+    print(f"held-out questions about the invented facts: base {before:.2f} -> sft {after:.2f}")
+    assert before <= 1 / 12 and after >= 0.5, (before, after)
+    assert f"file:{HELD_OUT}" in open(os.path.join(base, "report", "chat-evaluation-sft.md")).read()
+
+
+def test_your_bad_data_is_refused_in_one_line_before_the_model_loads(trained_base, tmp_path, monkeypatch,
+                                                                     single_torch_thread):
+    import scripts.chat_eval as chat_eval
+    import scripts.chat_sft as chat_sft
+    import scripts.mid_train as mid_train
+    from nanochat.common import UserError
+
+    base = copy_base(trained_base, tmp_path, "bad")
+    good = json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good + "\n" + good + "\n" + json.dumps([{"role": "user", "content": "Hi"}]) + "\n")
+    # the command a user types: one line, no traceback, exit status 1
+    p = run(base, "chat_sft", ["-i", "base", "--data", f"{bad}:2", "--mixture=none"], check=False)
+    assert p.returncode == 1 and p.stderr.strip() == (f"error: {bad}, line 3: not a valid conversation: the last message "
+                                                      "has role 'user': a conversation must end with the assistant's "
+                                                      "answer"), p.stderr
+    assert not os.path.exists(os.path.join(base, "chatsft_checkpoints"))
+
+    long = tmp_path / "long.jsonl"
+    long.write_text(good + "\n" + json.dumps([{"role": "user", "content": "tell me " * 80},
+                                                {"role": "assistant", "content": "no"}]) + "\n")
+    small = tmp_path / "small.jsonl"
+    small.write_text((good + "\n") * 4)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the user's data was checked")
+
+    for i, (script, flags, words) in enumerate([
+            (chat_sft, ["--data", str(long)], f"{long}, line 2: the conversation is"),  # the rows: 128 + 1 tokens
+            (mid_train, ["--data", str(long), "--max-seq-len=64"], "more than a row holds (65 with --max-seq-len=64)"),
+            (chat_sft, ["--data", str(small), "--mixture=none"], "--mixture=none leaves val_loss nothing to measure"),
+            (chat_sft, ["--data", f"{small}:0.1"], f"--data {small}:0.1 keeps none of its 4 training conversations"),
+            (mid_train, ["--data", str(tmp_path / "gone.jsonl")], f"cannot read {tmp_path / 'gone.jsonl'} (No such file"),
+            (chat_sft, ["--data", FACTS, "--val-data", str(bad)], f"{bad}, line 3: not a valid conversation"),
+            (mid_train, ["--identity-file", str(long), "--max-seq-len=64"], f"{long}, line 2: the conversation is")]):
+        monkeypatch.setattr(script, "start_stage", no_load)
+        with pytest.raises(UserError, match=re.escape(words)):
+            script.main(["-i", "base", "--num-iterations=1"] + flags + [f"--out-tag=case{i}"])
+    monkeypatch.setattr(chat_eval, "load_model", no_load)
+    for flags, words in [(["-a", f"file:{bad}"], f"{bad}, line 3: not a valid conversation"),
+                         (["-a", f"file:{long}", "--max-new-tokens=1"], f"{long}, line 1: the expected answer is"),
+                         (["-a", f"file:{long}"], f"{long}, line 2: the question and its expected answer are"),
+                         (["-a", "file:"], "-a file: names no file")]:
+        with pytest.raises(UserError, match=re.escape(words)):
+            chat_eval.main(["-i", "base"] + flags)
+
+
+def test_mid_train_on_your_conversations_alone_weighted(trained_base, tmp_path, monkeypatch, capsys, single_torch_thread):
+    import scripts.mid_train as mid_train
+
+    base = copy_base(trained_base, tmp_path, "own_mid")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
+    mid_train.main(["-i", "base", "--data", f"{FACTS}:2", "--mixture=none", "--val-data", HELD_OUT, "--num-iterations=2"]
+                   + MID)
+    out = capsys.readouterr().out
+    assert ("mixture none: 72 conversations (own_facts.jsonl x2) | rows of 128 tokens, 2x1x2 per step | steps 2 | your "
+            "data: own_facts.jsonl: 36 conversations x2 = 72 per epoch; val_loss on own_facts_held_out.jsonl "
+            "(--val-data)") in out, out
+    assert list_steps(os.path.join(base, "mid_checkpoints", "tiny")) == [2]
 
 
 @pytest.mark.slow  # 26 s; test_kill_9_and_resume_is_exact covers a chat stage's resume in the default run

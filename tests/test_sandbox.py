@@ -471,10 +471,12 @@ def hold():
     except MemoryError:
         return b''
 children = 0
-for _ in range(6):
+while children < 6:
     try:
         pid = posix.fork()
-    except OSError:
+    except OSError:  # refused: the run alone holds memory
+        pid = None
+    if pid is None:
         break
     if pid == 0:
         block = hold()
