@@ -1,8 +1,9 @@
 """
 The training step and what every stage does around it, written once: train_step (one optimizer step: forward and
-backward of each micro-batch, then both optimizers), and TrainingLoop (resume, periodic / final / on-signal saves,
-eval cadence, the progress line with tok/s, MFU and ETA, peak memory, wandb), and base_train's FittingBatches (a
-device batch that runs out of memory in the first steps is halved, the global batch kept). A stage script reads:
+backward of each micro-batch, then both optimizers; in fp16 on a dynamic loss scale), and TrainingLoop (resume,
+periodic / final / on-signal saves, eval cadence, the progress line with tok/s, MFU and ETA, peak memory, wandb), and
+base_train's FittingBatches (a device batch that runs out of memory in the first steps is halved, the global batch
+kept). A stage script reads:
 
     start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else StartPoint()
     loader = DataLoader(..., resume_state=start.loader_state)
@@ -144,8 +145,8 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
     rank). fitting: base_train's FittingBatches, which gave these micro-batches: in its first steps a pass that runs
     out of memory on any rank is taken again from the same data at a smaller device batch, every rank agreeing before
     any weight moves. Under float16 autocast the backward passes run on the loss times a dynamic scale, and a step
-    whose gradients hold an inf or NaN on any rank moves no weight (loss_scaler). Returns the objective averaged over
-    ranks.
+    whose gradients hold an inf or NaN on any rank moves no weight (loss_scaler, step_scaled). Returns the objective
+    averaged over ranks.
     """
     per_micro_batch = divisor is None
     device = next(model.parameters()).device
@@ -203,8 +204,8 @@ def step_scaled(scaler, optimizers, lrm, momentum, grad_clip, device):
     alike. Reading the verdict is one more wait for the device per step, in fp16 only."""
     for opt in optimizers:
         scaler.unscale_(opt)
-    # each optimizer's inf/NaN flags (one per device), as unscale_ left them for GradScaler.update() to read: set to
-    # the verdict of every rank, so that every rank's scale moves alike
+    # each optimizer's inf/NaN flags (one per device), as unscale_ left them for GradScaler.update() to read (its private
+    # record: tests/test_fp16.py's two ranks fail if torch moves it), set to every rank's verdict: the scales move alike
     flags = [flag for opt in optimizers for flag in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()]
     found = torch.stack([flag.to(device) for flag in flags]).amax()
     if dist_rank_world()[1] > 1:
