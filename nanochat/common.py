@@ -561,8 +561,9 @@ def all_reduce_max(values, device):
 # -----------------------------------------------------------------------------
 # Peak FLOPs for MFU
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets; the first key the
-# device's name contains wins, so longer names come before their prefixes.
+# Dense 16-bit tensor-core peaks (no sparsity), from the vendors' data sheets: bf16's, which fp16 shares on every card
+# here (the V100 and T4, without bf16, have fp16's alone); the first key the device's name contains wins, so longer
+# names come before their prefixes.
 _GPU_PEAK_BF16 = [("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
                   ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("A10G", 125e12),
                   ("A10", 125e12), ("L40S", 362e12), ("L4", 121e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
@@ -573,11 +574,16 @@ _peak_cache = {}
 
 def measure_matmul_flops(device, dtype=torch.float32, n=2048, seconds=0.25, rounds=2):
     """FLOP/s of back-to-back n x n matmuls on this device, best of `rounds` windows of ~`seconds` each: the practical
-    peak for devices without a data-sheet entry (CPU, MPS, fp32), which base_train and scripts.bench both use."""
+    peak for devices without a data-sheet entry (CPU, MPS, fp32), which base_train and scripts.bench both use. fp16
+    on a CPU multiplies by b^T, as a linear layer does: without AVX512-FP16 that layout runs ~9 GFLOP/s where b's
+    runs ~1.3 (a 2-vCPU EPYC), and n is 512 there, where a 2048^3 product would take seconds."""
     device = torch.device(device)
+    emulated = device.type == "cpu" and dtype == torch.float16
+    n = min(n, 512) if emulated else n
     g = torch.Generator().manual_seed(0)  # its own generator: measuring never moves the training's random stream
     a = torch.randn(n, n, generator=g).to(device, dtype)
     b = torch.randn(n, n, generator=g).to(device, dtype)
+    b = b.mT if emulated else b
     out = torch.empty(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.matmul(a, b, out=out)
@@ -597,19 +603,20 @@ def measure_matmul_flops(device, dtype=torch.float32, n=2048, seconds=0.25, roun
 
 
 def describe_peak_flops(device, dtype, seconds=0.25, rounds=2):
-    """(peak FLOP/s, how it was obtained): the data sheet for bf16 on known GPUs, else the matmul probe (not cached)."""
+    """(peak FLOP/s, how it was obtained): the data sheet for bf16 or fp16 on known GPUs, else the matmul probe (not
+    cached)."""
     device = torch.device(device)
-    if device.type == "cuda" and dtype == torch.bfloat16:
-        name = torch.cuda.get_device_name(device)
-        peak = next((flops for key, flops in _GPU_PEAK_BF16 if key in name), None)
+    name = str(dtype).replace("torch.", "")
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        peak = next((flops for key, flops in _GPU_PEAK_BF16 if key in torch.cuda.get_device_name(device)), None)
         if peak:
-            return peak, "data sheet bf16"
-    return measure_matmul_flops(device, dtype, seconds=seconds, rounds=rounds), \
-        f"measured {str(dtype).replace('torch.', '')} matmul"
+            return peak, f"data sheet {name}"
+    return measure_matmul_flops(device, dtype, seconds=seconds, rounds=rounds), f"measured {name} matmul"
 
 
 def get_peak_flops(device, dtype=None):
-    """Peak FLOP/s to measure MFU against: the data-sheet bf16 number on known GPUs, else a measured matmul (cached)."""
+    """Peak FLOP/s to measure MFU against: the data-sheet 16-bit number on known GPUs, else a measured matmul
+    (cached)."""
     device = torch.device(device)
     dtype = dtype or get_compute_dtype(device)
     key = (str(device), dtype)

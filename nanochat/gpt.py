@@ -438,9 +438,11 @@ class GPT(nn.Module):
 
     def store_embeddings_in_compute_dtype(self):
         """Keep the embedding tables in the compute dtype where it is bf16, as the reference does: autocast never casts
-        a lookup, and in fp32 they cost 16 bytes a parameter against 8 (dev/LOG.md). AdamW's math stays fp32."""
+        a lookup, and in fp32 they cost 16 bytes a parameter against 8 (dev/LOG.md). AdamW's math stays fp32. Under
+        fp16 they stay fp32, as every other parameter: AdamW's moments (kept in the table's dtype) and its eps would
+        underflow fp16's range, and a loss scale's gradients are unscaled in the parameters' dtype."""
         dtype = get_compute_dtype(self.get_device())
-        if dtype == torch.float32:
+        if dtype != torch.bfloat16:
             return
         for table in self.embedding_tables():
             table.weight.data = table.weight.data.to(dtype)

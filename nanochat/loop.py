@@ -1,8 +1,9 @@
 """
 The training step and what every stage does around it, written once: train_step (one optimizer step: forward and
-backward of each micro-batch, then both optimizers), and TrainingLoop (resume, periodic / final / on-signal saves,
-eval cadence, the progress line with tok/s, MFU and ETA, peak memory, wandb), and base_train's FittingBatches (a
-device batch that runs out of memory in the first steps is halved, the global batch kept). A stage script reads:
+backward of each micro-batch, then both optimizers; in fp16 on a dynamic loss scale), and TrainingLoop (resume,
+periodic / final / on-signal saves, eval cadence, the progress line with tok/s, MFU and ETA, peak memory, wandb), and
+base_train's FittingBatches (a device batch that runs out of memory in the first steps is halved, the global batch
+kept). A stage script reads:
 
     start = resume_from(ckpt_dir, step, model, optimizers, ...)      # when --resume, else StartPoint()
     loader = DataLoader(..., resume_state=start.loader_state)
@@ -143,10 +144,13 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
     stage that weighs tokens differently passes a loss sum and its own divisor (SFT: the step's supervised tokens per
     rank). fitting: base_train's FittingBatches, which gave these micro-batches: in its first steps a pass that runs
     out of memory on any rank is taken again from the same data at a smaller device batch, every rank agreeing before
-    any weight moves. Returns the objective averaged over ranks.
+    any weight moves. Under float16 autocast the backward passes run on the loss times a dynamic scale, and a step
+    whose gradients hold an inf or NaN on any rank moves no weight (loss_scaler, step_scaled). Returns the objective
+    averaged over ranks.
     """
     per_micro_batch = divisor is None
     device = next(model.parameters()).device
+    scaler = loss_scaler(optimizers, autocast)
     while True:
         # summed on the device and read once, after the optimizers' work is queued: a read after each backward would
         # make the host wait for the device, which would then wait for the host to launch the optimizers' kernels
@@ -158,7 +162,7 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
             for batch in micro_batches:
                 with autocast:
                     loss = loss_fn(model, batch)
-                (loss / divisor).backward()
+                (loss / divisor if scaler is None else scaler.scale(loss / divisor)).backward()
                 total += loss.detach()
         except Exception as error:
             if fitting is None or not fitting.recovers_from(error):
@@ -169,8 +173,54 @@ def train_step(model, optimizers, micro_batches, loss_fn, lrm, momentum, autocas
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         micro_batches = fitting.shrink()  # the same rows at half the device batch, twice the micro-steps
-    step_optimizers(optimizers, lrm, momentum, grad_clip)
+    if scaler is None:
+        step_optimizers(optimizers, lrm, momentum, grad_clip)
+    else:
+        step_scaled(scaler, optimizers, lrm, momentum, grad_clip, device)
     return all_reduce_mean(total / divisor, device)  # the step's one read of the device
+
+
+# float16's gradients: its smallest number is 6e-8 (bf16's and fp32's 1e-38), so a backward in fp16 runs on the loss
+# times a scale that lifts them out of underflow, lowered whenever they overflow instead (torch.amp.GradScaler)
+LOSS_SCALE_START = 2.0 ** 16  # GradScaler's own; it halves at each overflow and doubles after 2,000 steps without one
+
+
+def loss_scaler(optimizers, autocast):
+    """The GradScaler of a run whose forward passes run under float16 autocast, else None (bf16 has fp32's range).
+    One per run, kept on its first optimizer: train_step, TrainingLoop's checkpoints and a resume all find it there."""
+    if getattr(autocast, "fast_dtype", None) != torch.float16:
+        return None
+    holder = optimizers[0]
+    if not hasattr(holder, "loss_scaler"):
+        device = holder.param_groups[0]["params"][0].device
+        holder.loss_scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE_START)
+    return holder.loss_scaler
+
+
+def step_scaled(scaler, optimizers, lrm, momentum, grad_clip, device):
+    """step_optimizers on gradients of a scaled loss: unscaled first (so that clipping and the optimizers see the
+    true ones), then the update skipped on every rank if any rank's hold an inf or NaN (the optimizers average them
+    across ranks, so one rank's inf would reach all), and the scale updated: lowered after a skip, on every rank
+    alike. Reading the verdict is one more wait for the device per step, in fp16 only."""
+    for opt in optimizers:
+        scaler.unscale_(opt)
+    # each optimizer's inf/NaN flags (one per device), as unscale_ left them for GradScaler.update() to read (its private
+    # record: tests/test_fp16.py's two ranks fail if torch moves it), set to every rank's verdict: the scales move alike
+    flags = [flag for opt in optimizers for flag in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()]
+    found = torch.stack([flag.to(device) for flag in flags]).amax()
+    if dist_rank_world()[1] > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    for flag in flags:
+        flag.copy_(found)
+    skipped = bool(found.item())
+    if skipped:  # parameters and optimizer state stay as they were; only the scale moves
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+    else:
+        step_optimizers(optimizers, lrm, momentum, grad_clip)
+    scaler.update()
+    if skipped:
+        print0(f"float16: an inf or NaN gradient; this step's update skipped, loss scale now {scaler.get_scale():g}")
 
 
 def lm_loss(model, batch):
@@ -218,6 +268,9 @@ class TrainingLoop:
         self.eval_seconds = {}  # eval name -> seconds its latest run took in this process
         self.save_seconds = None  # seconds the latest checkpoint took to write in this process
         self.best = dict(start.loop_state.get("best", {}))  # eval name -> lowest value
+        self.scaler = loss_scaler(optimizers, autocast)  # float16's loss scale, saved with every checkpoint
+        if self.scaler and start.loop_state.get("loss_scale"):  # (one saved in another dtype means nothing here)
+            self.scaler.load_state_dict(start.loop_state["loss_scale"])
         self.peak_flops = get_peak_flops(device) * dist_rank_world()[1] if s.flops_per_token else None
         self.stopper = StopSignal()
         self.timer = StepTimer()
@@ -342,7 +395,8 @@ class TrainingLoop:
         meta = {"model_config": s.model_config, "user_config": s.user_config, "num_iterations": self.num_iterations,
                 "finished": self.step >= self.num_iterations,
                 "tokenizer_hash": s.tokenizer_hash, "dataloader_states": gather_loader_states(self.loader.state_dict()),
-                "loop_state": {"total_train_time": self.total_train_time, "last": self.last, "best": self.best},
+                "loop_state": {"total_train_time": self.total_train_time, "last": self.last, "best": self.best,
+                               **({"loss_scale": self.scaler.state_dict()} if self.scaler else {})},
                 **self.meta}
         self.call("on_checkpoint", self.records)  # first: the records up to a checkpoint are kept before it exists
         self.records = []

@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nanochat.common import GIB, MIB, UserError, format_bytes, parse_memory
+from nanochat.gpt import has_value_embed
 from nanochat.planning import memory_model as mm
 from nanochat.recipe import DEFAULT_COMPONENTS, split_components
 
@@ -321,3 +323,31 @@ def test_every_stage_on_a_gpu_keeps_to_the_card_named_by_nanochat_gpu_memory(mon
     monkeypatch.setenv("NANOCHAT_GPU_MEMORY", "lots")
     with pytest.raises(common.UserError, match="NANOCHAT_GPU_MEMORY=lots is not an amount of memory"):
         common.cap_gpu_memory(torch.device("cuda", 0))
+
+
+def test_an_fp16_step_needs_what_a_bf16_one_does_but_its_tables_in_fp32(fresh_cache, single_torch_thread):
+    """fp16 autocast keeps the same activations as bf16's (both 2 bytes a value; fp32's here are 1.4 times more); its
+    embedding tables stay fp32 (gpt.store_embeddings_in_compute_dtype), so their weights, gradients and both AdamW
+    moments take 2 bytes a value more each."""
+    spec = tiny_spec(cpu_ops=False, device_type="cuda")  # the plain path a GPU runs, eager
+    fp16, bf16 = (mm.predict(replace(spec, dtype=dtype), 8) for dtype in ("float16", "bfloat16"))
+    config = spec.model_config()
+    tables = config.vocab_size * config.n_embd * (1 + sum(has_value_embed(config, i) for i in range(config.n_layer)))
+    assert fp16.parameters - bf16.parameters == 2 * tables == fp16.gradients - bf16.gradients
+    assert fp16.optimizer_state - bf16.optimizer_state == 4 * tables
+    assert fp16.activations == pytest.approx(bf16.activations, rel=0.01)
+
+
+@pytest.mark.quick
+def test_a_plan_for_a_gpu_predicts_the_dtype_nanochat_dtype_names(monkeypatch):
+    """A T4's plan (NANOCHAT_DTYPE=float16) predicts an fp16 step, here or not; without the variable a GPU not here is
+    planned in bf16."""
+    from nanochat.planning import time_budget as tb
+
+    shape = tb.RunShape(32768, 2048, 2**19, 1, 64, 128, None, [], [], False, 256, 0, None, False, 60.0,
+                        device_type="cuda", compiled=True)
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float16")
+    assert tb.step_spec(12, shape).dtype == "float16"
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("NANOCHAT_DTYPE")
+        assert tb.step_spec(12, shape).dtype == "bfloat16"

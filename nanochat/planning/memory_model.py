@@ -48,7 +48,7 @@ class StepSpec:
     num_kv_heads: int | None = None
     model_components: tuple = ()
     optimizer_components: tuple = ()
-    dtype: str = "bfloat16"  # the compute dtype: bf16 autocast, or float32
+    dtype: str = "bfloat16"  # the compute dtype: bf16 or fp16 autocast (fp16's tables stay fp32), or float32
     fp8: bool = False
     checkpoint_activations: bool = False
     compiled: bool = True  # torch.compile'd with inductor (a GPU's step), else eager
@@ -159,7 +159,8 @@ def fake_model(config, spec):
 
 
 def autocast_of(spec):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if spec.dtype == "bfloat16" else contextlib.nullcontext()
+    """The step's autocast: in its 16-bit dtype (bf16, or fp16 on a GPU without bf16), none in fp32."""
+    return contextlib.nullcontext() if spec.dtype == "float32" else torch.autocast("cpu", dtype=getattr(torch, spec.dtype))
 
 
 # -----------------------------------------------------------------------------

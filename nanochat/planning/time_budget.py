@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from nanochat.common import (UserError, json_load_file, all_reduce_max, atomic_write_text, cpu_name, dist_rank_world, format_duration,
-                             get_base_dir, get_compute_dtype, get_peak_flops, is_out_of_memory, print0, read_json_object)
+from nanochat.common import (UserError, json_load_file, all_reduce_max, atomic_write_text, cpu_name, dist_rank_world,
+                             dtype_from_env, format_duration, get_base_dir, get_compute_dtype, get_peak_flops,
+                             is_out_of_memory, print0, read_json_object)
 from nanochat.loop import any_rank_out_of_memory, simulate_out_of_memory, smaller_device_batch
 
 MIN_BUDGET_SECONDS = 30  # start-up, the probe, one evaluation, a few steps and the final save need about this much
@@ -202,14 +203,16 @@ class RunShape:
 
 
 def step_spec(depth, shape, checkpoint_activations=False):
-    """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (bf16 for a
-    GPU not here); an eager step on a CPU runs its fused Functions where they are on."""
+    """The memory model's spec of base_train's step at this depth on shape's device, in its compute dtype (for a GPU
+    not here, the one NANOCHAT_DTYPE names, float16 for a T4, else bf16); an eager step on a CPU runs its fused
+    Functions where they are on."""
     from nanochat.kernels.cpu import cpu_kernels_enabled
     from nanochat.planning.memory_model import StepSpec
 
     device_type = shape.device_type
     here = device_type == "cpu" or (device_type == "cuda" and torch.cuda.is_available())
-    dtype = str(get_compute_dtype(torch.device(device_type))).split(".")[-1] if here else "bfloat16"
+    dtype = get_compute_dtype(torch.device(device_type)) if here else dtype_from_env("NANOCHAT_DTYPE") or torch.bfloat16
+    dtype = str(dtype).split(".")[-1]
     return StepSpec(depth, shape.seq_len, shape.vocab_size, shape.aspect_ratio, shape.head_dim, shape.num_kv_heads,
                     tuple(shape.model_components), tuple(shape.optimizer_components), dtype, bool(shape.fp8),
                     bool(checkpoint_activations), bool(shape.compiled), device_type=device_type,
