@@ -64,17 +64,32 @@ def test_a_flood_of_idle_sockets_does_not_lock_out_a_keyed_client(web_base_dir):
         server.stop()
 
 
-def send_request(host, port, path, body, key=None, receive_buffer=None):
-    """A raw keep-alive POST on a socket of its own, which nobody reads (receive_buffer: its SO_RCVBUF)."""
+def send_request(host, port, path, body, key=None, receive_buffer=None, source=None, headers=()):
+    """A raw keep-alive POST on a socket of its own, which nobody reads (receive_buffer: its SO_RCVBUF; source: the
+    loopback address it comes from; headers: more "Name: value" lines)."""
     s = socket.socket()
     if receive_buffer:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    if source:
+        s.bind((source, 0))
     s.connect((host, int(port)))
-    raw = json.dumps(body).encode()
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    more = "".join(f"{line}\r\n" for line in ([f"Authorization: Bearer {key}"] if key else []) + list(headers))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{more}"
               f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     return s
+
+
+def status_of(s, seconds=10):
+    """The status code of the response that comes first on a raw socket."""
+    s.settimeout(seconds)
+    head = b""
+    while b"\r\n" not in head:
+        chunk = s.recv(1024)
+        if not chunk:
+            raise ConnectionError(f"closed without a response ({head!r})")
+        head += chunk
+    return int(head.split()[1])
 
 
 def test_clients_that_never_read_their_streams_cannot_lock_out_others(web_base_dir):  # noqa: F811
@@ -256,6 +271,13 @@ def test_settings_a_server_must_refuse_or_get_right(monkeypatch):
 
     with pytest.raises(UserError, match="--api-key: must be printable ASCII"):
         chat_web.parse_args(["--api-key", "clé-secrète"])
+    # X-Forwarded-For is believed from no one unless the operator names the proxy, and never from anyone ('*')
+    assert chat_web.proxy_settings(chat_web.parse_args([])) == {"proxy_headers": False}
+    assert chat_web.proxy_settings(chat_web.parse_args(["--trusted-proxy", "10.0.0.0/8, ::1"])) == {
+        "proxy_headers": True, "forwarded_allow_ips": "10.0.0.0/8,::1"}
+    for bad in ("*", "proxy.example"):
+        with pytest.raises(UserError, match="--trusted-proxy"):
+            chat_web.parse_args(["--trusted-proxy", bad])
     # CPU workers share the cores: 4 workers on 16 cores take 3 threads each (one core left to the server), not 15
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -562,4 +584,98 @@ def test_malformed_credentials_seeds_and_host_names(web_base_dir):  # noqa: F811
         assert hosts == {f"[::1]:{port}": 200, f"[::1].evil.com:{port}": 421, "[::1].evil.com": 421,
                          f"localhost:{port}": 200, f"127.0.0.1:{port}:evil": 421, "::1": 421}, hosts
     finally:
+        server.stop()
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI: who a client is, the tokenizer's work, and what one keyed client can still make others wait for
+
+
+def test_a_forwarded_address_counts_only_from_the_proxy_the_operator_names(web_base_dir):  # noqa: F811
+    """uvicorn believed X-Forwarded-For from any loopback peer, so a program on the machine (or an SSH tunnel) was
+    whichever client it named: 8 streams naming 8 addresses took 8 rows, 8 more naming the neighbour's address spent
+    its share (its own request got a 503). Now the header is read only from --trusted-proxy, none by default: the 16
+    are their peer's, one client (4 rows, 4 waiting), and the neighbour is answered."""
+    server = Server(web_base_dir, "--max-batch", "16", "--max-queue", "16", "--queue-timeout", "60")
+    body, sockets = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}, []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        stats = lambda: httpx.get(f"{url}/stats", timeout=10).json()  # noqa: E731
+        claims = [f"X-Forwarded-For: 10.0.0.{i}" for i in range(1, 9)] + ["X-Forwarded-For: 127.0.0.2"] * 8
+        sockets = [send_request(host, port, "/v1/chat/completions", body, headers=[claim]) for claim in claims]
+        wait_until(lambda: stats()["requests_rejected"] >= 8, 10, "one client's share to fill (its 16 streams)")
+        assert stats()["batch"]["active"] == 4 and stats()["clients"]["held_back"] == 4, stats()
+        with from_address("127.0.0.2") as neighbour:
+            started = time.monotonic()
+            reply = neighbour.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=30)
+        assert reply.status_code == 200 and time.monotonic() - started < 5, reply.text
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_behind_the_proxy_the_operator_names_the_forwarded_address_is_the_client(web_base_dir):  # noqa: F811
+    """--trusted-proxy: a request from the proxy is the client it forwards (two forwarded addresses, two clients); the
+    same header from another peer is ignored."""
+    body = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
+    server = Server(web_base_dir, "--max-batch", "4", "--max-queue", "4", "--queue-timeout", "60",
+                    "--trusted-proxy", "127.0.0.3")
+    sockets = []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        first = ["X-Forwarded-For: 192.0.2.1"]
+        sockets = [send_request(host, port, "/v1/chat/completions", body, source="127.0.0.3", headers=first)
+                   for _ in range(2)]  # its one row, its one place in the queue
+        wait_until(lambda: httpx.get(f"{url}/stats").json()["clients"]["held_back"] == 1, 10, "a request held back")
+        short = {"messages": HELLO, "max_tokens": 4}
+        answers = {}
+        for name, source, claim in (("the same client, by the proxy", "127.0.0.3", "192.0.2.1"),
+                                    ("another, by the proxy", "127.0.0.3", "192.0.2.2"),
+                                    ("its address, not from the proxy", "127.0.0.1", "192.0.2.1")):
+            s = send_request(host, port, "/v1/chat/completions", short, source=source,
+                             headers=[f"X-Forwarded-For: {claim}"])
+            sockets.append(s)
+            answers[name] = status_of(s, 30)
+        assert answers == {"the same client, by the proxy": 503, "another, by the proxy": 200,
+                           "its address, not from the proxy": 200}, answers
+        assert "(--trusted-proxy) is the client its X-Forwarded-For names" in "".join(server.lines)
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_one_key_is_one_client_whatever_its_addresses(web_base_dir):  # noqa: F811
+    """A server with one key told its clients apart by address, so the key from 5 loopback addresses was 5 clients:
+    40 streams nobody reads took all 16 rows and the whole queue, and 3 scoring requests twice a client's scoring
+    share. Now a key is one client, whatever its addresses (its holders cannot be told apart): a quarter of the rows
+    (4), of the queue (4) and of the scoring budget in all, the rest refused at once; the other three quarters stay
+    free for the server's other clients (test_one_client_holds_its_share_and_another_keeps_its_pace: the second
+    key's stream starts at once)."""
+    server = Server(web_base_dir, "--api-key", "sekrit", "--max-batch", "16", "--max-queue", "16",
+                    "--queue-timeout", "60")
+    sockets = []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        keyed = {"Authorization": "Bearer sekrit"}
+        stats = lambda: httpx.get(f"{url}/stats", headers=keyed, timeout=10).json()  # noqa: E731
+        body = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
+        addresses = [f"127.0.0.{i}" for i in range(11, 16)]
+        sockets = [send_request(host, port, "/v1/chat/completions", body, "sekrit", source=address)
+                   for address in addresses for _ in range(8)]
+        wait_until(lambda: stats()["requests_rejected"] >= 32, 10, "the key's share to fill (4 rows, 4 waiting)")
+        assert stats()["batch"]["active"] == 4 and stats()["clients"]["held_back"] == 4, stats()
+        rng = random.Random(0)
+        half = {"prompt": [[rng.randrange(256) for _ in range(2046)] for _ in range(64)], "max_tokens": 0,
+                "echo": True, "logprobs": 1}  # 131,008 prompt tokens: half a client's scoring share
+        raw = json.dumps(half).encode()
+        sockets += [send_request(host, port, "/v1/completions", raw, "sekrit", source=addresses[0]) for _ in range(2)]
+        wait_until(lambda: stats()["scoring"]["requests"] == 2, 20, "two scoring requests")
+        third = send_request(host, port, "/v1/completions", raw, "sekrit", source=addresses[1])
+        sockets.append(third)
+        assert status_of(third, 30) == 503 and stats()["scoring"]["requests"] == 2
+    finally:
+        for s in sockets:
+            s.close()
         server.stop()

@@ -25,7 +25,7 @@ from nanochat.serving.protocol import error_response
 
 OPEN_PATHS = ("/", "/health")  # the UI's page (it holds no model access: it asks for the key) and monitoring
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has several keys
+CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey: the key a request gave
 
 
 # -----------------------------------------------------------------------------
@@ -33,8 +33,10 @@ CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has s
 
 
 def client_of(request):
-    """Who a request comes from (workers.CLIENT_SHARE): its key where the server has several, else its peer address;
-    an IPv6 peer by its /64, what one host is usually given."""
+    """Who a request comes from (workers.CLIENT_SHARE): its key where the server has keys, one client whatever its
+    addresses (a key's holders cannot be told apart: one of them could use as many addresses as it likes); without
+    keys its address, an IPv6 one by its /64, what one host is usually given (the peer's, or behind --trusted-proxy
+    the one the proxy forwards: uvicorn puts it in the scope)."""
     if request.scope.get(CLIENT_SCOPE_KEY):
         return request.scope[CLIENT_SCOPE_KEY]
     host = (request.scope.get("client") or ("",))[0]
@@ -51,7 +53,7 @@ def client_of(request):
 
 class RequireKey:
     """ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY` with one of the keys (a 401, and a
-    400 for two such headers); with several keys, the key names the client (client_of). Plain ASGI: an HTTP
+    400 for two such headers); the key names the client (client_of). Plain ASGI: an HTTP
     middleware would buffer the streams and hide a client's disconnect from them."""
 
     def __init__(self, app, keys):
@@ -73,8 +75,7 @@ class RequireKey:
                                           "with a key the server was started with (--api-key)", code="invalid_api_key",
                                           headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
-            if len(self.keys) > 1:
-                scope[CLIENT_SCOPE_KEY] = f"key {matches.index(True) + 1}"
+            scope[CLIENT_SCOPE_KEY] = f"key {matches.index(True) + 1}"
         return await self.app(scope, receive, send)
 
 
