@@ -17,10 +17,11 @@ batching, nanochat/engine.py): new requests join between steps, up to --max-batc
 longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
 `Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
 names). A reply whose client stops reading is closed after --write-timeout, and one client (a key, or without
-keys an address: the peer's, or the one --trusted-proxy forwards) holds at most --client-share of the server (docs/serving.md "Under hostile load"). The server itself
-is nanochat/serving/: the app and its routes (serve.py), the OpenAI protocol (protocol.py), the defences (guards.py),
-the worker processes (workers.py) and how they share decode steps between clients (fair_share.py); request limits
-are the constants at the top of nanochat/serving/chat.py.
+keys an address: the peer's, or the one --trusted-proxy forwards) holds at most --client-share of the server
+(docs/serving.md "Under hostile load"). The server itself is nanochat/serving/: the app and its routes (serve.py),
+the OpenAI protocol (protocol.py), the defences (guards.py), the worker processes (workers.py) and how they share
+decode steps between clients (fair_share.py); request limits are the constants at the top of
+nanochat/serving/chat.py.
 """
 
 import argparse

@@ -679,3 +679,72 @@ def test_one_key_is_one_client_whatever_its_addresses(web_base_dir):  # noqa: F8
         for s in sockets:
             s.close()
         server.stop()
+
+
+def server_rss(server):
+    """The server process's resident memory, in MiB (its workers apart: they never see a /tokenize)."""
+    import psutil
+
+    return psutil.Process(server.process.pid).memory_info().rss / 2**20
+
+
+@pytest.mark.slow  # 18 s on a 2-core AMD EPYC
+def test_tokenize_requests_nobody_reads_are_a_client_share_of_bounded_memory(web_base_dir):  # noqa: F811
+    """150 /tokenize requests of 990 KB from one client that never reads the replies (~6 MB each), with 64 connection
+    slots: they were all taken in, their bodies parsed and tokenized one after another in the reply thread every
+    client's big replies share, and each reply kept until the connection was closed: the server grew by ~700 MB and
+    kept it, and a neighbour's scoring reply waited 4 s behind them (14 s in the issue's run). Now a client has at
+    most 4 tokenizer requests in progress (16 in all), held until their replies are written, the rest a 503 before
+    their body is read; the reply thread takes clients in turn; what the burst used is handed back once it is idle."""
+    server = Server(web_base_dir, "--workers", "1", "--max-connections", "64", "--queue-timeout", "60")
+    attackers, done = [], threading.Event()
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": MEGABYTE_PROMPT}, ensure_ascii=False).encode()
+        neighbour = from_address("127.0.0.2")
+        assert neighbour.post(f"{url}/tokenize", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"}).json()["count"] > 900_000  # warm
+        rest = server_rss(server)
+        sockets, peak = [], [rest]
+
+        def attack(count):
+            for _ in range(count):
+                try:
+                    sockets.append(send_request(host, port, "/tokenize", body, receive_buffer=1024))
+                except OSError:  # closed by the server to make room: the attacker's own connections, or a reset
+                    pass
+
+        def watch():
+            while not done.is_set():
+                peak.append(server_rss(server))
+                time.sleep(0.1)
+
+        attackers = [threading.Thread(target=attack, args=(10,)) for _ in range(15)] + [threading.Thread(target=watch)]
+        for thread in attackers:
+            thread.start()
+        time.sleep(1.0)
+        health, scoring = [], []
+        score = {"prompt": "The capital of the river country is", "max_tokens": 0, "echo": True, "logprobs": 1}
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # a new connection each time
+            health.append(time.monotonic() - started)
+            started = time.monotonic()
+            reply = neighbour.post(f"{url}/v1/completions", json=score, timeout=60)
+            assert reply.status_code == 200, reply.text
+            scoring.append(time.monotonic() - started)
+        done.set()
+        grown = max(peak) - rest
+        print(f"/health at most {max(health):.2f} s, the neighbour's scoring at most {max(scoring):.2f} s; the server "
+              f"{rest:.0f} MiB at rest, at most {grown:.0f} MiB more")
+        assert max(health) < 1.0 and max(scoring) < 2.0, (health, scoring)
+        assert grown < 250, (rest, max(peak))
+        for s in sockets:
+            s.close()
+        wait_until(lambda: server_rss(server) < rest + 100, 10, "the burst's memory to be handed back")
+    finally:
+        done.set()
+        for thread in attackers:
+            thread.join(30)
+        server.stop()
