@@ -748,3 +748,47 @@ def test_tokenize_requests_nobody_reads_are_a_client_share_of_bounded_memory(web
         for thread in attackers:
             thread.join(30)
         server.stop()
+
+
+def test_a_lone_surrogate_is_a_400_and_a_stop_answers_tokenize_requests_in_flight(web_base_dir):  # noqa: F811
+    """A lone surrogate (a JSON escape such as \\ud800 without its other half) in an unknown field's name or in an
+    echoed prompt was a 500 with two tracebacks in the log (the error naming the field, the echoed text, could not be
+    written as UTF-8): now a 400 naming where it is, and nothing in the log. Then SIGTERM with 32 megabyte /tokenize
+    requests in flight: each is answered, a 503 if its work was not done, and the server exits at once (it did their
+    work one after another for the 5 s uvicorn waits, then closed the rest without a response)."""
+    server = Server(web_base_dir, "--workers", "1", "--client-share", "0.5")
+    try:
+        url, headers = server.url, {"Content-Type": "application/json"}
+        for path, raw, where in (
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800x": 1}',
+                 "a field name"),
+                ("/v1/completions", b'{"prompt": "a\\udc00b", "echo": true, "max_tokens": 1}', "prompt"),
+                ("/tokenize", b'{"\\udfff": "a"}', "a field name")):
+            reply = httpx.post(f"{url}{path}", content=raw, headers=headers, timeout=30)
+            assert reply.status_code == 400 and "lone surrogate" in reply.json()["error"]["message"], reply.text
+            assert reply.json()["error"]["param"].startswith(where), reply.text
+        pair = httpx.post(f"{url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers=headers, timeout=30)
+        assert pair.status_code == 200, pair.text  # a whole pair is a character
+        body = json.dumps({"prompt": MEGABYTE_PROMPT}, ensure_ascii=False).encode()
+        answers = []
+
+        def tokenize():
+            try:
+                answers.append(httpx.post(f"{url}/tokenize", content=body, headers=headers, timeout=30).status_code)
+            except httpx.HTTPError as e:
+                answers.append(type(e).__name__)
+
+        in_flight = [threading.Thread(target=tokenize) for _ in range(32)]
+        for thread in in_flight:
+            thread.start()
+        time.sleep(1.0)
+        server.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert server.process.wait(timeout=30) == 0
+        assert time.monotonic() - started < 3.0, time.monotonic() - started
+        for thread in in_flight:
+            thread.join(30)
+        assert len(answers) == 32 and set(answers) <= {200, 503}, answers
+        assert "Traceback" not in "".join(server.lines), "".join(server.lines)[-3000:]
+    finally:
+        server.stop()

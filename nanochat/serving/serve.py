@@ -29,11 +29,11 @@ from nanochat.serving.chat import (MODEL_MARKUP, READABLE_MARKUP, Failure, Finis
                                    fit_conversation, prompt_token_limit, validate_messages, whole_conversation)
 from nanochat.serving.guards import AnswerOverBound, LOOPBACK, RequireJSONAndHost, RequireKey, client_of
 from nanochat.serving.protocol import (CHAT_FIELDS, CHAT_TOP_LOGPROBS, COMPLETION_FIELDS, COMPLETION_LOGPROBS,
-                                       COMPLETION_MAX_TOKENS, MAX_CHOICES, ChatReplies, Completions, HTTPProblem,
-                                       TokenTable, check_bool, check_chat_extras, check_fields, check_model,
-                                       error_response, openai_chunk, openai_error, openai_head, openai_model_card,
-                                       openai_usage, openai_usage_chunk, read_prompts, read_sampling,
-                                       read_stream_options, reply_length_field, reply_room)
+                                       COMPLETION_MAX_TOKENS, MAX_CHOICES, SURROGATE_ESCAPE, ChatReplies, Completions,
+                                       HTTPProblem, TokenTable, check_bool, check_chat_extras, check_fields,
+                                       check_model, check_unicode, error_response, openai_chunk, openai_error,
+                                       openai_head, openai_model_card, openai_usage, openai_usage_chunk, read_prompts,
+                                       read_sampling, read_stream_options, reply_length_field, reply_room)
 from nanochat.serving.workers import IDLE_TRIM_SECONDS, NoWorkerAlive, QueueTimeout, ServerStopping
 from nanochat.tokenizer import CHAT_TEMPLATE
 
@@ -70,6 +70,8 @@ def parse_json_body(raw):
         raise HTTPProblem(400, f"request body is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(body, dict):
         raise HTTPProblem(400, "request body must be a JSON object")
+    if SURROGATE_ESCAPE.search(raw):  # rare: the walk over every string only then
+        check_unicode(body)
     return {name: value for name, value in body.items() if value is not None}  # null is how clients say "absent"
 
 
