@@ -792,3 +792,31 @@ def test_a_lone_surrogate_is_a_400_and_a_stop_answers_tokenize_requests_in_fligh
         assert "Traceback" not in "".join(server.lines), "".join(server.lines)[-3000:]
     finally:
         server.stop()
+
+
+def test_a_burst_of_new_connections_is_answered_while_every_slot_is_busy(web_base_dir):  # noqa: F811
+    """Every connection slot holds a reply that moves, and 40 connections arrive at once, then each asks for /health: a
+    new connection counted as idle until its request was in, so each closed the one before it (1 or 2 of 40 were
+    answered, the rest reset or closed). Now one that has waited less than a second keeps its place, and a burst of up
+    to 64 is let in past the bound: every one is answered."""
+    server = Server(web_base_dir, "--api-key", "sekrit", "--max-connections", "4")
+    streams, burst = [], []
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        body = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}  # ~200 KB: the kernel's buffers take it
+        streams = [send_request(host, port, "/v1/chat/completions", body, "sekrit") for _ in range(4)]
+        time.sleep(0.5)
+        burst = [socket.create_connection((host, int(port)), timeout=10) for _ in range(40)]
+        for s in burst:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answers = []
+        for s in burst:
+            try:
+                answers.append(status_of(s, 10))
+            except OSError as e:  # reset, or closed without a response
+                answers.append(type(e).__name__)
+        assert answers == [200] * 40, answers
+    finally:
+        for s in streams + burst:
+            s.close()
+        server.stop()
