@@ -40,10 +40,10 @@ from nanochat.tokenizer import CHAT_TEMPLATE
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
 
 
-async def read_json_body(request, replies):
-    """The request's body as a JSON object, fields sent as null left out; a large body is parsed in the reply thread
-    (a ReplyThread) in its client's turn (a megabyte of small numbers takes json.loads ~0.05 s, which the event loop
-    gave to one client at a time: /health took 0.67 s behind a few of them)."""
+async def read_json_body(request, parser):
+    """The request's body as a JSON object, fields sent as null left out; a large body is parsed in `parser` (a
+    ReplyThread) in its client's turn (json.loads takes up to ~0.1 s on a megabyte, and the event loop parsed every
+    body that came in before it answered anyone else: /health waited 2.4 s behind 16 connections sending them)."""
     size, chunks = 0, []
     try:
         async for chunk in request.stream():
@@ -57,10 +57,14 @@ async def read_json_body(request, replies):
     raw = b"".join(chunks)
     if len(raw) <= PARSE_INLINE_BYTES:
         return parse_json_body(raw)
-    return await replies.run(client_of(request), parse_json_body, raw)
+    return await parser.run(client_of(request), parse_json_body, raw)
 
 
 PARSE_INLINE_BYTES = 65536  # a body up to this size is parsed on the event loop (~3 ms at most)
+# Of the time the body thread works, the share it may parse: while it parses, every other thread waits for Python's
+# lock, and the event loop needs it several times to answer anyone (parsing back to back, /health waited 1.5-2.6 s;
+# half the time, ~0.6 s)
+BODY_PARSE_SHARE = 0.25
 
 
 def parse_json_body(raw):
@@ -97,8 +101,12 @@ class Routes:
         self.context, self.model_id = model_info["context"], model_info["id"]
         self.bos = tokenizer.get_bos_token_id()
         self.table = TokenTable(tokenizer)
-        self.replies = ReplyThread()  # work that can take seconds, off the event loop
-        pool.on_stop.append(self.replies.stop)
+        self.replies = ReplyThread(nice=True)  # work that can take seconds, off the event loop
+        # large request bodies: json.loads never lets go of Python's lock (up to ~0.1 s a megabyte), so the thread
+        # parses a quarter of the time at most, and at the event loop's priority (a niced thread holding the lock
+        # while the system runs others holds the event loop too)
+        self.bodies = ReplyThread(nice=False, share=BODY_PARSE_SHARE)
+        pool.on_stop += [self.replies.stop, self.bodies.stop]
 
     def mount(self, app):
         app.post("/chat/completions")(self.ui_completion)
@@ -124,7 +132,7 @@ class Routes:
     async def ui_completion(self, request: Request):
         """POST /chat/completions, the UI's: its conversation trimmed to fit the context (and told so), a stream of
         {"token"}, {"python"}, {"python_output"} ..., then {"done"}."""
-        body = await read_json_body(request, self.replies)
+        body = await read_json_body(request, self.bodies)
         unknown = sorted(set(body) - {"messages", "temperature", "top_k", "top_p", "max_tokens", "seed", "stop", "n",
                                       "model", "stream"})
         if unknown:
@@ -172,7 +180,7 @@ class Routes:
 
     async def chat_completion(self, request: Request):
         """POST /v1/chat/completions: the whole reply at once, or streamed."""
-        body = await read_json_body(request, self.replies)
+        body = await read_json_body(request, self.bodies)
         include_usage = self.read_common(body, "chat completions", CHAT_FIELDS)
         check_chat_extras(body)
         markup = check_bool(body, "nanochat_markup")
@@ -221,7 +229,7 @@ class Routes:
     async def completion(self, request: Request):
         """POST /v1/completions: for each prompt, n replies (or none, with max_tokens 0), the prompt echoed if asked,
         with logprobs of the prompt and of the reply."""
-        body = await read_json_body(request, self.replies)
+        body = await read_json_body(request, self.bodies)
         include_usage = self.read_common(body, "completions", COMPLETION_FIELDS)
         if body.get("suffix", "") != "":
             raise RequestError("suffix", "this model does not fill in the middle")
@@ -370,7 +378,7 @@ class Routes:
         client = client_of(request)
         self.pool.hold_tokenizer(client)
         try:
-            work = read(await read_json_body(request, self.replies))
+            work = read(await read_json_body(request, self.bodies))
             reply = await json_reply(await self.replies.run(client, work), client, self.replies)
         except BaseException:
             self.pool.release_tokenizer(client)
@@ -436,14 +444,16 @@ def lower_priority():
 
 class ReplyThread:
     """
-    The one low-priority thread that does the work on requests' and replies' Python objects that can take seconds,
-    its clients served in turn, a job each: a client with many jobs waiting delays another by one of them, not all
+    A thread for the work on requests' and replies' Python objects that can take seconds (the app has two: the replies
+    below the workers' CPU priority, the bodies at the event loop's), its clients served in turn, a job each: a client with many jobs waiting delays another by one of them, not all
     (in first-come order, 150 unread /tokenize requests from one client held a neighbour's scoring reply for 13.9 s).
     A client's jobs run in the order it sent them. When the server stops, every job not finished fails (stop()), so
     its request is answered with a 503 rather than cut off (a /tokenize in flight was closed without a response).
     """
 
-    def __init__(self):
+    def __init__(self, nice, share=1.0):
+        self.nice = nice  # below the workers' priority (lower_priority)
+        self.share = share  # of the time the thread works: after a job of s seconds, it rests s * (1 - share) / share
         self.queues = OrderedDict()  # client -> deque of (concurrent Future, function, args), the next turn first
         self.ready = threading.Condition()
         self.running = None  # the Future of the job in progress
@@ -480,7 +490,8 @@ class ReplyThread:
                 future.set_exception(self.stopping)
 
     def _work(self):
-        lower_priority()
+        if self.nice:
+            lower_priority()
         while True:
             with self.ready:
                 while not self.queues:
@@ -498,15 +509,18 @@ class ReplyThread:
                 if not future.set_running_or_notify_cancel():  # its request was cancelled meanwhile
                     continue
                 self.running, self.worked = future, True
+            started = time.perf_counter()
             try:
                 result = function(*args)
-                if not future.done():  # failed by fail_all meanwhile: nobody waits for it
+                if not future.done():  # failed by stop() meanwhile: nobody waits for it
                     future.set_result(result)
             except BaseException as e:
                 if not future.done():
                     future.set_exception(e)
             finally:
                 self.running = future = result = None  # no reply kept alive while the thread waits
+            if self.share < 1.0:
+                time.sleep((time.perf_counter() - started) * (1 - self.share) / self.share)
 
 
 INLINE_SECONDS = 0.002
