@@ -889,3 +889,40 @@ def test_bodies_slow_to_parse_leave_a_neighbour_its_pace(web_base_dir):  # noqa:
         if attacker is not None and attacker.is_alive():
             attacker.kill()
         server.stop()
+
+
+@pytest.mark.slow  # 15 s on a 2-core AMD EPYC
+def test_long_prompts_in_a_loop_leave_a_neighbour_its_first_token_and_pace(web_base_dir):  # noqa: F811
+    """16 connections looping prompts of 2,047 tokens with max_tokens 1: every step prefilled 256 of their tokens,
+    oldest prompt first, so the neighbour's prompt waited behind all 16 and each of its tokens behind a prefill chunk
+    (its first token after 2.1 s, its pace 23 % in the issue's run). Now prompts are prefilled a client at a time in
+    turn, and while another client's rows decode a chunk costs at most half their step: the neighbour's first token
+    comes at once and it keeps its pace."""
+    import multiprocessing
+
+    server = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    attacker = None
+    try:
+        url = server.url
+        neighbour = from_address("127.0.0.2")
+        stream_pace(url, neighbour, max_tokens=50)  # warm-up
+        _, alone = stream_pace(url, neighbour, max_tokens=300)
+        rng = random.Random(0)
+        body = json.dumps({"prompt": [rng.randrange(256) for _ in range(2047)], "max_tokens": 1}).encode()
+        context = multiprocessing.get_context("fork")
+        counts = context.Array("i", 2)
+        attacker = context.Process(target=post_in_a_loop, args=(url, "/v1/completions", body, 16, 200, counts))
+        attacker.start()
+        wait_until(lambda: counts[0] >= 16, 30, "the attacker's prompts to go round")
+        first, beside = stream_pace(url, neighbour, max_tokens=300)
+        attacker.kill()
+        answered, other = counts[:]
+        alone = min(alone, stream_pace(url, neighbour, max_tokens=300)[1])  # the slower of two: a busy machine
+        print(f"the neighbour alone {alone:.0f} tok/s, beside {beside:.0f} ({beside / alone:.0%}), its first token "
+              f"after {first:.2f} s; {answered} prompts answered")
+        assert other == 0, (answered, other)
+        assert first < 1.0 and beside > alone / 3, (first, beside, alone)
+    finally:
+        if attacker is not None and attacker.is_alive():
+            attacker.kill()
+        server.stop()
