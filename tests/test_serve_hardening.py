@@ -926,3 +926,39 @@ def test_long_prompts_in_a_loop_leave_a_neighbour_its_first_token_and_pace(web_b
         if attacker is not None and attacker.is_alive():
             attacker.kill()
         server.stop()
+
+
+@pytest.mark.slow  # 12 s on a 2-core AMD EPYC
+def test_ui_conversations_that_need_trimming_leave_a_neighbour_its_pace(web_base_dir):  # noqa: F811
+    """16 connections looping the UI's endpoint with 499 messages that must be trimmed to fit the context (re-rendered
+    a dozen times each, in the thread pool every chat's prompt is rendered in, then ~2,000 tokens to prefill): the
+    neighbour kept 15 % of its pace and its first token came after 1.1 s. Trimmed in the reply thread, a client's
+    turn at a time, and prefilled in turn within a share of the others' steps, they leave it its pace."""
+    import multiprocessing
+
+    server = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    attacker = None
+    try:
+        url = server.url
+        neighbour = from_address("127.0.0.2")
+        stream_pace(url, neighbour, max_tokens=50)  # warm-up
+        _, alone = stream_pace(url, neighbour, max_tokens=300)
+        turns = [{"role": "user", "content": "a" * 60}, {"role": "assistant", "content": "b" * 60}] * 249
+        body = json.dumps({"messages": turns + [{"role": "user", "content": "q" * 60}], "max_tokens": 1}).encode()
+        context = multiprocessing.get_context("fork")
+        counts = context.Array("i", 2)
+        attacker = context.Process(target=post_in_a_loop, args=(url, "/chat/completions", body, 16, 200, counts))
+        attacker.start()
+        wait_until(lambda: counts[0] >= 4, 30, "the attacker's conversations to go round")
+        first, beside = stream_pace(url, neighbour, max_tokens=300)
+        attacker.kill()
+        answered, other = counts[:]
+        alone = min(alone, stream_pace(url, neighbour, max_tokens=300)[1])  # the slower of two: a busy machine
+        print(f"the neighbour alone {alone:.0f} tok/s, beside {beside:.0f} ({beside / alone:.0%}), its first token "
+              f"after {first:.2f} s; {answered} conversations answered")
+        assert other == 0, (answered, other)
+        assert first < 1.0 and beside > alone / 3, (first, beside, alone)
+    finally:
+        if attacker is not None and attacker.is_alive():
+            attacker.kill()
+        server.stop()

@@ -144,7 +144,9 @@ class Routes:
         if sampling.num_samples != 1:
             raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
         prompt_limit = prompt_token_limit(self.context, sampling.max_tokens)
-        prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, prompt_limit)  # trimmed, told so
+        # trimmed to fit, and told so: a conversation re-rendered a dozen times, in the reply thread in the client's
+        # turn (in the thread pool every chat's prompt is rendered in, a client looping long ones held the others')
+        prompt = await self.replies.run(client_of(request), fit_conversation, self.tokenizer, messages, prompt_limit)
         async with withdrawn_if_client_leaves(request):
             generation = await self.pool.submit(prompt.ids, sampling, client=client_of(request))
         kinds = {"text": "token", "python": "python", "python_output": "python_output"}
