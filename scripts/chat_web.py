@@ -159,6 +159,9 @@ def allowed_hosts(args):
     return names
 
 
+LISTEN_BACKLOG = 4096  # connections the kernel holds until the server accepts them (at most net.core.somaxconn)
+
+
 class StoppingServer(uvicorn.Server):
     """uvicorn, which on SIGTERM or Ctrl-C first ends every request (a stream with an error event and [DONE], a waiting
     or whole one with a 503), then shuts down: no reply is cut off mid-chunk after the grace period."""
@@ -170,6 +173,14 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig, frame):
         self.pool.stop_soon()
         super().handle_exit(sig, frame)
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        # asyncio listened with uvicorn's backlog, which is also how many connections it accepts in one go; the
+        # kernel's queue may be longer: a connection that finds it full is dropped and tried again after a second
+        # (a 3,000-socket flood made /health and a keyed chat take 1.1-1.3 s)
+        for sock in sockets or []:
+            sock.listen(LISTEN_BACKLOG)
 
 
 def main(argv=None):
