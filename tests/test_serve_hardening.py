@@ -753,9 +753,10 @@ def test_tokenize_requests_nobody_reads_are_a_client_share_of_bounded_memory(web
 def test_a_lone_surrogate_is_a_400_and_a_stop_answers_tokenize_requests_in_flight(web_base_dir):  # noqa: F811
     """A lone surrogate (a JSON escape such as \\ud800 without its other half) in an unknown field's name or in an
     echoed prompt was a 500 with two tracebacks in the log (the error naming the field, the echoed text, could not be
-    written as UTF-8): now a 400 naming where it is, and nothing in the log. Then SIGTERM with 32 megabyte /tokenize
-    requests in flight: each is answered, a 503 if its work was not done, and the server exits at once (it did their
-    work one after another for the 5 s uvicorn waits, then closed the rest without a response)."""
+    written as UTF-8): now a 400 naming where it is, and nothing in the log. Then SIGTERM with megabyte /tokenize
+    requests in flight: each is answered, a 503 if its work was not done, and the server exits at once (with 32 in
+    flight it did their work one after another for the 5 s uvicorn waits, then answered the rest with a 500; now a
+    client has 8 in progress at --client-share 0.5, and the other 24 are told at once to come back)."""
     server = Server(web_base_dir, "--workers", "1", "--client-share", "0.5")
     try:
         url, headers = server.url, {"Content-Type": "application/json"}
@@ -781,7 +782,9 @@ def test_a_lone_surrogate_is_a_400_and_a_stop_answers_tokenize_requests_in_fligh
         in_flight = [threading.Thread(target=tokenize) for _ in range(32)]
         for thread in in_flight:
             thread.start()
-        time.sleep(1.0)
+        # all in: 8 in progress (the client's share at --client-share 0.5), 24 told at once to come back
+        wait_until(lambda: len(answers) == 24 and httpx.get(f"{url}/stats").json()["tokenizer"]["requests"] == 8, 20,
+                   "the 32 requests to be in")
         server.process.send_signal(signal.SIGTERM)
         started = time.monotonic()
         assert server.process.wait(timeout=30) == 0
@@ -965,7 +968,7 @@ def test_ui_conversations_that_need_trimming_leave_a_neighbour_its_pace(web_base
 
 
 @pytest.mark.slow  # 12 s on a 2-core AMD EPYC
-def test_a_connect_flood_under_the_common_file_limit_leaves_health_and_a_keyed_client_prompt(web_base_dir):  # noqa: F811
+def test_a_connect_flood_under_the_common_file_limit_leaves_health_and_a_keyed_chat_prompt(web_base_dir):  # noqa: F811
     """Four floods of 3,000 connections under the common limit of 1,024 open files, while two clients ask for /health
     and a keyed chat one after the other: the kernel held 128 connections for the server to accept, and one that
     found the queue full was dropped and tried again a second later (/health or the chat took 1.1-1.3 s). With a

@@ -3,7 +3,8 @@ Decode steps shared between the clients whose rows one worker decodes (docs/serv
 add-on of nanochat/engine.py's BatchEngine: DecodeCost says what a step costs (measured when the worker starts,
 refitted to the steps as they run), and FairShare, set as the engine's row_policy, picks the rows each step feeds:
 the clients whose rows cost least at every step, the heavier ones' rows a row each in turn within what the step may
-cost; and the prompts each step prefills: the clients in turn, within a share of what the others' steps cost. A row that waits keeps its cache and writes exactly the tokens it would have written.
+cost; and the prompts each step prefills: the clients in turn, within a share of what the others' steps cost. A row
+that waits keeps its cache and writes exactly the tokens it would have written.
 """
 
 import heapq
@@ -16,9 +17,9 @@ from nanochat.engine import Sampling, Sequence
 # A step shared between owners may cost at most this many times the light owners' rows alone (FairShare.pick): beside
 # one heavy owner a light one keeps about four fifths of its step rate
 FAIR_STRETCH = 1.25
-# While other owners' rows decode with no prompt of theirs waiting, prompts are prefilled within this share of what their
-# steps cost (FairShare.prefills): a chunk of 256 tokens took several decode steps' time, and a client prefilling
-# long prompts in a loop left a neighbour 14-23 % of its pace
+# While other owners' rows decode with no prompt of theirs waiting, prompts are prefilled within this share of what
+# their steps cost (FairShare.prefills): a chunk of 256 tokens took several decode steps' time, and a client
+# prefilling long prompts in a loop left a neighbour 14-23 % of its pace
 PREFILL_SHARE = 0.5
 PREFILL_MIN_TOKENS = 128  # the smallest chunk worth its forward pass while prefills wait for credit
 
@@ -118,7 +119,7 @@ class FairShare:
         self.prefilled_at = {}  # owner -> the prefill turn it last had tokens in (prefills: owners take turns)
         self.prefill_turns = 0
         self.prefill_credit = 0.0  # seconds of prefill the other owners' steps have paid for and no chunk has spent
-        self.prefill_started = None  # (when, estimated seconds) of the chunk prefills() allowed, until pick() charges it
+        self.prefill_started = None  # (when, estimated seconds) of the chunk prefills() allowed: pick() charges it
 
     def pick(self, ready):
         """
@@ -162,7 +163,8 @@ class FairShare:
             fixed = cost.prefill_seconds(0, extent)
             per_token = cost.prefill_seconds(1, extent) - fixed
             most = fixed + room * per_token  # the credit saved at most: a full chunk's worth
-            self.prefill_credit = min(most, self.prefill_credit + PREFILL_SHARE * cost.seconds(*self.step_shape(others)))
+            earned = PREFILL_SHARE * cost.seconds(*self.step_shape(others))
+            self.prefill_credit = min(most, self.prefill_credit + earned)
             affordable = min(room, int((self.prefill_credit - fixed) / max(per_token, 1e-12)))
             if affordable < min(room, PREFILL_MIN_TOKENS, len(first.prompt) - first.prefilled):
                 return [], 0  # not yet: a chunk of a few tokens would pay the forward's fixed cost for little

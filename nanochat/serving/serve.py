@@ -447,8 +447,9 @@ def lower_priority():
 class ReplyThread:
     """
     A thread for the work on requests' and replies' Python objects that can take seconds (the app has two: the replies
-    below the workers' CPU priority, the bodies at the event loop's), its clients served in turn, a job each: a client with many jobs waiting delays another by one of them, not all
-    (in first-come order, 150 unread /tokenize requests from one client held a neighbour's scoring reply for 13.9 s).
+    below the workers' CPU priority, the bodies at the event loop's), its clients served in turn, a job each: a client
+    with many jobs waiting delays another by one of them, not all (in first-come order, 150 unread /tokenize requests
+    from one client held a neighbour's scoring reply for 13.9 s).
     A client's jobs run in the order it sent them. When the server stops, every job not finished fails (stop()), so
     its request is answered with a 503 rather than cut off (a /tokenize in flight was closed without a response).
     """
