@@ -86,8 +86,8 @@ def parse_args(argv=None):
                         "--client-share")
     p.add_argument("--client-share", type=float, default=CLIENT_SHARE,
                    help="the share of the server one client (its key, whatever its addresses; without --api-key its "
-                        "address) may hold at once: of the rows, of --max-queue and of the prompt tokens waiting to be "
-                        "scored (1: no bound)")
+                        "address) may hold at once: of the rows, of --max-queue, of the prompt tokens waiting to be "
+                        "scored and of the /tokenize and /detokenize requests in progress (1: no bound)")
     p.add_argument("--trusted-proxy", default="", metavar="ADDRESSES",
                    help="the reverse proxy in front of this server: its addresses or networks, comma-separated; a "
                         "request from it is its X-Forwarded-For client's (default: none, and no request may name "
