@@ -4,7 +4,10 @@ chat_web as a hostile client or a web page would try it (issue 49): a flood of i
 text/plain POST and a rebinding Host; and the settings that must be refused or right at start. Then one keyed client
 that tries to freeze or starve the others (Hardening V): megabyte replies, a full connection table, a reply read
 slowly but steadily, a client's share of rows, queue and scoring, stop strings and scoring against a neighbour's pace,
-and malformed credentials, seeds and Host names.
+and malformed credentials, seeds and Host names. Then who a client is and what it can still make others wait for
+(Hardening VI): X-Forwarded-For, one key from many addresses, /tokenize requests nobody reads, lone surrogates and a
+stop with /tokenize in flight, bursts and floods of connections, bodies slow to parse, long prompts and conversations
+to trim in a loop.
 """
 
 import json
