@@ -393,8 +393,9 @@ class BatchEngine:
     A step prefills at most prefill_chunk prompt tokens, so a long prompt never stalls the rows decoding. max_len: the
     most positions a sequence may reach (default and at most the model's sequence_len). Add-ons attach once it is
     built: `row_policy` (None: a decode step feeds every sequence that has its next token; else its pick(ready) says
-    which, and it hears step_took(seconds): serving/fair_share.py), and `decode_step` with `decode_rows`, the step and
-    the rows it computes for a count (kernels/decode_graphs.py swaps in a step captured as CUDA graphs).
+    which, its prefills(waiting, room) which prompts a step prefills and how many of their tokens, and it hears
+    step_took(seconds): serving/fair_share.py), and `decode_step` with `decode_rows`, the step and the rows it
+    computes for a count (kernels/decode_graphs.py swaps in a step captured as CUDA graphs).
     """
 
     def __init__(self, model, tokenizer, max_batch, prefill_chunk=256, max_len=None):
@@ -532,15 +533,19 @@ class BatchEngine:
                 self.running.append(seq)
 
     def _prefill(self):
-        """Up to prefill_chunk prompt tokens, oldest sequences first, in one forward pass; whether there were any."""
+        """Up to prefill_chunk prompt tokens, oldest sequences first, in one forward pass; whether there were any. A
+        row policy may choose the order and take fewer tokens (its prefills(waiting, room))."""
+        waiting = [seq for seq in self.running
+                   if seq.leader is seq and seq.prefilled < len(seq.prompt) and seq.finished is None]
         room, chunks = self.prefill_chunk, []  # room: prompt tokens this pass may still take
-        for seq in self.running:
+        if waiting and self.row_policy is not None:
+            waiting, room = self.row_policy.prefills(waiting, room)
+        for seq in waiting:
             if room <= 0:
                 break
-            if seq.leader is seq and seq.prefilled < len(seq.prompt) and seq.finished is None:
-                chunk = seq.prompt[seq.prefilled:seq.prefilled + room]
-                chunks.append((seq, chunk))
-                room -= len(chunk)
+            chunk = seq.prompt[seq.prefilled:seq.prefilled + room]
+            chunks.append((seq, chunk))
+            room -= len(chunk)
         if not chunks:
             return False
         lengths = [len(chunk) for _, chunk in chunks]

@@ -16,15 +16,17 @@ One worker process per GPU (one on CPU) holds a model and decodes every request 
 batching, nanochat/engine.py): new requests join between steps, up to --max-batch sequences; one that waits
 longer than --queue-timeout for a row gets a 503. With --api-key (or NANOCHAT_API_KEY) every route but / and /health needs
 `Authorization: Bearer KEY`; without one, a request must name this server in its Host header (--allowed-hosts adds
-names). A reply whose client stops reading is closed after --write-timeout, and one client (a key, or a peer
-address) holds at most --client-share of the server (docs/serving.md "Under hostile load"). The server itself
-is nanochat/serving/: the app and its routes (serve.py), the OpenAI protocol (protocol.py), the defences (guards.py),
-the worker processes (workers.py) and how they share decode steps between clients (fair_share.py); request limits
-are the constants at the top of nanochat/serving/chat.py.
+names). A reply whose client stops reading is closed after --write-timeout, and one client (a key, or without
+keys an address: the peer's, or the one --trusted-proxy forwards) holds at most --client-share of the server
+(docs/serving.md "Under hostile load"). The server itself is nanochat/serving/: the app and its routes (serve.py),
+the OpenAI protocol (protocol.py), the defences (guards.py), the worker processes (workers.py) and how they share
+decode steps between clients (fair_share.py); request limits are the constants at the top of
+nanochat/serving/chat.py.
 """
 
 import argparse
 import gc
+import ipaddress
 import os
 import signal
 
@@ -83,9 +85,13 @@ def parse_args(argv=None):
                         "$NANOCHAT_API_KEY); given several times, any of the keys, and each key is one client for "
                         "--client-share")
     p.add_argument("--client-share", type=float, default=CLIENT_SHARE,
-                   help="the share of the server one client (a key where there are several, else a peer address) may "
-                        "hold at once: of the rows, of --max-queue and of the prompt tokens waiting to be scored "
-                        "(1: no bound)")
+                   help="the share of the server one client (its key, whatever its addresses; without --api-key its "
+                        "address) may hold at once: of the rows, of --max-queue, of the prompt tokens waiting to be "
+                        "scored and of the /tokenize and /detokenize requests in progress (1: no bound)")
+    p.add_argument("--trusted-proxy", default="", metavar="ADDRESSES",
+                   help="the reverse proxy in front of this server: its addresses or networks, comma-separated; a "
+                        "request from it is its X-Forwarded-For client's (default: none, and no request may name "
+                        "another address than its own)")
     args = p.parse_args(argv)
     if args.api_key is None:
         args.api_key = [os.environ["NANOCHAT_API_KEY"]] if os.environ.get("NANOCHAT_API_KEY") is not None else []
@@ -104,6 +110,7 @@ def parse_args(argv=None):
         check_number("--header-timeout", args.header_timeout, 0.0, 3600.0, low_open=True)
         check_number("--write-timeout", args.write_timeout, 0.0, 3600.0, low_open=True)
         check_number("--client-share", args.client_share, 0.0, 1.0, low_open=True)
+        args.trusted_proxy = trusted_proxies(args.trusted_proxy)
         for key in args.api_key:
             if not key.strip() or key != key.strip():
                 raise RequestError("--api-key", "must be a non-empty key without surrounding spaces")
@@ -113,6 +120,28 @@ def parse_args(argv=None):
     except RequestError as e:
         raise UserError(str(e)) from None
     return args
+
+
+def trusted_proxies(text):
+    """--trusted-proxy's addresses and networks, normalised for uvicorn; a name or '*' is refused: anyone could then
+    say they forward anyone."""
+    proxies = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        try:
+            proxies.append(str(ipaddress.ip_network(item, strict=False)) if "/" in item else
+                           str(ipaddress.ip_address(item)))
+        except ValueError:
+            raise RequestError("--trusted-proxy", f"{item!r}: give the proxy's address or network (as 127.0.0.1, "
+                               "::1 or 10.0.0.0/8), not a name or '*'") from None
+    return proxies
+
+
+def proxy_settings(args):
+    """uvicorn's X-Forwarded-For handling: off unless --trusted-proxy names the proxy (uvicorn's default trusts the
+    header from loopback, so any program on the machine, or a tunnel, could claim to be any client)."""
+    if not args.trusted_proxy:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": ",".join(args.trusted_proxy)}
 
 
 def allowed_hosts(args):
@@ -130,6 +159,9 @@ def allowed_hosts(args):
     return names
 
 
+LISTEN_BACKLOG = 4096  # connections the kernel holds until the server accepts them (at most net.core.somaxconn)
+
+
 class StoppingServer(uvicorn.Server):
     """uvicorn, which on SIGTERM or Ctrl-C first ends every request (a stream with an error event and [DONE], a waiting
     or whole one with a 503), then shuts down: no reply is cut off mid-chunk after the grace period."""
@@ -141,6 +173,14 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig, frame):
         self.pool.stop_soon()
         super().handle_exit(sig, frame)
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        # asyncio listened with uvicorn's backlog, which is also how many connections it accepts in one go; the
+        # kernel's queue may be longer: a connection that finds it full is dropped and tried again after a second
+        # (a 3,000-socket flood made /health and a keyed chat take 1.1-1.3 s)
+        for sock in sockets or []:
+            sock.listen(LISTEN_BACKLOG)
 
 
 def main(argv=None):
@@ -173,8 +213,11 @@ def main(argv=None):
     print0(f"serving at {url} (open it in a browser; OpenAI API at {url}v1)")
     # backlog: also how many connections asyncio accepts in one go before the guard sees them (uvicorn's 2048 could
     # take more files than a 1,024 limit has)
+    if args.trusted_proxy:
+        print0(f"a request from {', '.join(args.trusted_proxy)} (--trusted-proxy) is the client its X-Forwarded-For "
+               "names")
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, http=guard.protocol_class(),
-                            timeout_keep_alive=5, backlog=128)
+                            timeout_keep_alive=5, backlog=128, **proxy_settings(args))
     # uvicorn raises the SIGTERM or Ctrl-C it caught again once it has shut down: a stop, not a crash (exit code 0)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -546,6 +546,48 @@ def test_what_does_not_fit_a_step_waits_its_turn_and_owners_alike_are_fed_whole(
 
 
 @pytest.mark.quick
+def test_prompts_are_prefilled_owners_in_turn_within_a_share_of_the_others_steps(model, tokenizer):  # noqa: F811
+    """While one owner's row decodes, another's long prompts are prefilled in chunks that cost at most PREFILL_SHARE of
+    its steps, in the costs given (every step prefilled a whole chunk, oldest prompt first: the decoding row waited
+    behind each); a third owner's short prompt, added after them, is prefilled before the rest of theirs (it
+    waited behind them all). Every sequence writes the tokens it writes alone."""
+    from nanochat.serving.fair_share import PREFILL_SHARE
+
+    ps = prompts(tokenizer, [3, 40, 40, 40, 4])
+    engine = BatchEngine(model, tokenizer, max_batch=8, prefill_chunk=16)
+    cost = DecodeCost(fixed=1.0, per_row=1.0, per_row_key=0.0, prefill=(1.0, 0.25, 0.0))  # 16 tokens: 5 steps' worth
+    engine.row_policy = FairShare(engine, cost)
+    steady = Sampling(temperature=0.0, max_tokens=60)
+    decoding = engine.add(ps[0], steady, owner="decoding")
+    tokens = {id(decoding): [token for _, token, _ in engine.step()]}  # prefilled at once: nothing else decodes
+    short = Sampling(temperature=0.0, max_tokens=2)
+    long = [engine.add(prompt, short, owner="long") for prompt in ps[1:4]]
+    late, chunks, steps = None, [], 0
+    while any(seq.prefilled < len(seq.prompt) for seq in long):
+        before = sum(seq.prefilled for seq in long)
+        for seq, token, _ in engine.step():
+            tokens.setdefault(id(seq), []).append(token)
+        steps += 1
+        if sum(seq.prefilled for seq in long) > before:
+            chunks.append(sum(seq.prefilled for seq in long) - before)
+            if late is None:
+                late = engine.add(ps[4], short, owner="late")
+                long_before_late = sum(seq.prefilled for seq in long)
+        if late is not None and late.prefilled < len(late.prompt):
+            assert sum(seq.prefilled for seq in long) == long_before_late  # its turn comes first
+    assert late.prefilled == len(late.prompt) and decoding.finished is None
+    # each step earned half a decoding step's cost (1 + 1 a row): the chunks cost no more than that, one chunk ahead
+    spent = sum(cost.prefill_seconds(tokens, 40) for tokens in chunks)
+    assert spent <= PREFILL_SHARE * 2.0 * steps + cost.prefill_seconds(16, 40), (chunks, steps)
+    assert len(chunks) >= 7 and steps >= 4 * len(chunks), (chunks, steps)  # without the policy: 8 steps in a row
+    while engine.busy():
+        for seq, token, _ in engine.step():
+            tokens.setdefault(id(seq), []).append(token)
+    for prompt, seq, sampling in zip(ps, [decoding, *long], [steady, short, short, short]):
+        assert tokens[id(seq)] == decode_alone(model, tokenizer, prompt, sampling)
+
+
+@pytest.mark.quick
 def test_one_draw_for_many_rows_gives_each_row_its_own_draw():
     """Rows sampled in one pass, each from its own generator, draw the tokens they draw one by one (ties included),
     under every kind of truncation."""

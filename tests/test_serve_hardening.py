@@ -4,7 +4,10 @@ chat_web as a hostile client or a web page would try it (issue 49): a flood of i
 text/plain POST and a rebinding Host; and the settings that must be refused or right at start. Then one keyed client
 that tries to freeze or starve the others (Hardening V): megabyte replies, a full connection table, a reply read
 slowly but steadily, a client's share of rows, queue and scoring, stop strings and scoring against a neighbour's pace,
-and malformed credentials, seeds and Host names.
+and malformed credentials, seeds and Host names. Then who a client is and what it can still make others wait for
+(Hardening VI): X-Forwarded-For, one key from many addresses, /tokenize requests nobody reads, lone surrogates and a
+stop with /tokenize in flight, bursts and floods of connections, bodies slow to parse, long prompts and conversations
+to trim in a loop.
 """
 
 import json
@@ -64,17 +67,32 @@ def test_a_flood_of_idle_sockets_does_not_lock_out_a_keyed_client(web_base_dir):
         server.stop()
 
 
-def send_request(host, port, path, body, key=None, receive_buffer=None):
-    """A raw keep-alive POST on a socket of its own, which nobody reads (receive_buffer: its SO_RCVBUF)."""
+def send_request(host, port, path, body, key=None, receive_buffer=None, source=None, headers=()):
+    """A raw keep-alive POST on a socket of its own, which nobody reads (receive_buffer: its SO_RCVBUF; source: the
+    loopback address it comes from; headers: more "Name: value" lines)."""
     s = socket.socket()
     if receive_buffer:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    if source:
+        s.bind((source, 0))
     s.connect((host, int(port)))
-    raw = json.dumps(body).encode()
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    more = "".join(f"{line}\r\n" for line in ([f"Authorization: Bearer {key}"] if key else []) + list(headers))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{more}"
               f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     return s
+
+
+def status_of(s, seconds=10):
+    """The status code of the response that comes first on a raw socket."""
+    s.settimeout(seconds)
+    head = b""
+    while b"\r\n" not in head:
+        chunk = s.recv(1024)
+        if not chunk:
+            raise ConnectionError(f"closed without a response ({head!r})")
+        head += chunk
+    return int(head.split()[1])
 
 
 def test_clients_that_never_read_their_streams_cannot_lock_out_others(web_base_dir):  # noqa: F811
@@ -256,6 +274,13 @@ def test_settings_a_server_must_refuse_or_get_right(monkeypatch):
 
     with pytest.raises(UserError, match="--api-key: must be printable ASCII"):
         chat_web.parse_args(["--api-key", "clé-secrète"])
+    # X-Forwarded-For is believed from no one unless the operator names the proxy, and never from anyone ('*')
+    assert chat_web.proxy_settings(chat_web.parse_args([])) == {"proxy_headers": False}
+    assert chat_web.proxy_settings(chat_web.parse_args(["--trusted-proxy", "10.0.0.0/8, ::1"])) == {
+        "proxy_headers": True, "forwarded_allow_ips": "10.0.0.0/8,::1"}
+    for bad in ("*", "proxy.example"):
+        with pytest.raises(UserError, match="--trusted-proxy"):
+            chat_web.parse_args(["--trusted-proxy", bad])
     # CPU workers share the cores: 4 workers on 16 cores take 3 threads each (one core left to the server), not 15
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -562,4 +587,435 @@ def test_malformed_credentials_seeds_and_host_names(web_base_dir):  # noqa: F811
         assert hosts == {f"[::1]:{port}": 200, f"[::1].evil.com:{port}": 421, "[::1].evil.com": 421,
                          f"localhost:{port}": 200, f"127.0.0.1:{port}:evil": 421, "::1": 421}, hosts
     finally:
+        server.stop()
+
+
+# -----------------------------------------------------------------------------
+# Hardening VI: who a client is, the tokenizer's work, and what one keyed client can still make others wait for
+
+
+def test_a_forwarded_address_counts_only_from_the_proxy_the_operator_names(web_base_dir):  # noqa: F811
+    """uvicorn believed X-Forwarded-For from any loopback peer, so a program on the machine (or an SSH tunnel) was
+    whichever client it named: 8 streams naming 8 addresses took 8 rows, 8 more naming the neighbour's address spent
+    its share (its own request got a 503). Now the header is read only from --trusted-proxy, none by default: the 16
+    are their peer's, one client (4 rows, 4 waiting), and the neighbour is answered."""
+    server = Server(web_base_dir, "--max-batch", "16", "--max-queue", "16", "--queue-timeout", "60")
+    body, sockets = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}, []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        stats = lambda: httpx.get(f"{url}/stats", timeout=10).json()  # noqa: E731
+        claims = [f"X-Forwarded-For: 10.0.0.{i}" for i in range(1, 9)] + ["X-Forwarded-For: 127.0.0.2"] * 8
+        sockets = [send_request(host, port, "/v1/chat/completions", body, headers=[claim]) for claim in claims]
+        wait_until(lambda: stats()["requests_rejected"] >= 8, 10, "one client's share to fill (its 16 streams)")
+        assert stats()["batch"]["active"] == 4 and stats()["clients"]["held_back"] == 4, stats()
+        with from_address("127.0.0.2") as neighbour:
+            started = time.monotonic()
+            reply = neighbour.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=30)
+        assert reply.status_code == 200 and time.monotonic() - started < 5, reply.text
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_behind_the_proxy_the_operator_names_the_forwarded_address_is_the_client(web_base_dir):  # noqa: F811
+    """--trusted-proxy: a request from the proxy is the client it forwards (two forwarded addresses, two clients); the
+    same header from another peer is ignored."""
+    body = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
+    server = Server(web_base_dir, "--max-batch", "4", "--max-queue", "4", "--queue-timeout", "60",
+                    "--trusted-proxy", "127.0.0.3")
+    sockets = []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        first = ["X-Forwarded-For: 192.0.2.1"]
+        sockets = [send_request(host, port, "/v1/chat/completions", body, source="127.0.0.3", headers=first)
+                   for _ in range(2)]  # its one row, its one place in the queue
+        wait_until(lambda: httpx.get(f"{url}/stats").json()["clients"]["held_back"] == 1, 10, "a request held back")
+        short = {"messages": HELLO, "max_tokens": 4}
+        answers = {}
+        for name, source, claim in (("the same client, by the proxy", "127.0.0.3", "192.0.2.1"),
+                                    ("another, by the proxy", "127.0.0.3", "192.0.2.2"),
+                                    ("its address, not from the proxy", "127.0.0.1", "192.0.2.1")):
+            s = send_request(host, port, "/v1/chat/completions", short, source=source,
+                             headers=[f"X-Forwarded-For: {claim}"])
+            sockets.append(s)
+            answers[name] = status_of(s, 30)
+        assert answers == {"the same client, by the proxy": 503, "another, by the proxy": 200,
+                           "its address, not from the proxy": 200}, answers
+        assert "(--trusted-proxy) is the client its X-Forwarded-For names" in "".join(server.lines)
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def test_one_key_is_one_client_whatever_its_addresses(web_base_dir):  # noqa: F811
+    """A server with one key told its clients apart by address, so the key from 5 loopback addresses was 5 clients:
+    40 streams nobody reads took all 16 rows and the whole queue, and 3 scoring requests twice a client's scoring
+    share. Now a key is one client, whatever its addresses (its holders cannot be told apart): a quarter of the rows
+    (4), of the queue (4) and of the scoring budget in all, the rest refused at once; the other three quarters stay
+    free for the server's other clients (test_one_client_holds_its_share_and_another_keeps_its_pace: the second
+    key's stream starts at once)."""
+    server = Server(web_base_dir, "--api-key", "sekrit", "--max-batch", "16", "--max-queue", "16",
+                    "--queue-timeout", "60")
+    sockets = []
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        keyed = {"Authorization": "Bearer sekrit"}
+        stats = lambda: httpx.get(f"{url}/stats", headers=keyed, timeout=10).json()  # noqa: E731
+        body = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}
+        addresses = [f"127.0.0.{i}" for i in range(11, 16)]
+        sockets = [send_request(host, port, "/v1/chat/completions", body, "sekrit", source=address)
+                   for address in addresses for _ in range(8)]
+        wait_until(lambda: stats()["requests_rejected"] >= 32, 10, "the key's share to fill (4 rows, 4 waiting)")
+        assert stats()["batch"]["active"] == 4 and stats()["clients"]["held_back"] == 4, stats()
+        rng = random.Random(0)
+        half = {"prompt": [[rng.randrange(256) for _ in range(2046)] for _ in range(64)], "max_tokens": 0,
+                "echo": True, "logprobs": 1}  # 131,008 prompt tokens: half a client's scoring share
+        raw = json.dumps(half).encode()
+        sockets += [send_request(host, port, "/v1/completions", raw, "sekrit", source=addresses[0]) for _ in range(2)]
+        wait_until(lambda: stats()["scoring"]["requests"] == 2, 20, "two scoring requests")
+        third = send_request(host, port, "/v1/completions", raw, "sekrit", source=addresses[1])
+        sockets.append(third)
+        assert status_of(third, 30) == 503 and stats()["scoring"]["requests"] == 2
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
+def server_rss(server):
+    """The server process's resident memory, in MiB (its workers apart: they never see a /tokenize)."""
+    import psutil
+
+    return psutil.Process(server.process.pid).memory_info().rss / 2**20
+
+
+@pytest.mark.slow  # 18 s on a 2-core AMD EPYC
+def test_tokenize_requests_nobody_reads_are_a_client_share_of_bounded_memory(web_base_dir):  # noqa: F811
+    """150 /tokenize requests of 990 KB from one client that never reads the replies (~6 MB each), with 64 connection
+    slots: they were all taken in, their bodies parsed and tokenized one after another in the reply thread every
+    client's big replies share, and each reply kept until the connection was closed: the server grew by ~700 MB and
+    kept it, and a neighbour's scoring reply waited 4 s behind them (14 s in the issue's run). Now a client has at
+    most 4 tokenizer requests in progress (16 in all), held until their replies are written, the rest a 503 before
+    their body is read; the reply thread takes clients in turn; what the burst used is handed back once it is idle."""
+    server = Server(web_base_dir, "--workers", "1", "--max-connections", "64", "--queue-timeout", "60")
+    attackers, done = [], threading.Event()
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": MEGABYTE_PROMPT}, ensure_ascii=False).encode()
+        neighbour = from_address("127.0.0.2")
+        assert neighbour.post(f"{url}/tokenize", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"}).json()["count"] > 900_000  # warm
+        rest = server_rss(server)
+        sockets, peak = [], [rest]
+
+        def attack(count):
+            for _ in range(count):
+                try:
+                    sockets.append(send_request(host, port, "/tokenize", body, receive_buffer=1024))
+                except OSError:  # closed by the server to make room: the attacker's own connections, or a reset
+                    pass
+
+        def watch():
+            while not done.is_set():
+                peak.append(server_rss(server))
+                time.sleep(0.1)
+
+        attackers = [threading.Thread(target=attack, args=(10,)) for _ in range(15)] + [threading.Thread(target=watch)]
+        for thread in attackers:
+            thread.start()
+        time.sleep(1.0)
+        health, scoring = [], []
+        score = {"prompt": "The capital of the river country is", "max_tokens": 0, "echo": True, "logprobs": 1}
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # a new connection each time
+            health.append(time.monotonic() - started)
+            started = time.monotonic()
+            reply = neighbour.post(f"{url}/v1/completions", json=score, timeout=60)
+            assert reply.status_code == 200, reply.text
+            scoring.append(time.monotonic() - started)
+        done.set()
+        grown = max(peak) - rest
+        print(f"/health at most {max(health):.2f} s, the neighbour's scoring at most {max(scoring):.2f} s; the server "
+              f"{rest:.0f} MiB at rest, at most {grown:.0f} MiB more")
+        assert max(health) < 1.0 and max(scoring) < 2.0, (health, scoring)
+        assert grown < 250, (rest, max(peak))
+        for s in sockets:
+            s.close()
+        wait_until(lambda: server_rss(server) < rest + 100, 10, "the burst's memory to be handed back")
+    finally:
+        done.set()
+        for thread in attackers:
+            thread.join(30)
+        server.stop()
+
+
+def test_a_lone_surrogate_is_a_400_and_a_stop_answers_tokenize_requests_in_flight(web_base_dir):  # noqa: F811
+    """A lone surrogate (a JSON escape such as \\ud800 without its other half) in an unknown field's name or in an
+    echoed prompt was a 500 with two tracebacks in the log (the error naming the field, the echoed text, could not be
+    written as UTF-8): now a 400 naming where it is, and nothing in the log. Then SIGTERM with megabyte /tokenize
+    requests in flight: each is answered, a 503 if its work was not done, and the server exits at once (with 32 in
+    flight it did their work one after another for the 5 s uvicorn waits, then answered the rest with a 500; now a
+    client has 8 in progress at --client-share 0.5, and the other 24 are told at once to come back)."""
+    server = Server(web_base_dir, "--workers", "1", "--client-share", "0.5")
+    try:
+        url, headers = server.url, {"Content-Type": "application/json"}
+        for path, raw, where in (
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800x": 1}',
+                 "a field name"),
+                ("/v1/completions", b'{"prompt": "a\\udc00b", "echo": true, "max_tokens": 1}', "prompt"),
+                ("/tokenize", b'{"\\udfff": "a"}', "a field name")):
+            reply = httpx.post(f"{url}{path}", content=raw, headers=headers, timeout=30)
+            assert reply.status_code == 400 and "lone surrogate" in reply.json()["error"]["message"], reply.text
+            assert reply.json()["error"]["param"].startswith(where), reply.text
+        pair = httpx.post(f"{url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers=headers, timeout=30)
+        assert pair.status_code == 200, pair.text  # a whole pair is a character
+        body = json.dumps({"prompt": MEGABYTE_PROMPT}, ensure_ascii=False).encode()
+        answers = []
+
+        def tokenize():
+            try:
+                answers.append(httpx.post(f"{url}/tokenize", content=body, headers=headers, timeout=30).status_code)
+            except httpx.HTTPError as e:
+                answers.append(type(e).__name__)
+
+        in_flight = [threading.Thread(target=tokenize) for _ in range(32)]
+        for thread in in_flight:
+            thread.start()
+        # all in: 8 in progress (the client's share at --client-share 0.5), 24 told at once to come back
+        wait_until(lambda: len(answers) == 24 and httpx.get(f"{url}/stats").json()["tokenizer"]["requests"] == 8, 20,
+                   "the 32 requests to be in")
+        server.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert server.process.wait(timeout=30) == 0
+        assert time.monotonic() - started < 3.0, time.monotonic() - started
+        for thread in in_flight:
+            thread.join(30)
+        assert len(answers) == 32 and set(answers) <= {200, 503}, answers
+        assert "Traceback" not in "".join(server.lines), "".join(server.lines)[-3000:]
+    finally:
+        server.stop()
+
+
+def test_a_burst_of_new_connections_is_answered_while_every_slot_is_busy(web_base_dir):  # noqa: F811
+    """Every connection slot holds a reply that moves, and 40 connections arrive at once, then each asks for /health: a
+    new connection counted as idle until its request was in, so each closed the one before it (1 or 2 of 40 were
+    answered, the rest reset or closed). Now one that has waited less than a second keeps its place, and a burst of up
+    to 64 is let in past the bound: every one is answered."""
+    server = Server(web_base_dir, "--api-key", "sekrit", "--max-connections", "4")
+    streams, burst = [], []
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        body = {"messages": HELLO, "max_tokens": LONG_REPLY, "stream": True}  # ~200 KB: the kernel's buffers take it
+        streams = [send_request(host, port, "/v1/chat/completions", body, "sekrit") for _ in range(4)]
+        time.sleep(0.5)
+        burst = [socket.create_connection((host, int(port)), timeout=10) for _ in range(40)]
+        for s in burst:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answers = []
+        for s in burst:
+            try:
+                answers.append(status_of(s, 10))
+            except OSError as e:  # reset, or closed without a response
+                answers.append(type(e).__name__)
+        assert answers == [200] * 40, answers
+    finally:
+        for s in streams + burst:
+            s.close()
+        server.stop()
+
+
+def post_in_a_loop(url, path, body, connections, expected, counts):
+    """Another process's `connections` threads, each POSTing `body` to `path` one after another until it is killed: an
+    attacker whose own work never takes Python's lock from the test's measurements. counts: a shared array of two,
+    the replies with the `expected` status and the others."""
+    def one():
+        with httpx.Client(timeout=60) as client:
+            while True:
+                status = client.post(f"{url}{path}", content=body, headers={"Content-Type": "application/json"})
+                with counts.get_lock():
+                    counts[0 if status.status_code == expected else 1] += 1
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    threads[0].join()
+
+
+@pytest.mark.slow  # 8 s on a 2-core AMD EPYC
+def test_bodies_slow_to_parse_leave_a_neighbour_its_pace(web_base_dir):  # noqa: F811
+    """16 connections looping bodies of 950 KB that are slow to parse (190,000 lists in lists, ~0.1 s of json.loads
+    each; refused after, for a field the endpoint has not): the event loop parsed each as it came, and everyone else
+    waited behind them all (/health 2.4-3.4 s, the neighbour's first token after 3.7-4.7 s). Parsed in a thread of
+    their own, a client's turn at a time and a quarter of the time at most, they leave /health under a second and the
+    neighbour its first token at once and its pace (measured 51-112 % on a machine busy with other work; asserted: a
+    third, as the other pace tests, the machine's noise apart)."""
+    import multiprocessing
+
+    server = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    watcher, done, attacker = None, threading.Event(), None
+    try:
+        url = server.url
+        neighbour = from_address("127.0.0.2")
+        stream_pace(url, neighbour, max_tokens=50)  # warm-up
+        _, alone = stream_pace(url, neighbour, max_tokens=300)
+        body = ('{"messages": [{"role": "user", "content": "hi"}], "junk": [' + ",".join(["[[]]"] * 190_000) +
+                "]}").encode()
+        context = multiprocessing.get_context("fork")
+        counts, health = context.Array("i", 2), []
+        attacker = context.Process(target=post_in_a_loop, args=(url, "/v1/chat/completions", body, 16, 400, counts))
+
+        def watch():
+            while not done.is_set():
+                started = time.monotonic()
+                assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+                health.append(time.monotonic() - started)
+                time.sleep(0.05)
+
+        attacker.start()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        time.sleep(2.0)  # its bodies queue up
+        first, beside = stream_pace(url, neighbour, max_tokens=300)
+        attacker.kill()
+        done.set()
+        watcher.join(60)
+        refused, other = counts[:]
+        # its pace alone, again: the slower of the two (a busy machine changes it from one second to the next)
+        alone = min(alone, stream_pace(url, neighbour, max_tokens=300)[1])
+        print(f"the neighbour alone {alone:.0f} tok/s, beside {beside:.0f} ({beside / alone:.0%}), its first token "
+              f"after {first:.2f} s; /health at most {max(health):.2f} s; {refused} bodies refused")
+        assert refused >= 2 and other == 0, (refused, other)
+        assert first < 1.0 and beside > alone / 3 and max(health) < 1.0, (first, beside, alone, max(health))
+    finally:
+        done.set()
+        if attacker is not None and attacker.is_alive():
+            attacker.kill()
+        server.stop()
+
+
+@pytest.mark.slow  # 15 s on a 2-core AMD EPYC
+def test_long_prompts_in_a_loop_leave_a_neighbour_its_first_token_and_pace(web_base_dir):  # noqa: F811
+    """16 connections looping prompts of 2,047 tokens with max_tokens 1: every step prefilled 256 of their tokens,
+    oldest prompt first, so the neighbour's prompt waited behind all 16 and each of its tokens behind a prefill chunk
+    (its first token after 2.1 s, its pace 23 % in the issue's run). Now prompts are prefilled a client at a time in
+    turn, and while another client's rows decode a chunk costs at most half their step: the neighbour's first token
+    comes at once and it keeps its pace."""
+    import multiprocessing
+
+    server = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    attacker = None
+    try:
+        url = server.url
+        neighbour = from_address("127.0.0.2")
+        stream_pace(url, neighbour, max_tokens=50)  # warm-up
+        _, alone = stream_pace(url, neighbour, max_tokens=300)
+        rng = random.Random(0)
+        body = json.dumps({"prompt": [rng.randrange(256) for _ in range(2047)], "max_tokens": 1}).encode()
+        context = multiprocessing.get_context("fork")
+        counts = context.Array("i", 2)
+        attacker = context.Process(target=post_in_a_loop, args=(url, "/v1/completions", body, 16, 200, counts))
+        attacker.start()
+        wait_until(lambda: counts[0] >= 16, 30, "the attacker's prompts to go round")
+        first, beside = stream_pace(url, neighbour, max_tokens=300)
+        attacker.kill()
+        answered, other = counts[:]
+        alone = min(alone, stream_pace(url, neighbour, max_tokens=300)[1])  # the slower of two: a busy machine
+        print(f"the neighbour alone {alone:.0f} tok/s, beside {beside:.0f} ({beside / alone:.0%}), its first token "
+              f"after {first:.2f} s; {answered} prompts answered")
+        assert other == 0, (answered, other)
+        assert first < 1.0 and beside > alone / 3, (first, beside, alone)
+    finally:
+        if attacker is not None and attacker.is_alive():
+            attacker.kill()
+        server.stop()
+
+
+@pytest.mark.slow  # 12 s on a 2-core AMD EPYC
+def test_ui_conversations_that_need_trimming_leave_a_neighbour_its_pace(web_base_dir):  # noqa: F811
+    """16 connections looping the UI's endpoint with 499 messages that must be trimmed to fit the context (re-rendered
+    a dozen times each, in the thread pool every chat's prompt is rendered in, then ~2,000 tokens to prefill): the
+    neighbour kept 15 % of its pace and its first token came after 1.1 s. Trimmed in the reply thread, a client's
+    turn at a time, and prefilled in turn within a share of the others' steps, they leave it its pace."""
+    import multiprocessing
+
+    server = Server(web_base_dir, "--workers", "1", "--queue-timeout", "60")
+    attacker = None
+    try:
+        url = server.url
+        neighbour = from_address("127.0.0.2")
+        stream_pace(url, neighbour, max_tokens=50)  # warm-up
+        _, alone = stream_pace(url, neighbour, max_tokens=300)
+        turns = [{"role": "user", "content": "a" * 60}, {"role": "assistant", "content": "b" * 60}] * 249
+        body = json.dumps({"messages": turns + [{"role": "user", "content": "q" * 60}], "max_tokens": 1}).encode()
+        context = multiprocessing.get_context("fork")
+        counts = context.Array("i", 2)
+        attacker = context.Process(target=post_in_a_loop, args=(url, "/chat/completions", body, 16, 200, counts))
+        attacker.start()
+        wait_until(lambda: counts[0] >= 4, 30, "the attacker's conversations to go round")
+        first, beside = stream_pace(url, neighbour, max_tokens=300)
+        attacker.kill()
+        answered, other = counts[:]
+        alone = min(alone, stream_pace(url, neighbour, max_tokens=300)[1])  # the slower of two: a busy machine
+        print(f"the neighbour alone {alone:.0f} tok/s, beside {beside:.0f} ({beside / alone:.0%}), its first token "
+              f"after {first:.2f} s; {answered} conversations answered")
+        assert other == 0, (answered, other)
+        assert first < 1.0 and beside > alone / 3, (first, beside, alone)
+    finally:
+        if attacker is not None and attacker.is_alive():
+            attacker.kill()
+        server.stop()
+
+
+@pytest.mark.slow  # 12 s on a 2-core AMD EPYC
+def test_a_connect_flood_under_the_common_file_limit_leaves_health_and_a_keyed_chat_prompt(web_base_dir):  # noqa: F811
+    """Four floods of 3,000 connections under the common limit of 1,024 open files, while two clients ask for /health
+    and a keyed chat one after the other: the kernel held 128 connections for the server to accept, and one that
+    found the queue full was dropped and tried again a second later (/health or the chat took 1.1-1.3 s). With a
+    queue of up to 4,096, each is answered within a second."""
+    def small_file_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    server = Server(web_base_dir, "--api-key", "sekrit", preexec_fn=small_file_limit)
+    sockets, done, seconds = [], threading.Event(), {"health": [], "chat": []}
+    try:
+        url, (host, port) = server.url, server.url.removeprefix("http://").split(":")
+
+        def ask():
+            while not done.is_set():
+                started = time.monotonic()
+                assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+                seconds["health"].append(time.monotonic() - started)
+                started = time.monotonic()
+                reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4},
+                                   headers={"Authorization": "Bearer sekrit"}, timeout=30)
+                assert reply.status_code == 200, reply.text
+                seconds["chat"].append(time.monotonic() - started)
+
+        asking = [threading.Thread(target=ask) for _ in range(2)]
+        for thread in asking:
+            thread.start()
+        for _ in range(4):
+            for _ in range(3000):  # connect and say nothing
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((host, int(port)))
+                sockets.append(s)
+            time.sleep(1.0)  # the server takes them all in (~0.3 s on 2 busy cores)
+            for s in sockets:
+                s.close()
+            sockets = []
+        done.set()
+        for thread in asking:
+            thread.join(60)
+        worst = {name: max(values) for name, values in seconds.items()}
+        print(f"/health at most {worst['health']:.2f} s, a keyed chat at most {worst['chat']:.2f} s")
+        assert len(seconds["chat"]) >= 3 and worst["health"] < 1.0 and worst["chat"] < 1.0, seconds
+    finally:
+        done.set()
+        for s in sockets:
+            s.close()
         server.stop()

@@ -3,7 +3,8 @@ Decode steps shared between the clients whose rows one worker decodes (docs/serv
 add-on of nanochat/engine.py's BatchEngine: DecodeCost says what a step costs (measured when the worker starts,
 refitted to the steps as they run), and FairShare, set as the engine's row_policy, picks the rows each step feeds:
 the clients whose rows cost least at every step, the heavier ones' rows a row each in turn within what the step may
-cost. A row that waits keeps its cache and writes exactly the tokens it would have written.
+cost; and the prompts each step prefills: the clients in turn, within a share of what the others' steps cost. A row
+that waits keeps its cache and writes exactly the tokens it would have written.
 """
 
 import heapq
@@ -16,6 +17,11 @@ from nanochat.engine import Sampling, Sequence
 # A step shared between owners may cost at most this many times the light owners' rows alone (FairShare.pick): beside
 # one heavy owner a light one keeps about four fifths of its step rate
 FAIR_STRETCH = 1.25
+# While other owners' rows decode with no prompt of theirs waiting, prompts are prefilled within this share of what
+# their steps cost (FairShare.prefills): a chunk of 256 tokens took several decode steps' time, and a client
+# prefilling long prompts in a loop left a neighbour 14-23 % of its pace
+PREFILL_SHARE = 0.5
+PREFILL_MIN_TOKENS = 128  # the smallest chunk worth its forward pass while prefills wait for credit
 
 
 class DecodeCost:
@@ -32,10 +38,13 @@ class DecodeCost:
     REFIT_EVERY = 32  # steps between two fits (each solves 4 equations)
     OUTLIER = 3.0  # a step timed at more than this many times its prediction counts as that much (the OS paused it)
 
-    def __init__(self, fixed, per_row, per_row_key, gather_per_row_key=0.0, measured=()):
-        """measured: [(rows, extent, gathered)] the shapes timed; none: the numbers stay as given."""
+    def __init__(self, fixed, per_row, per_row_key, gather_per_row_key=0.0, measured=(), prefill=None):
+        """measured: [(rows, extent, gathered)] the shapes timed; none: the numbers stay as given. prefill: (fixed,
+        per token, per token and key position) of a prompt's chunk, as measured (prefill_seconds); none: a token
+        counted as a decoded row."""
         self.fixed, self.per_row, self.per_row_key, self.gather_per_row_key = \
             fixed, per_row, per_row_key, gather_per_row_key
+        self.prefill = prefill or (fixed, per_row, per_row_key)
         self.follows = bool(measured)
         self.steps_seen = 0
         # normal equations of the fit: the steps seen (fading) and the measured shapes at their measured seconds
@@ -49,6 +58,12 @@ class DecodeCost:
         per_key = self.per_row_key + (self.gather_per_row_key if gathered else 0.0)
         return self.fixed + rows * (self.per_row + per_key * extent)
 
+    def prefill_seconds(self, tokens, extent):
+        """What a forward prefilling `tokens` of one prompt up to position `extent` costs (a chunk's tokens go through
+        the model together: several times cheaper each than a decoded row)."""
+        fixed, per_token, per_token_key = self.prefill
+        return fixed + tokens * (per_token + per_token_key * extent)
+
     def observe(self, rows, extent, gathered, seconds):
         """A step of that shape took `seconds`: fold it into the fit (refitted every REFIT_EVERY steps)."""
         if not self.follows:
@@ -60,9 +75,11 @@ class DecodeCost:
             self._refit()
 
     def summary(self):
+        fixed, per_token, per_token_key = self.prefill
         return (f"a decode step {1e3 * self.fixed:.2f} ms + {1e3 * self.per_row:.3f} ms a row + "
                 f"{1e6 * self.per_row_key:.3f} ms a row per 1,000 positions (+{1e6 * self.gather_per_row_key:.3f} "
-                f"gathered)")
+                f"gathered); a prompt's chunk {1e3 * fixed:.2f} ms + {1e3 * per_token:.3f} ms a token + "
+                f"{1e6 * per_token_key:.3f} ms a token per 1,000 positions")
 
     @staticmethod
     def _features(rows, extent, gathered):
@@ -99,6 +116,10 @@ class FairShare:
         self.carried_seconds = 0.0  # allowed but not spent by the last step, while rows waited: the next may spend it
         self.rows_passed_by = 0  # row-steps a sequence with its next token waited for another's turn (/stats)
         self.picked_shape = None  # step_shape of the rows picked last, for step_took
+        self.prefilled_at = {}  # owner -> the prefill turn it last had tokens in (prefills: owners take turns)
+        self.prefill_turns = 0
+        self.prefill_credit = 0.0  # seconds of prefill the other owners' steps have paid for and no chunk has spent
+        self.prefill_started = None  # (when, estimated seconds) of the chunk prefills() allowed: pick() charges it
 
     def pick(self, ready):
         """
@@ -110,10 +131,59 @@ class FairShare:
         allowed seconds; an owner whose next row does not fit waits whole. Seconds allowed but not spent while rows
         wait are carried to the next step, so every row gets in within a few steps.
         """
+        if self.prefill_started is not None:  # the chunk this step prefilled (and the draws after it), as it ran
+            started, estimate = self.prefill_started
+            self.prefill_credit -= max(estimate, time.perf_counter() - started)
+            self.prefill_started = None
         fed = self._share(ready)
         self.rows_passed_by += len(ready) - len(fed)
         self.picked_shape = self.step_shape(fed) if fed else None
         return fed
+
+    def prefills(self, waiting, room):
+        """
+        The prompts of `waiting` in the order a step prefills them, and how many of their tokens it may take. Owners
+        take turns, the one that had tokens longest ago first (oldest prompt first, a client's 16 long prompts held a
+        neighbour's first token for 1-2 s). While other owners' rows decode and none of their prompts waits, the
+        prefills cost at most PREFILL_SHARE of those steps: each step earns that share of their cost, a chunk takes
+        the tokens the credit pays for by the measured prefill cost, its forward's fixed cost included (so a chunk of
+        PREFILL_MIN_TOKENS or more comes every few steps rather than a costly one at each), and is charged what it
+        took (timed until the step's pick()), or its estimate if more.
+        """
+        owners = {}
+        for seq in waiting:
+            owners.setdefault(seq.owner, []).append(seq)
+        ordered = [seq for owner in sorted(owners, key=lambda owner: self.prefilled_at.get(owner, -1))
+                   for seq in owners[owner]]
+        others = [seq for seq in self.engine.running  # decoding: fed last step, or to be fed this one
+                  if seq.owner not in owners and seq.finished is None and (seq.logits is not None or seq.awaiting_feed)]
+        if others:
+            cost, first = self.cost, ordered[0]
+            extent = len(first.prompt)  # where its chunk ends at most: what each token's keys cost up to
+            fixed = cost.prefill_seconds(0, extent)
+            per_token = cost.prefill_seconds(1, extent) - fixed
+            most = fixed + room * per_token  # the credit saved at most: a full chunk's worth
+            earned = PREFILL_SHARE * cost.seconds(*self.step_shape(others))
+            self.prefill_credit = min(most, self.prefill_credit + earned)
+            affordable = min(room, int((self.prefill_credit - fixed) / max(per_token, 1e-12)))
+            if affordable < min(room, PREFILL_MIN_TOKENS, len(first.prompt) - first.prefilled):
+                return [], 0  # not yet: a chunk of a few tokens would pay the forward's fixed cost for little
+            room = affordable
+            # pick() charges what the chunk took, if more than the estimate (which runs low on a busy machine)
+            self.prefill_started = (time.perf_counter(), fixed + room * per_token)
+        else:
+            self.prefill_credit = 0.0
+        self.prefill_turns += 1
+        left = room
+        for seq in ordered:
+            if left <= 0:
+                break
+            self.prefilled_at[seq.owner] = self.prefill_turns
+            left -= len(seq.prompt) - seq.prefilled
+        if len(self.prefilled_at) > 4 * len(self.engine.running) + 64:  # owners long gone: forgotten
+            current = {seq.owner for seq in self.engine.running}
+            self.prefilled_at = {o: t for o, t in self.prefilled_at.items() if o in current}
+        return ordered, room
 
     def step_took(self, seconds):
         """The step of the rows picked last (and no prompt's chunk) took `seconds`: the cost follows it."""
@@ -191,13 +261,43 @@ def measure_decode_cost(engine, repeats=3):
             seconds = _time_steps(engine, *shape)
             best[i] = min(best[i], seconds) if attempt else best[i]
     (engine.decode_steps, engine.shared_steps), engine.row_policy = counters, policy  # stand-ins are no one's steps
+    prefill = measure_prefill_cost(engine, short, long, repeats)
     one, run_short, run_long = best[:3]
     per_row_key = max(0.0, (run_long - run_short) / (many * (long - short)))
     row_at_short = max(0.0, (run_short - one) / (many - 1))  # per_row + per_row_key * short
     gather = max(0.0, (best[3] - run_long) / (many * long)) if scattered else 0.0
     timed = [(1, short + 1, False), (many, short + 1, False), (many, long + 1, False), (many, long + 1, True)]
     return DecodeCost(fixed=max(0.0, one - row_at_short), per_row=max(0.0, row_at_short - per_row_key * short),
-                      per_row_key=per_row_key, gather_per_row_key=gather, measured=timed)
+                      per_row_key=per_row_key, gather_per_row_key=gather, measured=timed, prefill=prefill)
+
+
+def measure_prefill_cost(engine, short, long, repeats=3):
+    """(fixed, per token, per token and key position) of a prompt's chunk, from chunks of a stand-in prompt timed now:
+    a few tokens and many at the start of a row, and many after `long` positions; the fastest of `repeats` each."""
+    many = min(engine.prefill_chunk, max(8, long - short))
+    few = max(1, many // 16)
+    shapes = [(few, 0), (many, 0), (many, long - many)]
+    best = [min(_time_prefill(engine, tokens, start) for _ in range(repeats + 1)) for tokens, start in shapes]
+    per_token = max(0.0, (best[1] - best[0]) / (many - few))
+    per_token_key = max(0.0, (best[2] - best[1]) / (many * (long - many)))
+    return max(0.0, best[0] - few * per_token), per_token, per_token_key
+
+
+def _time_prefill(engine, tokens, start):
+    """Seconds of one prefill chunk of `tokens` prompt tokens written after `start` positions of a free row."""
+    row = engine.free_rows[0]
+    seq = Sequence([0] * (start + tokens), Sampling(), prefilled=start)
+    seq.leader, seq.row = seq, row
+    engine.cache.lengths[row] = start
+    running, policy, engine.running, engine.row_policy = engine.running, engine.row_policy, [seq], None
+    try:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            engine._prefill()
+        return time.perf_counter() - started
+    finally:
+        engine.running, engine.row_policy = running, policy
+        engine.cache.reset(row)
 
 
 def _time_steps(engine, rows, length, steps=4):

@@ -25,7 +25,7 @@ from nanochat.serving.protocol import error_response
 
 OPEN_PATHS = ("/", "/health")  # the UI's page (it holds no model access: it asks for the key) and monitoring
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has several keys
+CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey: the key a request gave
 
 
 # -----------------------------------------------------------------------------
@@ -33,8 +33,10 @@ CLIENT_SCOPE_KEY = "nanochat.client"  # set by RequireKey where the server has s
 
 
 def client_of(request):
-    """Who a request comes from (workers.CLIENT_SHARE): its key where the server has several, else its peer address;
-    an IPv6 peer by its /64, what one host is usually given."""
+    """Who a request comes from (workers.CLIENT_SHARE): its key where the server has keys, one client whatever its
+    addresses (a key's holders cannot be told apart: one of them could use as many addresses as it likes); without
+    keys its address, an IPv6 one by its /64, what one host is usually given (the peer's, or behind --trusted-proxy
+    the one the proxy forwards: uvicorn puts it in the scope)."""
     if request.scope.get(CLIENT_SCOPE_KEY):
         return request.scope[CLIENT_SCOPE_KEY]
     host = (request.scope.get("client") or ("",))[0]
@@ -51,7 +53,7 @@ def client_of(request):
 
 class RequireKey:
     """ASGI wrapper: every request but OPEN_PATHS needs `Authorization: Bearer KEY` with one of the keys (a 401, and a
-    400 for two such headers); with several keys, the key names the client (client_of). Plain ASGI: an HTTP
+    400 for two such headers); the key names the client (client_of). Plain ASGI: an HTTP
     middleware would buffer the streams and hide a client's disconnect from them."""
 
     def __init__(self, app, keys):
@@ -73,8 +75,7 @@ class RequireKey:
                                           "with a key the server was started with (--api-key)", code="invalid_api_key",
                                           headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
-            if len(self.keys) > 1:
-                scope[CLIENT_SCOPE_KEY] = f"key {matches.index(True) + 1}"
+            scope[CLIENT_SCOPE_KEY] = f"key {matches.index(True) + 1}"
         return await self.app(scope, receive, send)
 
 
@@ -87,6 +88,9 @@ WRITE_TIMEOUT = 30.0  # seconds a reply may go without its client taking STALL_B
 # connection needs its slot), counted as its TCP acknowledges them (docs/serving.md, "Under hostile load")
 STALL_BYTES = 16384
 EVICT_WINDOW = 5.0
+# A connection that has waited less than this for its request keeps its slot while a newcomer can be let in past the
+# bound instead: a client sends its request within a round trip of connecting
+NEWCOMER_GRACE = 1.0
 OVER_BOUND_SCOPE_KEY = "nanochat.over_bound"  # set on a request that came in past --max-connections
 
 
@@ -150,13 +154,16 @@ class ConnectionGuard:
     """
     The open connections, at most max_connections: header_timeout seconds to send a whole request; then judged by what
     the client takes of its reply (fewer than STALL_BYTES in write_timeout seconds: closed). When all are open, a new
-    one closes the longest idle, else the longest stalled; if every reply moves it is let in past the bound to be
-    answered once (AnswerOverBound). docs/serving.md, "Under hostile load", has the story.
+    one closes the longest idle, unless that one is new itself (a burst's connections have not sent their requests
+    yet: each closed the one before it), else the longest stalled; if every reply moves it is let in past the bound to
+    be answered once (AnswerOverBound). docs/serving.md, "Under hostile load", has the story.
     """
 
     def __init__(self, max_connections, header_timeout=HEADER_TIMEOUT, write_timeout=WRITE_TIMEOUT):
         self.max_connections, self.header_timeout, self.write_timeout = max_connections, header_timeout, write_timeout
-        self.max_over_bound = max(16, max_connections // 16)  # let in past the bound, each answered once and closed
+        # let in past the bound, each answered once and closed: a burst of new connections as large as this is answered
+        # while every slot is busy
+        self.max_over_bound = max(64, max_connections // 8)
         self.evict_window = min(EVICT_WINDOW, write_timeout)
         self.idle = OrderedDict()  # protocol -> since when it has waited for a complete request, oldest first
         self.busy = set()  # a request in, or its reply still going out
@@ -204,20 +211,34 @@ class ConnectionGuard:
         return cycle is not None and cycle.response_complete and not protocol.transport.get_write_buffer_size()
 
     def opened(self, protocol):
-        if len(self.idle) + len(self.busy) >= self.max_connections:
-            if self.idle:  # closed at once: its file is what the new connection needs
+        """A new connection: in a free slot; else in the slot of one idle for NEWCOMER_GRACE, or of the longest
+        stalled reply; else let in past the bound; else (a flood) in the slot of the longest idle, however new."""
+        if len(self.idle) + len(self.busy) - len(self.over_bound) >= self.max_connections:
+            if (idle := self.longest_idle(NEWCOMER_GRACE)) is not None:  # closed at once: its file is what we need
                 self.closed_idle += 1
-                self.close(next(iter(self.idle)))
+                self.close(idle)
             elif (stalled := self.longest_stalled()) is not None:
                 self.closed_stalled += 1
                 self.close(stalled)
             elif len(self.over_bound) < self.max_over_bound:
                 self.over_bound.add(protocol)
                 self.let_in_over_bound += 1
+            elif (idle := self.longest_idle(0.0)) is not None:
+                self.closed_idle += 1
+                self.close(idle)
             else:  # as many let in past the bound as it allows, each with its request in: no file to spare
                 self.close(protocol)
                 return
         self.wait_for_request(protocol)
+
+    def longest_idle(self, seconds):
+        """The connection in a slot that has waited longest for a request, if at least `seconds`; else None. (One let in
+        past the bound has no slot to give: it is answered once and closed.)"""
+        now = time.monotonic()
+        for protocol, since in self.idle.items():  # oldest first
+            if protocol not in self.over_bound:
+                return protocol if now - since >= seconds else None
+        return None
 
     def stats(self):
         """For /stats: connections open, busy and stalled, and how many were closed or let in past the bound."""

@@ -6,6 +6,8 @@ request's events come in from its worker (ChatReplies, Completions).
 """
 
 import codecs
+import json
+import re
 import secrets
 
 from fastapi.responses import JSONResponse
@@ -237,8 +239,41 @@ def openai_error(message, kind, param=None, code=None):
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class ErrorResponse(JSONResponse):
+    def render(self, content):
+        """As JSONResponse writes it, or, where the message quotes what cannot be UTF-8 (a lone surrogate), with every
+        character past ASCII escaped: an error about a bad field is the 4xx, not a 500 of its own."""
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(status, message, kind="invalid_request_error", param=None, code=None, headers=None):
-    return JSONResponse(openai_error(message, kind, param, code), status_code=status, headers=headers)
+    return ErrorResponse(openai_error(message, kind, param, code), status_code=status, headers=headers)
+
+
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): only a body with one can hold a lone surrogate
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def check_unicode(value, where="the body"):
+    """Every string of a parsed JSON body, its keys too, is text: a lone surrogate (a JSON escape such as \\ud800 not
+    paired with its other half) is no character, and no reply that quotes it (an echoed prompt, an error naming the
+    field) can be written as UTF-8. A RequestError names where it is."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(where, f"holds a lone surrogate ({ascii(value[e.start])[1:-1]}), half of a UTF-16 "
+                               "pair, which is no character: send text as valid Unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, f"a field name in {where}")
+            check_unicode(item, key if where == "the body" else f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{where}[{i}]")
 
 
 def openai_usage(prompt_tokens, completion_tokens):

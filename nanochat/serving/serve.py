@@ -6,7 +6,9 @@ and what a reply looks like is protocol.py; the defences around the app and its 
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -14,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -22,23 +24,26 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from nanochat.common import json_loads, print0
+from nanochat.common import json_loads, print0, return_freed_memory
 from nanochat.serving.chat import (MODEL_MARKUP, READABLE_MARKUP, Failure, Finish, Piece, RequestError, check_number,
                                    fit_conversation, prompt_token_limit, validate_messages, whole_conversation)
 from nanochat.serving.guards import AnswerOverBound, LOOPBACK, RequireJSONAndHost, RequireKey, client_of
 from nanochat.serving.protocol import (CHAT_FIELDS, CHAT_TOP_LOGPROBS, COMPLETION_FIELDS, COMPLETION_LOGPROBS,
-                                       COMPLETION_MAX_TOKENS, MAX_CHOICES, ChatReplies, Completions, HTTPProblem,
-                                       TokenTable, check_bool, check_chat_extras, check_fields, check_model,
-                                       error_response, openai_chunk, openai_error, openai_head, openai_model_card,
-                                       openai_usage, openai_usage_chunk, read_prompts, read_sampling,
-                                       read_stream_options, reply_length_field, reply_room)
-from nanochat.serving.workers import NoWorkerAlive, QueueTimeout, ServerStopping
+                                       COMPLETION_MAX_TOKENS, MAX_CHOICES, SURROGATE_ESCAPE, ChatReplies, Completions,
+                                       HTTPProblem, TokenTable, check_bool, check_chat_extras, check_fields,
+                                       check_model, check_unicode, error_response, openai_chunk, openai_error,
+                                       openai_head, openai_model_card, openai_usage, openai_usage_chunk, read_prompts,
+                                       read_sampling, read_stream_options, reply_length_field, reply_room)
+from nanochat.serving.workers import IDLE_TRIM_SECONDS, NoWorkerAlive, QueueTimeout, ServerStopping
 from nanochat.tokenizer import CHAT_TEMPLATE
 
 MAX_BODY_BYTES = 1_000_000  # a request within every limit of nanochat/serving/chat.py is well under this, JSON-escaped
 
 
-async def read_json_body(request):
+async def read_json_body(request, parser):
+    """The request's body as a JSON object, fields sent as null left out; a large body is parsed in `parser` (a
+    ReplyThread) in its client's turn (json.loads takes up to ~0.1 s on a megabyte, and the event loop parsed every
+    body that came in before it answered anyone else: /health waited 2.4 s behind 16 connections sending them)."""
     size, chunks = 0, []
     try:
         async for chunk in request.stream():
@@ -49,12 +54,28 @@ async def read_json_body(request):
     except ClientDisconnect:  # cut off mid-body: nobody to answer, and one line in the log rather than a traceback
         print0(f"a client left in the middle of its request's body ({size} bytes in)")
         raise ClientGone() from None
+    raw = b"".join(chunks)
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return parse_json_body(raw)
+    return await parser.run(client_of(request), parse_json_body, raw)
+
+
+PARSE_INLINE_BYTES = 65536  # a body up to this size is parsed on the event loop (~3 ms at most)
+# Of the time the body thread works, the share it may parse: while it parses, every other thread waits for Python's
+# lock, and the event loop needs it several times to answer anyone (parsing back to back, /health waited 1.5-2.6 s;
+# half the time, ~0.6 s)
+BODY_PARSE_SHARE = 0.25
+
+
+def parse_json_body(raw):
     try:
-        body = json_loads(b"".join(chunks))
+        body = json_loads(raw)
     except ValueError as e:  # JSONDecodeError (nested too deep included) and UnicodeDecodeError are ValueErrors
         raise HTTPProblem(400, f"request body is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(body, dict):
         raise HTTPProblem(400, "request body must be a JSON object")
+    if SURROGATE_ESCAPE.search(raw):  # rare: the walk over every string only then
+        check_unicode(body)
     return {name: value for name, value in body.items() if value is not None}  # null is how clients say "absent"
 
 
@@ -80,6 +101,12 @@ class Routes:
         self.context, self.model_id = model_info["context"], model_info["id"]
         self.bos = tokenizer.get_bos_token_id()
         self.table = TokenTable(tokenizer)
+        self.replies = ReplyThread(nice=True)  # work that can take seconds, off the event loop
+        # large request bodies: json.loads never lets go of Python's lock (up to ~0.1 s a megabyte), so the thread
+        # parses a quarter of the time at most, and at the event loop's priority (a niced thread holding the lock
+        # while the system runs others holds the event loop too)
+        self.bodies = ReplyThread(nice=False, share=BODY_PARSE_SHARE)
+        pool.on_stop += [self.replies.stop, self.bodies.stop]
 
     def mount(self, app):
         app.post("/chat/completions")(self.ui_completion)
@@ -105,7 +132,7 @@ class Routes:
     async def ui_completion(self, request: Request):
         """POST /chat/completions, the UI's: its conversation trimmed to fit the context (and told so), a stream of
         {"token"}, {"python"}, {"python_output"} ..., then {"done"}."""
-        body = await read_json_body(request)
+        body = await read_json_body(request, self.bodies)
         unknown = sorted(set(body) - {"messages", "temperature", "top_k", "top_p", "max_tokens", "seed", "stop", "n",
                                       "model", "stream"})
         if unknown:
@@ -117,7 +144,9 @@ class Routes:
         if sampling.num_samples != 1:
             raise RequestError("n", "this endpoint streams one reply; ask /v1/chat/completions for several")
         prompt_limit = prompt_token_limit(self.context, sampling.max_tokens)
-        prompt = await asyncio.to_thread(fit_conversation, self.tokenizer, messages, prompt_limit)  # trimmed, told so
+        # trimmed to fit, and told so: a conversation re-rendered a dozen times, in the reply thread in the client's
+        # turn (in the thread pool every chat's prompt is rendered in, a client looping long ones held the others')
+        prompt = await self.replies.run(client_of(request), fit_conversation, self.tokenizer, messages, prompt_limit)
         async with withdrawn_if_client_leaves(request):
             generation = await self.pool.submit(prompt.ids, sampling, client=client_of(request))
         kinds = {"text": "token", "python": "python", "python_output": "python_output"}
@@ -153,7 +182,7 @@ class Routes:
 
     async def chat_completion(self, request: Request):
         """POST /v1/chat/completions: the whole reply at once, or streamed."""
-        body = await read_json_body(request)
+        body = await read_json_body(request, self.bodies)
         include_usage = self.read_common(body, "chat completions", CHAT_FIELDS)
         check_chat_extras(body)
         markup = check_bool(body, "nanochat_markup")
@@ -178,7 +207,7 @@ class Routes:
             return self.failed(failure)
         tokens = sum(f.completion_tokens for f in replies.finished.values())
         return await json_reply({**head, "object": "chat.completion", "choices": replies.whole(),
-                                 "usage": openai_usage(len(prompt.ids), tokens)})
+                                 "usage": openai_usage(len(prompt.ids), tokens)}, client_of(request), self.replies)
 
     def chat_stream(self, generation, prompt, head, replies, include_usage):
         def render():
@@ -202,7 +231,7 @@ class Routes:
     async def completion(self, request: Request):
         """POST /v1/completions: for each prompt, n replies (or none, with max_tokens 0), the prompt echoed if asked,
         with logprobs of the prompt and of the reply."""
-        body = await read_json_body(request)
+        body = await read_json_body(request, self.bodies)
         include_usage = self.read_common(body, "completions", COMPLETION_FIELDS)
         if body.get("suffix", "") != "":
             raise RequestError("suffix", "this model does not fill in the middle")
@@ -237,7 +266,8 @@ class Routes:
             async with withdrawn_if_client_leaves(request):
                 scored, drawn = await self.pool.score(model_prompts, sampling.logprobs,
                                                       sampling.per_sample() if one_token else [], client_of(request))
-            await in_reply_thread(choices.add_scores, scored, drawn)  # thousands of entries: off the event loop
+            # thousands of entries: off the event loop
+            await self.replies.run(client_of(request), choices.add_scores, scored, drawn)
         generations = []
         try:
             async with withdrawn_if_client_leaves(request):
@@ -249,12 +279,12 @@ class Routes:
                 generation.cancel()
             raise
         if body.get("stream"):
-            return sse_response(self.completion_stream(generations, choices, head, include_usage))
+            return sse_response(self.completion_stream(generations, choices, head, include_usage, client_of(request)))
         failure = await collect(request, generations, choices.take)
         if failure or not choices.done():
             return self.failed(failure)
         return await json_reply({**head, "object": "text_completion", "choices": choices.whole(),
-                                 "usage": choices.usage()})
+                                 "usage": choices.usage()}, client_of(request), self.replies)
 
     def read_after_bos(self, body, ids, room, field):
         """A completion prompt after a <|bos|> (how every training document began; not echoed) unless it has one or
@@ -267,7 +297,7 @@ class Routes:
                                + (f", with {room} of reply asked for" if room else ""), code="context_length_exceeded")
         return ids
 
-    async def completion_stream(self, generations, choices, head, include_usage):
+    async def completion_stream(self, generations, choices, head, include_usage, client):
         def render():
             return [sse({**head, "object": "text_completion", "choices": [
                 {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]})
@@ -276,7 +306,8 @@ class Routes:
         def end():
             return [sse(openai_usage_chunk(head, choices.usage(), "text_completion"))] if include_usage else []
 
-        start = await in_reply_thread(render)  # echoed prompts and their scores, one-token replies: off the event loop
+        # echoed prompts and their scores, one-token replies: off the event loop
+        start = await self.replies.run(client, render)
         async for text in stream_events(generations, choices.take, render, end, start):
             yield text
 
@@ -292,7 +323,10 @@ class Routes:
     async def tokenize(self, request: Request):
         """POST /tokenize (vLLM's): a prompt (special tokens spelled in it are special; add_special_tokens puts <|bos|>
         first) or messages (add_generation_prompt ends them with <|assistant_start|>) -> ids, off the event loop."""
-        body = await read_json_body(request)
+        return await self.tokenizer_request(request, self.read_tokenize)
+
+    def read_tokenize(self, body):
+        """/tokenize's fields -> the work on the reply thread: its payload."""
         check_fields(body, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"}, "tokenize")
         check_model(body, self.model_id)
         if "messages" in body:
@@ -317,23 +351,42 @@ class Routes:
                 return bos + self.tokenizer.enc.encode(body["prompt"], allowed_special=specials)
         else:
             raise RequestError("prompt", "must be a string (or give messages)")
-        ids = await in_reply_thread(tokens)  # a 1 MB prompt is ~990,000 ids: encoded, then written, off the loop
-        return await json_reply({"count": len(ids), "max_model_len": self.context, "tokens": ids})
+
+        def payload():  # a 1 MB prompt is ~990,000 ids
+            ids = tokens()
+            return {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+        return payload
 
     async def detokenize(self, request: Request):
         """POST /detokenize (vLLM's): {"tokens": ids} -> {"prompt": text}, as many ids as the request body holds."""
-        body = await read_json_body(request)
+        return await self.tokenizer_request(request, self.read_detokenize)
+
+    def read_detokenize(self, body):
         check_fields(body, {"model", "tokens"}, "detokenize")
         check_model(body, self.model_id)
         ids, vocab = body.get("tokens"), self.tokenizer.get_vocab_size()
 
-        def decode():  # checked and decoded off the event loop: the body may hold ~990,000 ids
+        def payload():  # checked and decoded off the event loop: the body may hold ~990,000 ids
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                     for t in ids):
                 raise RequestError("tokens", f"must be a list of token ids, 0 to {vocab - 1}")
-            return self.tokenizer.decode(ids)
+            return {"prompt": self.tokenizer.decode(ids)}
+        return payload
 
-        return await json_reply({"prompt": await in_reply_thread(decode)})
+    async def tokenizer_request(self, request, read):
+        """A /tokenize or /detokenize request within its client's share of them (WorkerPool.hold_tokenizer), held
+        from before its body is read until its reply is written: read(body) checks the fields and returns the work,
+        done in the reply thread in the client's turn."""
+        client = client_of(request)
+        self.pool.hold_tokenizer(client)
+        try:
+            work = read(await read_json_body(request, self.bodies))
+            reply = await json_reply(await self.replies.run(client, work), client, self.replies)
+        except BaseException:
+            self.pool.release_tokenizer(client)
+            raise
+        reply.release = functools.partial(self.pool.release_tokenizer, client)
+        return reply
 
     async def tokenizer_info(self):
         """GET /tokenizer_info (vLLM's): what lm-evaluation-harness's remote tokenizer reads."""
@@ -391,7 +444,88 @@ def lower_priority():
         pass
 
 
-REPLY_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanochat-replies", initializer=lower_priority)
+class ReplyThread:
+    """
+    A thread for the work on requests' and replies' Python objects that can take seconds (the app has two: the replies
+    below the workers' CPU priority, the bodies at the event loop's), its clients served in turn, a job each: a client
+    with many jobs waiting delays another by one of them, not all (in first-come order, 150 unread /tokenize requests
+    from one client held a neighbour's scoring reply for 13.9 s).
+    A client's jobs run in the order it sent them. When the server stops, every job not finished fails (stop()), so
+    its request is answered with a 503 rather than cut off (a /tokenize in flight was closed without a response).
+    """
+
+    def __init__(self, nice, share=1.0):
+        self.nice = nice  # below the workers' priority (lower_priority)
+        self.share = share  # of the time the thread works: after a job of s seconds, it rests s * (1 - share) / share
+        self.queues = OrderedDict()  # client -> deque of (concurrent Future, function, args), the next turn first
+        self.ready = threading.Condition()
+        self.running = None  # the Future of the job in progress
+        self.thread = None
+        self.worked = False  # jobs ran since freed memory was last handed back
+        self.stopping = None  # a ServerStopping, once stop() is called
+
+    def submit(self, client, function, *args):
+        future = concurrent.futures.Future()
+        with self.ready:
+            if self.stopping:
+                future.set_exception(self.stopping)
+                return future
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._work, name="nanochat-replies", daemon=True)
+                self.thread.start()
+            self.queues.setdefault(client, deque()).append((future, function, args))
+            self.ready.notify()
+        return future
+
+    async def run(self, client, function, *args):
+        """function(*args) in the thread, in `client`'s turn."""
+        return await asyncio.wrap_future(self.submit(client, function, *args))
+
+    def stop(self, reason):
+        """The server is stopping: every job not finished, and every one submitted later, raises ServerStopping (the
+        job in progress runs on; nobody waits for it)."""
+        with self.ready:
+            self.stopping = ServerStopping(reason)
+            futures = [job[0] for queue in self.queues.values() for job in queue] + [self.running]
+            self.queues.clear()
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(self.stopping)
+
+    def _work(self):
+        if self.nice:
+            lower_priority()
+        while True:
+            with self.ready:
+                while not self.queues:
+                    # idle a while after big jobs: what their objects freed goes back to the system (it stayed in the
+                    # process: 150 megabyte /tokenize requests left it ~1 GB larger for good)
+                    if not self.ready.wait(IDLE_TRIM_SECONDS) and self.worked:
+                        return_freed_memory()
+                        self.worked = False
+                client, queue = next(iter(self.queues.items()))
+                future, function, args = queue.popleft()
+                if queue:
+                    self.queues.move_to_end(client)  # its next job after every other client's
+                else:
+                    del self.queues[client]
+                if not future.set_running_or_notify_cancel():  # its request was cancelled meanwhile
+                    continue
+                self.running, self.worked = future, True
+            started = time.perf_counter()
+            try:
+                result = function(*args)
+                if not future.done():  # failed by stop() meanwhile: nobody waits for it
+                    future.set_result(result)
+            except BaseException as e:
+                if not future.done():
+                    future.set_exception(e)
+            finally:
+                self.running = future = result = None  # no reply kept alive while the thread waits
+            if self.share < 1.0:
+                time.sleep((time.perf_counter() - started) * (1 - self.share) / self.share)
+
+
 INLINE_SECONDS = 0.002
 # what one json.dumps writes of a long list or string: ~100 KB at most (a chat token with 20 alternatives is ~1.3 KB)
 SLICE_OF_OBJECTS = 64  # items of a list of objects or lists
@@ -431,12 +565,33 @@ def json_pieces(value):
         yield json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-async def in_reply_thread(function, *args):
-    """function(*args) in REPLY_THREAD: work on a reply's Python objects that can take seconds."""
-    return await asyncio.get_running_loop().run_in_executor(REPLY_THREAD, function, *args)
+class JSONReply(Response):
+    """A whole JSON reply, written to the connection a WRITE_BYTES piece at a time, each once the client has taken
+    most of the last (uvicorn waits for its buffer to drain before the next piece): `release`, if set, is called once
+    all of it is written (or the connection is gone), so what the request holds is held while its reply waits for
+    its client."""
+
+    media_type = "application/json"
+    release = None
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body = memoryview(self.body)
+            for start in range(0, len(body), WRITE_BYTES):
+                await send({"type": "http.response.body", "body": bytes(body[start:start + WRITE_BYTES]),
+                            "more_body": start + WRITE_BYTES < len(body)})
+            if not body:
+                await send({"type": "http.response.body", "body": b""})
+        finally:
+            if self.release is not None:
+                self.release()
 
 
-async def json_reply(payload):
+WRITE_BYTES = 65536
+
+
+async def json_reply(payload, client, replies):
     pieces, written, started = json_pieces(payload), [], time.perf_counter()
     for piece in pieces:
         written.append(piece)
@@ -444,11 +599,11 @@ async def json_reply(payload):
             def write_the_rest():  # the same generator, taken up where the event loop left it
                 written.extend(pieces)
                 return "".join(written).encode()
-            body = await in_reply_thread(write_the_rest)
+            body = await replies.run(client, write_the_rest)
             break
     else:
         body = "".join(written).encode()
-    return Response(body, media_type="application/json")
+    return JSONReply(body)
 
 
 class ClientGone(Exception):

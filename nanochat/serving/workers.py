@@ -37,6 +37,9 @@ from nanochat.tokenizer import get_tokenizer
 
 # Prompt tokens that may wait to be scored, over all workers (~40 MB on the server): 8 requests of 64 prompts of 2,048
 MAX_SCORING_TOKENS = 8 * 64 * 2048
+# /tokenize and /detokenize requests in progress at once, from before their body is read until their reply is written:
+# each may hold a 1 MB body, ~990,000 ids (~36 MB while it is built) and a ~6 MB reply (docs/serving.md)
+MAX_TOKENIZER_REQUESTS = 16
 FLUSH_SECONDS = 0.015  # a worker hands its tokens to the event loop at most this often (and at once when idle)
 IDLE_TRIM_SECONDS = 1.0  # a worker idle this long hands its freed memory back (not between back-to-back requests)
 SCORE_SLICE_TOKENS = 2048  # prompt tokens (padded to the slice's longest) scored in one forward pass
@@ -154,16 +157,17 @@ CLIENT_SHARE = 0.25
 
 
 class ClientShare:
-    """What one client holds: rows, requests held back for its own rows, prompt tokens waiting to be scored. `freed`
-    is set (and replaced) whenever its rows go down; `number` names it to the workers' engines (not its key)."""
+    """What one client holds: rows, requests held back for its own rows, prompt tokens waiting to be scored, tokenizer
+    requests in progress. `freed` is set (and replaced) whenever its rows go down; `number` names it to the workers'
+    engines (not its key)."""
 
     def __init__(self, number):
         self.number = number
-        self.rows, self.held_back, self.scoring_tokens = 0, 0, 0
+        self.rows, self.held_back, self.scoring_tokens, self.tokenizer_requests = 0, 0, 0, 0
         self.freed = asyncio.Event()
 
     def holds_nothing(self):
-        return not (self.rows or self.held_back or self.scoring_tokens)
+        return not (self.rows or self.held_back or self.scoring_tokens or self.tokenizer_requests)
 
     def has_room(self, rows, client_rows):
         """A request of `rows` fits the client's share (or the client holds none: one request of any size goes)."""
@@ -185,12 +189,15 @@ class WorkerPool:
         self.client_rows = max(1, int(client_share * sum(w.rows for w in workers)))
         self.client_queue = max(1, int(client_share * max_queue))
         self.client_scoring_tokens = max(1, int(client_share * MAX_SCORING_TOKENS))
+        self.client_tokenizer_requests = max(1, int(client_share * MAX_TOKENIZER_REQUESTS))
+        self.tokenizer_requests = 0  # /tokenize and /detokenize requests in progress
         self.clients = {}  # client -> ClientShare, while it holds anything
         self.client_numbers = itertools.count(1)
         self.held_back = 0  # requests waiting for their client's share of rows, not sent to a worker yet
         self.active = set()  # generations in flight, cancelled when the server stops
         self.keys = itertools.count()
         self.stopping = None  # the reason, once the server is stopping
+        self.on_stop = []  # called with the reason when it is: what else must answer its requests now
         # withdrawn: their client left while they waited for a row
         self.requests_served = self.requests_cancelled = self.requests_rejected = self.requests_withdrawn = 0
         self.scorings, self.scoring_tokens = set(), 0  # scoring requests in flight, and their prompts' tokens
@@ -221,6 +228,8 @@ class WorkerPool:
             request.receive([Failure(reason), Ended(getattr(request, "tokens", 0), 0.0, 0)])
         for share in self.clients.values():  # requests waiting for their client's share wake up to a 503
             share.freed.set()
+        for callback in self.on_stop:
+            callback(reason)
         return len(ended) + self.held_back
 
     def stop(self):
@@ -349,6 +358,29 @@ class WorkerPool:
                                                               key=lambda e: e.index)]
         return scored, tokens
 
+    def hold_tokenizer(self, client):
+        """A /tokenize or /detokenize request may start (release_tokenizer once its reply is written): at most
+        MAX_TOKENIZER_REQUESTS at once, client_tokenizer_requests a client; beyond, a 503 at once, its body unread.
+        (Unbounded, 150 of them from one client whose replies it never read took the server from 721 to 1,686 MiB.)"""
+        if self.stopping:
+            raise ServerStopping(self.stopping)
+        held = self.clients[client].tokenizer_requests if client in self.clients else 0
+        if held >= self.client_tokenizer_requests:
+            self.requests_rejected += 1
+            raise QueueFull(f"this client has {held} tokenizer requests in progress already (its share: "
+                            f"{self.client_tokenizer_requests}, --client-share); try again shortly")
+        if self.tokenizer_requests >= MAX_TOKENIZER_REQUESTS:
+            self.requests_rejected += 1
+            raise QueueFull(f"{self.tokenizer_requests} tokenizer requests are in progress (at most "
+                            f"{MAX_TOKENIZER_REQUESTS}); try again shortly")
+        self.tokenizer_requests += 1
+        self.share_of(client).tokenizer_requests += 1
+
+    def release_tokenizer(self, client):
+        self.tokenizer_requests -= 1
+        self.clients[client].tokenizer_requests -= 1
+        self.forget_if_idle(client)
+
     def finished(self, generation):
         """Called in the event loop when a generation's last event is in."""
         self.active.discard(generation)
@@ -385,6 +417,8 @@ class WorkerPool:
             "requests_rejected": self.requests_rejected,
             "requests_withdrawn": self.requests_withdrawn,
             "scoring": {"requests": len(self.scorings), "prompt_tokens": self.scoring_tokens},
+            "tokenizer": {"requests": self.tokenizer_requests, "at_most": MAX_TOKENIZER_REQUESTS,
+                          "client_share": self.client_tokenizer_requests},
             "clients": {"holding": len(self.clients), "held_back": self.held_back,
                         "most_rows": max((share.rows for share in self.clients.values()), default=0),
                         "share": {"rows": self.client_rows, "queue": self.client_queue,
