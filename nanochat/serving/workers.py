@@ -26,6 +26,8 @@ import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.kernels.cpu import use_cpu_kernels
+from nanochat.kernels.decode_dtype import checkpoint_config, use_fastest_decode_dtype
+from nanochat.kernels.int8 import quantize_int8, weight_bytes
 from nanochat.common import (UserError, inference_threads, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_memory_bytes, kv_row_bytes, token_logprobs
@@ -488,12 +490,13 @@ class ScoringRequest:
 
 
 def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
-                 threads=0, start_method=None, decode="eager"):
+                 threads=0, start_method=None, decode="eager", int8=False):
     """
     (workers, tokenizer, model info), a process a worker: one per GPU (num_workers 0: every GPU), or on CPU sharing one
     copy of the weights (0: one), each batching up to max_batch sequences as the KV memory allows. On a Linux CPU
     this process loads the model and forks them; elsewhere (CUDA cannot fork, macOS not safely), or with start_method
-    "spawn", each is spawned and loads its own.
+    "spawn", each is spawned and loads its own. On a CPU the workers decode in the faster of fp32 and bf16, measured
+    here first (kernels/decode_dtype.py), with int8 weights if asked (kernels/int8.py).
     """
     device = torch.device(resolve_device_type(device_type))
     if device.type == "cuda":
@@ -507,7 +510,14 @@ def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv
             raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
         devices = [device] * count
     threads = inference_threads(device, threads, count)
-    settings = WorkerSettings(stage, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode)
+    if int8 and device.type != "cpu":
+        raise UserError(f"--int8 runs on a CPU, not {device.type}: add --device-type=cpu")
+    if device.type == "cpu":  # timed at one row and at a batch, with each worker's threads; spawned workers inherit it
+        torch.set_num_threads(threads)
+        use_fastest_decode_dtype(device, checkpoint_config(stage, model_tag, step), get_tokenizer(),
+                                 rows=sorted({1, min(8, max_batch)}), int8=int8)
+    settings = WorkerSettings(stage, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode,
+                              int8)
     preloaded = None
     if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
         # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
@@ -515,7 +525,8 @@ def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv
         print(f"loading the {stage} model on cpu ...", flush=True)
         model, tokenizer, meta = load_model(stage, device, model_tag=model_tag, step=step)
         use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
-        preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
+        model.prepare_for_inference()  # generation only (GPT.prepare_for_inference)
+        preloaded = (quantize_int8(model) if int8 else model, tokenizer, meta)
         context = multiprocessing.get_context("fork")
         # what loading freed back to the kernel, or the workers' allocations would reuse those pages, copying on write
         gc.collect()
@@ -830,6 +841,7 @@ class WorkerSettings:
     num_workers: int
     prefill_chunk: int
     decode: str
+    int8: bool = False  # int8 weights (kernels/int8.py)
 
 
 def worker_main(conn, inherited, device, settings, preloaded):
@@ -849,6 +861,8 @@ def worker_main(conn, inherited, device, settings, preloaded):
                                                 step=settings.step)
             use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
             model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
+            if settings.int8:
+                quantize_int8(model)
         else:
             model, tokenizer, meta = preloaded
         row_bytes = kv_row_bytes(model.config, device)
