@@ -144,3 +144,46 @@ def test_peak_memory_without_resource_is_psutils(monkeypatch):
     assert peak_memory_mib("cpu") == pytest.approx(peak, rel=0.05)
     monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` now raises ImportError
     assert 0 < peak_memory_mib("cpu") <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 * 1.01
+
+
+def test_workers_pipes_read_in_a_thread_as_on_windows(tiny_base_dir, tmp_path, monkeypatch, capfd):
+    """Windows' event loops cannot watch a pipe: there a thread reads each worker's (READ_IN_THREAD). Forced here, a
+    request is answered through it, a worker stopped with the server is not reported lost, and a killed one fails the
+    request it held."""
+    import asyncio
+
+    from test_chat_cli import build_chat_checkpoint
+
+    from nanochat.engine import Sampling
+    from nanochat.serving import workers
+    from nanochat.serving.chat import Failure, Finish
+
+    base = tmp_path / "base"
+    tokenizer = build_chat_checkpoint(tiny_base_dir, base, 64)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setattr(workers, "READ_IN_THREAD", True)
+    prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "Hello"}]})
+
+    async def reply(pool, max_tokens, kill=False):
+        generation = await pool.submit(prompt, Sampling(temperature=0.0, max_tokens=max_tokens))
+        if kill:
+            generation.worker.process.kill()
+        return [e async for batch in generation.event_batches() for e in batch]
+
+    async def serve(kill):
+        (worker,), _, _ = workers.load_workers("sft", None, None, "cpu", 1, 1, threads=1)
+        pool = workers.WorkerPool([worker], queue_timeout=30)
+        pool.start()
+        try:
+            events = await asyncio.wait_for(reply(pool, 40 if kill else 5, kill), 30)
+        finally:
+            pool.stop()
+            await asyncio.sleep(0.2)  # the receiving thread's report of the pipe's end, if any, runs now
+        return worker, events
+
+    worker, events = asyncio.run(serve(kill=False))
+    assert next(e for e in events if isinstance(e, Finish)).completion_tokens == 5
+    assert worker.process.exitcode == 0 and "exited" not in capfd.readouterr().out
+    worker, events = asyncio.run(serve(kill=True))
+    assert any(isinstance(e, Failure) and "worker 0 exited" in e.reason for e in events), events
+    assert not worker.alive

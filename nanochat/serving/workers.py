@@ -63,6 +63,11 @@ def stop_processes(processes, seconds=0.0):
             process.join(5)
 
 
+# Windows' event loops cannot watch a pipe (its selector takes sockets alone, its proactor has no add_reader): there a
+# thread for each worker waits on its pipe and hands each message to the event loop, in order
+READ_IN_THREAD = sys.platform == "win32"
+
+
 class Worker:
     """The server's handle on a worker process: its requests, events and occupancy. Messages to it go out on a thread
     of their own: the event loop must never wait on a full pipe."""
@@ -78,7 +83,10 @@ class Worker:
 
     def start(self, loop):
         self.loop = loop
-        loop.add_reader(self.conn.fileno(), self._read)
+        if READ_IN_THREAD:
+            threading.Thread(target=self._receive, name=f"worker{self.index}-receiver", daemon=True).start()
+        else:
+            loop.add_reader(self.conn.fileno(), self._read)
         self.sender.start()
 
     def submit(self, generation):
@@ -106,16 +114,35 @@ class Worker:
         """In the event loop, when the worker process has sent something."""
         try:
             while self.conn.poll():
-                message = self.conn.recv()
-                self.occupancy = message.occupancy
-                for key, events in message.ready:
-                    if key in self.requests:
-                        self.requests[key].receive(events)
+                self._deliver(self.conn.recv())
         except (EOFError, OSError):
             self._lost()
 
-    def _lost(self):
-        self.loop.remove_reader(self.conn.fileno())
+    def _receive(self):
+        """READ_IN_THREAD's thread: each message into the event loop, then the end of the pipe."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            try:
+                self.loop.call_soon_threadsafe(self._lost if message is None else self._deliver, message)
+            except RuntimeError:  # the event loop has closed: the server has stopped
+                return
+            if message is None:
+                return
+
+    def _deliver(self, message):
+        self.occupancy = message.occupancy
+        for key, events in message.ready:
+            if key in self.requests:
+                self.requests[key].receive(events)
+
+    def _lost(self, _=None):
+        if not self.alive:  # stopped: its end was expected (READ_IN_THREAD's thread still reports it)
+            return
+        if not READ_IN_THREAD:
+            self.loop.remove_reader(self.conn.fileno())
         self.alive = False
         self.occupancy = replace(self.occupancy, active=0, waiting=0)
         self.process.join(1)
@@ -127,7 +154,7 @@ class Worker:
 
     def stop(self):
         """Tell the worker to stop; its end is expected, not a failure to report."""
-        if self.loop is not None and self.alive:
+        if self.loop is not None and self.alive and not READ_IN_THREAD:
             self.loop.remove_reader(self.conn.fileno())
         self.alive = False
         self.send(Stop())
