@@ -150,8 +150,8 @@ def main(argv=None):
     open_files = raise_open_file_limit()  # every connection is a file: a flood must not run the process out of them
     sock = bind_socket(args.host, args.port)
     workers, tokenizer, info = load_workers(args.source, args.model_tag, args.step, args.device_type, args.workers,
-                                            args.max_batch, args.kv_memory_gib, threads=args.threads, decode=args.decode,
-                                            int8=args.int8)
+                                            args.max_batch, args.kv_memory_gib, threads=args.threads,
+                                            decode=args.decode, int8=args.int8)
     if args.source == "base":
         print0("note: a base model was never taught the chat format; expect it to ramble "
                "(chat_cli -i base continues plain text)")

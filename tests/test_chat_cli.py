@@ -96,7 +96,7 @@ def test_one_shot_prompt_answers_with_the_sft_and_the_base_model(cli_base_dir):
 
 
 def test_int8_weights_answer_with_a_quarter_of_the_memory(cli_base_dir):
-    """--int8 (kernels/int8.py): the loaded line says so, with the weights' bytes against fp32's, and the model answers."""
+    """--int8 (kernels/int8.py): the loaded line says so, with the weights' bytes against fp32's; the model answers."""
     result = run_cli(cli_base_dir, "-p", "What is the capital of France?", "--max-tokens", "6", "--int8")
     assert result.returncode == 0, result.stderr
     assert "M params (int8)" in result.stderr and "int8 weights: " in result.stderr and "in fp32" in result.stderr

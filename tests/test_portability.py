@@ -53,7 +53,8 @@ def line_of(proc, prefix):
         if line.startswith(prefix):
             return line.strip()
         seen.append(line)
-    raise AssertionError(f"the process ended (exit code {proc.wait()}) before a line {prefix!r}:\n" + "".join(seen[-40:]))
+    raise AssertionError(f"the process ended (exit code {proc.wait()}) before a line {prefix!r}:\n"
+                         + "".join(seen[-40:]))
 
 
 def test_without_posix_modules_the_stages_and_chat_web_import_train_and_refuse_a_second_writer(tiny_base_dir, tmp_path):

@@ -2,10 +2,10 @@
 Int8 weights for inference on a CPU (chat_cli and chat_web --int8): `quantize_int8(model)` swaps every linear and
 embedding table of a loaded, prepared model (GPT.prepare_for_inference) for one that stores its matrix as int8 with a
 scale per output row (symmetric: absmax / 127), a quarter of fp32's bytes; norms, scalars and the rotary tables stay
-as they are. Weight-only: activations stay in the decode dtype. In fp32 each matmul is torch's own on the weight
-dequantized for that call (torch's int8 kernel, aten._weight_int8pack_mm, has no fast fp32 path on x86 and int8
-activations, torch.ao's quantize_dynamic, deprecated since 2.10, cost top-1 agreement: docs/serving.md "int8 weights"
-has the measurements); under bf16 autocast that kernel. Not for training or saving: the fp32 weights are gone.
+as they are. Weight-only: activations stay in the decode dtype, which keeps the greedy token where int8 activations
+lose it. In fp32 each matmul is torch's own on the weight dequantized for that call (torch's int8 kernel,
+aten._weight_int8pack_mm, was 8-35x slower in fp32 on the EPYC); under bf16 autocast, that kernel. docs/serving.md
+("On a laptop") has the measurements. Not for training or saving: the fp32 weights are gone.
 """
 
 import torch
