@@ -105,7 +105,7 @@ def main(argv=None):
         torch.set_num_threads(inference_threads(device, args.threads))
         # fp32 or bf16, whichever decodes faster here (sets NANOCHAT_DTYPE unless it is set), before the model loads
         use_fastest_decode_dtype(device, checkpoint_config(args.source, args.model_tag, args.step), get_tokenizer(),
-                                 int8=args.int8)
+                                 int8=args.int8, say=status)  # stderr: stdout is the reply's
     status(f"loading the {args.source} model on {device} ...")
     model, tokenizer, meta = load_model(args.source, device, model_tag=args.model_tag, step=args.step)
     use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0

@@ -55,7 +55,9 @@ def test_the_faster_dtype_is_chosen_and_bf16_only_when_clearly_faster(monkeypatc
     assert os.environ["NANOCHAT_DTYPE"] == "bfloat16"
     monkeypatch.delenv("NANOCHAT_DTYPE")
     timings(monkeypatch, fp32=1.0e-3, bf16=0.95e-3)  # within the noise: fp32, never slower and exact
-    assert use_fastest_decode_dtype("cpu", CONFIG, None) == torch.float32
+    said, _ = [], capsys.readouterr()  # chat_cli's line goes to stderr: its stdout is the reply alone
+    assert use_fastest_decode_dtype("cpu", CONFIG, None, say=said.append) == torch.float32
+    assert len(said) == 1 and said[0].startswith("decoding in float32") and capsys.readouterr().out == ""
 
 
 @pytest.mark.quick

@@ -90,10 +90,10 @@ def time_decode_dtypes(config, tokenizer, rows=(1,), int8=False, dtypes=(torch.f
     return {dtype: sum(best[dtype, n] for n in rows) for dtype in dtypes}
 
 
-def use_fastest_decode_dtype(device, config, tokenizer, rows=(1,), int8=False):
+def use_fastest_decode_dtype(device, config, tokenizer, rows=(1,), int8=False, say=print0):
     """Set NANOCHAT_DTYPE to the dtype a decode step of a model of `config`'s shape is fastest in on this CPU (rows:
     the batch sizes the caller decodes at) and return it; elsewhere, or with NANOCHAT_DTYPE set, the compute dtype
-    unchanged. Call it before the model loads."""
+    unchanged. Call it before the model loads. say: where the line on the choice goes (chat_cli's: stderr)."""
     device = torch.device(device)
     if device.type != "cpu" or os.environ.get("NANOCHAT_DTYPE"):
         return get_compute_dtype(device)
@@ -102,7 +102,7 @@ def use_fastest_decode_dtype(device, config, tokenizer, rows=(1,), int8=False):
     seconds = time_decode_dtypes(config, tokenizer, rows, int8)
     chosen = torch.bfloat16 if seconds[torch.bfloat16] < BF16_MARGIN * seconds[torch.float32] else torch.float32
     os.environ["NANOCHAT_DTYPE"] = DTYPE_NAME[chosen]
-    print0(f"decoding in {DTYPE_NAME[chosen]}: a step of this model's shape took {1e3 * seconds[torch.float32]:.2f} ms "
+    say(f"decoding in {DTYPE_NAME[chosen]}: a step of this model's shape took {1e3 * seconds[torch.float32]:.2f} ms "
            f"in float32, {1e3 * seconds[torch.bfloat16]:.2f} ms in bfloat16 on this CPU "
            f"(NANOCHAT_DTYPE=float32|bfloat16 chooses)")
     return chosen
