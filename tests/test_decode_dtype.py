@@ -87,3 +87,33 @@ def test_stand_ins_decode_in_each_dtype_and_leave_the_environment_alone(tokenize
     seconds = time_decode_dtypes(CONFIG, tokenizer, rows=(1, 2))
     assert set(seconds) == {torch.float32, torch.bfloat16} and all(0 < s < 1 for s in seconds.values())
     assert "NANOCHAT_DTYPE" not in os.environ
+
+
+@pytest.mark.quick
+def test_chat_webs_measurement_runs_on_one_thread_where_it_forks(tiny_base_dir, tmp_path, monkeypatch):
+    """chat_web times the dtypes before it starts its workers: on the threads they will have where they are spawned, on
+    one where this process forks them (a child of a process whose OpenMP team had more threads hangs: libgomp)."""
+    from test_chat_cli import build_chat_checkpoint
+
+    from nanochat.serving import workers
+
+    build_chat_checkpoint(tiny_base_dir, tmp_path / "base", 64)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    seen = []
+
+    class Measured(Exception):
+        pass
+
+    def measure(device, config, tokenizer, rows=(1,), int8=False):
+        seen.append((torch.get_num_threads(), rows, int8, config["n_embd"]))
+        raise Measured  # no worker started: what was asked is all this test wants
+
+    monkeypatch.setattr(workers, "use_fastest_decode_dtype", measure)
+    previous = torch.get_num_threads()
+    try:
+        for start_method in ("fork", "spawn"):
+            with pytest.raises(Measured):
+                workers.load_workers("sft", None, None, "cpu", 1, 64, threads=2, start_method=start_method, int8=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [(1, [1, 8], True, 64), (2, [1, 8], True, 64)]

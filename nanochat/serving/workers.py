@@ -27,7 +27,7 @@ import torch
 from nanochat.checkpoint_manager import load_model
 from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.kernels.decode_dtype import checkpoint_config, use_fastest_decode_dtype
-from nanochat.kernels.int8 import quantize_int8, weight_bytes
+from nanochat.kernels.int8 import quantize_int8
 from nanochat.common import (UserError, inference_threads, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_memory_bytes, kv_row_bytes, token_logprobs
@@ -539,16 +539,18 @@ def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv
     threads = inference_threads(device, threads, count)
     if int8 and device.type != "cpu":
         raise UserError(f"--int8 runs on a CPU, not {device.type}: add --device-type=cpu")
-    if device.type == "cpu":  # timed at one row and at a batch, with each worker's threads; spawned workers inherit it
-        torch.set_num_threads(threads)
+    forking = device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork")
+    if device.type == "cpu":
+        # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it (a
+        # child of a process whose team had two threads hung at its first parallel op: libgomp)
+        torch.set_num_threads(1 if forking else threads)
+        # the decode dtype, timed at one row and at a batch (on those threads); spawned workers inherit it
         use_fastest_decode_dtype(device, checkpoint_config(stage, model_tag, step), get_tokenizer(),
                                  rows=sorted({1, min(8, max_batch)}), int8=int8)
     settings = WorkerSettings(stage, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode,
                               int8)
     preloaded = None
-    if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
-        # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
-        torch.set_num_threads(1)
+    if forking:
         print(f"loading the {stage} model on cpu ...", flush=True)
         model, tokenizer, meta = load_model(stage, device, model_tag=model_tag, step=step)
         use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
