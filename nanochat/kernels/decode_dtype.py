@@ -1,7 +1,7 @@
 """
 The dtype a CPU decodes in (chat_cli, chat_web, chat_eval). Where a CPU multiplies bf16 natively, bf16 is the
 training's compute dtype, but a decode step is a few small matmuls a token, and bf16's fixed costs per op can make it
-the slower one (an Intel Xeon with AMX decodes 256 tokens of a d4 in ~2.0 s at bf16 against ~0.6 s in fp32).
+the slower one (an Intel Xeon with AMX decoded 256 tokens of a d4 in ~2.0 s at bf16 against ~0.6 s in fp32).
 `use_fastest_decode_dtype` times a decode step in both on a stand-in of the model's shape before the model loads, and
 sets NANOCHAT_DTYPE to the faster for the rest of the process (and the workers it starts), so that the model loads,
 prepares (GPT.prepare_for_inference) and decodes in it: fp32 unless bf16 is clearly faster, so never slower than fp32.
