@@ -6,7 +6,6 @@ loop state, metrics, tokenizer fingerprint, the sha256 of every other file). It 
 into place when complete, so a kill at any instant leaves the previous checkpoint loadable; nothing is unpickled.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from filelock import FileLock, Timeout
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -43,26 +43,33 @@ def checkpoint_dir(stage, tag):
     return os.path.join(checkpoints_root(stage), tag)
 
 
+_claims = []  # the checkpoint directories' locks this process holds: referenced, so none is released before it ends
+
+
 def claim_checkpoint_dir(ckpt_dir):
     """Take an exclusive lock on a checkpoint directory for the rest of this process (rank 0, for the run): two runs
-    writing one model tag would overwrite each other's saves. An flock, so the kernel drops it when its holder dies;
-    the holder's identity is written into the lock file so the refusal can name it."""
+    writing one model tag would overwrite each other's saves. filelock's lock: an flock on POSIX, a LockFileEx on
+    Windows, both dropped by the kernel when their holder dies; where neither exists, a file naming its holder, which
+    the next claim removes once no process of that pid lives on this host. The holder's identity goes into a file
+    beside the lock (Windows forbids reading a locked byte) so that the refusal can name it."""
     if get_dist_info()[1] != 0:
         return
     ensure_writable(ckpt_dir, "checkpoints")
     os.makedirs(ckpt_dir, exist_ok=True)
-    path = os.path.join(ckpt_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock, holder_path = FileLock(os.path.join(ckpt_dir, ".lock"), timeout=0), os.path.join(ckpt_dir, ".holder")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        with open(path, errors="replace") as f:
-            holder = f.read().strip() or "another process"
-        os.close(fd)
-        raise UserError(f"{ckpt_dir} is in use by another run ({holder}); wait for it to finish or stop it, "
-                        "or write to another --model-tag") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+        lock.acquire()
+    except Timeout:
+        try:
+            with open(holder_path, errors="replace") as f:
+                holder = f.read().strip()
+        except OSError:  # not written yet: the holder took the lock an instant ago
+            holder = ""
+        raise UserError(f"{ckpt_dir} is in use by another run ({holder or 'another process'}); wait for it to finish "
+                        "or stop it, or write to another --model-tag") from None
+    _claims.append(lock)
+    with open(holder_path, "w") as f:
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
 
 
 def refuse_to_overwrite(ckpt_dir, other_dir="write to another --model-tag"):

@@ -629,8 +629,13 @@ def peak_memory_mib(device):
     """Peak memory of this process: CUDA allocations on a GPU, peak RSS elsewhere."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    try:
+        import resource
+    except ImportError:  # Windows: psutil has the peak working set there
+        import psutil
 
+        info = psutil.Process().memory_info()
+        return getattr(info, "peak_wset", info.rss) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

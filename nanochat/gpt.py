@@ -598,6 +598,7 @@ class GPT(nn.Module):
         # table's dtype (autocast leaves lookups alone), so the embedding is cast to it
         autocast = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else self.lm_head.weight.dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32  # int8 weights (kernels/int8.py) take fp32 input
         x = self.norm(x.to(dtype))
         if c.smear:
             x = self._smear(x, kv_cache)

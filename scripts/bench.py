@@ -9,6 +9,7 @@ quality, time budgets.
     python -m scripts.bench dataloader     # packing speed, cropped fraction, time a step waits for data
     python -m scripts.bench tokenizer      # tok_train chars/s, encode MB/s on 1 and all threads
     python -m scripts.bench engine         # inference: prefill, decode at batch 1 and 16, naive recompute loop
+    python -m scripts.bench int8 -i sft    # a CPU: weights, greedy agreement and decode speed in fp32, bf16 and int8
     python -m scripts.bench quality --data-source=brown --lr-mults 0.25 0.5 1 2   # val bpb of short runs, real text
     python -m scripts.bench quality --data-source=brown --variants base smear value_embeds,normuon   # recipe components
     python -m scripts.bench kernels        # a GPU: fp8 linear and sliding-window attention, numerics and speed
@@ -39,7 +40,8 @@ tokenizer no bigger than --vocab-size and training shards; otherwise a built-in 
 
 import argparse
 
-from bench import budget, dataloader, engine, estimate, importing, kernels, memory, quality, serve, tokenizer, train, wordings
+from bench import (budget, dataloader, engine, estimate, importing, int8, kernels, memory, quality, serve, tokenizer, train,
+                   wordings)
 from bench.common import BENCH_TOKENIZER_VOCAB
 from nanochat.common import RenamedFlag, UserError, run_main  # noqa: F401 (UserError: what a bad flag raises, for callers)
 
@@ -149,6 +151,15 @@ def add_inference_benchmarks(sub):
     e.add_argument("--length-steps", type=int, default=30, help="decode steps timed per cache fill level")
     e.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     e.add_argument("--device-type", default="", help="cuda|mps|cpu (default: autodetect)")
+    q = sub.add_parser("int8", help="a CPU: a checkpoint's weights, greedy agreement and decode step in fp32, bf16, int8")
+    q.add_argument("-i", "--source", default="sft", choices=["base", "mid", "sft", "rl"])
+    q.add_argument("-g", "--model-tag", default="", help="checkpoint tag (default: the latest)")
+    q.add_argument("-s", "--step", type=int, default=None, help="checkpoint step (default: the last)")
+    q.add_argument("--val-tokens", type=int, default=1000, help="teacher-forced val tokens the agreement counts")
+    q.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoded together, timed apart")
+    q.add_argument("--steps", type=int, default=64, help="decode steps timed per round, after one untimed")
+    q.add_argument("--rounds", type=int, default=7, help="rounds, each timing every variant in turn")
+    q.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
     g = sub.add_parser("kernels", help="fp8 linear and sliding-window attention against what they replace (a GPU)")
     g.add_argument("--square", type=int, default=8192, help="side of the square fwd+bwd linear timed in fp8 and bf16")
     g.add_argument("--seq-len", type=int, default=0, help="attention length (default 2048 on CUDA, 256 elsewhere)")
@@ -219,7 +230,7 @@ def add_quality_benchmark(sub):
 def main(argv=None):
     args = parse_args(argv)
     commands = {"train": train.cmd_train, "dataloader": dataloader.cmd_dataloader, "tokenizer": tokenizer.cmd_tokenizer,
-                "engine": engine.cmd_engine, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "memory": memory.cmd_memory, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget,
+                "engine": engine.cmd_engine, "int8": int8.cmd_int8, "kernels": kernels.cmd_kernels, "import": importing.cmd_import, "memory": memory.cmd_memory, "serve": serve.cmd_serve, "quality": quality.cmd_quality, "budget": budget.cmd_budget,
                 "wordings": wordings.cmd_wordings, "estimate": estimate.cmd_estimate}
     commands[args.command](args)
 

@@ -16,6 +16,7 @@ import argparse
 
 from nanochat.checkpoint_manager import checkpoint_dir, find_latest_tag, load_meta, load_model, resolve_step
 from nanochat.kernels.cpu import use_cpu_kernels
+from nanochat.kernels.decode_dtype import checkpoint_config, use_fastest_decode_dtype
 from nanochat.common import UserError, autocast_for, compute_cleanup, compute_init, print0, run_main
 from nanochat.report import get_report
 from nanochat.tokenizer import get_tokenizer
@@ -80,6 +81,9 @@ def main(argv=None):
             tasks[name].check_answerable(tokenizer, context, args.max_new_tokens)
     get_report()  # proves the report directory is writable
     _, rank, _, world_size, device = compute_init(args.device_type)
+    if world_size == 1:  # a CPU decodes in fp32 or bf16, whichever is faster here (ranks measuring apart could differ)
+        use_fastest_decode_dtype(device, checkpoint_config(args.source, tag, args.step), get_tokenizer(),
+                                 rows=(1, 32))  # sample_task_replies decodes up to 32 together
     model, tokenizer, meta = load_model(args.source, device, phase="eval", model_tag=tag, step=args.step)
     use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
     model.prepare_for_inference()

@@ -313,3 +313,19 @@ def test_estimate_prices_the_8xh100_run_from_a_lease_s_measured_parts(tmp_path, 
     (tmp_path / "no_d24.json").write_text(json.dumps(as_h100))
     with pytest.raises(UserError, match=r"no_d24.json has no measured d24 step"):
         bench.main(["estimate", "--results", str(tmp_path / "no_d24.json")])
+
+
+def test_int8_reports_weights_agreement_and_decode_steps_of_each_variant(tiny_base_dir, tmp_path, monkeypatch, capsys):
+    from test_chat_cli import build_chat_checkpoint
+
+    build_chat_checkpoint(tiny_base_dir, tmp_path / "base", 128)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    monkeypatch.setenv("NANOCHAT_DATA_SOURCE", "builtin")
+    bench.main(["int8", "--rows", "1", "2", "--steps", "4", "--rounds", "1", "--val-tokens", "300"])
+    results = {r["variant"]: r for r in last_json_line(capsys.readouterr().out)["results"]}
+    assert list(results) == ["fp32", "bf16", "int8 fp32", "int8 bf16"]
+    assert results["fp32"]["agreement"] == 1.0 and results["int8 fp32"]["agreement"] > 0.9
+    assert results["bf16"]["of_fp32"] == pytest.approx(0.5, abs=0.01) and results["int8 fp32"]["of_fp32"] < 0.3
+    assert all(set(r["ms_per_step"]) == {"1", "2"} and min(map(min, r["ms_per_step"].values())) > 0
+               for r in results.values())
+    assert os.environ["NANOCHAT_DTYPE"] == "float32"  # each variant's dtype set while it loaded, then put back

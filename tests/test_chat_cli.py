@@ -95,6 +95,14 @@ def test_one_shot_prompt_answers_with_the_sft_and_the_base_model(cli_base_dir):
     assert "<|" not in result.stdout  # plain text continuation: no chat markup
 
 
+def test_int8_weights_answer_with_a_quarter_of_the_memory(cli_base_dir):
+    """--int8 (kernels/int8.py): the loaded line says so, with the weights' bytes against fp32's; the model answers."""
+    result = run_cli(cli_base_dir, "-p", "What is the capital of France?", "--max-tokens", "6", "--int8")
+    assert result.returncode == 0, result.stderr
+    assert "M params (int8)" in result.stderr and "int8 weights: " in result.stderr and "in fp32" in result.stderr
+    assert result.stdout.strip() and "cut at 6 tokens" in result.stderr
+
+
 def test_cpu_threads_leave_a_core_to_the_machine_unless_told(cli_base_dir):
     # One reply decodes as fast on one core fewer, and does not stall when something else wants a core
     # (common.inference_threads); --threads, then $OMP_NUM_THREADS, choose otherwise.

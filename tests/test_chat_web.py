@@ -481,17 +481,18 @@ def test_a_second_ctrl_c_during_a_reply_stops_the_server_and_its_worker_at_once(
 
 
 def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokenizer, monkeypatch):
-    """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU: it reports the
-    model and its rows, writes a greedy reply of the asked length through the pipe, and stops when told."""
+    """The GPU's way of starting a worker (spawned, loading the checkpoint itself), run on the CPU, as a laptop's
+    server starts one (macOS, Windows), with --int8: it reports the model, its int8 weights and its rows, writes a
+    greedy reply of the asked length through the pipe, and stops when told."""
     from nanochat.engine import Sampling
     from nanochat.serving.chat import Add, Admitted, Ended, Finish, Stop
     from nanochat.serving.workers import load_workers, stop_processes
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
-    workers, _, info = load_workers("sft", None, None, "cpu", 1, 3, threads=1, start_method="spawn")
+    workers, _, info = load_workers("sft", None, None, "cpu", 1, 3, threads=1, start_method="spawn", int8=True)
     (worker,) = workers
     try:
-        assert worker.rows == 3 and info["context"] == CONTEXT and info["params"] > 0
+        assert worker.rows == 3 and info["context"] == CONTEXT and info["params"] > 0 and info["weights"] == "int8"
         prompt = tokenizer.render_for_completion({"messages": HELLO})
         worker.conn.send(Add(7, prompt, [Sampling(temperature=0.0, max_tokens=5)], True))
         events = []
@@ -506,6 +507,31 @@ def test_a_spawned_worker_loads_its_own_replica_and_answers(web_base_dir, tokeni
         worker.conn.send(Stop())
         worker.process.join(10)
         assert worker.process.exitcode == 0
+    finally:
+        stop_processes([worker.process], seconds=1)
+
+
+def test_an_int8_worker_answers_from_int8_weights(web_base_dir, tokenizer, monkeypatch):
+    """--int8: the server's model quantized before it forks its worker (a spawned worker quantizes its own: the test
+    above); /health names the weights int8, and the worker writes a greedy reply of the asked length."""
+    from nanochat.engine import Sampling
+    from nanochat.serving.chat import Add, Ended, Finish, Stop
+    from nanochat.serving.workers import load_workers, stop_processes
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", web_base_dir)
+    workers, _, info = load_workers("sft", None, None, "cpu", 1, 1, threads=1, int8=True)
+    (worker,) = workers
+    try:
+        assert info["weights"] == "int8"
+        worker.conn.send(Add(1, tokenizer.render_for_completion({"messages": HELLO}),
+                             [Sampling(temperature=0.0, max_tokens=5)], True))
+        events = []
+        while not any(isinstance(e, Ended) for e in events):
+            assert worker.conn.poll(30), "the worker stopped answering"
+            events += [e for key, batch in worker.conn.recv().ready if key == 1 for e in batch]
+        assert next(e for e in events if isinstance(e, Finish)).completion_tokens == 5
+        worker.conn.send(Stop())
+        worker.process.join(10)
     finally:
         stop_processes([worker.process], seconds=1)
 

@@ -572,10 +572,12 @@ def generate_replies(engine, prompt_ids, sampling, chat=True):
 def model_info(meta, model, device, stage):
     """What was loaded, as a dict (for /health)."""
     return {"source": stage, "tag": meta.get("model_tag"), "step": meta.get("step"), "params": model.num_params(),
-            "context": model.config.sequence_len, "device": str(device)}
+            "context": model.config.sequence_len, "device": str(device),
+            # what the matmuls hold: int8 (--int8), or the dtype a CPU decodes in (kernels/decode_dtype.py)
+            "weights": str(model.lm_head.weight.dtype).replace("torch.", "")}
 
 
 def summary_line(info):
     """model_info's dict as a line for logs."""
-    return (f"{info['source']} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params, "
-            f"context {info['context']} tokens, on {info['device']}")
+    return (f"{info['source']} model '{info['tag']}' step {info['step']}: {info['params'] / 1e6:.2f}M params "
+            f"({info['weights']}), context {info['context']} tokens, on {info['device']}")

@@ -6,15 +6,12 @@ routes: the API keys (RequireKey) and who a request comes from (client_of); the 
 open-file limit set up before the model loads. docs/serving.md, "Under hostile load", has what each is against.
 """
 
-import fcntl
 import hmac
 import ipaddress
 import os
 import re
-import resource
 import socket
 import struct
-import termios
 import time
 from collections import OrderedDict
 
@@ -22,6 +19,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanochat.common import UserError, print0
 from nanochat.serving.protocol import error_response
+
+try:  # POSIX: the open-file limit
+    import resource
+except ImportError:  # Windows: no such limit to raise (raise_open_file_limit)
+    resource = None
+try:  # POSIX: the kernel's unsent bytes of a socket
+    import fcntl
+    import termios
+except ImportError:  # Windows: what a reply waits on is asyncio's buffer alone (CountingTransport.waiting)
+    fcntl = termios = None
 
 OPEN_PATHS = ("/", "/health")  # the UI's page (it holds no model access: it asks for the key) and monitoring
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -104,12 +111,20 @@ def bind_socket(host, port):
         sock.bind(address)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") from None
-    os.register_at_fork(after_in_child=sock.close)
+    if hasattr(os, "register_at_fork"):  # Windows spawns its workers: nothing is copied into them
+        os.register_at_fork(after_in_child=sock.close)
     return sock
+
+
+# What raise_open_file_limit says where the system has no per-process limit to raise (Windows' sockets are handles,
+# bounded by memory): as many files as the 4,096 connections default_max_connections then allows need
+UNLIMITED_OPEN_FILES = 8192
 
 
 def raise_open_file_limit():
     """The open-file limit raised to the hard limit (each connection is a file); returns the new soft limit."""
+    if resource is None:
+        return UNLIMITED_OPEN_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         try:
@@ -139,7 +154,7 @@ class CountingTransport:
         """Bytes written that the client has not taken: in asyncio's buffer, or unacknowledged in the kernel's (Linux's
         SIOCOUTQ, where the system says)."""
         unsent, sock = 0, self.transport.get_extra_info("socket")
-        if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        if sock is not None and hasattr(termios, "TIOCOUTQ"):  # None (Windows) has no TIOCOUTQ either
             try:
                 unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
             except OSError:

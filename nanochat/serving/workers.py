@@ -26,6 +26,8 @@ import torch
 
 from nanochat.checkpoint_manager import load_model
 from nanochat.kernels.cpu import use_cpu_kernels
+from nanochat.kernels.decode_dtype import checkpoint_config, use_fastest_decode_dtype
+from nanochat.kernels.int8 import quantize_int8
 from nanochat.common import (UserError, inference_threads, resolve_device_type, return_freed_memory,
                              use_cuda_device)
 from nanochat.engine import BatchEngine, choose_tokens, kv_memory_bytes, kv_row_bytes, token_logprobs
@@ -64,6 +66,11 @@ def stop_processes(processes, seconds=0.0):
             process.join(5)
 
 
+# Windows' event loops cannot watch a pipe (its selector takes sockets alone, its proactor has no add_reader): there a
+# thread for each worker waits on its pipe and hands each message to the event loop, in order
+READ_IN_THREAD = sys.platform == "win32"
+
+
 class Worker:
     """The server's handle on a worker process: its requests, events and occupancy. Messages to it go out on a thread
     of their own: the event loop must never wait on a full pipe."""
@@ -79,7 +86,10 @@ class Worker:
 
     def start(self, loop):
         self.loop = loop
-        loop.add_reader(self.conn.fileno(), self._read)
+        if READ_IN_THREAD:
+            threading.Thread(target=self._receive, name=f"worker{self.index}-receiver", daemon=True).start()
+        else:
+            loop.add_reader(self.conn.fileno(), self._read)
         self.sender.start()
 
     def submit(self, generation):
@@ -107,16 +117,35 @@ class Worker:
         """In the event loop, when the worker process has sent something."""
         try:
             while self.conn.poll():
-                message = self.conn.recv()
-                self.occupancy = message.occupancy
-                for key, events in message.ready:
-                    if key in self.requests:
-                        self.requests[key].receive(events)
+                self._deliver(self.conn.recv())
         except (EOFError, OSError):
             self._lost()
 
-    def _lost(self):
-        self.loop.remove_reader(self.conn.fileno())
+    def _receive(self):
+        """READ_IN_THREAD's thread: each message into the event loop, then the end of the pipe."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            try:
+                self.loop.call_soon_threadsafe(self._lost if message is None else self._deliver, message)
+            except RuntimeError:  # the event loop has closed: the server has stopped
+                return
+            if message is None:
+                return
+
+    def _deliver(self, message):
+        self.occupancy = message.occupancy
+        for key, events in message.ready:
+            if key in self.requests:
+                self.requests[key].receive(events)
+
+    def _lost(self, _=None):
+        if not self.alive:  # stopped: its end was expected (READ_IN_THREAD's thread still reports it)
+            return
+        if not READ_IN_THREAD:
+            self.loop.remove_reader(self.conn.fileno())
         self.alive = False
         self.occupancy = replace(self.occupancy, active=0, waiting=0)
         self.process.join(1)
@@ -128,7 +157,7 @@ class Worker:
 
     def stop(self):
         """Tell the worker to stop; its end is expected, not a failure to report."""
-        if self.loop is not None and self.alive:
+        if self.loop is not None and self.alive and not READ_IN_THREAD:
             self.loop.remove_reader(self.conn.fileno())
         self.alive = False
         self.send(Stop())
@@ -522,12 +551,13 @@ class ScoringRequest:
 
 
 def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv_memory_gib=None, prefill_chunk=256,
-                 threads=0, start_method=None, decode="eager"):
+                 threads=0, start_method=None, decode="eager", int8=False):
     """
     (workers, tokenizer, model info), a process a worker: one per GPU (num_workers 0: every GPU), or on CPU sharing one
     copy of the weights (0: one), each batching up to max_batch sequences as the KV memory allows. On a Linux CPU
     this process loads the model and forks them; elsewhere (CUDA cannot fork, macOS not safely), or with start_method
-    "spawn", each is spawned and loads its own.
+    "spawn", each is spawned and loads its own. On a CPU the workers decode in the faster of fp32 and bf16, measured
+    here first (kernels/decode_dtype.py), with int8 weights if asked (kernels/int8.py).
     """
     device = torch.device(resolve_device_type(device_type))
     if device.type == "cuda":
@@ -541,15 +571,25 @@ def load_workers(stage, model_tag, step, device_type, num_workers, max_batch, kv
             raise UserError(f"--workers={num_workers}: must be >= 1 on CPU, and 1 on MPS")
         devices = [device] * count
     threads = inference_threads(device, threads, count)
-    settings = WorkerSettings(stage, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode)
+    if int8 and device.type != "cpu":
+        raise UserError(f"--int8 runs on a CPU, not {device.type}: add --device-type=cpu")
+    forking = device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork")
+    if device.type == "cpu":
+        # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it (a
+        # child of a process whose team had two threads hung at its first parallel op: libgomp)
+        torch.set_num_threads(1 if forking else threads)
+        # the decode dtype, timed at one row and at a batch (on those threads); spawned workers inherit it
+        use_fastest_decode_dtype(device, checkpoint_config(stage, model_tag, step), get_tokenizer(),
+                                 rows=sorted({1, min(8, max_batch)}), int8=int8)
+    settings = WorkerSettings(stage, model_tag, step, threads, max_batch, kv_memory_gib, count, prefill_chunk, decode,
+                              int8)
     preloaded = None
-    if device.type == "cpu" and sys.platform.startswith("linux") and start_method in (None, "fork"):
-        # one thread while forking: a child must not inherit an OpenMP pool whose threads did not come with it
-        torch.set_num_threads(1)
+    if forking:
         print(f"loading the {stage} model on cpu ...", flush=True)
         model, tokenizer, meta = load_model(stage, device, model_tag=model_tag, step=step)
         use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
-        preloaded = (model.prepare_for_inference(), tokenizer, meta)  # generation only (GPT.prepare_for_inference)
+        model.prepare_for_inference()  # generation only (GPT.prepare_for_inference)
+        preloaded = (quantize_int8(model) if int8 else model, tokenizer, meta)
         context = multiprocessing.get_context("fork")
         # what loading freed back to the kernel, or the workers' allocations would reuse those pages, copying on write
         gc.collect()
@@ -864,6 +904,7 @@ class WorkerSettings:
     num_workers: int
     prefill_chunk: int
     decode: str
+    int8: bool = False  # int8 weights (kernels/int8.py)
 
 
 def worker_main(conn, inherited, device, settings, preloaded):
@@ -883,6 +924,8 @@ def worker_main(conn, inherited, device, settings, preloaded):
                                                 step=settings.step)
             use_cpu_kernels(model, device)  # on a CPU, unless NANOCHAT_CPU_OPS=0
             model.prepare_for_inference()  # generation only: q, k, v in one matmul, bf16 weights once on a bf16 CPU
+            if settings.int8:
+                quantize_int8(model)
         else:
             model, tokenizer, meta = preloaded
         row_bytes = kv_row_bytes(model.config, device)
