@@ -30,6 +30,7 @@ what CI runs. The rows go to stdout in BENCHMARKS.md's table format, the device 
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -83,20 +84,28 @@ class Scale:
     budget: str  # the budgeted speedrun's NANOCHAT_TIME_BUDGET; "" for this machine's least (a CPU's)
 
 
-# The H200's 140 GiB (143,771 MiB) less ~28: CUDA contexts, the allocator's slack, and the error of peaks measured as
-# max_memory_allocated in runs alone. It holds ours at d24 with both d12s (102 GiB), or our fp8 with the reference's d24
-# (110.3 GiB), never two bf16 d24s.
+# memory_budget_gib is the card's own at run time (scale_here(): suite_training.SIDE_BY_SIDE_SHARE of its memory);
+# the H200's (143,771 MiB) is written here.
 GPU = Scale(train_depths=(12, 24), seq_len=2048, device_batch=16, timed_steps=8, warmup=3, fp8_depth=24, run_depth=12,
             run_steps=200, decode_depth=12, decode_rows=(1, 16, 64), serve_clients=(1, 16, 64), serve_tokens=64,
             vocab=32768, seconds={"train": 450, "decode": 90, "fp8": 540, "run": 150, "serve": 180, "stages": 420,
                                   "budget": 420, "budget_24gb": 420},
-            costs=training.GPU_COSTS, memory_budget_gib=112, start_s=10, profile_s=10, end_reserve_s=15, budget="6m")
+            costs=training.GPU_COSTS, memory_budget_gib=training.memory_budget_gib(143771 * 2**20), start_s=10, profile_s=10, end_reserve_s=15, budget="6m")
 # two compiles at once on a CPU at most: the 1 GiB each is what keeps it to two on a small machine's cores
 CPU = Scale(train_depths=(2,), seq_len=64, device_batch=4, timed_steps=2, warmup=1, fp8_depth=2, run_depth=2,
             run_steps=30, decode_depth=2, decode_rows=(1, 4), serve_clients=(1, 4), serve_tokens=8, vocab=4096,
             seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600, "budget": 420,
                      "budget_24gb": 420},
             costs=training.CPU_COSTS, memory_budget_gib=2.5, start_s=15, profile_s=10, end_reserve_s=20, budget="")
+
+
+def scale_here():
+    """What the suite runs on this machine: the CPU's scale-down, or the GPU's sizes with the warm-ups' memory budget
+    taken from this card's memory (an 80 GB H100 must not be planned as the 141 GB H200 the costs were measured on)."""
+    if not torch.cuda.is_available():
+        return CPU
+    total = torch.cuda.get_device_properties(0).total_memory
+    return dataclasses.replace(GPU, memory_budget_gib=training.memory_budget_gib(total))
 
 
 def reference_checkout(path):
@@ -439,7 +448,7 @@ def left(deadline):
 def run_suite(only, deadline, paths, log):
     """The sections in `only`, in SECTIONS' order (train and fp8 together), until `deadline`: (rows [(check, result)],
     results)."""
-    scale = GPU if torch.cuda.is_available() else CPU
+    scale = scale_here()
     rows, out = [], {"scale": {k: v for k, v in scale.__dict__.items() if k != "costs"}}
     together = [name for name in ("train", "fp8") if name in only]
     if together:
@@ -519,7 +528,7 @@ def main(args, log):
         log(f"compile caches: none carried in ({carried} absent): every compile starts cold")
     paths["workspace"] = ensure_builtin_workspace(os.path.join(root, "workspace"), 32768 if cuda else 4096, log=log)
     env = check.environment(get_base_dir())
-    scale = GPU if cuda else CPU
+    scale = scale_here()
     rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log)
 
     # a lease's copy of the tree came with the .git of the session's start (2026-11-28: rows said ce26dd8 of a tree

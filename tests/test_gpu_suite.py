@@ -6,7 +6,8 @@ eagerly, the same tokens), chat_web one at a time and batched, every stage for a
 their model; the results, the log and the two archives go to --out-dir, five files a lease can return, and a JSON
 line. Bad --only / --suite-minutes are refused before any work. Its pieces one by one: a profile reduced to its phases
 and top ops, a memory snapshot to what holds its peak, the archives' limits, the out-dir's check, and the warm-ups
-scheduled side by side under the memory budget with the timed runs' time kept free.
+scheduled side by side under the memory budget with the timed runs' time kept free: the budget the card's own (an 80
+GB H100 against a 141 GB H200), and a warm-up that ran out of memory beside others run again alone.
 """
 
 import gzip
@@ -189,11 +190,13 @@ class FakeChild:
         self.deadline = self.started + seconds
         self.ends = None if seconds_to_run is None else self.started + seconds_to_run
 
+    outcome = None  # a function of the child giving its result when it ends; None: it ends well
+
     def poll(self):
         if self.ends is None or time.time() < self.ends:
             return None
         self.events.append(("ended", self.config.name))
-        return {"first_step_s": 0.1, "compile_cache": "cold"}
+        return (self.outcome and self.outcome(self)) or {"first_step_s": 0.1, "compile_cache": "cold"}
 
     def kill(self, why):
         self.events.append(("killed", self.config.name))
@@ -248,6 +251,88 @@ def test_warm_ups_run_side_by_side_within_the_memory_budget_and_keep_the_timed_r
         assert results[name]["skipped"].startswith("dropped: the timed runs of the configurations before it"), name
     assert ("killed", "ours_fp8_d24") in events and ("started", "torchao_fp8_d24") not in events
     assert all("first_step_s" in results[c.name] for c in configs[:4])
+
+
+H100_MIB, H200_MIB = 81559, 143771  # the cards the leases had: nvidia-smi's total memory
+
+
+def card_plan(total_mib, durations, outcome=None):
+    """The train and fp8 warm-ups as the suite schedules them on a card of `total_mib`, each a fake child that takes
+    durations[name] s and ends with outcome(child) (child.beside: every warm-up that ran beside it): (the starts as
+    (name, [the others running then]), the most GiB in use at once by the measured peaks, the results, the budget)."""
+    scale = SimpleNamespace(costs=training.GPU_COSTS, memory_budget_gib=training.memory_budget_gib(total_mib * 2**20),
+                            start_s=0.0, profile_s=0.0, warmup=1, timed_steps=1, train_depths=(12, 24), fp8_depth=24)
+    configs = training.configs_for(["train", "fp8"], scale)
+    running, starts, events, most = [], [], [], [0.0]
+    gib = lambda child: training.cost(child.config, scale).gib  # noqa: E731
+
+    def start(config, stage, seconds):
+        running[:] = [c for c in running if c.holds_memory()]
+        child = FakeChild(config, seconds, durations[config.name], events)
+        child.outcome, child.beside = outcome, [c.config.name for c in running]  # every one beside it while it runs
+        for other in running:
+            other.beside.append(config.name)
+        running.append(child)
+        starts.append((config.name, list(child.beside)))
+        most[0] = max(most[0], sum(gib(c) for c in running))
+        return child
+
+    results = training.warm_up(configs, scale, time.time() + 3600, start, lambda message: None)
+    return starts, most[0], results, scale.memory_budget_gib
+
+
+@pytest.mark.quick
+def test_the_warm_ups_fit_the_card_they_are_on(monkeypatch):
+    """The memory budget is the card's: an 80 GB H100 never holds more warm-ups at once than its budget by the measured
+    peaks (with a warm compile cache every warm-up takes seconds, and ours d24 and both d12s used to start together on
+    it, 87 GiB), while a 141 GB H200 still runs them side by side."""
+    monkeypatch.setattr(training, "POLL_S", 0.002)
+    d24s = {"ours_d24", "reference_d24", "ours_fp8_d24", "torchao_fp8_d24"}
+    cold = {f"{p}_d{d}": training.GPU_COSTS[(p, d, "")].cold_s / 2000 for p in ("ours", "reference") for d in (12, 24)}
+    cold.update(ours_fp8_d24=0.045, torchao_fp8_d24=0.075)  # the measured compiles, 2,000 times faster
+    warm = dict.fromkeys(cold, 0.01)  # a warm compile cache: every warm-up is over in seconds
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for total_mib, budget in ((H100_MIB, 71.7), (H200_MIB, 126.4)):  # the suite's scale, on a card of this size
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total_mib << 20))
+        assert gpu_suite.scale_here().memory_budget_gib == pytest.approx(budget, abs=0.05)
+    monkeypatch.undo()
+    monkeypatch.setattr(training, "POLL_S", 0.002)
+    for durations in (cold, warm):
+        starts, most, results, budget = card_plan(H100_MIB, durations)
+        assert most <= budget < H100_MIB / 1024, (starts, most)
+        assert starts[0] == ("ours_d24", [])  # the most wanted first, alone: no d12 fits beside it
+        assert not [name for name, beside in starts if name in d24s and d24s & set(beside)], starts  # one d24 at a time
+        assert {name for name, _ in starts} == set(cold) and all("first_step_s" in r for r in results.values())
+        assert any(len(beside) == 1 for _, beside in starts)  # the d12s still overlap
+    starts, most, results, budget = card_plan(H200_MIB, cold)
+    assert most <= budget and starts[:2] == [("ours_d24", []), ("reference_d24", ["ours_d24"])], starts
+    # the d12s start as ours d24 ends, beside the reference's d24, and our fp8 once that one is done
+    assert dict(starts)["ours_d12"] == ["reference_d24"] and "reference_d24" not in dict(starts)["ours_fp8_d24"]
+    assert max(len(beside) for _, beside in starts) >= 2  # three warm-ups at once, as the H200 ran them
+    assert all("first_step_s" in r for r in results.values())
+
+
+@pytest.mark.quick
+def test_a_warm_up_out_of_memory_beside_others_is_warmed_up_again_alone(monkeypatch):
+    """A warm-up that ran out of memory while others held the card is not lost: it runs again once the card is
+    empty, with nothing started beside it, and goes on to its timed run; one that runs out of memory alone is a
+    failure of its own (its timed run would fail the same way)."""
+    monkeypatch.setattr(training, "POLL_S", 0.002)
+    durations = dict.fromkeys(["ours_d24", "reference_d24", "ours_d12", "reference_d12", "ours_fp8_d24",
+                               "torchao_fp8_d24"], 0.02)
+    oom = {"error": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    # on the H200 ours d12 runs out of memory whenever another warm-up runs beside it; torchao's even alone
+    outcome = lambda child: oom if child.config.name == "torchao_fp8_d24" or (  # noqa: E731
+        child.config.name == "ours_d12" and child.beside) else None
+    starts, most, results, budget = card_plan(H200_MIB, durations, outcome)
+    again = [i for i, (name, _) in enumerate(starts) if name == "ours_d12"]
+    assert len(again) == 2 and starts[again[1]][1] == []  # run again with the card empty
+    # and nothing started while it ran again: the ones after it started only once it had ended
+    assert all("ours_d12" not in beside for _, beside in starts[again[1] + 1:]), starts
+    assert "first_step_s" in results["ours_d12"] and training.still_in(results["ours_d12"])
+    assert [(name, beside) for name, beside in starts if name == "torchao_fp8_d24"] == [("torchao_fp8_d24", [])]
+    assert "out of memory" in results["torchao_fp8_d24"]["error"] and not training.still_in(results["torchao_fp8_d24"])
+    assert {name for name, _ in starts} == set(durations) and most <= budget
 
 
 @pytest.mark.quick
