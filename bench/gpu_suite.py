@@ -445,9 +445,11 @@ def left(deadline):
     return deadline - time.time()
 
 
-def run_suite(only, deadline, paths, log):
+def run_suite(only, deadline, paths, log, progress=lambda rows, results, after, archives: None):
     """The sections in `only`, in SECTIONS' order (train and fp8 together), until `deadline`: (rows [(check, result)],
-    results)."""
+    results). progress(rows, results, after, archives) is called with the rows so far whenever one is finished (after
+    each section, and in train and fp8 after the warm-ups and each timed run), `archives` when the compile caches or
+    the profiles changed, so that a suite cut short has written every row it finished."""
     scale = scale_here()
     rows, out = [], {"scale": {k: v for k, v in scale.__dict__.items() if k != "costs"}}
     together = [name for name in ("train", "fp8") if name in only]
@@ -460,7 +462,9 @@ def run_suite(only, deadline, paths, log):
             if "fp8" in together else None
         t0 = time.time()
         try:
-            new, results = training.run(together, scale, end, paths, log, paths["reference_commit"], torchao_reason)
+            new, results = training.run(together, scale, end, paths, log, paths["reference_commit"], torchao_reason,
+                                        lambda new, results, after, archives: progress(
+                                            rows + new, {**out, **results}, after, archives))
             out.update(results)
         except Exception as e:  # one section's surprise is its row: the others' numbers still come out
             new = [(f"section {','.join(together)}", f"failed: {type(e).__name__}: {e}")]
@@ -468,6 +472,7 @@ def run_suite(only, deadline, paths, log):
             log(f"  {check_name}: {result}")
         rows += new
         out.setdefault("seconds", {})[",".join(together)] = time.time() - t0
+        progress(rows, out, ",".join(together), True)
     for name in SECTIONS:
         if name not in only or name in together:
             continue
@@ -485,6 +490,7 @@ def run_suite(only, deadline, paths, log):
             log(f"  {check_name}: {result}")
         rows += new
         out.setdefault("seconds", {})[name] = time.time() - t0
+        progress(rows, out, name, True)
     return rows, out
 
 
@@ -529,32 +535,52 @@ def main(args, log):
     paths["workspace"] = ensure_builtin_workspace(os.path.join(root, "workspace"), 32768 if cuda else 4096, log=log)
     env = check.environment(get_base_dir())
     scale = scale_here()
-    rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log)
-
     # a lease's copy of the tree came with the .git of the session's start (2026-11-28: rows said ce26dd8 of a tree
     # at 2fc4048), so the sender names its commit
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=check.REPO_ROOT,
                                            capture_output=True, text=True).stdout.strip() or "unknown commit"
-    machine, date = check.machine_label(env), datetime.date.today().isoformat()
-    command = "`python -m scripts.gpu_check --suite`"
-    table = "| check | result | machine | command | commit | date |\n|---|---|---|---|---|---|\n" + "\n".join(
-        f"| {name} | {result} | {machine} | {command} | {commit} | {date} |" for name, result in rows)
-    summary = json.dumps({"gpu_suite": {"machine": machine, "commit": commit, "rows": rows, "results": results}},
-                         default=str)
-    print("\n" + table)
-    # the results go to dated files of their own (dev/gpu_results/ by default), never onto BENCHMARKS.md's page
+    machine = check.machine_label(env)
+    # the results go to dated files of their own (dev/gpu_results/ by default), never onto BENCHMARKS.md's page; named
+    # now, since they are written as the rows come (a lease cut short still returns every row it finished)
     stamp = f"{datetime.datetime.now().strftime('%Y-%m-%d_%H%M%S')}_{slug(machine)}"
     path = os.path.join(results_dir, f"{stamp}.md")
-    with open(path, "w") as f:
-        f.write(f"# gpu_check --suite, {date}: {machine}\n\nsections {','.join(only)}, commit {commit}\n\n{table}\n\n"
-                f"```json\n{summary}\n```\n")
-    with open(os.path.join(results_dir, f"{stamp}.json"), "w") as f:
-        f.write(summary + "\n")
+
+    def write(rows, results, status):
+        date = datetime.date.today().isoformat()
+        table = "| check | result | machine | command | commit | date |\n|---|---|---|---|---|---|\n" + "\n".join(
+            f"| {name} | {result} | {machine} | `python -m scripts.gpu_check --suite` | {commit} | {date} |"
+            for name, result in rows)
+        summary = json.dumps({"gpu_suite": {"machine": machine, "commit": commit, "status": status, "rows": rows,
+                                            "results": results}}, default=str)
+        write_file(path, f"# gpu_check --suite, {date}: {machine}\n\nsections {','.join(only)}, commit {commit}; "
+                         f"{status}\n\n{table}\n\n```json\n{summary}\n```\n")
+        write_file(os.path.join(results_dir, f"{stamp}.json"), summary + "\n")
+        return table, summary
+
+    archived = []  # whether the archives in --out-dir were packed since the last section ended
+
+    def progress(rows, results, after, archives):
+        write(rows, results, f"partial: written at {time.time() - t_start:.0f} s, after {after}; the suite went on")
+        if archives and args.out_dir:
+            archive(only, scale, paths, args.out_dir, log)
+            archived[:] = [True]
+
+    rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log, progress)
+    table, summary = write(rows, results, "complete")
+    print("\n" + table)
     failed = [name for name, result in rows if result.startswith("failed")]
     log(f"suite: {len(rows)} rows, {len(failed)} failed, {time.time() - t_start:.0f} s; written to {path}")
-    archive(only, scale, paths, args.out_dir, log)
+    if not archived:  # every section ends by packing them into --out-dir; without one they go to the cache folder
+        archive(only, scale, paths, args.out_dir, log)
     print(summary)
     return not failed
+
+
+def write_file(path, text):
+    """`text` into `path` through a file renamed over it: a suite killed while writing leaves the last whole one."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def teed(log, path, t_start):

@@ -307,10 +307,10 @@ def warm_up(configs, scale, end, start, log):
     return results
 
 
-def timed_runs(configs, warmups, scale, end, start, log):
+def timed_runs(configs, warmups, scale, end, start, log, done=lambda results: None):
     """Phase 2: each configuration still in, one at a time, in order; each may take up to twice its expected
     length as long as the ones after it keep theirs, and is profiled where always_profiled() says or where the time
-    left holds that too. Returns {name: result}."""
+    left holds that too; done(results so far) after each. Returns {name: result}."""
     results = {}
     todo = [c for c in configs if c.name in warmups and still_in(warmups[c.name])]
     for i, config in enumerate(todo):
@@ -329,12 +329,16 @@ def timed_runs(configs, warmups, scale, end, start, log):
         log(f"  {config.name}: " + (f"failed: {result['error']}" if "error" in result else
             f"{result['ms_per_step']:.1f} ms a step, first step {result['first_step_s']:.1f} s "
             f"({result['compile_cache']}), {time.time() - t0:.0f} s in all"))
+        done(results)
     return results
 
 
-def run(only, scale, end, paths, log, reference_commit, torchao_reason):
+def run(only, scale, end, paths, log, reference_commit, torchao_reason,
+        progress=lambda rows, results, after, archives: None):
     """The train and fp8 sections of `only`, done by `end`: (rows [(check, result)], results). paths: cache, profiles,
-    logs, workspace, reference (None without a checkout; reference_commit then says how to get one)."""
+    logs, workspace, reference (None without a checkout; reference_commit then says how to get one).
+    progress(rows, results, after, archives) gets the rows as they stand after the warm-ups (the compile caches are
+    saved then: archives=True) and after each timed run, a configuration not timed yet saying so."""
     configs = configs_for(only, scale)
     final, runnable = {}, []
     for config in configs:
@@ -350,17 +354,26 @@ def run(only, scale, end, paths, log, reference_commit, torchao_reason):
         return TrainingChild(f"{'warmup' if stage == 'warmup' else 'timed'}_{config.name}", command, env, paths["logs"],
                              seconds)
 
+    reference_short = reference_commit[:7] if paths["reference"] else ""
+
+    def outcome(warmups, timed, unfinished):
+        """(rows, results) with each runnable configuration's timed result, its warm-up's failure, or `unfinished`."""
+        for config in runnable:
+            warmup = warmups.get(config.name, {})
+            final[config.name] = timed.get(config.name) or (
+                {k: f"warm-up: {v}" for k, v in warmup.items() if k in ("error", "skipped")} if not still_in(warmup)
+                else {"skipped": unfinished})
+        return rows_for(only, scale, final, warmups, reference_short), {**final, "warmups": warmups}
+
     log(f"  {len(runnable)} configurations: warm-ups side by side, then the timed runs one at a time, done in "
         f"{end - time.time():.0f} s")
     warmups = warm_up(runnable, scale, end, start, log)
-    timed = timed_runs(runnable, warmups, scale, end, start, log)
-    for config in runnable:
-        warmup = warmups[config.name]
-        final[config.name] = timed.get(config.name) or (
-            {k: f"warm-up: {v}" for k, v in warmup.items() if k in ("error", "skipped")} if not still_in(warmup) else
-            {"skipped": "no time left for its timed run"})
-    reference_short = reference_commit[:7] if paths["reference"] else ""
-    return rows_for(only, scale, final, warmups, reference_short), {**final, "warmups": warmups}
+    not_yet = "not timed: the suite stopped before its timed run"  # what a row says if nothing writes it again
+    progress(*outcome(warmups, {}, not_yet), "the warm-ups of train/fp8", True)
+    timed = timed_runs(runnable, warmups, scale, end, start, log,
+                       lambda timed: progress(*outcome(warmups, timed, not_yet), f"the timed run of {len(timed)} of "
+                                              f"train/fp8's configurations", False))
+    return outcome(warmups, timed, "no time left for its timed run")
 
 
 def speed(result, peak=None):

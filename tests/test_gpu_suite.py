@@ -10,6 +10,7 @@ scheduled side by side under the memory budget with the timed runs' time kept fr
 GB H100 against a 141 GB H200), and a warm-up that ran out of memory beside others run again alone.
 """
 
+import contextlib
 import gzip
 import io
 import json
@@ -333,6 +334,80 @@ def test_a_warm_up_out_of_memory_beside_others_is_warmed_up_again_alone(monkeypa
     assert [(name, beside) for name, beside in starts if name == "torchao_fp8_d24"] == [("torchao_fp8_d24", [])]
     assert "out of memory" in results["torchao_fp8_d24"]["error"] and not training.still_in(results["torchao_fp8_d24"])
     assert {name for name, _ in starts} == set(durations) and most <= budget
+
+
+@pytest.mark.quick
+def test_train_and_fp8_hand_on_their_rows_after_the_warm_ups_and_each_timed_run(monkeypatch, tmp_path):
+    """A suite cut during the timed runs still has the rows of those that ended, and the compile caches the warm-ups
+    saved: train and fp8 report their rows after the warm-ups (with the archives) and after each timed run, the
+    configurations not timed yet saying so."""
+    class Instant:  # a warm-up or a timed run, done at once
+        def __init__(self, name, command, env, log_dir, seconds):
+            self.name, self.seconds, self.started, self.deadline = name, seconds, time.time(), time.time() + seconds
+
+        def poll(self):
+            return self.wait()
+
+        def wait(self):
+            return {"first_step_s": 0.1, "compile_cache": "cold", "tok_per_s": 1000.0, "ms_per_step": 5.0,
+                    "flops_per_token": 1e6, "peak_flops": 1e12, "final_loss": 3.0}
+
+    monkeypatch.setattr(training, "TrainingChild", Instant)
+    monkeypatch.setattr(training, "POLL_S", 0.001)
+    scale = SimpleNamespace(costs={("ours", 2, ""): training.Cost(1, 1, 0.01)}, memory_budget_gib=1, start_s=0.0,
+                            profile_s=0.0, warmup=1, timed_steps=1, train_depths=(2,), fp8_depth=2, seq_len=64,
+                            device_batch=4, vocab=512)
+    paths = {name: str(tmp_path / name) for name in ("cache", "profiles", "logs")}
+    paths.update(workspace={"base_dir": str(tmp_path), "source": "builtin"}, reference=None)
+    reports = []
+    rows, _ = training.run(["train"], scale, time.time() + 60, paths, lambda message: None, "no checkout", None,
+                           lambda rows, results, after, archives: reports.append((dict(rows), after, archives)))
+    ours = next(name for name in dict(rows) if name.endswith("ours (default recipe)"))
+    assert [(after, archives) for _, after, archives in reports] == [
+        ("the warm-ups of train/fp8", True), ("the timed run of 1 of train/fp8's configurations", False)]
+    assert reports[0][0][ours] == "skipped: not timed: the suite stopped before its timed run"
+    assert reports[1][0][ours].startswith("1,000 tok/s") and dict(rows)[ours] == reports[1][0][ours]
+
+
+def test_a_suite_cut_short_has_written_every_row_it_finished(tmp_path):
+    """The scale-down killed while its second section runs (as a lease's end cuts a command): the first section's rows
+    are in --out-dir already, the .md and .json saying they are partial, with the log and the archives, and nothing
+    half-written."""
+    import signal
+
+    import psutil
+
+    out = tmp_path / "out"
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "base"), NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "scripts.gpu_check", "--suite", "--only", "decode,run",
+                          "--suite-minutes", "5", "--out-dir", str(out), "--compile-cache-dir", str(tmp_path / "cc")],
+                         env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    log = out / "suite.log"
+    try:
+        t0 = time.time()
+        while not (log.exists() and "suite: run" in log.read_text()):  # the decode section is over
+            assert p.poll() is None and time.time() - t0 < 240, "the suite ended before its run section began"
+            time.sleep(0.05)
+    finally:
+        children = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
+        os.killpg(p.pid, signal.SIGKILL)
+        for child in children:  # base_train runs in the suite's group, but a section's child may not
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        p.wait()
+    assert p.returncode == -signal.SIGKILL
+    written = sorted(path.name for path in out.iterdir())
+    assert written[2:] == ["compile_cache.tar.gz", "profiles.tar.gz", "suite.log"], written
+    assert gpu_suite.out_dir_problems(str(out)) == []
+    result = json.loads((out / written[0]).read_text())["gpu_suite"]
+    assert re.fullmatch(r"partial: written at \d+ s, after decode; the suite went on", result["status"])
+    rows = dict(result["rows"])
+    assert len(rows) >= 5 and all(name.startswith("d2 decode") for name in rows) and "decode" in result["results"]
+    md = (out / written[1]).read_text()
+    assert result["status"] in md and all(f"| {name} | {row} |" in md for name, row in rows.items())
+    with tarfile.open(out / "profiles.tar.gz") as tar:
+        assert "decode.log" in tar.getnames()
 
 
 @pytest.mark.quick
