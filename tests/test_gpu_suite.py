@@ -439,6 +439,74 @@ def test_the_offline_wheels_carry_every_package_the_server_and_its_client_import
     assert needed - carried == set()
 
 
+def suite_imports():
+    """{third-party top-level module: [(file, whether imported inside a function)]} over the code a lease runs:
+    bench/ whole, scripts.gpu_check and scripts.bench, every module speedrun.sh names (the budget sections run it) and
+    the stages section runs, and every module of the project those import, followed (lazy imports included)."""
+    import ast
+
+    project = ("bench", "nanochat", "scripts", "tasks")
+    local = {name[:-3] for name in os.listdir(os.path.join(REPO_ROOT, "bench"))}  # reference_train, loaded by its file
+    with open(os.path.join(REPO_ROOT, "speedrun.sh")) as f:
+        todo = re.findall(r"\b((?:scripts|nanochat)\.\w+)", f.read())
+    todo += ["scripts.gpu_check", "scripts.bench", *(f"bench.{name}" for name in local)]
+    todo += [module for module, _ in gpu_suite.stage_commands(False)]
+
+    def source(module):
+        base = os.path.join(REPO_ROOT, *module.split("."))
+        return next((p for p in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(p)), None)
+
+    seen, found = set(), {}
+    while todo:
+        module = todo.pop()
+        path = source(module)
+        if module in seen or path is None:
+            continue
+        seen.add(module)
+        if "." in module:
+            todo.append(module.rsplit(".", 1)[0])  # a package's __init__ runs first
+
+        def visit(node, in_function):
+            for child in ast.iter_child_nodes(node):
+                inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                names = []
+                if isinstance(child, ast.Import):
+                    names = [alias.name for alias in child.names]
+                elif isinstance(child, ast.ImportFrom) and child.level == 0:  # `from a import b`: b may be a module
+                    names = [child.module] + [f"{child.module}.{alias.name}" for alias in child.names]
+                todo.extend(name for name in names if name.split(".")[0] in project)
+                for top in {name.split(".")[0] for name in names} - set(project) - sys.stdlib_module_names - local:
+                    found.setdefault(top, []).append((os.path.relpath(path, REPO_ROOT), in_function))
+                visit(child, inner)
+
+        with open(path) as f:
+            visit(ast.parse(f.read()), False)
+    return found
+
+
+def test_every_package_the_suite_imports_travels_or_is_on_the_gpu_image():  # ~2.5 s: it parses ~90 modules
+    """What a lease runs imports nothing that is neither among the wheels it carries nor in the GPU image (a missing
+    one costs a section's rows: opentelemetry-api and openai on the H100 of 2026-11-28); what is left out on purpose
+    (lm-eval, wandb) is imported only inside the functions of the modes that need it."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
+    try:
+        import offline_wheels
+    finally:
+        sys.path.pop(0)
+    from importlib import metadata
+
+    normalize = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    carried = {normalize(line.split("==")[0]) for line in offline_wheels.requirements()}
+    distributions = metadata.packages_distributions()
+    imports = suite_imports()
+    assert {"torch", "fastapi", "openai", "httpx", "rustbpe"} <= set(imports)  # the walk reaches the server and clients
+    by_distribution = {normalize(dist): module for module in imports for dist in distributions.get(module, [module])}
+    missing = set(by_distribution) - carried - set(offline_wheels.IMAGE_HOLDS) - set(offline_wheels.NOT_ON_A_LEASE)
+    assert missing == set(), {by_distribution[d]: imports[by_distribution[d]][:3] for d in missing}
+    for dist in offline_wheels.NOT_ON_A_LEASE:
+        assert all(lazily for _, lazily in imports.get(by_distribution.get(dist, dist), [])), imports[by_distribution[dist]]
+
+
 @pytest.mark.slow  # ~4 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
 def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     out = tmp_path / "out"
