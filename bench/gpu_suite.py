@@ -30,6 +30,7 @@ what CI runs. The rows go to stdout in BENCHMARKS.md's table format, the device 
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -83,20 +84,28 @@ class Scale:
     budget: str  # the budgeted speedrun's NANOCHAT_TIME_BUDGET; "" for this machine's least (a CPU's)
 
 
-# The H200's 140 GiB (143,771 MiB) less ~28: CUDA contexts, the allocator's slack, and the error of peaks measured as
-# max_memory_allocated in runs alone. It holds ours at d24 with both d12s (102 GiB), or our fp8 with the reference's d24
-# (110.3 GiB), never two bf16 d24s.
+# memory_budget_gib is the card's own at run time (scale_here(): suite_training.SIDE_BY_SIDE_SHARE of its memory);
+# the H200's (143,771 MiB) is written here.
 GPU = Scale(train_depths=(12, 24), seq_len=2048, device_batch=16, timed_steps=8, warmup=3, fp8_depth=24, run_depth=12,
             run_steps=200, decode_depth=12, decode_rows=(1, 16, 64), serve_clients=(1, 16, 64), serve_tokens=64,
             vocab=32768, seconds={"train": 450, "decode": 90, "fp8": 540, "run": 150, "serve": 180, "stages": 420,
                                   "budget": 420, "budget_24gb": 420},
-            costs=training.GPU_COSTS, memory_budget_gib=112, start_s=10, profile_s=10, end_reserve_s=15, budget="6m")
+            costs=training.GPU_COSTS, memory_budget_gib=training.memory_budget_gib(143771 * 2**20), start_s=10, profile_s=10, end_reserve_s=15, budget="6m")
 # two compiles at once on a CPU at most: the 1 GiB each is what keeps it to two on a small machine's cores
 CPU = Scale(train_depths=(2,), seq_len=64, device_batch=4, timed_steps=2, warmup=1, fp8_depth=2, run_depth=2,
             run_steps=30, decode_depth=2, decode_rows=(1, 4), serve_clients=(1, 4), serve_tokens=8, vocab=4096,
             seconds={"train": 240, "fp8": 120, "run": 120, "decode": 60, "serve": 120, "stages": 600, "budget": 420,
                      "budget_24gb": 420},
             costs=training.CPU_COSTS, memory_budget_gib=2.5, start_s=15, profile_s=10, end_reserve_s=20, budget="")
+
+
+def scale_here():
+    """What the suite runs on this machine: the CPU's scale-down, or the GPU's sizes with the warm-ups' memory budget
+    taken from this card's memory (an 80 GB H100 must not be planned as the 141 GB H200 the costs were measured on)."""
+    if not torch.cuda.is_available():
+        return CPU
+    total = torch.cuda.get_device_properties(0).total_memory
+    return dataclasses.replace(GPU, memory_budget_gib=training.memory_budget_gib(total))
 
 
 def reference_checkout(path):
@@ -436,10 +445,12 @@ def left(deadline):
     return deadline - time.time()
 
 
-def run_suite(only, deadline, paths, log):
+def run_suite(only, deadline, paths, log, progress=lambda rows, results, after, archives: None):
     """The sections in `only`, in SECTIONS' order (train and fp8 together), until `deadline`: (rows [(check, result)],
-    results)."""
-    scale = GPU if torch.cuda.is_available() else CPU
+    results). progress(rows, results, after, archives) is called with the rows so far whenever one is finished (after
+    each section, and in train and fp8 after the warm-ups and each timed run), `archives` when the compile caches or
+    the profiles changed, so that a suite cut short has written every row it finished."""
+    scale = scale_here()
     rows, out = [], {"scale": {k: v for k, v in scale.__dict__.items() if k != "costs"}}
     together = [name for name in ("train", "fp8") if name in only]
     if together:
@@ -451,7 +462,9 @@ def run_suite(only, deadline, paths, log):
             if "fp8" in together else None
         t0 = time.time()
         try:
-            new, results = training.run(together, scale, end, paths, log, paths["reference_commit"], torchao_reason)
+            new, results = training.run(together, scale, end, paths, log, paths["reference_commit"], torchao_reason,
+                                        lambda new, results, after, archives: progress(
+                                            rows + new, {**out, **results}, after, archives))
             out.update(results)
         except Exception as e:  # one section's surprise is its row: the others' numbers still come out
             new = [(f"section {','.join(together)}", f"failed: {type(e).__name__}: {e}")]
@@ -459,6 +472,7 @@ def run_suite(only, deadline, paths, log):
             log(f"  {check_name}: {result}")
         rows += new
         out.setdefault("seconds", {})[",".join(together)] = time.time() - t0
+        progress(rows, out, ",".join(together), True)
     for name in SECTIONS:
         if name not in only or name in together:
             continue
@@ -476,6 +490,7 @@ def run_suite(only, deadline, paths, log):
             log(f"  {check_name}: {result}")
         rows += new
         out.setdefault("seconds", {})[name] = time.time() - t0
+        progress(rows, out, name, True)
     return rows, out
 
 
@@ -519,33 +534,53 @@ def main(args, log):
         log(f"compile caches: none carried in ({carried} absent): every compile starts cold")
     paths["workspace"] = ensure_builtin_workspace(os.path.join(root, "workspace"), 32768 if cuda else 4096, log=log)
     env = check.environment(get_base_dir())
-    scale = GPU if cuda else CPU
-    rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log)
-
+    scale = scale_here()
     # a lease's copy of the tree came with the .git of the session's start (2026-11-28: rows said ce26dd8 of a tree
     # at 2fc4048), so the sender names its commit
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=check.REPO_ROOT,
                                            capture_output=True, text=True).stdout.strip() or "unknown commit"
-    machine, date = check.machine_label(env), datetime.date.today().isoformat()
-    command = "`python -m scripts.gpu_check --suite`"
-    table = "| check | result | machine | command | commit | date |\n|---|---|---|---|---|---|\n" + "\n".join(
-        f"| {name} | {result} | {machine} | {command} | {commit} | {date} |" for name, result in rows)
-    summary = json.dumps({"gpu_suite": {"machine": machine, "commit": commit, "rows": rows, "results": results}},
-                         default=str)
-    print("\n" + table)
-    # the results go to dated files of their own (dev/gpu_results/ by default), never onto BENCHMARKS.md's page
+    machine = check.machine_label(env)
+    # the results go to dated files of their own (dev/gpu_results/ by default), never onto BENCHMARKS.md's page; named
+    # now, since they are written as the rows come (a lease cut short still returns every row it finished)
     stamp = f"{datetime.datetime.now().strftime('%Y-%m-%d_%H%M%S')}_{slug(machine)}"
     path = os.path.join(results_dir, f"{stamp}.md")
-    with open(path, "w") as f:
-        f.write(f"# gpu_check --suite, {date}: {machine}\n\nsections {','.join(only)}, commit {commit}\n\n{table}\n\n"
-                f"```json\n{summary}\n```\n")
-    with open(os.path.join(results_dir, f"{stamp}.json"), "w") as f:
-        f.write(summary + "\n")
+
+    def write(rows, results, status):
+        date = datetime.date.today().isoformat()
+        table = "| check | result | machine | command | commit | date |\n|---|---|---|---|---|---|\n" + "\n".join(
+            f"| {name} | {result} | {machine} | `python -m scripts.gpu_check --suite` | {commit} | {date} |"
+            for name, result in rows)
+        summary = json.dumps({"gpu_suite": {"machine": machine, "commit": commit, "status": status, "rows": rows,
+                                            "results": results}}, default=str)
+        write_file(path, f"# gpu_check --suite, {date}: {machine}\n\nsections {','.join(only)}, commit {commit}; "
+                         f"{status}\n\n{table}\n\n```json\n{summary}\n```\n")
+        write_file(os.path.join(results_dir, f"{stamp}.json"), summary + "\n")
+        return table, summary
+
+    archived = []  # whether the archives in --out-dir were packed since the last section ended
+
+    def progress(rows, results, after, archives):
+        write(rows, results, f"partial: written at {time.time() - t_start:.0f} s, after {after}; the suite went on")
+        if archives and args.out_dir:
+            archive(only, scale, paths, args.out_dir, log)
+            archived[:] = [True]
+
+    rows, results = run_suite(only, t_start + 60 * args.suite_minutes - scale.end_reserve_s, paths, log, progress)
+    table, summary = write(rows, results, "complete")
+    print("\n" + table)
     failed = [name for name, result in rows if result.startswith("failed")]
     log(f"suite: {len(rows)} rows, {len(failed)} failed, {time.time() - t_start:.0f} s; written to {path}")
-    archive(only, scale, paths, args.out_dir, log)
+    if not archived:  # every section ends by packing them into --out-dir; without one they go to the cache folder
+        archive(only, scale, paths, args.out_dir, log)
     print(summary)
     return not failed
+
+
+def write_file(path, text):
+    """`text` into `path` through a file renamed over it: a suite killed while writing leaves the last whole one."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def teed(log, path, t_start):

@@ -4,8 +4,9 @@ and our fp8 and torchao's float8 training against bf16 at d24, measured so that 
 rather than to compiles waited on one after another (~57-184 s each on an H200). Two phases under one deadline:
 
   1. the warm-ups, side by side: a process per configuration builds it, compiles, runs the warm-up steps, saves its
-     portable compile cache (bench/compile_cache.py) and exits; as many at once as the GPU's memory holds by the
-     measured peaks below, the most wanted first. Nothing in them is timed.
+     portable compile cache (bench/compile_cache.py) and exits; as many at once as this card's memory holds by the
+     measured peaks below, the most wanted first; one that runs out of memory beside others runs again alone. Nothing
+     in them is timed.
   2. the timed runs, one at a time, each a fresh process that starts warm (inductor's local cache, which the warm-ups
      filled, and the portable file), times its steps, measures its loader apart, and writes a reduced profile of two
      steps and a step's peak memory (bench/profiling.py).
@@ -37,21 +38,31 @@ class Cost:
     step_s: float
 
 
-# One H200 at device batch 16 x 2048, torch 2.11 (dev/LOG.md "gpu_check --suite on one H200", 2026-11-27; our fp8 on
-# the H100 of 2026-11-28): max_memory_allocated, the compiled first steps with inductor's cache empty, the median steps.
-# torchao's compile did not finish in 149 s: its figures are that bound, bf16's memory (it keeps bf16 weights and casts
-# each matmul's operands) and bf16's step.
-GPU_COSTS = {("ours", 12, ""): Cost(18.4, 57, 0.075), ("reference", 12, ""): Cost(14.8, 66, 0.066),
-             ("ours", 24, ""): Cost(68.8, 92, 0.382), ("reference", 24, ""): Cost(54.9, 92, 0.368),
-             ("ours", 24, "ours"): Cost(55.4, 184, 0.386), ("ours", 24, "torchao"): Cost(68.8, 150, 0.39)}
+# One H200 at device batch 16 x 2048, torch 2.11, the code of 2fc4048 (dev/LOG.md "the GPU step at the reference's",
+# 2026-11-28; dev/gpu_results/2026-11-28_193525_*): each warm-up's max_memory_allocated, its compiled first step with
+# inductor's cache empty (compiled beside others, as the suite runs them), the timed runs' median steps. torchao's
+# compile did not finish in 149 s on the H200 of 2026-11-27 and has not run since: its figures are that bound, bf16's
+# memory (it keeps bf16 weights and casts each matmul's operands) and bf16's step.
+GPU_COSTS = {("ours", 12, ""): Cost(15.4, 46, 0.068), ("reference", 12, ""): Cost(14.8, 64, 0.067),
+             ("ours", 24, ""): Cost(57.2, 76, 0.370), ("reference", 24, ""): Cost(54.9, 113, 0.365),
+             ("ours", 24, "ours"): Cost(54.3, 89, 0.404), ("ours", 24, "torchao"): Cost(57.2, 150, 0.39)}
+# The warm-ups side by side may hold this share of the card by their measured peaks: the rest is for what a peak
+# measured as max_memory_allocated leaves out (each process's CUDA context, ~0.5 GiB; the caching allocator's blocks
+# beyond what is allocated, ~5-10 % in a training loop), the share the planner leaves a single run for the same things
+# (nanochat/planning/memory_model.py MEMORY_SHARE). An 80 GB H100 (79.6 GiB) then holds one d24 with nothing beside it
+# but a d12 where it fits (ours d24 and a d12 would be 72.0-72.6 of 71.7), a 141 GB H200 (140.4 GiB) the two bf16 d24s
+# together (112.1 of 126.4), or a d24 with both d12s.
+SIDE_BY_SIDE_SHARE = 0.9
 # The 2-vCPU AMD EPYC at d2, device batch 4 x 64, inductor, with other work on the machine (2026-11-28): peak RSS,
 # the first steps with inductor's cache empty (the reference compiles its optimizer too; our fp8's was measured beside
 # the reference's compile), the median steps.
 CPU_COSTS = {("ours", 2, ""): Cost(1.0, 51, 0.05), ("reference", 2, ""): Cost(1.0, 109, 0.09),
              ("ours", 2, "ours"): Cost(1.0, 70, 0.085)}
-# ours d24's first step on the same H200 with inductor's local cache warm, against cold: 13.8 s / 92 s. A timed run
-# starts that warm (what is left is dynamo tracing the model again and loading the kernels).
-WARM_FRACTION = 13.8 / 92
+# A timed run starts with inductor's local cache warm (what is left is dynamo tracing the model again and loading the
+# kernels): on the H200 at 2fc4048 its first step took 12-18 % of the cold one (ours d24 11.0 s / 76 s, the
+# reference's 13.4 / 113, ours d12 6.2 / 46, the reference's 8.1 / 64, our fp8 16.3 / 89); each timed run is given
+# twice what it is expected to take.
+WARM_FRACTION = 0.15
 # compiles side by side share the host's cores: a warm-up is given up to twice its compile measured alone
 CONTENTION = 2.0
 BREAKDOWN_STEPS = 2  # the steps taken apart into phases after the timed ones, as bench train's --breakdown-steps
@@ -92,6 +103,11 @@ def cost(config, scale):
     """The measured cost of `config` at this scale; a configuration not measured yet is given the costliest."""
     costs = scale.costs
     return costs.get((config.project, config.depth, config.fp8)) or max(costs.values(), key=lambda c: (c.cold_s, c.gib))
+
+
+def memory_budget_gib(total_bytes):
+    """The GiB the warm-ups side by side may hold by their measured peaks on a card of `total_bytes`."""
+    return SIDE_BY_SIDE_SHARE * total_bytes / 2**30
 
 
 def warmup_seconds(config, scale):
@@ -208,22 +224,29 @@ def command_for(config, stage, scale, paths):
 
 def still_in(result):
     """Whether a configuration goes on to its timed run after this warm-up result (None: still warming up): a warm-up
-    that ended well, or one that ran out of memory, which beside other processes says nothing of it alone."""
-    if result is None or not ("error" in result or "skipped" in result):
-        return True
-    return "out of memory" in result.get("error", "").lower()
+    that ended well. One that ran out of memory beside others is warmed up again alone before it counts (warm_up)."""
+    return result is None or not ("error" in result or "skipped" in result)
+
+
+def out_of_memory(result):
+    return "out of memory" in (result or {}).get("error", "").lower()
 
 
 def warm_up(configs, scale, end, start, log):
     """Phase 1: a warm-up per configuration, as many side by side as scale.memory_budget_gib holds by their measured
     peaks, in the order of `configs` (the most wanted first; one that does not fit yet lets the next ones start, but
-    torchao's, best effort, only starts once all others have). The compiles that cannot overlap (ours at d24 with our
-    fp8 or the reference's d24) then run one after the other with the most wanted first, and a late end costs the
-    least wanted. Keeps the time the timed runs need before `end` free, dropping the least wanted configuration when
-    it would not be. start(config, stage, seconds) -> a running Child. Returns {name: the warm-up's result}."""
+    torchao's, best effort, only starts once all others have). The compiles that cannot overlap then run one after the
+    other with the most wanted first, and a late end costs the least wanted. A warm-up that runs out of memory while
+    another one holds the card too says nothing of its own needs: it is warmed up again once the card is empty, alone,
+    before anything else starts (its compile is in inductor's cache by then), so that its timed run starts warm and
+    its row is not lost. Keeps the time the timed runs need before `end` free, dropping the least wanted
+    configuration when it would not be. start(config, stage, seconds) -> a running Child. Returns {name: the warm-up's
+    result}."""
     results = {}
     pending = list(configs)
     running = {}
+    shared = set()  # the configurations whose warm-up had another beside it at some moment
+    alone = set()  # the configurations to warm up again alone: they ran out of memory while shared
 
     while pending or running:
         now = time.time()
@@ -232,12 +255,19 @@ def warm_up(configs, scale, end, start, log):
             if result is None and now > child.deadline:
                 result = child.kill(f"its compile did not finish in {child.seconds:.0f} s (alone, measured: "
                                     f"{cost(config, scale).cold_s:.0f} s)")
-            if result is not None:
-                del running[config]
-                results[config.name] = result
-                log(f"  warm-up {config.name}: " + (f"failed: {result['error']}" if "error" in result else
-                    f"first step {result['first_step_s']:.1f} s ({result['compile_cache']}), "
-                    f"{time.time() - child.started:.0f} s in all"))
+            if result is None:
+                continue
+            del running[config]
+            if out_of_memory(result) and config in shared and config not in alone:
+                alone.add(config)
+                pending.insert(sum(1 for c in configs[:configs.index(config)] if c in pending), config)
+                log(f"  warm-up {config.name}: ran out of memory beside others ({result['error'][:120]}): again "
+                    f"alone, once the card is empty")
+                continue
+            results[config.name] = result
+            log(f"  warm-up {config.name}: " + (f"failed: {result['error']}" if "error" in result else
+                f"first step {result['first_step_s']:.1f} s ({result['compile_cache']}), "
+                f"{time.time() - child.started:.0f} s in all"))
         keep = [c for c in configs if still_in(results.get(c.name))]
         while keep and now + sum(timed_seconds(c, scale) for c in keep) > end:
             victim = keep.pop()
@@ -249,25 +279,38 @@ def warm_up(configs, scale, end, start, log):
             results[victim.name] = {"skipped": why}
             log(f"  warm-up {victim.name}: {why}")
         in_use = sum(cost(c, scale).gib for c in running)
+        again = [c for c in pending if c in alone]
+        if again or any(c in alone for c in running):
+            # a warm-up that needs the card to itself: nothing starts beside it, nor while the card empties for it
+            if again and not running:
+                config = again[0]
+                seconds = min(warmup_seconds(config, scale), end - time.time())
+                running[config] = start(config, "warmup", seconds)
+                pending.remove(config)
+                log(f"  warm-up {config.name} started again, alone (at most {seconds:.0f} s)")
+            time.sleep(POLL_S)
+            continue
         for config in list(pending):
             best_effort_waits = config.fp8 == "torchao" and any(c.fp8 != "torchao" for c in pending)
             fits = in_use + cost(config, scale).gib <= scale.memory_budget_gib or not running
             if fits and not best_effort_waits:
                 seconds = min(warmup_seconds(config, scale), end - time.time())
+                if running:
+                    shared.update([config, *running])
                 running[config] = start(config, "warmup", seconds)
                 pending.remove(config)
                 in_use += cost(config, scale).gib
-                log(f"  warm-up {config.name} started ({in_use:.1f} of {scale.memory_budget_gib:g} GiB by the "
+                log(f"  warm-up {config.name} started ({in_use:.1f} of {scale.memory_budget_gib:.1f} GiB by the "
                     f"measured peaks; at most {seconds:.0f} s)")
         if pending or running:
             time.sleep(POLL_S)
     return results
 
 
-def timed_runs(configs, warmups, scale, end, start, log):
+def timed_runs(configs, warmups, scale, end, start, log, done=lambda results: None):
     """Phase 2: each configuration still in, one at a time, in order; each may take up to twice its expected
     length as long as the ones after it keep theirs, and is profiled where always_profiled() says or where the time
-    left holds that too. Returns {name: result}."""
+    left holds that too; done(results so far) after each. Returns {name: result}."""
     results = {}
     todo = [c for c in configs if c.name in warmups and still_in(warmups[c.name])]
     for i, config in enumerate(todo):
@@ -286,12 +329,16 @@ def timed_runs(configs, warmups, scale, end, start, log):
         log(f"  {config.name}: " + (f"failed: {result['error']}" if "error" in result else
             f"{result['ms_per_step']:.1f} ms a step, first step {result['first_step_s']:.1f} s "
             f"({result['compile_cache']}), {time.time() - t0:.0f} s in all"))
+        done(results)
     return results
 
 
-def run(only, scale, end, paths, log, reference_commit, torchao_reason):
+def run(only, scale, end, paths, log, reference_commit, torchao_reason,
+        progress=lambda rows, results, after, archives: None):
     """The train and fp8 sections of `only`, done by `end`: (rows [(check, result)], results). paths: cache, profiles,
-    logs, workspace, reference (None without a checkout; reference_commit then says how to get one)."""
+    logs, workspace, reference (None without a checkout; reference_commit then says how to get one).
+    progress(rows, results, after, archives) gets the rows as they stand after the warm-ups (the compile caches are
+    saved then: archives=True) and after each timed run, a configuration not timed yet saying so."""
     configs = configs_for(only, scale)
     final, runnable = {}, []
     for config in configs:
@@ -307,17 +354,26 @@ def run(only, scale, end, paths, log, reference_commit, torchao_reason):
         return TrainingChild(f"{'warmup' if stage == 'warmup' else 'timed'}_{config.name}", command, env, paths["logs"],
                              seconds)
 
+    reference_short = reference_commit[:7] if paths["reference"] else ""
+
+    def outcome(warmups, timed, unfinished):
+        """(rows, results) with each runnable configuration's timed result, its warm-up's failure, or `unfinished`."""
+        for config in runnable:
+            warmup = warmups.get(config.name, {})
+            final[config.name] = timed.get(config.name) or (
+                {k: f"warm-up: {v}" for k, v in warmup.items() if k in ("error", "skipped")} if not still_in(warmup)
+                else {"skipped": unfinished})
+        return rows_for(only, scale, final, warmups, reference_short), {**final, "warmups": warmups}
+
     log(f"  {len(runnable)} configurations: warm-ups side by side, then the timed runs one at a time, done in "
         f"{end - time.time():.0f} s")
     warmups = warm_up(runnable, scale, end, start, log)
-    timed = timed_runs(runnable, warmups, scale, end, start, log)
-    for config in runnable:
-        warmup = warmups[config.name]
-        final[config.name] = timed.get(config.name) or (
-            {k: f"warm-up: {v}" for k, v in warmup.items() if k in ("error", "skipped")} if not still_in(warmup) else
-            {"skipped": "no time left for its timed run"})
-    reference_short = reference_commit[:7] if paths["reference"] else ""
-    return rows_for(only, scale, final, warmups, reference_short), {**final, "warmups": warmups}
+    not_yet = "not timed: the suite stopped before its timed run"  # what a row says if nothing writes it again
+    progress(*outcome(warmups, {}, not_yet), "the warm-ups of train/fp8", True)
+    timed = timed_runs(runnable, warmups, scale, end, start, log,
+                       lambda timed: progress(*outcome(warmups, timed, not_yet), f"the timed run of {len(timed)} of "
+                                              f"train/fp8's configurations", False))
+    return outcome(warmups, timed, "no time left for its timed run")
 
 
 def speed(result, peak=None):

@@ -1,7 +1,8 @@
 """
 The wheels a GPU machine without network needs beside its image's torch: what chat_web, the tokenizer, `bench serve`'s
-client and gpu_check --suite's torchao comparison import, and every package those import in turn, at uv.lock's
-versions, for CPython 3.12 on x86-64 Linux: this writes their requirements.txt, dev/offline_wheels.sh downloads them:
+clients (openai's, and httpx for its scoring and hostile modes) and gpu_check --suite's torchao comparison import, and
+every package those import in turn, at uv.lock's versions, for CPython 3.12 on x86-64 Linux: this writes their
+requirements.txt, dev/offline_wheels.sh downloads them:
 
     bash dev/offline_wheels.sh .whl        # runs this; then, on the GPU machine:
     pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -18,8 +19,18 @@ import tomllib
 from packaging.markers import Marker
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOTS = ("rustbpe", "fastapi", "uvicorn", "openai")  # the tokenizer, the server, bench serve's client
+# the tokenizer, the server, bench serve's clients (openai's streams the chat requests; bench/serve.py calls httpx itself,
+# which the image has at a version nobody here chose, and openai 3 no longer brings: it moved to httpx2)
+ROOTS = ("rustbpe", "fastapi", "uvicorn", "openai", "httpx")
 NOT_IN_LOCK = ("torchao==0.17.0",)
+# What the suite imports and the GPU image already holds (its package list as read on a machine running it, 2026-11-17;
+# the leases of 2026-11-27/28 ran the suite on them): torch and the packages built for it, and the scientific stack,
+# too large to carry (pyarrow's wheel alone is ~40 MB of the 64 MiB a lease carries).
+IMAGE_HOLDS = ("torch", "numpy", "pyarrow", "matplotlib", "psutil", "pyyaml", "requests", "urllib3", "filelock", "tqdm",
+               "safetensors", "tiktoken")
+# What the suite's code imports only in modes no lease runs, each inside the function that needs it: not carried.
+NOT_ON_A_LEASE = {"lm-eval": "bench serve --lm-eval (lm-evaluation-harness and its datasets stack, hundreds of MB)",
+                  "wandb": "base_train's --run, logging to wandb (a lease has no network)"}
 # the GPU machine's interpreter, for uv.lock's markers
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "os_name": "posix",
           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",

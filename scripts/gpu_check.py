@@ -8,6 +8,8 @@ Is this node ready for the speedrun? What to run on a machine you just rented, b
                                                          # the rows also go to dev/gpu_results/<date>_<machine>.md
     python -m scripts.gpu_check --suite --only train,fp8 --compile-cache-dir .compile_cache --out-dir $OUT
                                                          # a lease: its files in $OUT, the compile caches carried
+    python -m scripts.gpu_check --prepare-lease --only train,fp8 --suite-minutes 9.2
+                                                         # before a lease: what it carries, and the command to paste
 
 On CUDA: the environment (torch, CUDA, driver, NCCL, each GPU's memory and bf16/fp8 support, free disk), a d4 and a
 d12 base_train smoke (compiled, bf16) with tok/s and MFU against the data-sheet peak, the largest --device-batch-size
@@ -29,6 +31,7 @@ import torch
 
 from bench import gpu_check as check
 from bench import gpu_suite as suite
+from bench import lease
 from bench.common import ensure_builtin_workspace, holds_training_data
 from nanochat.common import UserError, compute_cleanup, compute_init, get_base_dir, print0, run_main
 from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
@@ -64,6 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--commit", default="", help="--suite's rows name this commit instead of the checkout's HEAD: a GPU "
                    "machine that got a copy of the working tree may hold an older .git (give it the sender's commit)")
     p.add_argument("--reference", default=suite.REFERENCE_DIR, help="a checkout of karpathy/nanochat for --suite")
+    p.add_argument("--prepare-lease", action="store_true", help="instead: the dry run of what a GPU lease carries for "
+                   "--suite (each path's size, 64 MiB and 8 paths at most), then the carry list and the command to "
+                   "paste with --only and --suite-minutes (bench/lease.py)")
+    p.add_argument("--reference-git", default="", help="--prepare-lease: write .reference/ first, as a git archive "
+                   "of the reference's commit from this clone or mirror of karpathy/nanochat")
+    p.add_argument("--carry", default=",".join((lease.WHEELS, lease.REFERENCE, lease.CACHES)),
+                   help="--prepare-lease: the ignored paths the lease carries, comma-separated")
     p.add_argument("--worker", choices=["probe", "allreduce", "decode"], help=argparse.SUPPRESS)  # subprocesses' jobs
     p.add_argument("--decode-depth", type=int, default=12, help=argparse.SUPPRESS)
     p.add_argument("--decode-rows", default="1,16,64", help=argparse.SUPPRESS)
@@ -140,6 +150,8 @@ def main(argv=None):
     cuda, t_start = torch.cuda.is_available(), time.time()
     root = os.path.join(get_base_dir(), "gpu_check")
     log = lambda message: print0(f"[{time.time() - t_start:5.0f}s] {message}")  # noqa: E731
+    if args.prepare_lease:
+        return None if lease.main(args, REPO_ROOT, suite.REFERENCE_COMMIT) else sys.exit(1)
     if args.suite:
         return None if suite.main(args, log) else sys.exit(1)
     if not cuda:

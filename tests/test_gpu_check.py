@@ -89,3 +89,72 @@ def test_the_verdict_says_what_to_change():
     rows = check.markdown_rows(results_for(), "2026-11-25", "abc1234")
     assert rows[0] == "| d12 | 1,000,000 tok/s, MFU 40.0 % | 8x NVIDIA H100 80GB HBM3, torch 2.15, CUDA 13.2 " \
                       "| `python -m scripts.gpu_check` | abc1234 | 2026-11-25 |"
+
+
+def git(folder, *args):
+    return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.quick
+def test_the_lease_dry_run_sizes_what_travels_and_refuses_past_the_limits(tmp_path, monkeypatch):
+    """gpu_check --prepare-lease's check (bench/lease.py): the tree (tracked and unignored files, not the ignored
+    ones) and each carried path with its size; the reference written as a git archive of its commit with a COMMIT
+    file and no history; refusals in one line past 64 MiB or 8 paths, and for a missing wheel or the wrong reference."""
+    from bench import lease
+
+    for variable in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "t")
+    upstream = tmp_path / "upstream"  # the reference's repository: two commits, the older one wanted
+    (upstream / "nanochat").mkdir(parents=True)
+    git(upstream, "init", "-q")
+    (upstream / "nanochat" / "gpt.py").write_text("x = 1\n")
+    git(upstream, "add", "-A")
+    git(upstream, "commit", "-qm", "wanted")
+    wanted = git(upstream, "rev-parse", "HEAD").strip()
+    (upstream / "later.py").write_text("y = 2\n")
+    git(upstream, "add", "-A")
+    git(upstream, "commit", "-qm", "later")
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    git(root, "init", "-q")
+    (root / ".gitignore").write_text("/.whl/\n/.reference/\n/.compile_cache/\n/junk/\n")
+    (root / "code.py").write_bytes(b"a" * 1000)
+    (root / "junk").mkdir()
+    (root / "junk" / "big").write_bytes(b"b" * 5000)  # ignored and not carried: not counted
+    git(root, "add", "-A")
+    (root / "new.py").write_bytes(b"c" * 500)  # untracked but not ignored: it travels
+    (root / ".whl").mkdir()
+    (root / ".whl" / "requirements.txt").write_text("typing-extensions==4.16.0\nrustbpe==0.1.0\n")
+    for name in ("typing_extensions-4.16.0-py3-none-any.whl", "rustbpe-0.1.0-cp312-cp312-manylinux_2_17_x86_64.whl"):
+        (root / ".whl" / name).write_bytes(b"w" * 100)
+    assert lease.reference_from_git(str(upstream), str(root / ".reference"), wanted[:7]) == wanted
+    assert sorted(os.listdir(root / ".reference")) == ["COMMIT", "nanochat"]  # that commit's files, no .git
+    carry = [".whl", ".reference", ".compile_cache"]
+    lines, named, problems = lease.check(str(root), carry, wanted)
+    assert problems == [] and named == [".whl", ".reference"]
+    assert lease.tree_size(str(root)) == (len((root / ".gitignore").read_bytes()) + 1500, 3)
+    assert any(line.split()[0] == ".whl" and "3 files" in line and "2 wheels" in line for line in lines), lines
+    assert any("none here (every compile starts cold)" in line for line in lines)
+    assert lines[-1].split()[:3] == ["total", "0.0", "MiB"] and "2 carried paths of 8" in lines[-1]
+
+    (root / ".compile_cache").mkdir()
+    with open(root / ".compile_cache" / "compile_cache.tar.gz", "wb") as f:
+        f.truncate(64 * 2**20)  # with the rest, past 64 MiB
+    _, _, problems = lease.check(str(root), carry, wanted)
+    wheels = 200 + len((root / ".whl" / "requirements.txt").read_bytes())
+    reference = len(wanted) + 1 + len("x = 1\n")  # COMMIT and gpt.py
+    total = 64 * 2**20 + lease.tree_size(str(root))[0] + wheels + reference
+    assert problems == [f"{total:,} bytes would travel, more than 67,108,864 (64.0 MiB; the largest: .compile_cache "
+                        "64.0 MiB, the tree 0.0 MiB, .whl 0.0 MiB)"]
+    os.remove(root / ".compile_cache" / "compile_cache.tar.gz")
+    _, _, problems = lease.check(str(root), carry + [f"more{i}" for i in range(6)], wanted)
+    assert problems[0] == "9 carried paths, more than 8"
+    os.remove(root / ".whl" / "rustbpe-0.1.0-cp312-cp312-manylinux_2_17_x86_64.whl")
+    (root / ".whl" / "typing_extensions-4.15.0-py3-none-any.whl").write_bytes(b"")
+    _, _, problems = lease.check(str(root), carry, git(upstream, "rev-parse", "HEAD").strip())
+    assert problems == ["typing_extensions: wheels of 2 versions (4.15.0, 4.16.0)",
+                        "no wheel of rustbpe==0.1.0 in .../.whl: bash dev/offline_wheels.sh .whl".replace(
+                            ".../.whl", str(root / ".whl")),
+                        ".reference is not the reference at " + git(upstream, "rev-parse", "HEAD").strip()[:7] +
+                        " with its COMMIT: give --reference-git GIT_DIR (a clone or mirror of karpathy/nanochat)"]

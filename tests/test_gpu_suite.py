@@ -6,9 +6,11 @@ eagerly, the same tokens), chat_web one at a time and batched, every stage for a
 their model; the results, the log and the two archives go to --out-dir, five files a lease can return, and a JSON
 line. Bad --only / --suite-minutes are refused before any work. Its pieces one by one: a profile reduced to its phases
 and top ops, a memory snapshot to what holds its peak, the archives' limits, the out-dir's check, and the warm-ups
-scheduled side by side under the memory budget with the timed runs' time kept free.
+scheduled side by side under the memory budget with the timed runs' time kept free: the budget the card's own (an 80
+GB H100 against a 141 GB H200), and a warm-up that ran out of memory beside others run again alone.
 """
 
+import contextlib
 import gzip
 import io
 import json
@@ -189,11 +191,13 @@ class FakeChild:
         self.deadline = self.started + seconds
         self.ends = None if seconds_to_run is None else self.started + seconds_to_run
 
+    outcome = None  # a function of the child giving its result when it ends; None: it ends well
+
     def poll(self):
         if self.ends is None or time.time() < self.ends:
             return None
         self.events.append(("ended", self.config.name))
-        return {"first_step_s": 0.1, "compile_cache": "cold"}
+        return (self.outcome and self.outcome(self)) or {"first_step_s": 0.1, "compile_cache": "cold"}
 
     def kill(self, why):
         self.events.append(("killed", self.config.name))
@@ -250,6 +254,162 @@ def test_warm_ups_run_side_by_side_within_the_memory_budget_and_keep_the_timed_r
     assert all("first_step_s" in results[c.name] for c in configs[:4])
 
 
+H100_MIB, H200_MIB = 81559, 143771  # the cards the leases had: nvidia-smi's total memory
+
+
+def card_plan(total_mib, durations, outcome=None):
+    """The train and fp8 warm-ups as the suite schedules them on a card of `total_mib`, each a fake child that takes
+    durations[name] s and ends with outcome(child) (child.beside: every warm-up that ran beside it): (the starts as
+    (name, [the others running then]), the most GiB in use at once by the measured peaks, the results, the budget)."""
+    scale = SimpleNamespace(costs=training.GPU_COSTS, memory_budget_gib=training.memory_budget_gib(total_mib * 2**20),
+                            start_s=0.0, profile_s=0.0, warmup=1, timed_steps=1, train_depths=(12, 24), fp8_depth=24)
+    configs = training.configs_for(["train", "fp8"], scale)
+    running, starts, events, most = [], [], [], [0.0]
+    gib = lambda child: training.cost(child.config, scale).gib  # noqa: E731
+
+    def start(config, stage, seconds):
+        running[:] = [c for c in running if c.holds_memory()]
+        child = FakeChild(config, seconds, durations[config.name], events)
+        child.outcome, child.beside = outcome, [c.config.name for c in running]  # every one beside it while it runs
+        for other in running:
+            other.beside.append(config.name)
+        running.append(child)
+        starts.append((config.name, list(child.beside)))
+        most[0] = max(most[0], sum(gib(c) for c in running))
+        return child
+
+    results = training.warm_up(configs, scale, time.time() + 3600, start, lambda message: None)
+    return starts, most[0], results, scale.memory_budget_gib
+
+
+@pytest.mark.quick
+def test_the_warm_ups_fit_the_card_they_are_on(monkeypatch):
+    """The memory budget is the card's: an 80 GB H100 never holds more warm-ups at once than its budget by the measured
+    peaks (with a warm compile cache every warm-up takes seconds, and ours d24 and both d12s used to start together on
+    it, 87 GiB), while a 141 GB H200 still runs them side by side."""
+    monkeypatch.setattr(training, "POLL_S", 0.002)
+    d24s = {"ours_d24", "reference_d24", "ours_fp8_d24", "torchao_fp8_d24"}
+    cold = {f"{p}_d{d}": training.GPU_COSTS[(p, d, "")].cold_s / 2000 for p in ("ours", "reference") for d in (12, 24)}
+    cold.update(ours_fp8_d24=0.045, torchao_fp8_d24=0.075)  # the measured compiles, 2,000 times faster
+    warm = dict.fromkeys(cold, 0.01)  # a warm compile cache: every warm-up is over in seconds
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for total_mib, budget in ((H100_MIB, 71.7), (H200_MIB, 126.4)):  # the suite's scale, on a card of this size
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total_mib << 20))
+        assert gpu_suite.scale_here().memory_budget_gib == pytest.approx(budget, abs=0.05)
+    monkeypatch.undo()
+    monkeypatch.setattr(training, "POLL_S", 0.002)
+    for durations in (cold, warm):
+        starts, most, results, budget = card_plan(H100_MIB, durations)
+        assert most <= budget < H100_MIB / 1024, (starts, most)
+        assert starts[0] == ("ours_d24", [])  # the most wanted first, alone: no d12 fits beside it
+        assert not [name for name, beside in starts if name in d24s and d24s & set(beside)], starts  # one d24 at a time
+        assert {name for name, _ in starts} == set(cold) and all("first_step_s" in r for r in results.values())
+        assert any(len(beside) == 1 for _, beside in starts)  # the d12s still overlap
+    starts, most, results, budget = card_plan(H200_MIB, cold)
+    assert most <= budget and starts[:2] == [("ours_d24", []), ("reference_d24", ["ours_d24"])], starts
+    # the d12s start as ours d24 ends, beside the reference's d24, and our fp8 once that one is done
+    assert dict(starts)["ours_d12"] == ["reference_d24"] and "reference_d24" not in dict(starts)["ours_fp8_d24"]
+    assert max(len(beside) for _, beside in starts) >= 2  # three warm-ups at once, as the H200 ran them
+    assert all("first_step_s" in r for r in results.values())
+
+
+@pytest.mark.quick
+def test_a_warm_up_out_of_memory_beside_others_is_warmed_up_again_alone(monkeypatch):
+    """A warm-up that ran out of memory while others held the card is not lost: it runs again once the card is
+    empty, with nothing started beside it, and goes on to its timed run; one that runs out of memory alone is a
+    failure of its own (its timed run would fail the same way)."""
+    monkeypatch.setattr(training, "POLL_S", 0.002)
+    durations = dict.fromkeys(["ours_d24", "reference_d24", "ours_d12", "reference_d12", "ours_fp8_d24",
+                               "torchao_fp8_d24"], 0.02)
+    oom = {"error": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    # on the H200 ours d12 runs out of memory whenever another warm-up runs beside it; torchao's even alone
+    outcome = lambda child: oom if child.config.name == "torchao_fp8_d24" or (  # noqa: E731
+        child.config.name == "ours_d12" and child.beside) else None
+    starts, most, results, budget = card_plan(H200_MIB, durations, outcome)
+    again = [i for i, (name, _) in enumerate(starts) if name == "ours_d12"]
+    assert len(again) == 2 and starts[again[1]][1] == []  # run again with the card empty
+    # and nothing started while it ran again: the ones after it started only once it had ended
+    assert all("ours_d12" not in beside for _, beside in starts[again[1] + 1:]), starts
+    assert "first_step_s" in results["ours_d12"] and training.still_in(results["ours_d12"])
+    assert [(name, beside) for name, beside in starts if name == "torchao_fp8_d24"] == [("torchao_fp8_d24", [])]
+    assert "out of memory" in results["torchao_fp8_d24"]["error"] and not training.still_in(results["torchao_fp8_d24"])
+    assert {name for name, _ in starts} == set(durations) and most <= budget
+
+
+@pytest.mark.quick
+def test_train_and_fp8_hand_on_their_rows_after_the_warm_ups_and_each_timed_run(monkeypatch, tmp_path):
+    """A suite cut during the timed runs still has the rows of those that ended, and the compile caches the warm-ups
+    saved: train and fp8 report their rows after the warm-ups (with the archives) and after each timed run, the
+    configurations not timed yet saying so."""
+    class Instant:  # a warm-up or a timed run, done at once
+        def __init__(self, name, command, env, log_dir, seconds):
+            self.name, self.seconds, self.started, self.deadline = name, seconds, time.time(), time.time() + seconds
+
+        def poll(self):
+            return self.wait()
+
+        def wait(self):
+            return {"first_step_s": 0.1, "compile_cache": "cold", "tok_per_s": 1000.0, "ms_per_step": 5.0,
+                    "flops_per_token": 1e6, "peak_flops": 1e12, "final_loss": 3.0}
+
+    monkeypatch.setattr(training, "TrainingChild", Instant)
+    monkeypatch.setattr(training, "POLL_S", 0.001)
+    scale = SimpleNamespace(costs={("ours", 2, ""): training.Cost(1, 1, 0.01)}, memory_budget_gib=1, start_s=0.0,
+                            profile_s=0.0, warmup=1, timed_steps=1, train_depths=(2,), fp8_depth=2, seq_len=64,
+                            device_batch=4, vocab=512)
+    paths = {name: str(tmp_path / name) for name in ("cache", "profiles", "logs")}
+    paths.update(workspace={"base_dir": str(tmp_path), "source": "builtin"}, reference=None)
+    reports = []
+    rows, _ = training.run(["train"], scale, time.time() + 60, paths, lambda message: None, "no checkout", None,
+                           lambda rows, results, after, archives: reports.append((dict(rows), after, archives)))
+    ours = next(name for name in dict(rows) if name.endswith("ours (default recipe)"))
+    assert [(after, archives) for _, after, archives in reports] == [
+        ("the warm-ups of train/fp8", True), ("the timed run of 1 of train/fp8's configurations", False)]
+    assert reports[0][0][ours] == "skipped: not timed: the suite stopped before its timed run"
+    assert reports[1][0][ours].startswith("1,000 tok/s") and dict(rows)[ours] == reports[1][0][ours]
+
+
+def test_a_suite_cut_short_has_written_every_row_it_finished(tmp_path):
+    """The scale-down killed while its second section runs (as a lease's end cuts a command): the first section's rows
+    are in --out-dir already, the .md and .json saying they are partial, with the log and the archives, and nothing
+    half-written."""
+    import signal
+
+    import psutil
+
+    out = tmp_path / "out"
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(tmp_path / "base"), NANOCHAT_DATA_SOURCE="builtin", OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "scripts.gpu_check", "--suite", "--only", "decode,run",
+                          "--suite-minutes", "5", "--out-dir", str(out), "--compile-cache-dir", str(tmp_path / "cc")],
+                         env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    log = out / "suite.log"
+    try:
+        t0 = time.time()
+        while not (log.exists() and "suite: run" in log.read_text()):  # the decode section is over
+            assert p.poll() is None and time.time() - t0 < 240, "the suite ended before its run section began"
+            time.sleep(0.05)
+    finally:
+        children = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
+        os.killpg(p.pid, signal.SIGKILL)
+        for child in children:  # base_train runs in the suite's group, but a section's child may not
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        p.wait()
+    assert p.returncode == -signal.SIGKILL
+    written = sorted(path.name for path in out.iterdir())
+    assert written[2:] == ["compile_cache.tar.gz", "profiles.tar.gz", "suite.log"], written
+    assert gpu_suite.out_dir_problems(str(out)) == []
+    result = json.loads((out / written[0]).read_text())["gpu_suite"]
+    assert re.fullmatch(r"partial: written at \d+ s, after decode; the suite went on", result["status"])
+    rows = dict(result["rows"])
+    assert len(rows) >= 5 and all(name.startswith("d2 decode") for name in rows) and "decode" in result["results"]
+    md = (out / written[1]).read_text()
+    assert result["status"] in md and all(f"| {name} | {row} |" in md for name, row in rows.items())
+    with tarfile.open(out / "profiles.tar.gz") as tar:
+        assert "decode.log" in tar.getnames()
+
+
 @pytest.mark.quick
 def test_the_offline_wheels_carry_every_package_the_server_and_its_client_import():
     """The GPU machine has torch but none of chat_web's stack: every distribution that importing the server, the
@@ -277,6 +437,74 @@ def test_the_offline_wheels_carry_every_package_the_server_and_its_client_import
                     todo.append(requirement.name)
     assert "opentelemetry-api" in needed  # what fastapi 0.165 imports at start-up, as on the H100
     assert needed - carried == set()
+
+
+def suite_imports():
+    """{third-party top-level module: [(file, whether imported inside a function)]} over the code a lease runs:
+    bench/ whole, scripts.gpu_check and scripts.bench, every module speedrun.sh names (the budget sections run it) and
+    the stages section runs, and every module of the project those import, followed (lazy imports included)."""
+    import ast
+
+    project = ("bench", "nanochat", "scripts", "tasks")
+    local = {name[:-3] for name in os.listdir(os.path.join(REPO_ROOT, "bench"))}  # reference_train, loaded by its file
+    with open(os.path.join(REPO_ROOT, "speedrun.sh")) as f:
+        todo = re.findall(r"\b((?:scripts|nanochat)\.\w+)", f.read())
+    todo += ["scripts.gpu_check", "scripts.bench", *(f"bench.{name}" for name in local)]
+    todo += [module for module, _ in gpu_suite.stage_commands(False)]
+
+    def source(module):
+        base = os.path.join(REPO_ROOT, *module.split("."))
+        return next((p for p in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(p)), None)
+
+    seen, found = set(), {}
+    while todo:
+        module = todo.pop()
+        path = source(module)
+        if module in seen or path is None:
+            continue
+        seen.add(module)
+        if "." in module:
+            todo.append(module.rsplit(".", 1)[0])  # a package's __init__ runs first
+
+        def visit(node, in_function):
+            for child in ast.iter_child_nodes(node):
+                inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                names = []
+                if isinstance(child, ast.Import):
+                    names = [alias.name for alias in child.names]
+                elif isinstance(child, ast.ImportFrom) and child.level == 0:  # `from a import b`: b may be a module
+                    names = [child.module] + [f"{child.module}.{alias.name}" for alias in child.names]
+                todo.extend(name for name in names if name.split(".")[0] in project)
+                for top in {name.split(".")[0] for name in names} - set(project) - sys.stdlib_module_names - local:
+                    found.setdefault(top, []).append((os.path.relpath(path, REPO_ROOT), in_function))
+                visit(child, inner)
+
+        with open(path) as f:
+            visit(ast.parse(f.read()), False)
+    return found
+
+
+def test_every_package_the_suite_imports_travels_or_is_on_the_gpu_image():  # ~2.5 s: it parses ~90 modules
+    """What a lease runs imports nothing that is neither among the wheels it carries nor in the GPU image (a missing
+    one costs a section's rows: opentelemetry-api and openai on the H100 of 2026-11-28); what is left out on purpose
+    (lm-eval, wandb) is imported only inside the functions of the modes that need it."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "dev"))
+    try:
+        import offline_wheels
+    finally:
+        sys.path.pop(0)
+    from importlib import metadata
+
+    normalize = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    carried = {normalize(line.split("==")[0]) for line in offline_wheels.requirements()}
+    distributions = metadata.packages_distributions()
+    imports = suite_imports()
+    assert {"torch", "fastapi", "openai", "httpx", "rustbpe"} <= set(imports)  # the walk reaches the server and clients
+    by_distribution = {normalize(dist): module for module in imports for dist in distributions.get(module, [module])}
+    missing = set(by_distribution) - carried - set(offline_wheels.IMAGE_HOLDS) - set(offline_wheels.NOT_ON_A_LEASE)
+    assert missing == set(), {by_distribution[d]: imports[by_distribution[d]][:3] for d in missing}
+    for dist in offline_wheels.NOT_ON_A_LEASE:
+        assert all(lazily for _, lazily in imports.get(by_distribution.get(dist, dist), [])), imports[by_distribution[dist]]
 
 
 @pytest.mark.slow  # ~4 minutes: compiled training runs, a 30-step base_train, four chat_web servers, every stage
@@ -323,9 +551,10 @@ def test_the_suite_scaled_down_gives_every_sections_rows(tmp_path):
     assert len(written) == 5 and written[2:] == ["compile_cache.tar.gz", "profiles.tar.gz", "suite.log"], written
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d{6}_.+\.json", written[0]) and written[1] == written[0][:-4] + "md"
     assert gpu_suite.out_dir_problems(str(out)) == []
-    table = [line for line in (out / written[1]).read_text().splitlines() if line.startswith("| 20")]
+    table = [line for line in (out / written[1]).read_text().splitlines() if re.search(r"\| \d{4}-\d\d-\d\d \|$", line)]
     assert len(table) == len(rows) and all("no CUDA" in line for line in table)
     assert json.loads((out / written[0]).read_text())["gpu_suite"]["rows"] == result["rows"]
+    assert result["status"] == "complete" and "; complete" in (out / written[1]).read_text()
     log = (out / "suite.log").read_text()
     assert "warm-up ours_d2 started" in log and "timed run ours_d2" in log and "packed into profiles.tar.gz" in log
     with tarfile.open(out / "profiles.tar.gz") as tar:
