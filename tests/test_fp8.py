@@ -7,6 +7,7 @@ runs (slowly: training there uses the emulation), so the real fp8 op is what get
 
 import collections
 import contextlib
+import os
 import re
 
 import pytest
@@ -720,3 +721,28 @@ def test_weight_casts_compile_to_one_graph_per_shape(monkeypatch):
         if "weight_" in name and "lm_head" not in name and "h.0.attn.c_proj" not in name:
             assert torch.equal(buffer.float(), eager[name].float()), name
     assert torch.equal(model.lm_head.weight_fp8.float(), fp8.quantize_weight(model.lm_head.weight)[0].float())
+
+
+@pytest.mark.slow  # three compiled base_train runs: ~70 s on a busy 2-core EPYC
+def test_fp8_base_train_compiled_with_accumulation_resumes_exactly(tiny_base_dir, tmp_path):
+    # base_train --fp8=1 as a GPU runs it, compiled, here with 2 micro-batches a step: a resume loads the weights into
+    # Fp8Linears whose copies a compiled forward reads unchecked (load_state_dict recasts them), and goes on to the same
+    # losses and weights as the run that never stopped. Its checkpoints hold no fp8 state: one loads into a plain GPT.
+    from test_base_train import (assert_same_weights, final_weights, fresh_base, run_train, start_and_kill_after_save,
+                                 train_losses)
+
+    from nanochat.checkpoint_manager import load_meta
+    from nanochat.gpt import build_model
+
+    common = ["--num-iterations=6", "--save-every=3", "--eval-every=-1", "--fp8=1", "--compile=1"]
+    straight, resumed = fresh_base(tiny_base_dir, tmp_path, "straight"), fresh_base(tiny_base_dir, tmp_path, "resumed")
+    p = run_train(straight, common)
+    assert "fp8: 13 linears (the blocks' and lm_head)" in p.stdout and "2 accum" in p.stdout, p.stdout[-2000:]
+    start_and_kill_after_save(resumed, common, 3)
+    run_train(resumed, common + ["--resume"])
+    assert_same_weights(final_weights(straight, 6), final_weights(resumed, 6))
+    a, b = train_losses(straight), train_losses(resumed)
+    assert [a[s] for s in range(4, 7)] == [b[s] for s in range(4, 7)]
+    checkpoints = os.path.join(straight, "base_checkpoints", "tiny")
+    model = build_model(load_meta(checkpoints, 6)["model_config"], "cpu")
+    model.load_state_dict(final_weights(straight, 6), strict=True)
