@@ -746,3 +746,36 @@ def test_fp8_base_train_compiled_with_accumulation_resumes_exactly(tiny_base_dir
     checkpoints = os.path.join(straight, "base_checkpoints", "tiny")
     model = build_model(load_meta(checkpoints, 6)["model_config"], "cpu")
     model.load_state_dict(final_weights(straight, 6), strict=True)
+
+
+@pytest.mark.slow  # inductor's C++ code generation for a tiny GPT's step: ~65 s on a busy 2-core EPYC
+def test_inductor_fuses_each_activation_s_amax_and_cast_into_the_kernel_that_made_it(monkeypatch, tmp_path):
+    # What the graph census makes possible, done: inductor (its C++ backend here; the scheduler that fuses is the
+    # GPU's too) puts a norm's amax and fp8 cast in the norm's own kernel, and relu²'s in the kernel computing relu².
+    # With the old opaque ops no kernel could hold both. The GPU's Triton kernels are for a lease's profile to show.
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setitem(fp8._DEVICE_MODE, torch.device("cpu"), "native")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # code generated, not read from an earlier run's cache
+    model = tiny_gpt(vocab_size=128)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.normal_(std=0.05)
+            block.mlp.c_proj.weight.normal_(std=0.05)
+    assert fp8.convert_to_fp8(model) == 13
+    idx = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend="inductor", dynamic=False)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(idx, idx)
+        loss.backward()
+        return loss
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(step)
+    torch._dynamo.reset()
+    kernels = set(re.findall(r"cpp_fused_\w+", "\n".join(codes)))
+    norm_quantised = [k for k in kernels if all(op in k for op in ("rsqrt", "abs", "amax", "_to_copy"))]
+    relu_quantised = [k for k in kernels if all(op in k for op in ("relu", "abs", "amax", "_to_copy"))]
+    assert len(norm_quantised) >= 2 and len(relu_quantised) >= 2, sorted(kernels)
