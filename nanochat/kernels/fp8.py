@@ -209,7 +209,7 @@ def fp8_linear(x, weight, native=None):
 
 # every Fp8Linear alive, for the optimizers' step hook (a weak set: a dropped model's linears leave it)
 _LIVE = weakref.WeakSet()
-_HOOKED = []  # the optimizer hook's handle, once registered
+_HOOKED = []  # the optimizer hook's handle, registered by the first Fp8Linear made
 
 
 def fp8_linears(x, linears):
@@ -229,10 +229,10 @@ class Fp8Linear(nn.Linear):
     """
     A bias-free nn.Linear whose forward runs its matmuls in fp8; the same parameters and state_dict as nn.Linear. Its
     weight's e4m3 copy in both layouts and inverse scale live in non-persistent buffers (2 bytes a parameter), valid
-    while the weight is unchanged: `refresh` recasts them when the weight's version counter or storage says it has
-    changed, and is called by an eager forward, after every torch.optim optimizer's step (a hook convert_to_fp8
-    installs once), and after load_state_dict. A compiled forward only reads the buffers, so anything else that writes
-    the weight (by hand, under no_grad) must be followed by refresh_fp8_weights before a compiled model runs.
+    while the weight is unchanged: they are recast after every step of a torch.optim optimizer holding the weight (a
+    global step hook, installed once), after load_state_dict, and by an eager forward when the weight's version
+    counter or storage says it changed (`refresh`). A compiled forward only reads the buffers, so anything else that
+    writes the weight (by hand, under no_grad) must be followed by refresh_fp8_weights before a compiled model runs.
     """
 
     def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
@@ -240,6 +240,9 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self._make_buffers(self.weight.device)
         _LIVE.add(self)
+        if not _HOOKED:
+            _HOOKED.append(register_optimizer_step_post_hook(_after_optimizer_step))
+        self.refresh()  # a new one may go straight into torch.compile, whose forward reads the copies unchecked
 
     def _make_buffers(self, device):
         n, k = self.out_features, self.in_features
@@ -379,6 +382,4 @@ def convert_to_fp8(module):
                 visit(child)
 
     visit(module)
-    if converted and not _HOOKED:
-        _HOOKED.append(register_optimizer_step_post_hook(_after_optimizer_step))
     return len(converted)
