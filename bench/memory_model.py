@@ -85,7 +85,7 @@ def child_main(argv=None):
                               args.aspect_ratio, args.head_dim, num_iterations=1, components=model_components)
         model = use_cpu_kernels(build_model(recipe.model_config, device), device)
         if args.fp8:
-            convert_to_fp8(model.transformer.h)
+            convert_to_fp8(model)
         model.checkpoint_activations = bool(args.checkpoint)
         train_model = compile_model(model) if args.compile else model
         optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)

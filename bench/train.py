@@ -52,14 +52,14 @@ class Run:
         self.config = recipe.model_config
         self.model = use_cpu_kernels(build_model(self.config, device), device)  # as base_train
         self.fp8_linears = 0
-        if fp8:  # base_train's --fp8 (ours), or torchao's float8 training: the blocks' linears, before compile
+        if fp8:  # base_train's --fp8 (ours), or torchao's float8 training: the blocks' linears and lm_head, before compile
             from nanochat.kernels.fp8 import convert_to_fp8
 
             if fp8 == "torchao" and torchao_unavailable(device):
                 raise UserError(torchao_unavailable(device))
             # counted in the result: an fp8 row whose loss equals bf16's to 4 decimals (H100, 2026-11-28) must
             # show whether any linear was converted at all
-            self.fp8_linears = (convert_with_torchao if fp8 == "torchao" else convert_to_fp8)(self.model.transformer.h)
+            self.fp8_linears = (convert_with_torchao if fp8 == "torchao" else convert_to_fp8)(self.model)
         self.flops_per_token = recipe.flops_per_token
         self.dtype = get_compute_dtype(device)
         self.autocast = autocast_for(device)

@@ -295,9 +295,8 @@ class CausalSelfAttention(nn.Module):
             cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)  # no-op unless autocast changed the activation dtype
             q, k = self.rotary_norm(qk, cos, sin).split((H, H_kv), dim=2)
         else:
-            q = self.c_q(x).view(B, T, H, D)
-            k = self.c_k(x).view(B, T, H_kv, D)
-            v = self.c_v(x).view(B, T, H_kv, D)
+            q, k, v = self.project_qkv(x)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
             logits = self.ve_gate(x[..., :self.ve_gate.in_features]) if value_embed is not None else None
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op unless autocast changed the activation dtype
             q, k = self.rotary_norm(q, cos, sin), self.rotary_norm(k, cos, sin)
@@ -308,6 +307,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D) for SDPA
         y = self.attend(q, k, v, kv_cache).transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
+
+    def project_qkv(self, x):
+        """c_q(x), c_k(x), c_v(x), (B, T, width) each: a method of its own so that a swap can run the three projections
+        of one input together (nanochat/kernels/fp8.py quantises x once for them)."""
+        return self.c_q(x), self.c_k(x), self.c_v(x)
 
     def rotary_norm(self, x, cos, sin):
         """Rotary embedding (split halves, transformers' NanoChat's signs), then the QK-norm, of (B, T, H, D) q or k

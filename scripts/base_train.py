@@ -152,7 +152,7 @@ def parse_args(argv=None):
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
                    "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
                    f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); docs/pretraining.md 'Recipe components'")
-    p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' matmuls in fp8 with per-tensor scales "
+    p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' and lm_head's matmuls in fp8 with per-tensor scales "
                    "(torch._scaled_mm on H100/Ada GPUs; emulated in fp32 elsewhere, CPU included: for the numerics, not for "
                    "speed); docs/pretraining.md 'FP8 matmuls'")
     # how long: the first of num-iterations > 0, target-flops > 0, target-param-data-ratio > 0; or --time-budget
@@ -333,12 +333,13 @@ def val_bpb_evaluator(model, tokenizer, args, batches, device, rank, world_size)
 
 
 def use_fp8(model, device):
-    """--fp8: the blocks' linears run their matmuls with fp8 operands (nanochat/kernels/fp8.py), said in one line."""
+    """--fp8: the blocks' linears and lm_head run their matmuls with fp8 operands (nanochat/kernels/fp8.py), said in
+    one line."""
     from nanochat.kernels.fp8 import convert_to_fp8, fp8_available
 
-    converted = convert_to_fp8(model.transformer.h)
-    print0(f"fp8: {converted} block linears run their matmuls with fp8 operands where the shapes allow ("
-           f"{'torch._scaled_mm' if fp8_available(device) else 'emulated in fp32: for checking numerics, not speed'})")
+    converted = convert_to_fp8(model)
+    print0(f"fp8: {converted} linears (the blocks' and lm_head) run their matmuls with fp8 operands where the shapes "
+           f"allow ({'torch._scaled_mm' if fp8_available(device) else 'emulated in fp32: for checking numerics, not speed'})")
 
 
 def describe_run(args, recipe, device, world_size, batches, use_compile, num_iterations):

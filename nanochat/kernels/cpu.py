@@ -411,8 +411,9 @@ class CpuGPT(gpt.GPT):
         return super()._mix_residual(x, x0, i)
 
     def _loss_sum(self, rows, targets):
-        # training: the loss in chunks, never the full (N, V) logits
-        if self.config.logit_softcap is not None and cpu_training((rows,), (self.lm_head.weight,)):
+        # training: the loss in chunks, never the full (N, V) logits; a swapped-in lm_head (fp8) runs its own forward
+        if self.config.logit_softcap is not None and type(self.lm_head) is nn.Linear \
+                and cpu_training((rows,), (self.lm_head.weight,)):
             return softcap_cross_entropy_sum(rows, self.lm_head.weight, targets, self.config.logit_softcap)
         return super()._loss_sum(rows, targets)
 

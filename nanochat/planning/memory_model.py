@@ -153,7 +153,7 @@ def fake_model(config, spec):
     if spec.cpu_ops:
         swap_in_cpu_kernels(model)
     if spec.fp8:
-        convert_to_fp8(model.transformer.h)
+        convert_to_fp8(model)
     model.checkpoint_activations = spec.checkpoint_activations
     return model
 

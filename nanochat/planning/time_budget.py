@@ -353,7 +353,7 @@ def time_steps(depth, device_batch, shape, device, autocast, seconds, checkpoint
         recipe = meta_recipe(depth, shape)
         model = use_cpu_kernels(build_model(recipe.model_config, device), device)
         if shape.fp8:
-            convert_to_fp8(model.transformer.h)
+            convert_to_fp8(model)
         model.checkpoint_activations = checkpoint_activations
         return model, build_optimizers(model, **recipe.lrs(), optimizer_components=shape.optimizer_components)
 
