@@ -224,7 +224,7 @@ def main(argv=None):
     ready, changes = check.verdict(results)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     rows = check.markdown_rows(results, datetime.date.today().isoformat(), commit or "unknown commit")
-    print0("\n| date | machine | check | result | command |\n|---|---|---|---|---|\n" + "\n".join(rows))
+    print0("\n| check | result | machine | command | commit | date |\n|---|---|---|---|---|---|\n" + "\n".join(rows))
     if args.append:
         with open(args.append, "a") as f:
             f.write("\n".join(rows) + "\n")

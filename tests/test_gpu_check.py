@@ -4,6 +4,7 @@ scripts.gpu_check on a machine without CUDA: DRY_RUN prints its plan and runs no
 with its verdict, table rows and JSON line; the verdict turns each problem a GPU node can have into what to change.
 """
 
+import datetime
 import json
 import os
 import subprocess
@@ -52,8 +53,11 @@ def test_cpu_run_checks_what_a_cpu_can_apart_from_the_users_runs(tiny_base_dir, 
     assert result["allreduce_busbw_gbs"] > 0 and result["decode"]["16"] > result["decode"]["1"] > 0
     assert result["ready"] and out.splitlines()[-2].startswith("verdict: no CUDA GPU: this machine runs the cpu preset")
     appended = rows_file.read_text().splitlines()[1:]
-    assert len(appended) == 5 and all(row.startswith("| ") and row.count(" | ") == 4 for row in appended), appended
-    assert appended == [line for line in out.splitlines() if line.startswith("| 20")]
+    # the GPU table's six columns: check | result | machine | command | commit | date
+    assert len(appended) == 5 and appended[0].startswith("| d2 base_train, cpu preset path") and "engine decode" in appended[-1], appended
+    assert all(row.count(" | ") == 5 and row.endswith(f" | {datetime.date.today().isoformat()} |") for row in appended), appended
+    table = out.splitlines()[out.splitlines().index("| check | result | machine | command | commit | date |") + 2:]
+    assert appended == table[:5]
     # its runs went to <base>/gpu_check/runs, the user's checkpoints and report were not touched
     assert sorted(os.listdir(base)) == sorted(before + ["gpu_check"])
     assert sorted(os.listdir(os.path.join(base, "gpu_check", "runs"))) == ["d2", "two_ranks"]
