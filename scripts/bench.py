@@ -203,6 +203,9 @@ def add_quality_benchmark(sub):
     q.add_argument("--lr-batch-exponent", type=float, default=0.0)
     q.add_argument("--short-run-lrs", type=int, default=1, choices=[0, 1],
                    help="as base_train's (1: up to 2x the dial's lrs under 700 steps; 0: --lr-mults count in base lrs)")
+    q.add_argument("--embedding-lr", type=float, default=-1.0, help="the embedding's base lr, before the dial's "
+                   "short-run raise as base_train's 0.2 (-1 = that)")
+    q.add_argument("--unembedding-lr", type=float, default=-1.0, help="the lm_head's base lr, likewise (-1 = 0.004)")
     q.add_argument("--weight-decay", type=float, default=-1.0, help="Muon weight decay (-1 = the dial's)")
     q.add_argument("--warmup-ratio", type=float, default=0.0)
     q.add_argument("--warmdown-ratio", type=float, default=0.4)

@@ -206,13 +206,13 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     half, full = result["runs"]
     assert half["lrs"]["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 2)
     assert result["best_lr_mult"] in (0.5, 1.0)
-    # --lr-groups: the multiplier scales only the named groups
+    # --lr-groups: the multiplier scales only the named groups; --embedding-lr: another base lr under the same dial
     bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.25",
-                "--seeds", "1", "--vocab-size=1024", "--lr-groups", "matrix"])
+                "--seeds", "1", "--vocab-size=1024", "--lr-groups", "matrix", "--embedding-lr", "0.3"])
     quarter = last_json_line(capsys.readouterr().out)["runs"][0]["lrs"]
     assert quarter["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 4)
-    assert quarter["embedding_lr"] == full["lrs"]["embedding_lr"] and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
+    assert quarter["embedding_lr"] == pytest.approx(2 * 0.3) and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
     # a 2- or 4-step run trains at base_train's short-run lrs (2x the base ones); --short-run-lrs=0 counts in base lrs
     assert result["base_lr_scale"] == 2.0 and full["lrs"]["matrix_lr"] == 2 * 0.02
     bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
