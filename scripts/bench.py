@@ -69,6 +69,8 @@ def parse_args(argv=None):
     s = sub.add_parser("estimate", help="the time to GPT-2's CORE on one 8xH100 node, from a GPU lease's measured parts")
     s.add_argument("--results", default="", help="a gpu_check --suite results file (default: the newest in "
                    "dev/gpu_results/ with a d24 step)")
+    s.add_argument("--fp8-speedup", type=float, default=None, help="fp8's speedup of the forward+backward over bf16 "
+                   "(default: the results file's measured ratio, else 1)")
     return p.parse_args(argv)
 
 
