@@ -65,7 +65,7 @@ def quality_run(args, seed, lr_mult, variant="base"):
     from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.loss_eval import evaluate_bpb
     from nanochat.tokenizer import get_token_bytes, get_tokenizer
-    from nanochat.recipe import SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, split_components
+    from nanochat.recipe import BASE_LRS, SCALAR_LR, build_optimizers, depth_recipe, grad_accum_steps, split_components
     from nanochat.optim import lr_multiplier, muon_momentum
     from nanochat.loop import train_step
 
@@ -76,6 +76,9 @@ def quality_run(args, seed, lr_mult, variant="base"):
                           weight_decay=None if args.weight_decay < 0 else args.weight_decay,
                           short_run_lrs=bool(args.short_run_lrs), components=model_components)
     lrs = recipe.lrs()
+    for name, base in (("embedding_lr", args.embedding_lr), ("unembedding_lr", args.unembedding_lr)):
+        if base > 0:  # another base lr (as at 2^19 tokens a step), under the same dial as the default's
+            lrs[name] *= base / BASE_LRS[name]
     for group in args.lr_groups:
         lrs[f"{group}_lr"] *= lr_mult
     device = torch.device("cpu")
@@ -154,7 +157,8 @@ def cmd_quality(args):
                "source": args.data_source, "depth": args.depth,
                "seq_len": args.seq_len, "total_batch_size": args.total_batch_size, "steps": args.steps,
                "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio, "warmdown_ratio": args.warmdown_ratio,
-               "final_lr_frac": args.final_lr_frac, "variants": args.variants, "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,
+               "final_lr_frac": args.final_lr_frac, "embedding_lr": args.embedding_lr,
+               "unembedding_lr": args.unembedding_lr, "variants": args.variants, "adam_betas": args.adam_betas, "lr_batch_exponent": args.lr_batch_exponent, "short_run_lrs": args.short_run_lrs,
                "base_lr_scale": base_lr_scale, "lr_groups": args.lr_groups, "runs": runs, "mean_final": means, "best_lr_mult": best})
 
 

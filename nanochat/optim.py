@@ -121,7 +121,9 @@ def _update_matrices(params, grads, state, group):
     Muon's update of same-shape matrices in place (one batched orthogonalisation): momentum, a Nesterov look-ahead,
     the nearest semi-orthogonal direction, scaled by sqrt(max(1, rows/cols)) so every shape moves comparably per
     element. `grads`: a list or a stacked tensor; `state`: the optimizer's. A group's options (off by default):
-    normuon (_normuon_row_scales), cautious_wd (decay only where sign(u) == sign(p)) and polar_express.
+    normuon (_normuon_row_scales), cautious_wd (decay only where sign(u) == sign(p)), polar_express, muoneq (every row
+    of the direction at one norm before orthogonalising, MuonEq) and muon_plus (the orthogonalised update at the
+    Frobenius norm of an exactly semi-orthogonal matrix, sqrt(min(rows, cols)), Muon+).
     """
     momentum = group["momentum"]
     grads = list(grads)
@@ -132,7 +134,14 @@ def _update_matrices(params, grads, state, group):
     torch._foreach_lerp_(buffers, grads, 1 - momentum)
     # Nesterov: step from where the momentum is about to take us, not from where it is.
     directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
-    updates = orthogonalize(torch.stack(directions), steps=group["ns_steps"], polar_express=group.get("polar_express", False))
+    stacked = torch.stack(directions)
+    if group.get("muoneq"):  # rows of one size: the spectrum entering the iteration is better conditioned (the
+        # orthogonalisation divides by the Frobenius norm, so the common size rows are set to does not matter)
+        stacked = stacked / torch.linalg.vector_norm(stacked, dim=-1, keepdim=True).clamp_min(1e-6)
+    updates = orthogonalize(stacked, steps=group["ns_steps"], polar_express=group.get("polar_express", False))
+    if group.get("muon_plus"):  # the iteration stops short of the polar factor: put the norm where the factor's is
+        updates = updates * (min(updates.shape[-2:]) ** 0.5
+                             / torch.linalg.vector_norm(updates, dim=(-2, -1), keepdim=True).clamp_min(1e-6))
     row_scales = _normuon_row_scales(updates, params, state) if group.get("normuon") else [None] * len(params)
     rows, cols = params[0].shape[-2:]
     shape_scale = max(1.0, rows / cols) ** 0.5
@@ -187,7 +196,7 @@ class Muon(torch.optim.Optimizer):
     """
     Single-process Muon: matrices of any shapes may share a group (same-shape ones are batched). Param groups:
     "params", "lr", "weight_decay", optional "momentum", "nesterov", "ns_steps", "initial_lr", "normuon",
-    "cautious_wd", "polar_express"; the loop may rewrite "lr" and "momentum" every step.
+    "cautious_wd", "polar_express", "muoneq", "muon_plus"; the loop may rewrite "lr" and "momentum" every step.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):

@@ -155,7 +155,7 @@ def grad_accum_steps(total_batch_size, device_batch_size, seq_len, world_size):
 # Optimizers and one step
 
 
-OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd", "polar_express")  # Muon options (nanochat.optim), off = the plain Muon
+OPTIMIZER_COMPONENTS = ("normuon", "cautious_wd", "polar_express", "muoneq", "muon_plus")  # Muon options (nanochat.optim)
 # What a new base model gets unless --components says otherwise: the components that lowered real-text val bpb at equal
 # FLOPs beyond seed noise at d4 and d6 (BENCHMARKS "Recipe components, one at a time"). 'none' asks for the plain recipe.
 DEFAULT_COMPONENTS = "value_embeds,residual_scalars,smear,normuon"

@@ -150,7 +150,7 @@ def parse_args(argv=None):
     p.add_argument("--num-kv-heads", type=int, default=0, help="GQA key/value heads (0 = as many as query heads)")
     p.add_argument("--max-seq-len", type=int, default=None, help=preset_help("base_train", "max_seq_len"))
     p.add_argument("--components", default=None, help="comma-separated optional components of the model (value_embeds, "
-                   "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express), or 'none' for the "
+                   "residual_scalars, smear, backout, sliding_window) and of Muon (normuon, cautious_wd, polar_express, muoneq, muon_plus), or 'none' for the "
                    f"plain recipe (default: {DEFAULT_COMPONENTS}; a resume keeps the checkpoint's); docs/pretraining.md 'Recipe components'")
     p.add_argument("--fp8", type=int, default=0, choices=[0, 1], help="1: the blocks' and lm_head's matmuls in fp8 with per-tensor scales "
                    "(torch._scaled_mm on H100/Ada GPUs; emulated in fp32 elsewhere, CPU included: for the numerics, not for "

@@ -71,6 +71,8 @@ def parse_args(argv=None):
     s = sub.add_parser("estimate", help="the time to GPT-2's CORE on one 8xH100 node, from a GPU lease's measured parts")
     s.add_argument("--results", default="", help="a gpu_check --suite results file (default: the newest in "
                    "dev/gpu_results/ with a d24 step)")
+    s.add_argument("--fp8-speedup", type=float, default=None, help="fp8's speedup of the forward+backward over bf16 "
+                   "(default: the results file's measured ratio, else 1)")
     return p.parse_args(argv)
 
 
@@ -214,6 +216,9 @@ def add_quality_benchmark(sub):
     q.add_argument("--lr-batch-exponent", type=float, default=0.0)
     q.add_argument("--short-run-lrs", type=int, default=1, choices=[0, 1],
                    help="as base_train's (1: up to 2x the dial's lrs under 700 steps; 0: --lr-mults count in base lrs)")
+    q.add_argument("--embedding-lr", type=float, default=-1.0, help="the embedding's base lr, before the dial's "
+                   "short-run raise as base_train's 0.2 (-1 = that)")
+    q.add_argument("--unembedding-lr", type=float, default=-1.0, help="the lm_head's base lr, likewise (-1 = 0.004)")
     q.add_argument("--weight-decay", type=float, default=-1.0, help="Muon weight decay (-1 = the dial's)")
     q.add_argument("--warmup-ratio", type=float, default=0.0)
     q.add_argument("--warmdown-ratio", type=float, default=0.4)

@@ -3,6 +3,7 @@ They never check a speed: the numbers belong in BENCHMARKS.md, not in assertions
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -206,13 +207,13 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
     half, full = result["runs"]
     assert half["lrs"]["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 2)
     assert result["best_lr_mult"] in (0.5, 1.0)
-    # --lr-groups: the multiplier scales only the named groups
+    # --lr-groups: the multiplier scales only the named groups; --embedding-lr: another base lr under the same dial
     bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
                 "--device-batch-size=2", "--steps=2", "--eval-at", "2", "--eval-tokens=256", "--lr-mults", "0.25",
-                "--seeds", "1", "--vocab-size=1024", "--lr-groups", "matrix"])
+                "--seeds", "1", "--vocab-size=1024", "--lr-groups", "matrix", "--embedding-lr", "0.3"])
     quarter = last_json_line(capsys.readouterr().out)["runs"][0]["lrs"]
     assert quarter["matrix_lr"] == pytest.approx(full["lrs"]["matrix_lr"] / 4)
-    assert quarter["embedding_lr"] == full["lrs"]["embedding_lr"] and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
+    assert quarter["embedding_lr"] == pytest.approx(2 * 0.3) and quarter["unembedding_lr"] == full["lrs"]["unembedding_lr"]
     # a 2- or 4-step run trains at base_train's short-run lrs (2x the base ones); --short-run-lrs=0 counts in base lrs
     assert result["base_lr_scale"] == 2.0 and full["lrs"]["matrix_lr"] == 2 * 0.02
     bench.main(["quality", "--data-source=builtin", "--depth=1", "--seq-len=32", "--total-batch-size=128",
@@ -285,6 +286,7 @@ def test_estimate_prices_the_8xh100_run_from_a_lease_s_measured_parts(tmp_path, 
     the d24's scaling parameters over its batch, each row's hours are its steps at its step time plus its evaluations,
     the worst case never beats the best, and an H200's measured step is scaled to an H100's (an H100's file is not);
     a results file without a d24 step is refused in one line naming it."""
+    from bench import estimate
     from nanochat.common import UserError
     from nanochat.recipe import DEFAULT_COMPONENTS, depth_recipe, split_components
 
@@ -295,12 +297,31 @@ def test_estimate_prices_the_8xh100_run_from_a_lease_s_measured_parts(tmp_path, 
                           components=split_components(DEFAULT_COMPONENTS)[0]).scaling_params
     assert result["scaling_params"] == params and result["h100_factor"] > 1
     preset = result["rows"][0]
-    assert preset["tokens"] == 10 * params and preset["steps"] == round(10 * params / 2**19)
+    ratio, batch = estimate.PRESET_TOKENS_PER_PARAM, estimate.PRESET_BATCH
+    assert preset["tokens"] == ratio * params and preset["steps"] == round(ratio * params / batch)
+    with open(os.path.join(REPO, "speedrun.sh")) as f:  # the preset priced is speedrun.sh's
+        gpu_flags = f.read().split('if [ "$PRESET" = gpu ]; then', 1)[1].split("else", 1)[0]
+    assert f"--target-param-data-ratio={ratio:g} " in gpu_flags
+    assert (f"--total-batch-size={batch} " in gpu_flags) == (batch != 2**19)
+    for name in estimate.PRESET_MUON_OPTIONS:
+        assert re.search(rf"--components=\S*{name}", gpu_flags)
     assert {row["run"].split(":")[0] for row in result["rows"]} >= {"ours, the gpu preset", "ours at the record's run"}
     for row in result["rows"]:
         assert 0 < row["step_ms"][0] <= row["step_ms"][1]
         for hours, step_ms in zip(row["hours"], row["step_ms"]):
             assert hours == pytest.approx((row["steps"] * step_ms / 1000 + row["eval_s"]) / 3600)
+    # fp8 as a parameter: at the speedup a bf16 row says it needs, that case ends at the record's time
+    assert 0 < result["measured_fp8_speedup"] < 1  # the lease's fp8 was slower than bf16
+    with open(h200) as f:
+        suite = json.load(f)["gpu_suite"]["results"]
+    record_run = next(row for row in result["rows"] if row["run"].startswith("ours at the record's run"))
+    for case in (0, 1):
+        at = estimate.estimate("", suite["ours_d24"], params, 8, 2**20, result["h100_factor"],
+                               fp8_speedup=record_run["fp8_needed"][case])
+        assert at["hours"][case] == pytest.approx(estimate.RECORD_HOURS)
+    bench.main(["estimate", "--results", h200, "--fp8-speedup", "1.5"])
+    faster = last_json_line(capsys.readouterr().out)["rows"][1]
+    assert faster["fp8_speedup"] == 1.5 and faster["hours"][0] < preset["hours"][0]
     with open(h200) as f:
         as_h100 = json.load(f)
     as_h100["gpu_suite"]["machine"] = "1x NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, CUDA 13.0"

@@ -317,18 +317,52 @@ def test_cautious_weight_decay_only_shrinks_weights_the_update_pushes_toward_zer
     torch.testing.assert_close(step, torch.tensor([[0.0, 0.0, -0.05, 0.05]]), atol=1e-6, rtol=0)
 
 
+def one_muon_step(grad, **options):
+    """The weight after one Muon step from zero with this gradient (no momentum, no decay): minus the update."""
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    Muon([{"params": [p], "lr": 1.0, "weight_decay": 0.0, **options}], momentum=0.0, nesterov=False).step()
+    return p.detach()
+
+
+@pytest.mark.quick
+def test_muoneq_makes_the_update_blind_to_the_size_of_each_row():
+    torch.manual_seed(0)
+    grad = torch.randn(6, 10)
+    rows_resized = grad * torch.tensor([0.01, 0.1, 1.0, 3.0, 10.0, 100.0]).view(6, 1)
+    torch.testing.assert_close(one_muon_step(rows_resized, muoneq=True), one_muon_step(grad, muoneq=True))
+    # without it the big rows take the update over
+    assert (one_muon_step(rows_resized) - one_muon_step(grad)).abs().max() > 0.1
+    tall = torch.randn(10, 6)  # the rows are the weight's (its outputs), whichever side orthogonalize works on
+    torch.testing.assert_close(one_muon_step(tall * torch.linspace(0.1, 10, 10).view(10, 1), muoneq=True),
+                               one_muon_step(tall, muoneq=True))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (8, 8)])
+def test_muon_plus_puts_the_update_at_the_norm_of_a_semi_orthogonal_matrix(shape):
+    torch.manual_seed(0)
+    u, _, vh = torch.linalg.svd(torch.randn(shape), full_matrices=False)
+    grad = u @ torch.diag(torch.logspace(0, -3, min(shape))) @ vh  # singular values from 1 down to 0.001
+    rows, cols = shape
+    exact = min(shape) ** 0.5 * max(1.0, rows / cols) ** 0.5  # sqrt(min(rows, cols)), times Muon's shape scale
+    assert one_muon_step(grad, muon_plus=True).norm().item() == pytest.approx(exact, rel=1e-5)
+    # five Newton-Schulz steps leave the singular values only roughly at 1 (NS_COEFFS): the norm 10-18 % off here
+    assert abs(one_muon_step(grad).norm().item() / exact - 1) > 0.05
+
+
 @pytest.mark.quick
 def test_loss_goes_down_with_every_component_on():
-    from nanochat.recipe import build_optimizers
+    from nanochat.recipe import OPTIMIZER_COMPONENTS, build_optimizers
     from nanochat.loop import train_step
 
     model = build(tiny_config(**ALL_ON), randomize=False)
     model.train()
     optimizers = build_optimizers(model, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.1,
-                                  optimizer_components=("normuon", "cautious_wd", "polar_express"))
+                                  optimizer_components=OPTIMIZER_COMPONENTS)
     scalars = [g for g in optimizers[0].param_groups if any(p.ndim == 1 for p in g["params"])]
     assert len(scalars) == 1 and scalars[0]["lr"] == 0.005  # the components' own group, at the scalar lr
-    assert all(g["normuon"] and g["cautious_wd"] and g["polar_express"] for g in optimizers[1].param_groups)
+    assert all(g[name] for g in optimizers[1].param_groups for name in OPTIMIZER_COMPONENTS)
     batch = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(3))
     losses = [train_step(model, optimizers, [(batch[:, :-1], batch[:, 1:])], lambda m, xy: m(*xy), 1.0, 0.9,
                          torch.autocast("cpu", enabled=False)) for _ in range(25)]
