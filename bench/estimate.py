@@ -141,8 +141,9 @@ def cmd_estimate(args):
                              {**results["reference_d24"], "params": ours["params"]}, params, 8, 2**20, h100_factor))
     print(f"estimate | from {os.path.relpath(path, REPO_ROOT)} ({machine}, {suite['commit']}); one H100 = one "
           f"{'H100 as measured' if h100_factor == 1 else f'H200 x {h100_factor:.3f}'}; collectives at "
-          f"{BUS_BYTES_PER_S / 1e9:.0f} GB/s bus bandwidth; d24 scaling params {params:,}; the Muon options "
-          f"{'+'.join(PRESET_MUON_OPTIONS)} priced at {extra:.1f} ms a step on one GPU ({HBM_BYTES_PER_S / 1e12:.2f} TB/s)")
+          f"{BUS_BYTES_PER_S / 1e9:.0f} GB/s bus bandwidth; d24 scaling params {params:,}; "
+          + (f"the Muon options {'+'.join(PRESET_MUON_OPTIONS)} priced at {extra:.1f} ms a step on one GPU "
+             f"({HBM_BYTES_PER_S / 1e12:.2f} TB/s)" if PRESET_MUON_OPTIONS else "no Muon options beyond the defaults"))
 
     def needed(r):
         if r["fp8_speedup"] != 1.0 or not r["fp8_needed"]:  # a row already in fp8
