@@ -129,6 +129,7 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     """
     from nanochat.gpt import build_model
     from nanochat.kernels.cpu import use_cpu_kernels
+    from nanochat.optim import compile_muon_updates
     from nanochat.recipe import DEFAULT_COMPONENTS, build_optimizers, depth_recipe, split_components
     from nanochat.loop import train_step
 
@@ -138,7 +139,7 @@ def probe_device_batch(depth, seq_len, vocab_size, device_batch_size, device, st
     try:
         model = use_cpu_kernels(build_model(recipe.model_config, device), device)
         train_model = compile_model(model)
-        optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
+        optimizers = compile_muon_updates(build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components))
         batch = torch.randint(0, vocab_size, (device_batch_size, seq_len + 1), device=device)
         micro_batches = [(batch[:, :-1], batch[:, 1:])]
         autocast = autocast_for(device)

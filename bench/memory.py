@@ -216,6 +216,7 @@ def build_ours(args):
     from nanochat.common import autocast_for, compile_model, keep_freed_memory_in_process
     from nanochat.gpt import build_model
     from nanochat.kernels.cpu import use_cpu_kernels
+    from nanochat.optim import compile_muon_updates
     from nanochat.recipe import build_optimizers, depth_recipe, split_components
     from nanochat.optim import muon_momentum
     from nanochat.loop import train_step
@@ -229,6 +230,8 @@ def build_ours(args):
     model = use_cpu_kernels(build_model(recipe.model_config, device), device)
     train_model = compile_model(model) if args.compile else model
     optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
+    if args.compile:  # as base_train: Muon's update compiled with the model
+        compile_muon_updates(optimizers)
     autocast = autocast_for(device)
     batch = random_batch(args)
 

@@ -60,6 +60,7 @@ def child_main(argv=None):
     from nanochat.gpt import build_model
     from nanochat.kernels.cpu import use_cpu_kernels
     from nanochat.kernels.fp8 import convert_to_fp8
+    from nanochat.optim import compile_muon_updates
     from nanochat.recipe import build_optimizers, depth_recipe, split_components
     from nanochat.optim import muon_momentum
     from nanochat.loop import train_step
@@ -89,6 +90,8 @@ def child_main(argv=None):
         model.checkpoint_activations = bool(args.checkpoint)
         train_model = compile_model(model) if args.compile else model
         optimizers = build_optimizers(model, **recipe.lrs(), optimizer_components=optimizer_components)
+        if args.compile:  # as base_train: Muon's update compiled with the model
+            compile_muon_updates(optimizers)
         autocast = autocast_for(device)
         x, y = (t.to(device) for t in random_batch(args))
 

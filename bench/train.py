@@ -36,6 +36,7 @@ class Run:
         from nanochat.gpt import build_model
         from nanochat.kernels.cpu import use_cpu_kernels
         from nanochat.tokenizer import get_tokenizer
+        from nanochat.optim import compile_muon_updates
         from nanochat.recipe import build_optimizers, depth_recipe, split_components
 
         tokenizer = get_tokenizer()
@@ -65,6 +66,8 @@ class Run:
         self.autocast = autocast_for(device)
         self.train_model = compile_model(self.model) if use_compile else self.model
         self.optimizers = build_optimizers(self.model, **recipe.lrs(), optimizer_components=optimizer_components)
+        if use_compile:  # as base_train: Muon's update compiled with the model
+            compile_muon_updates(self.optimizers)
         self.loader = DataLoader(tokenizer, batch, seq_len, split="train", device=device)
         # real tokens, read before any step: the timed step is the model's and the optimizer's work alone, as the
         # reference's is timed; what the loader costs is measured apart (loader_ms_per_batch)

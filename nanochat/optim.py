@@ -9,12 +9,14 @@ may carry `lr_mul` / `wd_mul` attributes (default 1.0) scaling its lr / decay. W
 
 import functools
 import math
+import types
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, dist_rank_world, orthogonalization_dtype
+from nanochat.common import UserError, compile_backend, dist_rank_world, orthogonalization_dtype
 
 # -----------------------------------------------------------------------------
 # Muon
@@ -57,10 +59,17 @@ def _minimax_odd_quintic(lo, hi, rounds=50):
     return (float(a), float(b), float(c)), float(np.abs(error).max())
 
 
-def orthogonalize(G, steps=5, dtype=None, polar_express=False):
+def newton_schulz_coefficients(steps, polar_express=False):
+    """The (a, b, c) of each of `steps` Newton-Schulz steps: NS_COEFFS every time, or polar_express's own per step."""
+    return polar_express_coefficients(steps) if polar_express else (NS_COEFFS,) * steps
+
+
+def orthogonalize(G, steps=5, dtype=None, polar_express=False, coefficients=None):
     """The orthogonal polar factor U V^T of G (..., rows, cols) by Newton-Schulz (NS_COEFFS, or polar_express's per-step
-    quintics), in common.orthogonalization_dtype; returned in G's dtype."""
-    coefficients = polar_express_coefficients(steps) if polar_express else (NS_COEFFS,) * steps
+    quintics; or `coefficients` as newton_schulz_coefficients gives them), in common.orthogonalization_dtype; returned
+    in G's dtype."""
+    if coefficients is None:
+        coefficients = newton_schulz_coefficients(steps, polar_express)
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix (got shape {tuple(G.shape)})")
     if dtype is None:
@@ -116,77 +125,159 @@ def _grad(p):
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def _update_matrices(params, grads, state, group):
+class MuonOptions(NamedTuple):
+    """What a group's update does besides its lr, momentum and weight decay (constants of a compiled update's graph)."""
+    nesterov: bool
+    coefficients: tuple  # the Newton-Schulz steps' (a, b, c), newton_schulz_coefficients
+    dtype: torch.dtype  # the orthogonalisation's, common.orthogonalization_dtype
+    muoneq: bool
+    muon_plus: bool
+    cautious_wd: bool
+    multipliers: tuple  # each matrix's (lr_mul, wd_mul)
+
+
+def _update_matrices(params, grads, state, group, compiled=False):
     """
     Muon's update of same-shape matrices in place (one batched orthogonalisation): momentum, a Nesterov look-ahead,
     the nearest semi-orthogonal direction, scaled by sqrt(max(1, rows/cols)) so every shape moves comparably per
     element. `grads`: a list or a stacked tensor; `state`: the optimizer's. A group's options (off by default):
     normuon (_normuon_row_scales), cautious_wd (decay only where sign(u) == sign(p)), polar_express, muoneq (every row
     of the direction at one norm before orthogonalising, MuonEq) and muon_plus (the orthogonalised update at the
-    Frobenius norm of an exactly semi-orthogonal matrix, sqrt(min(rows, cols)), Muon+).
+    Frobenius norm of an exactly semi-orthogonal matrix, sqrt(min(rows, cols)), Muon+). compiled: the arithmetic as
+    one compiled graph per shape group (compile_muon_updates), lr, momentum and decay passed in as 0-d tensors.
     """
-    momentum = group["momentum"]
-    grads = list(grads)
-    for p in params:
+    normuon = bool(group.get("normuon"))
+    for p in params:  # each matrix's state, made at its first step
         if "momentum_buffer" not in state[p]:
             state[p]["momentum_buffer"] = torch.zeros_like(p)
+        if normuon and "row_second_moment" not in state[p]:
+            state[p]["row_second_moment"] = torch.zeros(p.size(-2), 1, device=p.device, dtype=torch.float32)
+    options = MuonOptions(nesterov=bool(group["nesterov"]),
+                          coefficients=newton_schulz_coefficients(group["ns_steps"], bool(group.get("polar_express"))),
+                          dtype=orthogonalization_dtype(params[0].device), muoneq=bool(group.get("muoneq")),
+                          muon_plus=bool(group.get("muon_plus")), cautious_wd=bool(group.get("cautious_wd")),
+                          multipliers=tuple((getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0)) for p in params))
     buffers = [state[p]["momentum_buffer"] for p in params]
-    torch._foreach_lerp_(buffers, grads, 1 - momentum)
+    moments = [state[p]["row_second_moment"] for p in params] if normuon else None
+    hyperparameters = group["lr"], group["momentum"], group["weight_decay"]
+    if compiled:  # 0-d CPU tensors: a new lr or momentum every step is a new input to the same graph, not a new graph
+        hyperparameters = [torch.tensor(float(value), dtype=torch.float32) for value in hyperparameters]
+        group_key = (tuple(params[0].shape), len(params), isinstance(grads, torch.Tensor), options)
+        update = _compiled_muon_arithmetic(compile_backend(), group_key)
+        update(params, grads, buffers, moments, *hyperparameters, options)
+    else:
+        _muon_arithmetic(params, grads, buffers, moments, *hyperparameters, options)
+
+
+def _muon_arithmetic(params, grads, buffers, moments, lr, momentum, weight_decay, options):
+    """_update_matrices' arithmetic on a shape group, in place on params, buffers and moments (NorMuon's, or None).
+    lr, momentum, weight_decay: floats (eager: torch's foreach ops take them as they are) or 0-d tensors (compiled:
+    plain ops, which inductor fuses)."""
+    grads = list(grads)
+    _lerp_(buffers, grads, 1 - momentum)
     # Nesterov: step from where the momentum is about to take us, not from where it is.
-    directions = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+    directions = _lerp(grads, buffers, momentum) if options.nesterov else buffers
     stacked = torch.stack(directions)
-    if group.get("muoneq"):  # rows of one size: the spectrum entering the iteration is better conditioned (the
+    if options.muoneq:  # rows of one size: the spectrum entering the iteration is better conditioned (the
         # orthogonalisation divides by the Frobenius norm, so the common size rows are set to does not matter)
         stacked = stacked / torch.linalg.vector_norm(stacked, dim=-1, keepdim=True).clamp_min(1e-6)
-    updates = orthogonalize(stacked, steps=group["ns_steps"], polar_express=group.get("polar_express", False))
-    if group.get("muon_plus"):  # the iteration stops short of the polar factor: put the norm where the factor's is
+    updates = orthogonalize(stacked, dtype=options.dtype, coefficients=options.coefficients)
+    if options.muon_plus:  # the iteration stops short of the polar factor: put the norm where the factor's is
         updates = updates * (min(updates.shape[-2:]) ** 0.5
                              / torch.linalg.vector_norm(updates, dim=(-2, -1), keepdim=True).clamp_min(1e-6))
-    row_scales = _normuon_row_scales(updates, params, state) if group.get("normuon") else [None] * len(params)
+    row_scales = _normuon_row_scales(updates, moments) if moments is not None else [None] * len(params)
     rows, cols = params[0].shape[-2:]
     shape_scale = max(1.0, rows / cols) ** 0.5
-    multipliers = {(getattr(p, "lr_mul", 1.0), getattr(p, "wd_mul", 1.0)) for p in params}
-    if len(multipliers) == 1 and not group.get("cautious_wd"):
+    if len(set(options.multipliers)) == 1 and not options.cautious_wd:
         # the whole list in a few launches, not two per matrix: on a GPU each launch costs the host ~5-10 us, and
         # the host has a hundred matrices' worth to queue at d24 (the same arithmetic as the loop below)
-        (lr_mul, wd_mul), = multipliers
-        lr, wd = group["lr"] * lr_mul, group["weight_decay"] * wd_mul
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        if row_scales[0] is not None:  # NorMuon's factors, on the stacked updates in one pass (a foreach op cannot
-            updates.mul_(row_scales)  # broadcast them: per matrix it was one launch each, 144 at d24)
-        torch._foreach_add_(params, list(updates.to(params[0].dtype).unbind(0)), alpha=-lr * shape_scale)
+        lr_mul, wd_mul = options.multipliers[0]
+        p_lr, p_wd = lr * lr_mul, weight_decay * wd_mul
+        if not _is_zero(p_wd):
+            torch._foreach_mul_(params, 1 - p_lr * p_wd)  # takes a float or a 0-d tensor alike
+        if moments is not None:  # NorMuon's factors, on the stacked updates in one pass (a foreach op cannot
+            updates = updates * row_scales  # broadcast them: per matrix it was one launch each, 144 at d24)
+        _add_scaled_(params, list(updates.to(params[0].dtype).unbind(0)), -p_lr * shape_scale)
         return
-    for p, u, row_scale in zip(params, updates, row_scales):
-        lr = group["lr"] * getattr(p, "lr_mul", 1.0)
-        wd = group["weight_decay"] * getattr(p, "wd_mul", 1.0)
-        if wd != 0 and group.get("cautious_wd"):
+    for p, u, row_scale, (lr_mul, wd_mul) in zip(params, updates, row_scales, options.multipliers):
+        p_lr, p_wd = lr * lr_mul, weight_decay * wd_mul
+        if options.cautious_wd and not _is_zero(p_wd):
             if row_scale is not None:
                 u, row_scale = u * row_scale, None
-            p.sub_(p * (u * p > 0), alpha=lr * wd)
-        elif wd != 0:
-            p.mul_(1 - lr * wd)
+            _add_scaled_([p], [p * (u * p > 0)], -p_lr * p_wd)
+        elif not _is_zero(p_wd):
+            p.mul_(1 - p_lr * p_wd)
         if row_scale is None:
-            p.add_(u.to(p.dtype), alpha=-lr * shape_scale)
+            _add_scaled_([p], [u.to(p.dtype)], -p_lr * shape_scale)
         else:  # NorMuon's factors ride along in the update's one pass
-            p.addcmul_(u, row_scale, value=-lr * shape_scale)
+            _addcmul_(p, u, row_scale, -p_lr * shape_scale)
 
 
-def _normuon_row_scales(updates, params, state):
+@functools.cache
+def _compiled_muon_arithmetic(backend, group_key):
+    """_muon_arithmetic compiled for one shape group (static shapes; its casts, stacking and copies fused), on a copy
+    of its code object: Dynamo keeps its graphs per code object, so the groups are not recompiles of one another
+    (which TORCH_LOGS=recompiles would report, and its recompile limit, 8, would count and then refuse)."""
+    arithmetic = types.FunctionType(_muon_arithmetic.__code__.replace(), _muon_arithmetic.__globals__,
+                                    _muon_arithmetic.__name__)
+    return torch.compile(arithmetic, dynamic=False, fullgraph=True, backend=backend)
+
+
+# Eager, the hyperparameters are floats and the update runs torch's foreach ops with them as scalars; compiled, they
+# are 0-d tensors, which those ops' scalar arguments do not take: the helpers below run either.
+
+
+def _is_zero(value):
+    """Whether a hyperparameter is known to be 0 here: a float that is; never a 0-d tensor (its value is data)."""
+    return not isinstance(value, torch.Tensor) and value == 0
+
+
+def _lerp_(tensors, ends, weight):
+    """tensors[i].lerp_(ends[i], weight) for each: one foreach op for a float weight, per tensor for a 0-d tensor."""
+    if isinstance(weight, torch.Tensor):
+        for t, end in zip(tensors, ends):
+            t.lerp_(end, weight)
+    else:
+        torch._foreach_lerp_(tensors, ends, weight)
+
+
+def _lerp(starts, ends, weight):
+    """[starts[i].lerp(ends[i], weight)], as _lerp_ without changing starts."""
+    if isinstance(weight, torch.Tensor):
+        return [start.lerp(end, weight) for start, end in zip(starts, ends)]
+    return torch._foreach_lerp(starts, ends, weight)
+
+
+def _add_scaled_(tensors, others, factor):
+    """tensors[i] += factor * others[i]: a float rides as the ops' alpha (one rounding, as eager always did), a 0-d
+    tensor multiplies first."""
+    if isinstance(factor, torch.Tensor):
+        torch._foreach_add_(tensors, torch._foreach_mul(others, factor))
+    else:
+        torch._foreach_add_(tensors, others, alpha=factor)
+
+
+def _addcmul_(tensor, a, b, factor):
+    """tensor += factor * a * b (one op for a float factor, as Tensor.addcmul_)."""
+    if isinstance(factor, torch.Tensor):
+        tensor.add_(a * b * factor)
+    else:
+        tensor.addcmul_(a, b, value=factor)
+
+
+def _normuon_row_scales(updates, moments):
     """
     NorMuon for (n, rows, cols) updates, as an (n, rows, 1) factor: every row divided by the root of its running mean
-    square (beta NORMUON_BETA2, in the state), each matrix then rescaled to its norm before. Both norms come from the
-    rows' sums of squares, so the normalised update is never built (one pass over the updates instead of six).
+    square (beta NORMUON_BETA2; `moments`, each matrix's (rows, 1) fp32, updated in place), each matrix then rescaled
+    to its norm before. Both norms come from the rows' sums of squares, so the normalised update is never built (one
+    pass over the updates instead of six).
     """
-    for p in params:
-        if "row_second_moment" not in state[p]:
-            state[p]["row_second_moment"] = torch.zeros(p.size(-2), 1, device=p.device, dtype=torch.float32)
     row_sums = torch.linalg.vector_norm(updates, dim=-1, keepdim=True, dtype=torch.float32).square_()
-    moments = torch.stack([state[p]["row_second_moment"] for p in params])
-    moments.lerp_(row_sums / updates.size(-1), 1 - NORMUON_BETA2)
-    for p, m in zip(params, moments):
-        state[p]["row_second_moment"].copy_(m)
-    factors = 1.0 / (moments.sqrt() + 1e-10)
+    stacked = torch.stack(moments)
+    stacked.lerp_(row_sums / updates.size(-1), 1 - NORMUON_BETA2)
+    for m, new in zip(moments, stacked):
+        m.copy_(new)
+    factors = 1.0 / (stacked.sqrt() + 1e-10)
     norms = row_sums.sum(dim=(-2, -1), keepdim=True).sqrt()
     normalized_norms = (row_sums * factors.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
     return factors * (norms / (normalized_norms + 1e-10))
@@ -202,6 +293,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        self.compiled = False  # compile_muon_updates: each shape group's update as one compiled graph
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -216,7 +308,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     by_shape.setdefault(p.shape, []).append(p)
             for params in by_shape.values():
-                _update_matrices(params, [p.grad for p in params], self.state, group)
+                _update_matrices(params, [p.grad for p in params], self.state, group, self.compiled)
 
 
 class DistMuon(Muon):
@@ -250,7 +342,8 @@ class DistMuon(Muon):
         if world == 1:
             for group in self.param_groups:
                 if group["params"]:
-                    _update_matrices(group["params"], [_grad(p) for p in group["params"]], self.state, group)
+                    _update_matrices(group["params"], [_grad(p) for p in group["params"]], self.state, group,
+                                     self.compiled)
             return
 
         # 1) every group's reduce-scatter at once, so later groups communicate while earlier ones compute
@@ -273,7 +366,7 @@ class DistMuon(Muon):
             params = group["params"]
             owned = list(self.owned_indices(group, rank, world))
             if owned:
-                _update_matrices([params[i] for i in owned], my_grads[: len(owned)], self.state, group)
+                _update_matrices([params[i] for i in owned], my_grads[: len(owned)], self.state, group, self.compiled)
             for k, i in enumerate(owned):  # my_grads now carries this rank's updated matrices
                 my_grads[k].copy_(params[i])
             my_grads[len(owned):].zero_()
@@ -298,6 +391,16 @@ class DistMuon(Muon):
 def build_muon(muon_groups, momentum=0.95, ns_steps=5):
     """Muon for the model's matrix groups (one group per shape); correct with or without torchrun."""
     return DistMuon(muon_groups, momentum=momentum, ns_steps=ns_steps)
+
+
+def compile_muon_updates(optimizers):
+    """Run every Muon's update compiled, one graph per shape group (common.compile_backend's backend), as a compiled
+    model's training does: eager, a GPU spends the update launching a few hundred small kernels (stacking copies,
+    per-matrix NorMuon factors, the casts around Newton-Schulz) that the compiler fuses. Returns the optimizers."""
+    for opt in optimizers:
+        if isinstance(opt, Muon):
+            opt.compiled = True
+    return optimizers
 
 
 # -----------------------------------------------------------------------------

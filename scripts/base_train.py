@@ -30,7 +30,7 @@ from nanochat.dataloader import DataLoader
 from nanochat.gpt import build_model
 from nanochat.kernels.cpu import use_cpu_kernels
 from nanochat.loop import FittingBatches, RunSettings, StartPoint, TrainingLoop, lm_loss, resume_from, train_step
-from nanochat.optim import lr_multiplier, muon_momentum
+from nanochat.optim import compile_muon_updates, lr_multiplier, muon_momentum
 from nanochat.planning.pretraining import add_planning_flags, check_planning_flags, plan_base_train
 from nanochat.planning.time_budget import duration_label
 from nanochat.presets import fill_from_preset, preset_help
@@ -85,6 +85,8 @@ def main(argv=None):
     use_compile = compile_choice(args.compile, device)
     train_model = compile_model(model) if use_compile else model
     optimizers = build_optimizers(model, **lrs, optimizer_components=split_components(args.components)[1])
+    if use_compile:  # Muon's update too: one compiled graph per shape group (nanochat.optim.compile_muon_updates)
+        compile_muon_updates(optimizers)
     start, num_iterations, lrs = start_point(args, ckpt_dir, resume_step, model, optimizers, model_config, lrs,
                                              recipe.num_iterations, tokenizer, device)
     # the device batch halves in the first steps if a step does not fit (loop.FittingBatches); a resume keeps what fit

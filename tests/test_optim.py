@@ -418,3 +418,113 @@ def test_orthogonalize_with_polar_express_on_an_ill_conditioned_matrix(shape, dt
     ours = torch.linalg.svdvals(orthogonalize(G, steps=5, dtype=dtype, polar_express=True))
     assert ours.max() < 1.15 and ours.min() > 0.84, ours
     assert fixed.min() < 0.56 and fixed.max() > 1.19
+
+
+# -----------------------------------------------------------------------------
+# Muon's update compiled (compile_muon_updates), and each matrix's multipliers
+
+
+def muon_pair(shapes, per_shape=2, **options):
+    """Two DistMuons (one group per shape, NorMuon's row moments on, as the default recipe) over equal copies of the
+    same matrices, and those copies."""
+    torch.manual_seed(0)
+    starts = [0.3 * torch.randn(shape) for shape in shapes for _ in range(per_shape)]
+    runs = []
+    for _ in range(2):
+        params = [nn.Parameter(s.clone()) for s in starts]
+        groups = [dict(params=params[i:i + per_shape], normuon=True, **options) for i in range(0, len(params), per_shape)]
+        runs.append((params, build_muon(groups)))
+    return runs
+
+
+def muon_steps(runs, steps):
+    """`steps` steps of each run on the same gradients, the lr and momentum changing every step as the loop's
+    schedules change them."""
+    grads = torch.Generator().manual_seed(1)
+    for k in range(steps):
+        gs = [torch.randn(p.shape, generator=grads) for p in runs[0][0]]
+        for params, opt in runs:
+            for group in opt.param_groups:
+                group["lr"], group["momentum"], group["weight_decay"] = 0.02 * (1 - 0.1 * k), 0.85 + 0.02 * k, 0.1
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+
+
+class KeptGraphs:
+    """A torch.compile backend that keeps Dynamo's graphs and AOT autograd's (functional aten) ones, and runs them on
+    eager kernels as aot_eager does."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        self.dynamo, self.aten = [], []
+
+        def keep(gm, example_inputs):
+            self.aten.append(gm)
+            return make_boxed_func(gm.forward)
+        self.aot = aot_autograd(fw_compiler=keep)
+
+    def __call__(self, gm, example_inputs):
+        self.dynamo.append(gm)
+        return self.aot(gm, example_inputs)
+
+
+@pytest.mark.quick
+def test_compiled_muon_update_is_one_graph_per_shape_group_and_follows_eager(monkeypatch):
+    # The optimizer's census before a GPU lease. Eager, the update of a d24 launched a few hundred small kernels a step
+    # (the H200 profile: 173 stacking copies, 144 per-matrix NorMuon launches, casts around Newton-Schulz) where the
+    # reference's compiled update fuses them. Compiled: one graph per shape group, built once (a new lr or momentum
+    # every step is an input, not a recompile: lr, momentum and decay are its three 0-d inputs), the orthogonalisation's
+    # matmuls inside it (no graph break), and the same steps as eager.
+    monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "float32")
+    backend = KeptGraphs()
+    monkeypatch.setattr(optim, "compile_backend", lambda: backend)
+    optim._compiled_muon_arithmetic.cache_clear()
+    torch._dynamo.reset()
+    try:
+        shapes = [(16, 48), (48, 16), (24, 24)]  # 16x48 takes the Gram form of the iteration, the others the plain one
+        (eager_params, eager), (compiled_params, compiled) = muon_pair(shapes)
+        assert optim.compile_muon_updates([compiled]) == [compiled] and compiled.compiled and not eager.compiled
+        muon_steps([(eager_params, eager), (compiled_params, compiled)], steps=4)
+        assert len(backend.dynamo) == len(shapes), f"{len(backend.dynamo)} graphs for {len(shapes)} shape groups"
+        for gm in backend.aten:
+            inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+            scalars = [t for t in inputs if t.dim() == 0]
+            assert len(scalars) == 3 and all(t.dtype == torch.float32 for t in scalars)  # lr, momentum, weight decay
+            matmuls = sum(str(node.target) in ("aten.bmm.default", "aten.baddbmm.default")
+                          for node in gm.graph.nodes if node.op == "call_function")
+            assert matmuls >= 2 * 5, matmuls  # five Newton-Schulz steps, each two matmuls at least
+        for p, q in zip(eager_params, compiled_params):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+            for name in ("momentum_buffer", "row_second_moment"):
+                torch.testing.assert_close(compiled.state[q][name], eager.state[p][name], rtol=1e-5, atol=1e-7)
+        assert max((p - s).abs().max().item() for p, s in zip(eager_params, muon_pair(shapes)[0][0])) > 1e-2  # moved
+    finally:
+        optim._compiled_muon_arithmetic.cache_clear()
+        torch._dynamo.reset()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_matrix_s_lr_and_decay_multipliers_move_it_alone(compiled, monkeypatch):
+    # One step from the same start and gradients with and without multipliers on two of three same-shape matrices
+    # (a group with multipliers takes the update's per-matrix path, one without them the batched one): lr_mul 0.5
+    # halves that matrix's whole move (decay is lr * weight_decay), wd_mul 0 leaves its neighbour the update alone,
+    # and the third moves as it did.
+    monkeypatch.setenv("NANOCHAT_MUON_DTYPE", "float32")
+    (plain, plain_opt), (marked, marked_opt) = muon_pair([(8, 12)], per_shape=3)
+    marked[1].lr_mul, marked[2].wd_mul = 0.5, 0.0
+    if compiled:
+        optim.compile_muon_updates([plain_opt, marked_opt])
+    try:
+        starts = [p.detach().clone() for p in plain]
+        muon_steps([(plain, plain_opt), (marked, marked_opt)], steps=1)
+        moves = [p.detach() - s for p, s in zip(plain, starts)]
+        lr, wd = 0.02, 0.1
+        torch.testing.assert_close(marked[0] - starts[0], moves[0])
+        torch.testing.assert_close(marked[1] - starts[1], 0.5 * moves[1])
+        torch.testing.assert_close(marked[2] - starts[2], moves[2] + lr * wd * starts[2])
+    finally:
+        optim._compiled_muon_arithmetic.cache_clear()
