@@ -79,6 +79,8 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
         if name in ("base_train", "mid_train"):  # a smaller device batch for GPUs with less memory (gpu_check's advice)
             assert args.device_batch_size == int(device_batch)
         if name == "base_train":
+            # the record's schedule (BENCHMARKS.md "Recipe components": it helped at d4 and d6 on Brown)
+            assert (args.warmdown_ratio, args.final_lr_frac) == (0.65, 0.05)
             assert grad_accum_steps(args.total_batch_size, args.device_batch_size, args.max_seq_len, ngpu) * \
                 args.device_batch_size * args.max_seq_len * ngpu == 2**19
         elif name == "mid_train":  # rows as long as the base model's context
@@ -89,6 +91,11 @@ def test_gpu_preset_runs_every_stage_on_every_gpu_with_exact_batches(tmp_path, n
             assert args.total_batch_size % ngpu == 0
             micro_steps(args.total_batch_size // ngpu * args.num_samples, args.device_batch_size, 1, "samples")
     assert seen == set(TRAINING)
+    # a time-budgeted run keeps that schedule (its plan calibrates the steps before the warmdown begins)
+    budgeted = dry_run(tmp_path, "gpu", ngpu, NANOCHAT_DEVICE_BATCH=device_batch, NANOCHAT_TIME_BUDGET="2h")
+    flags = next(f for m, _, f in commands(budgeted.stdout) if m == "scripts.base_train")
+    assert {"--warmdown-ratio=0.65", "--final-lr-frac=0.05"} <= set(flags) and any(f.startswith("--time-budget")
+                                                                                 for f in flags), flags
 
 
 @pytest.mark.quick
@@ -127,6 +134,9 @@ def test_cpu_preset_is_offline_single_process_and_complete(tmp_path):
                 assert type(preset[name])(value) == preset[name], (module, flag, preset[name])
                 checked += 1
     assert checked >= 20, checked
+    # base_train's own schedule, to which the CPU laws and the preset's figures were fitted (the gpu preset's is longer)
+    assert not any(f.startswith(("--warmdown-ratio", "--final-lr-frac")) for m, _, flags in cmds for f in flags
+                   if m == "scripts.base_train")
     # the recipe's components: base_train's default unless NANOCHAT_COMPONENTS names others ('none' = plain)
     assert not any(f.startswith("--components") for _, _, flags in cmds for f in flags)
     plain = commands(dry_run(tmp_path, "cpu", 0, NANOCHAT_COMPONENTS="none").stdout)
