@@ -231,6 +231,10 @@ def test_quality_trains_from_scratch_and_reports_val_bpb_per_lr(tiny_env, capsys
         bench.main(["quality", "--data-source=builtin", "--adam-betas", "0.9", "1.0"])
     with pytest.raises(bench.UserError, match="--total-batch-size"):
         bench.main(["quality", "--data-source=builtin", "--total-batch-size=0"])
+    for flag in ("--embedding-lr=0", "--unembedding-lr=-0.5", "--scalar-lr=0", "--weight-decay=-0.1",
+                 "--warmdown-ratio=1.5", "--final-lr-frac=-1"):  # not read as "the default"
+        with pytest.raises(bench.UserError, match=f"{flag.split('=')[0]}=\\S+ is not valid"):
+            bench.main(["quality", "--data-source=builtin", flag])
 
 
 @pytest.mark.quick
