@@ -120,15 +120,10 @@ def cmd_quality(args):
         raise UserError(f"--adam-betas must both be in [0, 1) (got {args.adam_betas[0]:g} {args.adam_betas[1]:g})")
     if min(args.total_batch_size, args.device_batch_size, args.seq_len, args.steps, args.depth) < 1:
         raise UserError("--total-batch-size, --device-batch-size, --seq-len, --steps and --depth must be >= 1")
-    from nanochat.stage import check_flag
+    from nanochat.stage import validate_lrs_and_schedule
 
-    for flag in ("embedding_lr", "unembedding_lr", "scalar_lr"):  # -1 is the default's sign; 0 or below is a slip
-        value = getattr(args, flag)
-        check_flag(value == -1 or value > 0, flag, value, "must be > 0, or -1 for the default")
-    check_flag(args.weight_decay == -1 or args.weight_decay >= 0, "weight_decay", args.weight_decay,
-               "must be >= 0, or -1 for the dial")
-    for flag in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
-        check_flag(0 <= getattr(args, flag) <= 1, flag, getattr(args, flag), "must be between 0 and 1")
+    # base_train's checks: -1 is the default's sign, and an lr of 0 or below a slip, not "the default"
+    validate_lrs_and_schedule(args, ("embedding_lr", "unembedding_lr", "scalar_lr"))
     from nanochat.recipe import split_components
 
     for variant in args.variants:  # an unknown component fails here, before any training

@@ -132,14 +132,9 @@ def check_flag(ok, flag, value, allowed):
         raise UserError(f"--{flag.replace('_', '-')}={value} is not valid: {allowed}")
 
 
-def validate_training_flags(args):
-    """The checks every training script shares: lrs, schedule shape, cadences, batch sizes, checkpoint rotation."""
-    for flag, value in vars(args).items():  # nan passes every comparison below, and inf breaks the step counts
-        if isinstance(value, float):
-            check_flag(math.isfinite(value), flag, value, "must be a finite number")
-    for flag in ("device_batch_size", "total_batch_size", "keep_last"):
-        check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
-    for flag in ("embedding_lr", "unembedding_lr", "matrix_lr"):
+def validate_lrs_and_schedule(args, lr_flags):
+    """The lrs (> 0, or -1 for the depth dial's), Muon's weight decay and the schedule's shape (bench quality's too)."""
+    for flag in lr_flags:
         value = getattr(args, flag)
         check_flag(value == -1 or value > 0, flag, value, "must be > 0, or -1 for the depth dial's value")
     check_flag(args.weight_decay == -1 or args.weight_decay >= 0, "weight_decay", args.weight_decay,
@@ -148,6 +143,16 @@ def validate_training_flags(args):
         check_flag(0 <= getattr(args, flag) <= 1, flag, getattr(args, flag), "must be between 0 and 1")
     check_flag(args.warmup_ratio + args.warmdown_ratio <= 1, "warmup_ratio", args.warmup_ratio,
                f"warmup + warmdown ({args.warmup_ratio} + {args.warmdown_ratio}) must not exceed 1")
+
+
+def validate_training_flags(args):
+    """The checks every training script shares: lrs, schedule shape, cadences, batch sizes, checkpoint rotation."""
+    for flag, value in vars(args).items():  # nan passes every comparison below, and inf breaks the step counts
+        if isinstance(value, float):
+            check_flag(math.isfinite(value), flag, value, "must be a finite number")
+    for flag in ("device_batch_size", "total_batch_size", "keep_last"):
+        check_flag(getattr(args, flag) >= 1, flag, getattr(args, flag), "must be >= 1")
+    validate_lrs_and_schedule(args, ("embedding_lr", "unembedding_lr", "matrix_lr"))
     for flag in ("eval_every", "save_every"):
         value = getattr(args, flag)  # None: a time budget's plan sets it
         check_flag(value is None or value == -1 or value >= 1, flag, value, "must be >= 1, or -1 for never")
