@@ -101,7 +101,8 @@ if [ "$PRESET" = gpu ]; then
     TOK_FLAGS="--max-chars=2000000000 --vocab-size=32768"
     # The record's schedule: the lr falls over the last 65 % of the steps to 5 % of its peak (karpathy/nanochat's default
     # since its d24-d26 runs); here it helped at d4 and d6 on Brown, both seeds beyond their spread (BENCHMARKS.md
-    # "Recipe components"). The cpu preset keeps base_train's own (0.4 to 0): its laws and figures were fitted to it.
+    # "Recipe components"). The cpu preset keeps base_train's own (0.4 to 0): its laws and figures were fitted to it, and
+    # there the warmdown made a better base model but no better chat model over two seeds (dev/LOG.md, 2026-12-06).
     SCHEDULE_FLAGS="--warmdown-ratio=0.65 --final-lr-frac=0.05"
     BASE_FLAGS="--depth=$DEPTH --target-param-data-ratio=10 --device-batch-size=$DEVICE_BATCH $SCHEDULE_FLAGS --save-every=1000 \
 --eval-bundle=dclm"
