@@ -133,10 +133,11 @@ def check_flag(ok, flag, value, allowed):
 
 
 def validate_lrs_and_schedule(args, lr_flags):
-    """The lrs (> 0, or -1 for the depth dial's), Muon's weight decay and the schedule's shape (bench quality's too)."""
+    """The lrs (> 0, or -1 for the default: the depth dial's, or the fixed scalar lr), Muon's weight decay and the
+    schedule's shape (bench quality's too)."""
     for flag in lr_flags:
         value = getattr(args, flag)
-        check_flag(value == -1 or value > 0, flag, value, "must be > 0, or -1 for the depth dial's value")
+        check_flag(value == -1 or value > 0, flag, value, "must be > 0, or -1 for its default")
     check_flag(args.weight_decay == -1 or args.weight_decay >= 0, "weight_decay", args.weight_decay,
                "must be >= 0, or -1 for the dial")
     for flag in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
